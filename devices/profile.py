@@ -1,0 +1,394 @@
+"""Device profiles: what a TensorRT build and a benchmark need for one target device.
+
+A profile is one TOML file (the shipped ones live next to this module: ``rtx3090.toml``,
+``orin-nx.toml``, ``cpu.toml``). Layout::
+
+    [device]
+    name = "rtx3090"                # optional; defaults to the file name without .toml
+    description = "..."
+    backend = "tensorrt"            # "tensorrt" or "onnxruntime"
+    architecture = "Ampere"
+    compute_capability = "8.6"      # required for backend = "tensorrt"
+    memory_gb = [24]                # one or more sizes (Orin NX: [8, 16])
+    shared_memory = false           # true on Jetson (CPU and GPU share DRAM)
+    gpu_names = ["RTX 3090"]        # optional substrings of the CUDA device name (warning only)
+    tensorrt = "10.x"               # optional: TensorRT version expected on the device
+    jetpack = "6"                   # optional
+
+    [build]                         # backend = "tensorrt" only
+    precision = "fp16"              # "fp16" (default) or "fp32"
+    workspace_mib = 4096
+    builder_optimization_level = 3  # 0..5
+    timing_cache = "~/.cache/edgeprune/timing/rtx3090.cache"   # optional; this is the default
+    batch = { min = 1, opt = 8, max = 32 }
+
+    [bench]
+    batch_sizes = [1, 8, 32]
+    warmup = 50
+    iterations = 200
+    cuda_graphs = true              # must be false for backend = "onnxruntime"
+
+    [onnxruntime]                   # backend = "onnxruntime" only, optional
+    threads = 0                     # intra-op threads; 0 = ONNX Runtime's default
+
+Every field is checked on load; a bad one raises :class:`ProfileError` (a
+:class:`~edgeprune.errors.UserError`) naming the file and the field, e.g.
+``orin-nx.toml: build.precision must be one of fp16, fp32 (got 'fp8')``. Unknown keys are errors
+too, so a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from edgeprune.errors import UserError
+
+BACKENDS = ("tensorrt", "onnxruntime")
+PRECISIONS = ("fp16", "fp32")
+MAX_OPT_LEVEL = 5
+DEFAULT_TIMING_CACHE_DIR = "~/.cache/edgeprune/timing"
+
+
+class ProfileError(UserError):
+    """A device profile that cannot be loaded or has a bad field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRange:
+    """Batch sizes of the TensorRT optimization profile (``min <= opt <= max``)."""
+
+    min: int
+    opt: int
+    max: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildSettings:
+    """What a TensorRT engine build needs (``[build]``)."""
+
+    precision: str
+    workspace_mib: int
+    builder_optimization_level: int
+    batch: BatchRange
+    timing_cache: Path
+    """Expanded (``~``, environment variables) absolute path of the timing cache file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    """Benchmark defaults (``[bench]``)."""
+
+    batch_sizes: tuple[int, ...]
+    warmup: int
+    iterations: int
+    cuda_graphs: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """One validated device profile."""
+
+    name: str
+    description: str
+    backend: str
+    architecture: str
+    compute_capability: tuple[int, int] | None
+    memory_gb: tuple[int, ...]
+    shared_memory: bool
+    build: BuildSettings | None
+    bench: BenchSettings
+    gpu_names: tuple[str, ...] = ()
+    tensorrt: str | None = None
+    jetpack: str | None = None
+    ort_threads: int = 0
+    source: Path | None = None
+
+    @property
+    def compute_capability_str(self) -> str:
+        """``"8.6"``, or ``"-"`` when the profile names no GPU."""
+        if self.compute_capability is None:
+            return "-"
+        return f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+
+    @property
+    def uses_tensorrt(self) -> bool:
+        return self.backend == "tensorrt"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (for engine sidecars and ``edgeprune devices NAME``)."""
+        d: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "backend": self.backend,
+            "architecture": self.architecture,
+            "compute_capability": None if self.compute_capability is None else self.compute_capability_str,
+            "memory_gb": list(self.memory_gb),
+            "shared_memory": self.shared_memory,
+            "gpu_names": list(self.gpu_names),
+            "tensorrt": self.tensorrt,
+            "jetpack": self.jetpack,
+            "build": None,
+            "bench": {
+                "batch_sizes": list(self.bench.batch_sizes),
+                "warmup": self.bench.warmup,
+                "iterations": self.bench.iterations,
+                "cuda_graphs": self.bench.cuda_graphs,
+            },
+            "source": None if self.source is None else str(self.source),
+        }
+        if self.backend == "onnxruntime":
+            d["onnxruntime"] = {"threads": self.ort_threads}
+        if self.build is not None:
+            d["build"] = {
+                "precision": self.build.precision,
+                "workspace_mib": self.build.workspace_mib,
+                "builder_optimization_level": self.build.builder_optimization_level,
+                "batch": dataclasses.asdict(self.build.batch),
+                "timing_cache": str(self.build.timing_cache),
+            }
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers: each takes the file label and the dotted field name for the message
+
+
+class _Section:
+    """Reads typed fields from one TOML table and remembers which keys were consumed."""
+
+    def __init__(self, label: str, prefix: str, table: Mapping[str, Any], known: tuple[str, ...]):
+        self.label = label
+        self.prefix = prefix
+        self.table = table
+        self.known = known
+        self.seen: set[str] = set()
+        extra = [k for k in table if k not in known]
+        if extra:
+            close = difflib.get_close_matches(extra[0], known, n=1)
+            hint = f"did you mean {self.field(close[0])}? " if close else ""
+            raise ProfileError(f"{label}: unknown key {self.field(extra[0])} "
+                               f"({hint}known here: {', '.join(known)})")
+
+    def field(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def fail(self, key: str, what: str) -> ProfileError:
+        return ProfileError(f"{self.label}: {self.field(key)} {what}")
+
+    def _get(self, key: str, default: Any, required: bool) -> Any:
+        self.seen.add(key)
+        if key not in self.table:
+            if required:
+                raise self.fail(key, "is required")
+            return default
+        return self.table[key]
+
+    def string(self, key: str, default: str | None = None, *, required: bool = False,
+               choices: tuple[str, ...] | None = None) -> str | None:
+        v = self._get(key, default, required)
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise self.fail(key, f"must be a string (got {v!r})")
+        if choices is not None and v not in choices:
+            raise self.fail(key, f"must be one of {', '.join(choices)} (got {v!r})")
+        return v
+
+    def integer(self, key: str, default: int | None = None, *, required: bool = False,
+                lo: int | None = None, hi: int | None = None) -> int:
+        v = self._get(key, default, required)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(key, f"must be an integer (got {v!r})")
+        if lo is not None and hi is not None and not lo <= v <= hi:
+            raise self.fail(key, f"must be between {lo} and {hi} (got {v})")
+        if lo is not None and v < lo:
+            raise self.fail(key, f"must be >= {lo} (got {v})")
+        return v
+
+    def boolean(self, key: str, default: bool) -> bool:
+        v = self._get(key, default, False)
+        if not isinstance(v, bool):
+            raise self.fail(key, f"must be true or false (got {v!r})")
+        return v
+
+    def int_list(self, key: str, default: list[int] | None = None, *, required: bool = False,
+                 lo: int = 1) -> tuple[int, ...]:
+        v = self._get(key, default, required)
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise self.fail(key, f"must be a non-empty list of integers (got {v!r})")
+        for item in v:
+            if isinstance(item, bool) or not isinstance(item, int) or item < lo:
+                raise self.fail(key, f"must contain integers >= {lo} (got {item!r})")
+        return tuple(v)
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        v = self._get(key, [], False)
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise self.fail(key, f"must be a list of strings (got {v!r})")
+        return tuple(v)
+
+    def table_(self, key: str, *, required: bool = False) -> Mapping[str, Any] | None:
+        v = self._get(key, None, required)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise self.fail(key, f"must be a table (got {v!r})")
+        return v
+
+def parse_compute_capability(value: Any, label: str, field: str = "device.compute_capability"
+                             ) -> tuple[int, int]:
+    """``"8.6"`` (or ``8.6``, or ``[8, 6]``) -> ``(8, 6)``."""
+    text: str
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return (int(value[0]), int(value[1]))
+    if isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value.strip()
+    else:
+        raise ProfileError(f"{label}: {field} must be a string like \"8.6\" (got {value!r})")
+    parts = text.split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ProfileError(f"{label}: {field} must look like \"8.6\" (major.minor) (got {value!r})")
+    return (int(parts[0]), int(parts[1]))
+
+
+def expand_path(text: str, base_dir: Path | None) -> Path:
+    """Expand ``~`` and ``$VARS``; a relative path is taken relative to ``base_dir``."""
+    p = Path(os.path.expandvars(os.path.expanduser(text)))
+    if not p.is_absolute() and base_dir is not None:
+        p = base_dir / p
+    return p
+
+
+def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
+                      source: Path | None = None) -> DeviceProfile:
+    """Validate a parsed TOML document and build a :class:`DeviceProfile`.
+
+    Args:
+        data: the parsed TOML.
+        label: file label used as the prefix of error messages (``"orin-nx.toml"``).
+        default_name: profile name when ``device.name`` is absent (the file stem).
+        source: the file it came from (relative timing-cache paths are resolved against its folder).
+
+    Raises:
+        ProfileError: a missing, unknown or invalid field.
+    """
+    top = _Section(label, "", data, ("device", "build", "bench", "onnxruntime"))
+    dev_t = top.table_("device", required=True)
+    build_t = top.table_("build")
+    bench_t = top.table_("bench", required=True)
+    ort_t = top.table_("onnxruntime")
+    assert dev_t is not None and bench_t is not None
+
+    dev = _Section(label, "device", dev_t, (
+        "name", "description", "backend", "architecture", "compute_capability", "memory_gb",
+        "shared_memory", "gpu_names", "tensorrt", "jetpack"))
+    name = dev.string("name", default_name)
+    assert name is not None
+    if not name or any(c in name for c in "/\\ \t"):
+        raise dev.fail("name", f"must be a non-empty name without spaces or slashes (got {name!r})")
+    description = dev.string("description", "") or ""
+    backend = dev.string("backend", required=True, choices=BACKENDS)
+    assert backend is not None
+    architecture = dev.string("architecture", "") or ""
+    cc_raw = dev._get("compute_capability", None, False)
+    cc = None if cc_raw is None else parse_compute_capability(cc_raw, label)
+    memory_gb: tuple[int, ...] = ()
+    if backend == "tensorrt" or "memory_gb" in dev_t:
+        memory_gb = dev.int_list("memory_gb", required=True)
+    shared_memory = dev.boolean("shared_memory", False)
+    gpu_names = dev.str_list("gpu_names")
+    trt_version = dev.string("tensorrt")
+    jetpack = dev.string("jetpack")
+
+    base_dir = source.parent if source is not None else None
+    build: BuildSettings | None = None
+    if backend == "tensorrt":
+        if cc is None:
+            raise dev.fail("compute_capability", "is required for backend 'tensorrt'")
+        if build_t is None:
+            raise ProfileError(f"{label}: [build] section is required for backend 'tensorrt'")
+        b = _Section(label, "build", build_t, ("precision", "workspace_mib", "builder_optimization_level",
+                                               "timing_cache", "batch"))
+        precision = b.string("precision", "fp16", choices=PRECISIONS)
+        assert precision is not None
+        workspace = b.integer("workspace_mib", required=True, lo=16)
+        opt_level = b.integer("builder_optimization_level", 3, lo=0, hi=MAX_OPT_LEVEL)
+        cache_text = b.string("timing_cache", f"{DEFAULT_TIMING_CACHE_DIR}/{name}.cache")
+        assert cache_text is not None
+        if not cache_text.strip():
+            raise b.fail("timing_cache", "must be a non-empty path")
+        batch_t = b.table_("batch", required=True)
+        assert batch_t is not None
+        bt = _Section(label, "build.batch", batch_t, ("min", "opt", "max"))
+        bmin = bt.integer("min", required=True, lo=1)
+        bopt = bt.integer("opt", required=True, lo=1)
+        bmax = bt.integer("max", required=True, lo=1)
+        if not bmin <= bopt <= bmax:
+            raise ProfileError(f"{label}: build.batch must satisfy min <= opt <= max "
+                               f"(got min={bmin}, opt={bopt}, max={bmax})")
+        build = BuildSettings(precision=precision, workspace_mib=workspace,
+                              builder_optimization_level=opt_level,
+                              batch=BatchRange(bmin, bopt, bmax),
+                              timing_cache=expand_path(cache_text, base_dir))
+    elif build_t is not None:
+        raise ProfileError(f"{label}: [build] is only allowed for backend 'tensorrt' "
+                           f"(this profile's backend is {backend!r})")
+
+    ort_threads = 0
+    if ort_t is not None:
+        if backend != "onnxruntime":
+            raise ProfileError(f"{label}: [onnxruntime] is only allowed for backend 'onnxruntime'")
+        o = _Section(label, "onnxruntime", ort_t, ("threads",))
+        ort_threads = o.integer("threads", 0, lo=0)
+
+    be = _Section(label, "bench", bench_t, ("batch_sizes", "warmup", "iterations", "cuda_graphs"))
+    batch_sizes = be.int_list("batch_sizes", required=True)
+    warmup = be.integer("warmup", 10, lo=0)
+    iterations = be.integer("iterations", 100, lo=1)
+    cuda_graphs = be.boolean("cuda_graphs", False)
+    if cuda_graphs and backend != "tensorrt":
+        raise be.fail("cuda_graphs", f"must be false for backend {backend!r} (CUDA graphs need TensorRT)")
+    if build is not None:
+        outside = [s for s in batch_sizes if not build.batch.min <= s <= build.batch.max]
+        if outside:
+            raise be.fail("batch_sizes", f"must lie within build.batch min..max "
+                                         f"({build.batch.min}..{build.batch.max}) (got {outside[0]})")
+
+    return DeviceProfile(
+        name=name, description=description, backend=backend, architecture=architecture,
+        compute_capability=cc, memory_gb=memory_gb,
+        shared_memory=shared_memory, build=build,
+        bench=BenchSettings(batch_sizes=batch_sizes, warmup=warmup, iterations=iterations,
+                            cuda_graphs=cuda_graphs),
+        gpu_names=gpu_names, tensorrt=trt_version, jetpack=jetpack, ort_threads=ort_threads,
+        source=source,
+    )
+
+
+def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:
+    """Load and validate one profile TOML file.
+
+    Raises:
+        ProfileError: missing file, TOML syntax error, bad field.
+    """
+    p = Path(path).expanduser()
+    label = p.name
+    if not p.is_file():
+        raise ProfileError(f"device profile {str(p)!r} not found")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ProfileError(f"{label}: invalid TOML: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ProfileError(f"{label}: cannot read: {err}") from None
+    stem = p.name[:-5] if p.name.endswith(".toml") else p.stem
+    return profile_from_dict(data, label=label, default_name=stem, source=p.resolve())

@@ -1,0 +1,189 @@
+"""Model anatomy: where a ViT's blocks, heads and MLPs are.
+
+:func:`find_anatomy` walks a timm ``VisionTransformer`` (DeiT, ViT, DeiT3, distilled DeiT,
+DINOv2-style) -- or a wrapper that holds one as ``.backbone`` (``dinov2-s14``) -- and returns, for
+every block, the fused ``qkv`` and ``proj`` Linears, ``num_heads``, the dense ``head_dim``, the
+current ``qk_dim`` and ``v_dim``, ``fc1``/``act``/``fc2`` and the LayerScales, plus the number of
+prefix tokens. Everything downstream (calibration hooks, planning, surgery, FLOPs) reads the
+model only through this record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.nn as nn
+
+from edgeprune.errors import UserError
+from edgeprune.layers.pruned_attention import PrunedAttention
+
+
+class UnsupportedModelError(UserError):
+    """The model is not a ViT edgeprune can prune; the message names what is missing."""
+
+
+@dataclasses.dataclass
+class BlockAnatomy:
+    """One transformer block ``x = x + ls1(attn(norm1(x))); x = x + ls2(mlp(norm2(x)))``.
+
+    Attributes:
+        index: block index (0-based).
+        block: the block module.
+        attn: the attention module (timm ``Attention`` or :class:`PrunedAttention`).
+        qkv: fused Linear(D, H*(2*qk_dim + v_dim)); rows ``[q; k; v]``, head-major.
+        proj: Linear(H*v_dim, D).
+        num_heads: H.
+        head_dim: the dense model's head dim d_h (its logit scale is ``d_h ** -0.5``).
+        qk_dim: current per-head query/key dim (== head_dim unless pruned).
+        v_dim: current per-head value dim (== head_dim unless pruned).
+        mlp: the MLP module; fc1: Linear(D, D_mlp); act: activation; fc2: Linear(D_mlp, D).
+        mlp_hidden: current D_mlp.
+        ls1, ls2: LayerScale modules or ``None`` (Identity).
+    """
+
+    index: int
+    block: nn.Module
+    attn: nn.Module
+    qkv: nn.Linear
+    proj: nn.Linear
+    num_heads: int
+    head_dim: int
+    qk_dim: int
+    v_dim: int
+    mlp: nn.Module
+    fc1: nn.Linear
+    act: nn.Module
+    fc2: nn.Linear
+    mlp_hidden: int
+    ls1: Optional[nn.Module]
+    ls2: Optional[nn.Module]
+
+
+@dataclasses.dataclass
+class ViTAnatomy:
+    """A whole ViT.
+
+    Attributes:
+        model: the module passed to :func:`find_anatomy`.
+        vit: the timm ``VisionTransformer`` inside it (``model`` itself or ``model.backbone``).
+        blocks: one :class:`BlockAnatomy` per block, in order.
+        embed_dim: token width D.
+        num_prefix_tokens: class (+ distillation / register) tokens before the patch tokens.
+        num_patches: patch tokens for the model's fixed image size.
+        img_size: (H, W) in pixels; in_chans: input channels; patch_size: (ph, pw).
+    """
+
+    model: nn.Module
+    vit: nn.Module
+    blocks: list[BlockAnatomy]
+    embed_dim: int
+    num_prefix_tokens: int
+    num_patches: int
+    img_size: tuple[int, int]
+    in_chans: int
+    patch_size: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length n = prefix tokens + patch tokens."""
+        return self.num_prefix_tokens + self.num_patches
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))
+
+
+def _dense_head_dim(attn: nn.Module) -> int:
+    # PrunedAttention remembers nothing about the dense model; the caller passes it via
+    # `dense_head_dims` when re-reading a pruned model. timm Attention: head_dim.
+    return int(getattr(attn, "dense_head_dim", getattr(attn, "head_dim")))
+
+
+def find_anatomy(model: nn.Module) -> ViTAnatomy:
+    """Locate blocks, heads and MLPs of a timm VisionTransformer-family model.
+
+    Args:
+        model: a timm ``VisionTransformer`` (``deit_*``, ``vit_*``, ``deit3_*``, distilled DeiT,
+            ``vit_*_dinov2``), possibly already pruned by edgeprune, or a module whose
+            ``.backbone`` is one.
+
+    Returns:
+        :class:`ViTAnatomy`.
+
+    Raises:
+        UnsupportedModelError: the model lacks a piece edgeprune needs; the message names it
+            (e.g. "block 3 has no fused attn.qkv Linear").
+    """
+    vit = model
+    if not hasattr(vit, "blocks") and hasattr(model, "backbone"):
+        vit = model.backbone
+    name = type(model).__name__
+    missing = [a for a in ("blocks", "patch_embed") if not hasattr(vit, a)]
+    if missing:
+        raise UnsupportedModelError(
+            f"{name} is not a supported ViT: missing {', '.join(missing)} "
+            "(edgeprune supports timm VisionTransformer models: deit_*, vit_*, deit3_*, dinov2)")
+    pe = vit.patch_embed
+    for attr in ("img_size", "patch_size", "num_patches"):
+        if getattr(pe, attr, None) is None:
+            raise UnsupportedModelError(
+                f"{name}: patch_embed has no fixed {attr} (dynamic image size is not supported)")
+    in_chans = int(pe.proj.in_channels) if hasattr(pe, "proj") else 3
+    blocks = []
+    for i, blk in enumerate(vit.blocks):
+        where = f"{name} block {i}"
+        attn = getattr(blk, "attn", None)
+        mlp = getattr(blk, "mlp", None)
+        if attn is None:
+            raise UnsupportedModelError(f"{where} has no attn module")
+        if mlp is None:
+            raise UnsupportedModelError(f"{where} has no mlp module")
+        qkv = getattr(attn, "qkv", None)
+        proj = getattr(attn, "proj", None)
+        if not isinstance(qkv, nn.Linear):
+            raise UnsupportedModelError(f"{where} has no fused attn.qkv Linear")
+        if not isinstance(proj, nn.Linear):
+            raise UnsupportedModelError(f"{where} has no attn.proj Linear")
+        for norm in ("q_norm", "k_norm", "norm"):
+            if not isinstance(getattr(attn, norm, nn.Identity()), nn.Identity):
+                raise UnsupportedModelError(f"{where} uses attn.{norm} (QK/scale norm is not supported)")
+        if getattr(attn, "gate", None) is not None:
+            raise UnsupportedModelError(f"{where} uses a gated attention (not supported)")
+        num_heads = int(getattr(attn, "num_heads", 0))
+        if num_heads < 1:
+            raise UnsupportedModelError(f"{where}: attn has no num_heads")
+        if isinstance(attn, PrunedAttention):
+            qk_dim, v_dim = attn.qk_dim, attn.v_dim
+        else:
+            qk_dim = v_dim = int(attn.head_dim)
+            if qkv.out_features != 3 * num_heads * qk_dim:
+                raise UnsupportedModelError(f"{where}: attn.qkv has {qkv.out_features} outputs, "
+                                            f"expected 3*num_heads*head_dim")
+        fc1 = getattr(mlp, "fc1", None)
+        fc2 = getattr(mlp, "fc2", None)
+        act = getattr(mlp, "act", None)
+        if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear) or act is None:
+            raise UnsupportedModelError(
+                f"{where}: mlp is {type(mlp).__name__}, needs fc1/act/fc2 Linears (GLU MLPs are not supported)")
+        if fc1.out_features != fc2.in_features:
+            raise UnsupportedModelError(f"{where}: mlp.fc1 and mlp.fc2 disagree on the hidden dim")
+        if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
+            raise UnsupportedModelError(f"{where}: mlp has a hidden norm (not supported)")
+        ls1 = getattr(blk, "ls1", None)
+        ls2 = getattr(blk, "ls2", None)
+        blocks.append(BlockAnatomy(
+            index=i, block=blk, attn=attn, qkv=qkv, proj=proj, num_heads=num_heads,
+            head_dim=_dense_head_dim(attn), qk_dim=qk_dim, v_dim=v_dim, mlp=mlp,
+            fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features,
+            ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
+            ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
+        ))
+    if not blocks:
+        raise UnsupportedModelError(f"{name} has no transformer blocks")
+    return ViTAnatomy(
+        model=model, vit=vit, blocks=blocks, embed_dim=int(vit.embed_dim) if hasattr(vit, "embed_dim") else blocks[0].qkv.in_features,
+        num_prefix_tokens=int(getattr(vit, "num_prefix_tokens", 1)),
+        num_patches=int(pe.num_patches), img_size=_pair(pe.img_size), in_chans=in_chans,
+        patch_size=_pair(pe.patch_size),
+    )

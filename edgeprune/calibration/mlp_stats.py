@@ -1,0 +1,86 @@
+"""Streaming first- and second-order statistics of an MLP's hidden activations.
+
+Collected at the input of ``fc2`` (post-activation hidden h, dim D_mlp) over every token of every
+calibration image, for CORP's ranking (corp-v2 §3.3) and ridge compensation (corp-v1 eq. 7-11).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MLPStatistics:
+    """Accumulates mean, centred covariance, energy and active probability of hidden activations.
+
+    Sums are kept in float64. Each batch is shifted by a fixed reference (the first batch's mean)
+    before its products are formed -- the "shifted data" algorithm, which keeps the covariance
+    accurate when the mean is large relative to the spread. The per-batch Gram ``X^T X`` is formed
+    in ``gram_dtype`` (float64 by default; float32 halves the cost of this, the dominant term)
+    and added to the float64 sum.
+
+    Usage: ``stats.add_batch(h)`` for each batch, then read :attr:`mean`, :attr:`cov`,
+    :attr:`energy`, :attr:`active_prob`. Memory: O(D_mlp^2) float64, independent of N.
+
+    Args:
+        dim: D_mlp.
+        gram_dtype: dtype of the per-batch Gram product (float64 or float32).
+    """
+
+    def __init__(self, dim: int, gram_dtype: torch.dtype = torch.float64) -> None:
+        self.dim = dim
+        self.gram_dtype = gram_dtype
+        self.count = 0
+        self._shift: torch.Tensor | None = None
+        self._sum = torch.zeros(dim, dtype=torch.float64)
+        self._gram = torch.zeros(dim, dim, dtype=torch.float64)
+        self._positive = torch.zeros(dim, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add_batch(self, h: torch.Tensor) -> None:
+        """Add activations h of shape (..., D_mlp) (e.g. (B, n, D_mlp)); every row is one token.
+
+        Raises:
+            ValueError: last dim is not D_mlp.
+        """
+        if h.shape[-1] != self.dim:
+            raise ValueError(f"expected hidden dim {self.dim}, got {tuple(h.shape)}")
+        x = h.reshape(-1, self.dim)
+        if x.shape[0] == 0:
+            return
+        if self._shift is None:
+            self._shift = x.double().mean(0)
+        self._positive += (x > 0).sum(0, dtype=torch.float64)
+        xc = x.to(self.gram_dtype) - self._shift.to(self.gram_dtype)
+        self._sum += xc.sum(0, dtype=torch.float64)
+        self._gram += (xc.T @ xc).double()
+        self.count += x.shape[0]
+
+    def _check(self) -> None:
+        if self.count == 0:
+            raise RuntimeError("MLPStatistics: no activations were added")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """mu, (D_mlp,) float64: E[h]."""
+        self._check()
+        return self._shift + self._sum / self.count
+
+    @property
+    def cov(self) -> torch.Tensor:
+        """Sigma, (D_mlp, D_mlp) float64: centred covariance E[(h - mu)(h - mu)^T] (1/N)."""
+        self._check()
+        m = self._sum / self.count
+        c = self._gram / self.count - torch.outer(m, m)
+        return 0.5 * (c + c.T)
+
+    @property
+    def energy(self) -> torch.Tensor:
+        """E[h_j^2], (D_mlp,) float64 (= diag(Sigma) + mu^2)."""
+        mu = self.mean
+        return torch.diagonal(self.cov) + mu * mu
+
+    @property
+    def active_prob(self) -> torch.Tensor:
+        """P(h_j > 0), (D_mlp,) float64."""
+        self._check()
+        return self._positive / self.count

@@ -1,0 +1,122 @@
+"""Per-image query/key statistics of one attention layer, for CORP's Q/K head-dim pruning.
+
+For image i and head h, with Q, K the (n x d_h) query and key matrices of that head:
+``Gq_i = Q^T Q`` and ``Gk_i = K^T K`` (d_h x d_h). Everything CORP needs is derived from them:
+
+* the logit-energy ranking ``s_j = E_i[ ||q_j||^2 ||k_j||^2 ] = E_i[ Gq_i[j,j] Gk_i[j,j] ]``
+  (corp-v1 §3.3, eq. 13),
+* the per-image blocks of the exact compensation system, ``Gq_i[S,S]``, ``Gk_i[S,S]``,
+  ``Cq_i = Gq_i[S,P]`` and ``Ck_i = Gk_i[P,S]`` (METHODS.md §1, corp-v1 eq. 15/29), which can only
+  be formed once the kept set S is known.
+
+So one streamed pass keeps the per-image Grams (float32 storage, products formed in float64):
+``N * H * 2 * d_h^2 * 4`` bytes per layer, e.g. 4 MB per image for ViT-S (12 layers). No token
+activation is kept. (:class:`QKSystemAccumulator` in ``edgeprune.solve.qk_logit`` accumulates
+the system directly for a known S, for a second pass when the Grams do not fit in memory.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class QKStatistics:
+    """Accumulates per-image Q/K Gram matrices and the logit-energy score of one layer.
+
+    Args:
+        num_heads: H.
+        qk_dim: per-head query/key dim d (the current one; d_h for a dense model).
+        keep_grams: store the per-image Grams (needed for compensation); ``False`` keeps only
+            the ranking score (uncompensated pruning needs nothing else).
+    """
+
+    def __init__(self, num_heads: int, qk_dim: int, keep_grams: bool = True) -> None:
+        self.num_heads = num_heads
+        self.qk_dim = qk_dim
+        self.keep_grams = keep_grams
+        self.num_images = 0
+        self._score = torch.zeros(num_heads, qk_dim, dtype=torch.float64)
+        self._gq: list[torch.Tensor] = []
+        self._gk: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def add_batch(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Add queries and keys of shape (B, H, n, d) (one row per token, per image).
+
+        Raises:
+            ValueError: shapes disagree with (H, d).
+        """
+        if q.shape != k.shape or q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.qk_dim:
+            raise ValueError(f"expected q, k of shape (B, {self.num_heads}, n, {self.qk_dim}), "
+                             f"got {tuple(q.shape)} and {tuple(k.shape)}")
+        qd, kd = q.double(), k.double()
+        gq = qd.transpose(-1, -2) @ qd  # (B, H, d, d)
+        gk = kd.transpose(-1, -2) @ kd
+        self._score += (torch.diagonal(gq, dim1=-2, dim2=-1) * torch.diagonal(gk, dim1=-2, dim2=-1)).sum(0)
+        if self.keep_grams:
+            self._gq.append(gq.float())
+            self._gk.append(gk.float())
+        self.num_images += q.shape[0]
+
+    @property
+    def logit_energy(self) -> torch.Tensor:
+        """s, (H, d) float64: E_i[ ||q_j||^2 ||k_j||^2 ] per head and dim (corp-v1 eq. 13)."""
+        if self.num_images == 0:
+            raise RuntimeError("QKStatistics: no images were added")
+        return self._score / self.num_images
+
+    def grams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-image Grams (Gq, Gk), each (N, H, d, d) float32.
+
+        Raises:
+            RuntimeError: constructed with ``keep_grams=False`` or nothing added.
+        """
+        if not self.keep_grams:
+            raise RuntimeError("QKStatistics was built with keep_grams=False")
+        if not self._gq:
+            raise RuntimeError("QKStatistics: no images were added")
+        return torch.cat(self._gq), torch.cat(self._gk)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the stored Grams."""
+        return sum(t.numel() * t.element_size() for t in self._gq + self._gk)
+
+
+class QKSystemStatistics:
+    """Accumulates the exact Q/K compensation system for a known kept set, image by image.
+
+    The memory-light alternative to storing per-image Grams (:class:`QKStatistics`): once the kept
+    dims ``keep`` (H, d') are known, each image's Grams are reduced at once to its contribution
+    ``Gq_i[S,S] (x) Gk_i[S,S]`` and ``Gq_i[S,P] Gk_i[P,S]`` (corp-v1 eq. 29; see
+    ``edgeprune.solve.qk_logit``). Memory: H * d'^4 float64, independent of N. Needs a second
+    calibration pass (the ranking needs the first).
+
+    Args:
+        keep: (H, d') int64 kept dims per head; qk_dim: the current per-head dim d.
+    """
+
+    def __init__(self, keep: torch.Tensor, qk_dim: int) -> None:
+        from edgeprune.solve.qk_logit import kronecker_system  # local: solve depends on nothing here
+
+        self._kron = kronecker_system
+        self.keep = keep
+        self.num_heads, self.kept = keep.shape
+        all_dims = torch.arange(qk_dim)
+        self.prune = torch.stack([all_dims[~torch.isin(all_dims, k)] for k in keep])
+        d2 = self.kept * self.kept
+        self.k_sys = torch.zeros(self.num_heads, d2, d2, dtype=torch.float64)
+        self.rhs = torch.zeros(self.num_heads, self.kept, self.kept, dtype=torch.float64)
+        self.num_images = 0
+        self.qk_dim = qk_dim
+
+    @torch.no_grad()
+    def add_batch(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Add queries and keys (B, H, n, d)."""
+        qd, kd = q.double(), k.double()
+        gq = qd.transpose(-1, -2) @ qd
+        gk = kd.transpose(-1, -2) @ kd
+        for h in range(self.num_heads):
+            ks, rhs = self._kron(gq[:, h], gk[:, h], self.keep[h], self.prune[h])
+            self.k_sys[h] += ks
+            self.rhs[h] += rhs
+        self.num_images += q.shape[0]

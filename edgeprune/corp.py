@@ -1,0 +1,207 @@
+"""CORP end to end: statistics -> plan -> closed-form solve -> surgery (corp-v1 Alg. 1-3).
+
+:func:`corp_prune` prunes a model in place: MLP hidden channels (ridge-compensated affine fold,
+``edgeprune.solve.mlp_ridge``) and attention Q/K head dims (exact per-image logit compensation,
+``edgeprune.solve.qk_logit``). V is not pruned (corp-v1 §3.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from edgeprune.anatomy import ViTAnatomy
+from edgeprune.calibration.collect import CalibrationStatistics, collect_statistics
+from edgeprune.errors import UserError
+from edgeprune.plan import BlockPlan, kept_dim
+from edgeprune.ranking import MLP_CRITERIA, mlp_scores, qk_scores, top_k_indices
+from edgeprune.solve import mlp_ridge, qk_logit
+from edgeprune.surgery import qkv_parts, replace_attention, shrink_mlp
+
+
+@dataclasses.dataclass
+class CorpConfig:
+    """CORP settings.
+
+    Attributes:
+        mlp_sparsity, attn_sparsity: fraction of MLP hidden channels / Q/K head dims removed, [0, 1).
+        compensation: fold the closed-form compensation (False = plain removal, same ranking).
+        mlp_criterion: "combined" (default), "energy", "magnitude" or "active" (see ranking.py).
+        ridge_alpha: scale-free ridge strength of the MLP fit (lam = alpha * tr(Sigma_SS)/|S|).
+        qk_ridge_alpha: scale-free ridge strength of the Q/K fit (lam = alpha * mean diag of K).
+        round_to: kept dims are multiples of this.
+        gram_dtype: dtype of the per-batch MLP Gram product ("float64" or "float32").
+        qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
+            pass accumulates the exact system instead (same result, one more forward pass).
+    """
+
+    mlp_sparsity: float = 0.0
+    attn_sparsity: float = 0.0
+    compensation: bool = True
+    mlp_criterion: str = "combined"
+    ridge_alpha: float = mlp_ridge.DEFAULT_ALPHA
+    qk_ridge_alpha: float = qk_logit.DEFAULT_ALPHA
+    round_to: int = 8
+    gram_dtype: str = "float64"
+    qk_memory_limit_gb: float = 4.0
+
+    def validate(self) -> None:
+        """Raises UserError for out-of-range settings."""
+        from edgeprune.plan import check_sparsity
+
+        check_sparsity(self.mlp_sparsity)
+        check_sparsity(self.attn_sparsity)
+        if self.mlp_criterion not in MLP_CRITERIA:
+            raise UserError(f"unknown MLP criterion {self.mlp_criterion!r} "
+                            f"(choose from {', '.join(MLP_CRITERIA)})")
+        if self.ridge_alpha < 0 or self.qk_ridge_alpha < 0:
+            raise UserError("ridge alpha must be >= 0")
+        if self.round_to < 1:
+            raise UserError(f"--round-to must be >= 1, got {self.round_to}")
+        if self.gram_dtype not in ("float64", "float32"):
+            raise UserError("gram dtype must be float64 or float32")
+
+
+def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig) -> list[BlockPlan]:
+    """Kept indices per block from the calibration statistics (ranking + rounding)."""
+    plans = []
+    for b in anatomy.blocks:
+        plan = BlockPlan(index=b.index)
+        if cfg.mlp_sparsity > 0:
+            k = kept_dim(b.mlp_hidden, cfg.mlp_sparsity, cfg.round_to, f"block {b.index} MLP")
+            if k < b.mlp_hidden:
+                scores = mlp_scores(stats.mlp[b.index], b.fc2.weight.detach(), cfg.mlp_criterion)
+                plan.mlp_keep = top_k_indices(scores, k)
+        if cfg.attn_sparsity > 0:
+            k = kept_dim(b.qk_dim, cfg.attn_sparsity, cfg.round_to, f"block {b.index} attention heads")
+            if k < b.qk_dim:
+                plan.qk_keep = top_k_indices(qk_scores(stats.qk[b.index]), k)
+        plans.append(plan)
+    return plans
+
+
+def _complement(keep: torch.Tensor, dim: int) -> torch.Tensor:
+    all_dims = torch.arange(dim)
+    return all_dims[~torch.isin(all_dims, keep)]
+
+
+def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
+               mlp_stats: list, qk_systems: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None
+               ) -> list[dict]:
+    """Solve and fold the compensation, then shrink the modules (in place).
+
+    Args:
+        anatomy: the model's anatomy (updated in place).
+        plans: from :func:`plan_corp`.
+        cfg: settings.
+        mlp_stats: per-block :class:`MLPStatistics` (or None).
+        qk_systems: ``f(block, head) -> (K, rhs)`` of the exact Q/K system; None without compensation.
+
+    Returns:
+        per-block solve info: ridge lambdas actually used (``mlp_lambda``, ``qk_lambda`` list).
+    """
+    info = []
+    for b, plan in zip(anatomy.blocks, plans):
+        rec: dict = {"index": b.index}
+        if plan.mlp_keep is not None:
+            keep = plan.mlp_keep
+            prune = _complement(keep, b.mlp_hidden)
+            bmat = cvec = None
+            if cfg.compensation:
+                st = mlp_stats[b.index]
+                bmat, cvec, lam = mlp_ridge.ridge_affine_map(st.mean, st.cov, keep, prune, cfg.ridge_alpha)
+                rec["mlp_lambda"] = lam
+            w2, b2 = mlp_ridge.fold_into_fc2(b.fc2.weight.detach(), None if b.fc2.bias is None else b.fc2.bias.detach(),
+                                             keep, prune, bmat, cvec)
+            shrink_mlp(b, keep, w2, b2)
+        if plan.qk_keep is not None:
+            parts = qkv_parts(b)
+            H = b.num_heads
+            wq, wk, bq, bk, lams = [], [], [], [], []
+            for h in range(H):
+                keep = plan.qk_keep[h]
+                m = None
+                if cfg.compensation and qk_systems is not None:
+                    k_sys, rhs = qk_systems(b.index, h)
+                    m, lam = qk_logit.solve_logit_compensation(k_sys, rhs, cfg.qk_ridge_alpha)
+                    lams.append(lam)
+                sel = lambda t: None if t is None else t[h][keep]  # noqa: E731
+                out = qk_logit.fold_logit_compensation(sel(parts["wq"]), sel(parts["bq"]),
+                                                       sel(parts["wk"]), sel(parts["bk"]), m, b.head_dim)
+                wq.append(out[0]); bq.append(out[1]); wk.append(out[2]); bk.append(out[3])
+            stack = lambda ts: None if ts[0] is None else torch.stack(ts)  # noqa: E731
+            replace_attention(b, torch.stack(wq), stack(bq), torch.stack(wk), stack(bk),
+                              parts["wv"], parts["bv"], b.proj.weight.detach(),
+                              None if b.proj.bias is None else b.proj.bias.detach())
+            if lams:
+                rec["qk_lambda"] = lams
+        info.append(rec)
+    return info
+
+
+def _qk_gram_bytes(anatomy: ViTAnatomy, num_images: int) -> int:
+    return num_images * sum(b.num_heads * 2 * b.qk_dim ** 2 * 4 for b in anatomy.blocks)
+
+
+def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]], cfg: CorpConfig,
+               num_images: int | None = None, progress: bool = True) -> dict:
+    """Prune the model of ``anatomy`` in place with CORP.
+
+    Args:
+        anatomy: anatomy of the model to prune (modified in place).
+        batches: a callable returning a fresh iterable of calibration batches (B, C, H, W); called
+            once, or twice when the Q/K Grams would exceed ``cfg.qk_memory_limit_gb``.
+        cfg: :class:`CorpConfig`.
+        num_images: calibration size, if known (for the memory estimate and progress bar).
+        progress: show progress bars.
+
+    Returns:
+        info dict: ``calibration_seconds``, ``solve_seconds``, ``passes``, ``num_images``,
+        ``blocks`` (per-block lambdas).
+
+    Raises:
+        UserError: invalid settings, empty or mis-shaped calibration data.
+    """
+    cfg.validate()
+    prune_mlp = cfg.mlp_sparsity > 0
+    prune_qk = cfg.attn_sparsity > 0
+    two_pass = bool(prune_qk and cfg.compensation and num_images is not None
+                    and _qk_gram_bytes(anatomy, num_images) > cfg.qk_memory_limit_gb * 2 ** 30)
+    keep_grams = prune_qk and cfg.compensation and not two_pass
+    gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
+    stats = collect_statistics(anatomy, batches(), mlp=prune_mlp and (cfg.compensation or cfg.mlp_criterion != "magnitude"),
+                               qk=prune_qk, qk_grams=keep_grams, gram_dtype=gram_dtype,
+                               progress=progress)
+    seconds = stats.seconds
+    t0 = time.perf_counter()
+    plans = plan_corp(anatomy, stats, cfg)
+    passes = 1
+    qk_systems = None
+    if prune_qk and cfg.compensation:
+        if keep_grams:
+            grams = {}
+
+            def qk_systems(i: int, h: int, _stats=stats, _plans=plans):
+                if i not in grams:
+                    grams[i] = _stats.qk[i].grams()
+                gq, gk = grams[i]
+                keep = _plans[i].qk_keep[h]
+                return qk_logit.kronecker_system(gq[:, h], gk[:, h], keep,
+                                                 _complement(keep, gq.shape[-1]))
+        else:
+            solve_time = time.perf_counter() - t0
+            second = collect_statistics(anatomy, batches(), mlp=False, qk=True,
+                                        qk_keep=[p.qk_keep for p in plans], progress=progress)
+            seconds += second.seconds
+            passes = 2
+            t0 = time.perf_counter() - solve_time
+
+            def qk_systems(i: int, h: int, _second=second):
+                st = _second.qk[i]
+                return st.k_sys[h], st.rhs[h]
+    info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_systems)
+    return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
+            "passes": passes, "num_images": stats.num_images, "blocks": info}

@@ -1,0 +1,57 @@
+"""Analytic parameter and FLOPs counts of a (pruned) ViT.
+
+FLOPs = 2 x multiply-accumulates of the matrix products for one image (norms, softmax, GELU and
+additions are ignored; they are < 1% for these models). Per block, with n tokens, width D, H heads,
+Q/K head dim d_qk, V head dim d_v and MLP hidden D_mlp:
+
+    qkv   2 n D H (2 d_qk + d_v)
+    attn  2 n^2 H d_qk  (logits)  +  2 n^2 H d_v  (weights x values)
+    proj  2 n H d_v D
+    mlp   2 n D D_mlp x 2
+
+which is NuWa's suppl. eq. 13 (``(2 N d + N^2) h (d_qk + d_vo) + 2 N d d_mlp`` counts MACs with
+fc1+fc2 folded into one term). Patch embedding and the head are added once.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters (trainable or not)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def block_flops(b: BlockAnatomy, n: int) -> dict[str, int]:
+    """FLOPs of one block for one image of n tokens: keys qkv, attn, proj, mlp, total."""
+    D, H = b.qkv.in_features, b.num_heads
+    out = {
+        "qkv": 2 * n * D * H * (2 * b.qk_dim + b.v_dim),
+        "attn": 2 * n * n * H * (b.qk_dim + b.v_dim),
+        "proj": 2 * n * H * b.v_dim * D,
+        "mlp": 2 * 2 * n * D * b.mlp_hidden,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
+    """FLOPs of the whole model for one image.
+
+    Returns:
+        dict with ``total`` (int), ``blocks`` (list of :func:`block_flops` dicts),
+        ``patch_embed`` and ``head`` (int).
+    """
+    n = anatomy.num_tokens
+    ph, pw = anatomy.patch_size
+    pe = 2 * anatomy.num_patches * anatomy.in_chans * ph * pw * anatomy.embed_dim
+    head = 0
+    vit_head = getattr(anatomy.vit, "head", None)
+    if isinstance(vit_head, nn.Linear):
+        head = 2 * vit_head.in_features * vit_head.out_features
+    blocks = [block_flops(b, n) for b in anatomy.blocks]
+    total = pe + head + sum(b["total"] for b in blocks)
+    return {"total": total, "blocks": blocks, "patch_embed": pe, "head": head}

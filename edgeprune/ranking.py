@@ -1,0 +1,66 @@
+"""Importance scores for structured pruning (higher = more important = kept).
+
+MLP hidden channels (corp-v2 §3.3, App. E), from :class:`MLPStatistics` and ``fc2.weight``:
+
+* ``energy``:     E[h_j^2]
+* ``magnitude``:  ||W2[:, j]||_2
+* ``combined``:   sqrt(E[h_j^2]) * ||W2[:, j]||_2  (Wanda-style activation x weight; it is the RMS
+  norm of channel j's contribution ``W2[:, j] h_j`` to the fc2 output, so it ranks channels by how
+  much output they carry). Default.
+* ``active``:     P(h_j > 0)
+
+Attention Q/K dims (corp-v1 §3.3, eq. 13): ``logit`` = E_image[ ||q_j||^2 ||k_j||^2 ] per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgeprune.calibration.mlp_stats import MLPStatistics
+from edgeprune.calibration.qk_stats import QKStatistics
+from edgeprune.errors import UserError
+
+MLP_CRITERIA = ("combined", "energy", "magnitude", "active")
+QK_CRITERIA = ("logit",)
+
+
+def mlp_scores(stats: MLPStatistics, fc2_weight: torch.Tensor, criterion: str = "combined") -> torch.Tensor:
+    """Channel scores (D_mlp,) float64.
+
+    Args:
+        stats: hidden statistics of this MLP.
+        fc2_weight: (D, D_mlp).
+        criterion: one of :data:`MLP_CRITERIA`.
+
+    Raises:
+        UserError: unknown criterion.
+    """
+    if criterion == "energy":
+        return stats.energy
+    if criterion == "magnitude":
+        return fc2_weight.double().norm(dim=0)
+    if criterion == "combined":
+        return stats.energy.clamp_min(0).sqrt() * fc2_weight.double().norm(dim=0)
+    if criterion == "active":
+        return stats.active_prob
+    raise UserError(f"unknown MLP criterion {criterion!r} (choose from {', '.join(MLP_CRITERIA)})")
+
+
+def qk_scores(stats: QKStatistics, criterion: str = "logit") -> torch.Tensor:
+    """Per-head dim scores (H, d) float64.
+
+    Raises:
+        UserError: unknown criterion.
+    """
+    if criterion == "logit":
+        return stats.logit_energy
+    raise UserError(f"unknown Q/K criterion {criterion!r} (choose from {', '.join(QK_CRITERIA)})")
+
+
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, sorted ascending (int64).
+
+    Ties are broken towards the lower index (stable), so results are deterministic.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(order, dim=-1).values

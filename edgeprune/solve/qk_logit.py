@@ -1,0 +1,105 @@
+"""CORP's closed-form Q/K compensation: pruned logit contributions from the kept dims.
+
+corp-v1 §3.3, eq. 12-16 and App. B.2 eq. 25-29; corp-v2 eq. 14-15. For one head, image i, queries
+Q and keys K (n x d_h), kept dims S (d' of them) and pruned dims P, the logits are
+``Q_S K_S^T + Q_P K_P^T``. Find M (d' x d') minimising
+
+    sum_i || Q_P,i K_P,i^T - Q_S,i M K_S,i^T ||_F^2 + lam ||M||_F^2.
+
+With ``Gq_i = Q_S^T Q_S``, ``Gk_i = K_S^T K_S``, ``Cq_i = Q_S^T Q_P``, ``Ck_i = K_P^T K_S`` the normal
+equation is ``sum_i Gq_i M Gk_i + lam M = sum_i Cq_i Ck_i``. Row-major vectorised
+(``vec(A M B) = (A (x) B^T) vec(M)``; Gk is symmetric):
+
+    (sum_i Gq_i (x) Gk_i + lam I) vec(M) = vec(sum_i Cq_i Ck_i)          (d'^2 x d'^2)
+
+solved exactly (float64 Cholesky) -- not the pooled-Gram Sylvester approximation, which mixes tokens
+of different images. ``sum_i Gq_i (x) Gk_i`` is one GEMM of the flattened per-image Grams.
+Ridge lambda is scale-free: ``lam = alpha * tr(K) / d'^2`` (alpha times the system's mean diagonal).
+
+Fold (METHODS.md §1): SVD ``I + M = R Sigma T^T``; ``W_Q,S <- (R Sigma^1/2)^T W_Q,S``,
+``W_K,S <- (T Sigma^1/2)^T W_K,S`` (rows are output dims; biases likewise), so that
+``Q_S' K_S'^T = Q_S (I + M) K_S^T``. Finally the dense scale 1/sqrt(d_h) is kept by multiplying the
+query weights and bias by ``sqrt(d'/d_h)`` (attention then uses its default 1/sqrt(d')).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DEFAULT_ALPHA = 1e-3
+
+
+def kronecker_system(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, prune: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assemble the exact normal equations for one head.
+
+    Args:
+        gq, gk: per-image Grams (N, d_h, d_h) of Q and K (any float dtype).
+        keep: S (d',) int64; prune: P (p,) int64.
+
+    Returns:
+        K (d'^2, d'^2) float64 = sum_i Gq_i[S,S] (x) Gk_i[S,S];
+        rhs (d', d') float64 = sum_i Gq_i[S,P] Gk_i[P,S].
+    """
+    gq, gk = gq.double(), gk.double()
+    n = gq.shape[0]
+    d = len(keep)
+    gq_ss = gq[:, keep][:, :, keep]
+    gk_ss = gk[:, keep][:, :, keep]
+    # sum_i Gq[a,b] Gk[c,e] -> kron index ((a,c),(b,e))
+    k4 = (gq_ss.reshape(n, d * d).T @ gk_ss.reshape(n, d * d)).reshape(d, d, d, d)
+    k_sys = k4.permute(0, 2, 1, 3).reshape(d * d, d * d)
+    rhs = (gq[:, keep][:, :, prune] @ gk[:, prune][:, :, keep]).sum(0)
+    return k_sys, rhs
+
+
+def solve_logit_compensation(k_sys: torch.Tensor, rhs: torch.Tensor, alpha: float = DEFAULT_ALPHA
+                             ) -> tuple[torch.Tensor, float]:
+    """Solve ``(K + lam I) vec(M) = vec(rhs)`` for M (d', d') float64; returns (M, lam).
+
+    Raises:
+        ValueError: alpha < 0.
+        torch.linalg.LinAlgError: K + lam I not positive definite (alpha = 0, degenerate data).
+    """
+    if alpha < 0:
+        raise ValueError(f"ridge alpha must be >= 0, got {alpha}")
+    d = rhs.shape[0]
+    lam = float(alpha * torch.diagonal(k_sys).mean().clamp_min(0))
+    a = k_sys + lam * torch.eye(d * d, dtype=torch.float64)
+    chol = torch.linalg.cholesky(a)
+    m = torch.cholesky_solve(rhs.reshape(d * d, 1).double(), chol).reshape(d, d)
+    return m, lam
+
+
+def fold_logit_compensation(wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tensor,
+                            bk: torch.Tensor | None, m: torch.Tensor | None, head_dim: int
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Fold ``I + M`` into one head's kept query/key rows and keep the dense logit scale.
+
+    Args:
+        wq, wk: kept rows (d', D); bq, bk: kept biases (d',) or None.
+        m: M (d', d') or ``None`` (no compensation: only the scale is folded).
+        head_dim: the dense d_h.
+
+    Returns:
+        (wq', bq', wk', bk') in the inputs' dtype, such that with attention scale 1/sqrt(d')
+        the logits equal ``Q_S (I + M) K_S^T / sqrt(d_h)``.
+    """
+    d = wq.shape[0]
+    wq64, wk64 = wq.double(), wk.double()
+    bq64 = None if bq is None else bq.double()
+    bk64 = None if bk is None else bk.double()
+    if m is not None:
+        r, sig, th = torch.linalg.svd(torch.eye(d, dtype=torch.float64) + m.double())
+        left = (r * sig.sqrt()).T          # (R Sigma^1/2)^T
+        right = (th.T * sig.sqrt()).T      # (T Sigma^1/2)^T, th = T^T
+        wq64, wk64 = left @ wq64, right @ wk64
+        bq64 = None if bq64 is None else left @ bq64
+        bk64 = None if bk64 is None else right @ bk64
+    scale = math.sqrt(d / head_dim)
+    wq64 = wq64 * scale
+    bq64 = None if bq64 is None else bq64 * scale
+    cast = lambda t, ref: None if t is None else t.to(ref.dtype)  # noqa: E731
+    return wq64.to(wq.dtype), cast(bq64, wq), wk64.to(wk.dtype), cast(bk64, wk)

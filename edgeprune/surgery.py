@@ -1,0 +1,133 @@
+"""Surgery: replace a block's modules by physically smaller ones.
+
+Pure module plumbing -- the weights come from ``edgeprune.solve``. Two operations:
+
+* :func:`shrink_mlp` -- ``fc1`` keeps output rows S, ``fc2`` becomes Linear(|S|, D) with given weights.
+* :func:`replace_attention` -- the block's attention becomes a :class:`PrunedAttention` with the
+  given fused qkv / proj weights and per-head qk_dim / v_dim.
+
+:func:`apply_structure` rebuilds the pruned shapes (random weights) from the per-block dims of a
+run record, so a saved state dict can be loaded strictly.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
+from edgeprune.layers.pruned_attention import PrunedAttention
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                    device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return lin
+
+
+def shrink_mlp(block: BlockAnatomy, keep: torch.Tensor, fc2_weight: torch.Tensor,
+               fc2_bias: torch.Tensor | None) -> None:
+    """Keep hidden channels ``keep`` of the block's MLP, in place.
+
+    Args:
+        block: the block's anatomy (its ``mlp.fc1`` / ``mlp.fc2`` are replaced).
+        keep: (D_mlp',) int64 kept channel indices.
+        fc2_weight: new fc2 weight (D, D_mlp'); fc2_bias: (D,) or None.
+    """
+    fc1 = block.fc1
+    w1 = fc1.weight.detach()[keep]
+    b1 = None if fc1.bias is None else fc1.bias.detach()[keep]
+    block.mlp.fc1 = _linear(w1, b1)
+    block.mlp.fc2 = _linear(fc2_weight, fc2_bias)
+    block.fc1, block.fc2, block.mlp_hidden = block.mlp.fc1, block.mlp.fc2, len(keep)
+
+
+def qkv_parts(block: BlockAnatomy) -> dict[str, torch.Tensor | None]:
+    """Split the fused qkv into per-head parts.
+
+    Returns:
+        dict with ``wq``, ``wk`` (H, qk_dim, D), ``wv`` (H, v_dim, D) and biases ``bq``, ``bk``
+        (H, qk_dim), ``bv`` (H, v_dim) or None.
+    """
+    H, dq, dv = block.num_heads, block.qk_dim, block.v_dim
+    w = block.qkv.weight.detach()
+    D = w.shape[1]
+    wq, wk, wv = w.split([H * dq, H * dq, H * dv], dim=0)
+    out: dict[str, torch.Tensor | None] = {
+        "wq": wq.reshape(H, dq, D), "wk": wk.reshape(H, dq, D), "wv": wv.reshape(H, dv, D)}
+    if block.qkv.bias is not None:
+        bq, bk, bv = block.qkv.bias.detach().split([H * dq, H * dq, H * dv])
+        out.update(bq=bq.reshape(H, dq), bk=bk.reshape(H, dq), bv=bv.reshape(H, dv))
+    else:
+        out.update(bq=None, bk=None, bv=None)
+    return out
+
+
+def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | None,
+                      wk: torch.Tensor, bk: torch.Tensor | None, wv: torch.Tensor,
+                      bv: torch.Tensor | None, proj_weight: torch.Tensor,
+                      proj_bias: torch.Tensor | None) -> PrunedAttention:
+    """Install a :class:`PrunedAttention` in the block, in place, and return it.
+
+    Args:
+        wq, wk: (H, qk_dim', D); bq, bk: (H, qk_dim') or None.
+        wv: (H, v_dim', D); bv: (H, v_dim') or None.
+        proj_weight: (D, H*v_dim'); proj_bias: (D,) or None.
+        The query weights must already carry any logit-scale fold (the module uses 1/sqrt(qk_dim')).
+    """
+    H, dq, D = wq.shape
+    dv = wv.shape[1]
+    attn = PrunedAttention(D, H, dq, dv, qkv_bias=bq is not None, proj_bias=proj_bias is not None,
+                           dense_head_dim=block.head_dim)
+    attn = attn.to(device=wq.device, dtype=wq.dtype)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.cat([wq.reshape(H * dq, D), wk.reshape(H * dq, D),
+                                         wv.reshape(H * dv, D)]))
+        if bq is not None:
+            attn.qkv.bias.copy_(torch.cat([bq.reshape(-1), bk.reshape(-1), bv.reshape(-1)]))
+        attn.proj.weight.copy_(proj_weight)
+        if proj_bias is not None:
+            attn.proj.bias.copy_(proj_bias)
+    block.block.attn = attn
+    block.attn, block.qkv, block.proj = attn, attn.qkv, attn.proj
+    block.qk_dim, block.v_dim = dq, dv
+    return attn
+
+
+def block_dims(anatomy: ViTAnatomy) -> list[dict[str, int]]:
+    """Per-block dims for the run record: index, num_heads, head_dim, qk_dim, v_dim, mlp_hidden."""
+    return [dict(index=b.index, num_heads=b.num_heads, head_dim=b.head_dim, qk_dim=b.qk_dim,
+                 v_dim=b.v_dim, mlp_hidden=b.mlp_hidden) for b in anatomy.blocks]
+
+
+def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Module:
+    """Give a dense model the pruned shapes in ``dims`` (from :func:`block_dims`), in place.
+
+    Weights of resized modules are left uninitialised-random; load a state dict afterwards.
+
+    Raises:
+        ValueError: ``dims`` does not match the model's number of blocks or heads.
+    """
+    anatomy = find_anatomy(model)
+    if len(dims) != len(anatomy.blocks):
+        raise ValueError(f"record has {len(dims)} blocks, model has {len(anatomy.blocks)}")
+    for b, d in zip(anatomy.blocks, dims):
+        if int(d["num_heads"]) != b.num_heads:
+            raise ValueError(f"block {b.index}: record has {d['num_heads']} heads, model {b.num_heads}")
+        if int(d["mlp_hidden"]) != b.mlp_hidden:
+            D = b.fc1.in_features
+            b.mlp.fc1 = nn.Linear(D, int(d["mlp_hidden"]), bias=b.fc1.bias is not None)
+            b.mlp.fc2 = nn.Linear(int(d["mlp_hidden"]), b.fc2.out_features, bias=b.fc2.bias is not None)
+        if (int(d["qk_dim"]), int(d["v_dim"])) != (b.qk_dim, b.v_dim) or isinstance(b.attn, PrunedAttention):
+            D = b.qkv.in_features
+            b.block.attn = PrunedAttention(D, b.num_heads, int(d["qk_dim"]), int(d["v_dim"]),
+                                           qkv_bias=b.qkv.bias is not None,
+                                           proj_bias=b.proj.bias is not None,
+                                           dense_head_dim=int(d.get("head_dim", b.head_dim)))
+    return model

@@ -1,0 +1,415 @@
+"""Build a TensorRT engine from an ONNX file for one device profile (TensorRT 10.x Python API).
+
+:func:`build_engine` parses the ONNX file, configures the builder from the profile
+(:func:`builder_settings` is the pure part, :func:`apply_settings` the part that talks to
+TensorRT), reuses and updates the profile's timing cache, builds, and writes the engine
+atomically with a JSON sidecar ``<engine>.json`` (TensorRT version, GPU, profile, ONNX sha256,
+build time). It refuses to build when the local GPU's compute capability differs from the
+profile's, unless ``force_device=True``.
+
+Only the batch dimension may be dynamic: ``edgeprune export`` fixes channels and image size.
+An ONNX file with a static batch gets an engine for exactly that batch (the profile's batch
+range is then ignored, with a note in the settings).
+
+TensorRT is imported lazily; without it (or without a GPU) the functions raise
+:class:`~edgeprune.errors.UserError` with one line that says what is missing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from edgeprune.errors import UserError
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+    from devices.profile import DeviceProfile
+
+REQUIRED_TRT_MAJOR = 10
+TRT_INSTALL_HINT = (
+    "install TensorRT 10.x (JetPack 6 ships 10.3 as python3-libnvinfer; on x86 workstations "
+    "`pip install tensorrt-cu12`) into this Python environment"
+)
+SIDECAR_SUFFIX = ".json"
+
+Shape = tuple[int | str, ...]
+"""An ONNX input shape: ints for fixed dims, a name (or -1) for dynamic ones."""
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT availability
+
+
+def tensorrt_version() -> str:
+    """The installed TensorRT version, e.g. ``"10.3.0"``.
+
+    Raises:
+        UserError: the ``tensorrt`` package is missing, is only type stubs, does not load, or
+            is not TensorRT 10.x.
+    """
+    try:
+        import tensorrt as trt_mod
+    except ImportError as err:
+        raise UserError(f"TensorRT Python package not found: {TRT_INSTALL_HINT} ({err})") from None
+    except Exception as err:  # e.g. OSError: libnvinfer.so.10 missing
+        raise UserError(f"TensorRT Python package failed to load ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else ''}): {TRT_INSTALL_HINT}") from None
+    version = getattr(trt_mod, "__version__", None)
+    if version is None or not hasattr(trt_mod, "Builder"):
+        # `pip install tensorrt-stubs` without TensorRT leaves an importable, empty `tensorrt`.
+        raise UserError(f"TensorRT Python package not found ('tensorrt' is only type stubs): "
+                        f"{TRT_INSTALL_HINT}")
+    major = str(version).split(".", 1)[0]
+    if major != str(REQUIRED_TRT_MAJOR):
+        raise UserError(f"TensorRT {version} found, but edgeprune needs TensorRT "
+                        f"{REQUIRED_TRT_MAJOR}.x: {TRT_INSTALL_HINT}")
+    return str(version)
+
+
+def require_gpu(device_index: int = 0) -> Any:
+    """The local :class:`~runners.gpu_info.GpuInfo`; raises UserError if no CUDA GPU is visible."""
+    from runners.gpu_info import local_gpu
+
+    gpu = local_gpu(device_index)
+    if gpu is None:
+        raise UserError("no CUDA GPU visible: TensorRT needs an NVIDIA GPU and driver "
+                        "(nvidia-smi finds none, or CUDA_VISIBLE_DEVICES hides it)")
+    return gpu
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX side (no TensorRT needed)
+
+
+def onnx_input(onnx_path: str | os.PathLike[str]) -> tuple[str, Shape]:
+    """Name and shape of the single graph input of an ONNX file (weights are not loaded).
+
+    Raises:
+        UserError: missing or unreadable file, or not exactly one input.
+    """
+    import onnx
+
+    path = Path(onnx_path)
+    if not path.is_file():
+        raise UserError(f"ONNX file {str(path)!r} not found")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as err:
+        raise UserError(f"cannot read ONNX file {str(path)!r}: {err}") from None
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise UserError(f"{path.name}: expected exactly one graph input (an image batch), "
+                        f"found {len(inputs)}: {', '.join(i.name for i in inputs)}")
+    inp = inputs[0]
+    dims: list[int | str] = []
+    for d in inp.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        else:
+            dims.append(d.dim_param or -1)
+    return inp.name, tuple(dims)
+
+
+def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_dynamic(d: int | str) -> bool:
+    return isinstance(d, str) or d < 0
+
+
+def builder_settings(profile: DeviceProfile, onnx_input_shape: Sequence[int | str], *,
+                     input_name: str = "input",
+                     timing_cache: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Everything the builder needs, derived from a device profile and the ONNX input shape.
+
+    Pure (no TensorRT): the same dict drives :func:`apply_settings` and
+    :func:`exporters.trtexec.trtexec_command`.
+
+    Args:
+        profile: a TensorRT device profile.
+        onnx_input_shape: e.g. ``("batch", 3, 224, 224)``, ``(-1, 3, 224, 224)`` or
+            ``(1, 3, 224, 224)``; only the first (batch) dimension may be dynamic.
+        input_name: the ONNX input's name.
+        timing_cache: overrides the profile's timing-cache path.
+
+    Returns:
+        dict with ``precision``, ``fp16`` (bool), ``workspace_mib``, ``workspace_bytes``,
+        ``builder_optimization_level``, ``profiling_verbosity`` (``"detailed"``),
+        ``timing_cache`` (str path), ``input_name``, ``dynamic_batch`` (bool), ``shapes``
+        (``{"min": [...], "opt": [...], "max": [...]}``) and ``notes`` (list of str).
+
+    Raises:
+        UserError: not a TensorRT profile; a non-batch dimension is dynamic; empty shape.
+    """
+    if profile.build is None or not profile.uses_tensorrt:
+        raise UserError(f"device profile {profile.name!r} has no TensorRT build settings "
+                        f"(backend {profile.backend}); pick a TensorRT profile such as rtx3090 or orin-nx")
+    shape = tuple(onnx_input_shape)
+    if len(shape) == 0:
+        raise UserError(f"ONNX input {input_name!r} is a scalar; expected (batch, C, H, W)")
+    dyn_rest = [i for i, d in enumerate(shape[1:], start=1) if _is_dynamic(d)]
+    if dyn_rest:
+        raise UserError(
+            f"ONNX input {input_name!r} has dynamic dimension(s) {dyn_rest} in shape {list(shape)}: "
+            "only the batch dimension may be dynamic (re-export with a fixed image size)")
+    rest = [int(d) for d in shape[1:]]
+    b = profile.build.batch
+    notes: list[str] = []
+    dynamic = _is_dynamic(shape[0])
+    if dynamic:
+        shapes = {"min": [b.min, *rest], "opt": [b.opt, *rest], "max": [b.max, *rest]}
+    else:
+        fixed = int(shape[0])
+        shapes = {k: [fixed, *rest] for k in ("min", "opt", "max")}
+        if (b.min, b.opt, b.max) != (fixed, fixed, fixed):
+            notes.append(f"ONNX batch dimension is fixed at {fixed}: the profile's batch range "
+                         f"{b.min}/{b.opt}/{b.max} is ignored (export with a dynamic batch to use it)")
+    cache = Path(timing_cache).expanduser() if timing_cache is not None else profile.build.timing_cache
+    return {
+        "precision": profile.build.precision,
+        "fp16": profile.build.precision == "fp16",
+        "workspace_mib": profile.build.workspace_mib,
+        "workspace_bytes": profile.build.workspace_mib * (1 << 20),
+        "builder_optimization_level": profile.build.builder_optimization_level,
+        "profiling_verbosity": "detailed",
+        "timing_cache": str(cache),
+        "input_name": input_name,
+        "dynamic_batch": dynamic,
+        "shapes": shapes,
+        "notes": notes,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT side
+
+
+def apply_settings(config: trt.IBuilderConfig, builder: trt.Builder,
+                   network: trt.INetworkDefinition, settings: dict[str, Any]) -> None:
+    """Configure a builder config from :func:`builder_settings` output.
+
+    Sets the workspace pool limit, FP16 (when the profile asks for it), the builder optimization level, detailed profiling verbosity (layer names in the
+    engine inspector) and, for a dynamic batch, one optimization profile.
+
+    Raises:
+        UserError: the network's input does not match ``settings``.
+    """
+    import tensorrt as trt
+
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(settings["workspace_bytes"]))
+    if settings["fp16"]:
+        config.set_flag(trt.BuilderFlag.FP16)
+    config.builder_optimization_level = int(settings["builder_optimization_level"])
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+
+    if network.num_inputs != 1:
+        raise UserError(f"the parsed network has {network.num_inputs} inputs; expected one image batch")
+    tensor = network.get_input(0)
+    net_shape = list(dims_tuple(tensor.shape))
+    want = settings["shapes"]["opt"]
+    if len(net_shape) != len(want) or any(d >= 0 and d != w for d, w in zip(net_shape, want)):
+        raise UserError(f"network input {tensor.name!r} has shape {net_shape}, which does not fit "
+                        f"the build shapes {settings['shapes']}")
+    if any(d < 0 for d in net_shape):
+        opt_profile = builder.create_optimization_profile()
+        opt_profile.set_shape(tensor.name, trt.Dims(settings["shapes"]["min"]),
+                              trt.Dims(settings["shapes"]["opt"]), trt.Dims(settings["shapes"]["max"]))
+        config.add_optimization_profile(opt_profile)
+
+
+def dims_tuple(dims: trt.Dims) -> tuple[int, ...]:
+    """A TensorRT ``Dims`` as a tuple of ints (-1 for dynamic dimensions)."""
+    return tuple(int(dims[i]) for i in range(len(dims)))
+
+
+def _make_logger() -> tuple[trt.ILogger, list[str]]:
+    """A TensorRT logger that prints warnings and errors and keeps the errors."""
+    import tensorrt as trt
+
+    errors: list[str] = []
+
+    class _Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
+            if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
+                errors.append(msg)
+                print(f"[TensorRT] ERROR: {msg}", file=sys.stderr)
+            elif severity == trt.ILogger.Severity.WARNING:
+                print(f"[TensorRT] warning: {msg}", file=sys.stderr)
+
+    return _Logger(), errors
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def sidecar_path(engine_path: str | os.PathLike[str]) -> Path:
+    """``model.engine`` -> ``model.engine.json``."""
+    p = Path(engine_path)
+    return p.with_name(p.name + SIDECAR_SUFFIX)
+
+
+def read_sidecar(engine_path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The engine's JSON sidecar, or None if it has none, is unreadable, or is stale (its
+    ``engine_bytes`` differs from the engine file's size)."""
+    try:
+        data = json.loads(sidecar_path(engine_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    size = data.get("engine_bytes")
+    try:
+        if size is not None and Path(engine_path).stat().st_size != int(size):
+            print(f"warning: ignoring stale {sidecar_path(engine_path).name} (engine size differs)",
+                  file=sys.stderr)
+            return None
+    except (OSError, ValueError, TypeError):
+        return None
+    return data
+
+
+def _load_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> tuple[trt.ITimingCache, str]:
+    """Create the config's timing cache from ``cache_path`` (or empty) and attach it."""
+    data = b""
+    state = "new"
+    if cache_path.is_file():
+        try:
+            data = cache_path.read_bytes()
+            state = "reused"
+        except OSError as err:
+            print(f"warning: cannot read timing cache {cache_path}: {err}; starting a new one", file=sys.stderr)
+    cache = config.create_timing_cache(data)
+    if not config.set_timing_cache(cache, ignore_mismatch=False):
+        # Written by another GPU or TensorRT version: start over rather than mix timings.
+        print(f"warning: timing cache {cache_path} does not match this GPU/TensorRT; starting a new one",
+              file=sys.stderr)
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+        state = "replaced"
+    return cache, state
+
+
+def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str | os.PathLike[str],
+                 out_path: str | os.PathLike[str], *, force_device: bool = False,
+                 timing_cache: str | os.PathLike[str] | None = None) -> Path:
+    """Build a TensorRT engine for ``profile`` from ``onnx_path`` and write it to ``out_path``.
+
+    Also writes ``<out_path>.json`` (see :func:`read_sidecar`) and updates the timing cache.
+
+    Args:
+        onnx_path: the ONNX model (one input, dynamic or fixed batch).
+        profile: a :class:`~devices.profile.DeviceProfile`, a shipped profile's name or a path.
+        out_path: engine file to write (replaced atomically).
+        force_device: build even if the local GPU's compute capability differs from the profile's.
+        timing_cache: timing-cache file to use instead of the profile's.
+
+    Returns:
+        ``Path(out_path)``.
+
+    Raises:
+        UserError: missing ONNX file, non-TensorRT profile, TensorRT or GPU missing, compute
+            capability mismatch (without ``force_device``), ONNX parser errors, build failure.
+    """
+    from devices import load_profile
+    from runners.gpu_info import check_compute_capability
+
+    prof = load_profile(profile)
+    onnx_file = Path(onnx_path)
+    out = Path(out_path)
+    input_name, input_shape = onnx_input(onnx_file)
+    settings = builder_settings(prof, input_shape, input_name=input_name, timing_cache=timing_cache)
+    trt_version = tensorrt_version()
+    gpu = require_gpu()
+    check = check_compute_capability(prof, gpu, force=force_device)
+    if check.message:
+        print(check.message, file=sys.stderr)
+    for note in settings["notes"]:
+        print(f"note: {note}", file=sys.stderr)
+
+    import tensorrt as trt
+
+    t0 = time.perf_counter()
+    logger, errors = _make_logger()
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_file.resolve())):
+        msgs = [str(parser.get_error(i)).strip().replace("\n", " ") for i in range(parser.num_errors)]
+        shown = "; ".join(msgs[:3]) + (f"; ... ({len(msgs) - 3} more)" if len(msgs) > 3 else "")
+        raise UserError(f"TensorRT {trt_version} cannot parse {onnx_file.name}: "
+                        f"{shown or 'unknown parser error'}")
+
+    config = builder.create_builder_config()
+    apply_settings(config, builder, network, settings)
+    cache_path = Path(settings["timing_cache"])
+    _cache, cache_state = _load_timing_cache(config, cache_path)
+
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        detail = errors[-1] if errors else "see the TensorRT messages above"
+        raise UserError(f"TensorRT engine build failed for {onnx_file.name} on {prof.name}: {detail}")
+    build_s = time.perf_counter() - t0
+
+    # A stale sidecar must never describe the new engine: drop it before replacing the engine.
+    sidecar_path(out).unlink(missing_ok=True)
+    atomic_write_bytes(out, memoryview(serialized))
+    try:
+        # The builder added its new timings to the config's cache object.
+        atomic_write_bytes(cache_path, memoryview(config.get_timing_cache().serialize()))
+    except OSError as err:
+        print(f"warning: cannot write timing cache {cache_path}: {err}", file=sys.stderr)
+
+    sidecar = {
+        "format": "edgeprune-trt-engine/1",
+        "engine": out.name,
+        "engine_bytes": out.stat().st_size,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "tensorrt_version": trt_version,
+        "gpu": gpu.to_dict(),
+        "force_device": force_device and not check.matches,
+        "profile": prof.to_dict(),
+        "onnx": {"path": str(onnx_file.resolve()), "sha256": file_sha256(onnx_file),
+                 "input_name": input_name, "input_shape": list(input_shape)},
+        "settings": settings,
+        "timing_cache_state": cache_state,
+        "build_time_s": round(build_s, 3),
+    }
+    atomic_write_bytes(sidecar_path(out), (json.dumps(sidecar, indent=2) + "\n").encode())
+    return out

@@ -1,0 +1,238 @@
+"""Runners (torch, ONNX Runtime), interleaved A/B comparison and reports. No timing asserts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from edgeprune.errors import UserError
+from edgeprune.zoo.fmnist_vit import create_fmnist_vit
+from exporters.onnx import export_onnx
+from runners.base import BenchResult, Runner, make_batch, peak_rss_mb, summarize_latencies
+from runners.compare import PairResult, bench_pair, ratio_stats
+from runners.onnxruntime_runner import OrtRunner, resolve_providers
+from runners.report import markdown_table, pair_markdown_table, plot_latency, to_json
+from runners.torch_runner import TorchRunner
+
+SHAPE = (1, 28, 28)
+
+
+def _fmnist(seed: int = 0):
+    torch.manual_seed(seed)
+    return create_fmnist_vit(pretrained=False)
+
+
+@pytest.fixture(scope="module")
+def onnx_file(tmp_path_factory):
+    model = _fmnist()
+    return export_onnx(model, tmp_path_factory.mktemp("r") / "fm.onnx", SHAPE, {"method": "dense"}), model
+
+
+def _assert_sane(r: BenchResult, batch_size: int, iterations: int) -> None:
+    lat = r.latency_ms
+    assert r.batch_size == batch_size and r.iterations == iterations
+    assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert lat["min"] <= lat["mean"] <= lat["max"] and lat["std"] >= 0
+    assert r.throughput == pytest.approx(batch_size * 1000.0 / lat["mean"], rel=1e-9)
+    assert r.peak_memory_mb is not None and r.peak_memory_mb > 0
+    json.dumps(r.to_dict())  # serialisable
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime
+
+
+def test_ort_runner_benchmark(onnx_file):
+    path, _ = onnx_file
+    runner = OrtRunner(path, threads=1)
+    results = runner.benchmark([1, 4], iterations=8, warmup=2)
+    assert [r.batch_size for r in results] == [1, 4]
+    for r, bs in zip(results, [1, 4]):
+        _assert_sane(r, bs, 8)
+        assert r.backend == "onnxruntime" and r.device == "cpu" and r.model == "fm.onnx"
+        assert r.settings["providers"] == ["CPUExecutionProvider"]
+        assert r.settings["intra_op_threads"] == 1 and r.warmup == 2
+        assert r.versions["onnxruntime"] == ort.__version__
+    assert runner.input_shape == SHAPE and runner.fixed_batch is None
+
+
+def test_ort_runner_infer_matches_torch(onnx_file):
+    path, model = onnx_file
+    runner = OrtRunner(path)
+    x = make_batch(SHAPE, 3, seed=1)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x)).numpy()
+    assert np.abs(runner.infer(x) - ref).max() <= 1e-4
+    with pytest.raises(UserError, match="takes"):
+        runner.infer(np.zeros((1, 3, 28, 28), np.float32))
+
+
+def test_ort_provider_errors(onnx_file, tmp_path):
+    path, _ = onnx_file
+    available = ort.get_available_providers()
+    for alias, full in (("cuda", "CUDAExecutionProvider"), ("tensorrt", "TensorrtExecutionProvider")):
+        if full not in available:
+            with pytest.raises(UserError, match="not available"):
+                OrtRunner(path, providers=alias)
+    with pytest.raises(UserError, match="not available"):
+        resolve_providers(["NoSuchExecutionProvider"])
+    assert resolve_providers("cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(UserError, match="not found"):
+        OrtRunner(tmp_path / "missing.onnx")
+    bad = tmp_path / "bad.onnx"
+    bad.write_text("garbage")
+    with pytest.raises(UserError, match="cannot load"):
+        OrtRunner(bad)
+    with pytest.raises(UserError, match="threads"):
+        OrtRunner(path, threads=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch
+
+
+def test_torch_runner_benchmark():
+    model = _fmnist()
+    runner = TorchRunner(model, threads=1, label="fmnist", input_shape=SHAPE)
+    results = runner.benchmark([1, 2], iterations=6, warmup=1)
+    for r, bs in zip(results, [1, 2]):
+        _assert_sane(r, bs, 6)
+        assert r.backend == "torch" and r.device == "cpu" and r.model == "fmnist"
+        assert r.settings["threads"] == 1 and r.settings["timing"] == "perf_counter"
+        assert r.versions["torch"] == torch.__version__
+    x = make_batch(SHAPE, 2, seed=3)
+    with torch.no_grad():
+        assert np.allclose(runner.infer(x), model(torch.from_numpy(x)).numpy())
+
+
+def test_torch_runner_errors():
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA"):
+            TorchRunner(_fmnist(), device="cuda")
+    with pytest.raises(UserError, match="threads"):
+        TorchRunner(_fmnist(), threads=0)
+    runner = TorchRunner(_fmnist())  # no input shape known
+    with pytest.raises(ValueError, match="input shape"):
+        runner.benchmark([1], iterations=1, warmup=0)
+
+
+def test_make_batch_and_peak_rss():
+    x = make_batch(SHAPE, 5, inputs=torch.arange(2 * 28 * 28, dtype=torch.float32).reshape(2, 1, 28, 28))
+    assert x.shape == (5, 1, 28, 28) and x.dtype == np.float32
+    assert np.array_equal(x[0], x[2]) and np.array_equal(x[1], x[3])
+    a, b = make_batch(SHAPE, 2, seed=7), make_batch(SHAPE, 2, seed=7)
+    assert np.array_equal(a, b)
+    assert peak_rss_mb() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# interleaved comparison
+
+
+class FakeRunner(Runner):
+    """Returns fixed latencies and records every call in a shared log."""
+
+    backend = "fake"
+
+    def __init__(self, name: str, latency: float, log: list, shape=SHAPE):
+        self.label, self.latency, self.log, self.input_shape = name, latency, log, shape
+        self.inputs: list[np.ndarray] = []
+
+    def infer(self, x):
+        return np.zeros((x.shape[0], 10), np.float32)
+
+    def time_once(self, x):
+        self.log.append(self.label)
+        self.inputs.append(x)
+        return self.latency
+
+    def peak_memory_mb(self):
+        return 1.0
+
+
+def test_bench_pair_interleaves_on_the_same_input():
+    log: list[str] = []
+    a, b = FakeRunner("A", 2.0, log), FakeRunner("B", 1.0, log)
+    pairs = bench_pair(a, b, [1, 3], iterations=4, warmup=2)
+    # per batch size: 2 warm-up pairs + 4 timed pairs, strictly alternating
+    assert log == ["A", "B"] * (6 * 2)
+    for x_a, x_b in zip(a.inputs, b.inputs):
+        assert x_a is x_b
+    assert [x.shape[0] for x in a.inputs] == [1] * 6 + [3] * 6
+    assert [p.batch_size for p in pairs] == [1, 3]
+    p = pairs[1]
+    assert isinstance(p, PairResult) and p.a.model == "A" and p.b.model == "B"
+    assert p.a.iterations == 4 and p.a.warmup == 2 and p.a.settings["interleaved"]
+    assert p.latency_ratio == {"median": 2.0, "p10": 2.0, "p90": 2.0, "mean": 2.0}
+    assert p.throughput_ratio == pytest.approx(2.0)
+    assert p.a.throughput == pytest.approx(3 * 1000 / 2.0)
+    assert len(p.latencies_a) == len(p.latencies_b) == 4
+
+
+def test_bench_pair_rejects_different_inputs():
+    log: list[str] = []
+    with pytest.raises(UserError, match="different inputs"):
+        bench_pair(FakeRunner("A", 1, log), FakeRunner("B", 1, log, (3, 224, 224)), [1], 1, 0)
+
+
+def test_ratio_stats_are_per_pair():
+    # A/B per pair: 2, 2, 2, 10 -> median 2 (a ratio of medians/means would differ)
+    st = ratio_stats([2, 4, 6, 50], [1, 2, 3, 5])
+    assert st["median"] == pytest.approx(2.0)
+    assert st["p10"] == pytest.approx(2.0) and st["p90"] > 2.0
+    with pytest.raises(ValueError):
+        ratio_stats([1, 2], [1])
+
+
+def test_bench_pair_real_runners(onnx_file):
+    path, model = onnx_file
+    pairs = bench_pair(OrtRunner(path, threads=1), TorchRunner(model, threads=1, input_shape=SHAPE),
+                       [2], iterations=5, warmup=1)
+    p = pairs[0]
+    _assert_sane(p.a, 2, 5)
+    _assert_sane(p.b, 2, 5)
+    assert p.latency_ratio["p10"] <= p.latency_ratio["median"] <= p.latency_ratio["p90"]
+    assert p.throughput_ratio == pytest.approx(p.b.throughput / p.a.throughput)
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+
+
+def _result(model: str, bs: int, lat: list[float]) -> BenchResult:
+    s = summarize_latencies(lat)
+    return BenchResult(model=model, backend="onnxruntime", device="cpu", batch_size=bs,
+                       iterations=len(lat), warmup=1, latency_ms=s, throughput=bs * 1000 / s["mean"],
+                       peak_memory_mb=100.0)
+
+
+def test_reports(tmp_path):
+    log: list[str] = []
+    pairs = bench_pair(FakeRunner("dense.onnx", 4.0, log), FakeRunner("pruned.onnx", 2.0, log),
+                       [1, 8], iterations=3, warmup=0)
+    table = pair_markdown_table(pairs)
+    assert "latency A/B" in table and "dense.onnx" in table
+    assert len([l for l in table.splitlines() if l.startswith("| 1 ") or l.startswith("| 8 ")]) == 2
+    assert "2.000 [2.000–2.000]" in table
+    singles = [_result("m.onnx", 1, [1.0, 2.0, 3.0]), _result("m.onnx", 8, [5.0, 6.0])]
+    md = markdown_table(singles)
+    assert md.count("\n") == 3 and "| m.onnx | onnxruntime | cpu | 8 |" in md
+
+    out = tmp_path / "r.json"
+    to_json(pairs, out, extra={"command": "test"})
+    doc = json.loads(out.read_text())
+    assert doc["command"] == "test" and doc["results"][1]["batch_size"] == 8
+    assert doc["results"][0]["latency_ratio"]["median"] == 2.0
+    assert doc["results"][0]["a"]["latency_ms"]["p50"] == 4.0
+
+    pytest.importorskip("matplotlib")
+    png = plot_latency(pairs, tmp_path / "p.png", title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png2 = plot_latency(singles, tmp_path / "s.png")
+    assert png2.stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "r.json", "s.png"]
