@@ -160,6 +160,8 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
             if qkv.out_features != 3 * num_heads * qk_dim:
                 raise UnsupportedModelError(f"{where}: attn.qkv has {qkv.out_features} outputs, "
                                             f"expected 3*num_heads*head_dim")
+        if "glu" in type(mlp).__name__.lower():
+            raise UnsupportedModelError(f"{where}: mlp is {type(mlp).__name__} (gated/GLU MLPs are not supported)")
         fc1 = getattr(mlp, "fc1", None)
         fc2 = getattr(mlp, "fc2", None)
         act = getattr(mlp, "act", None)

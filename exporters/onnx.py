@@ -405,16 +405,30 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
         device = param.device if param is not None else torch.device("cpu")
         gen = torch.Generator().manual_seed(0)
         dummy = torch.randn((batch_size, *input_shape), generator=gen).to(device)
-        _single_tensor_output(model, dummy)
+        if opset not in _TORCHSCRIPT_OPSETS and exporter == "torchscript":
+            raise UserError(f"opset {opset} is not supported (use {_TORCHSCRIPT_OPSETS.start}.."
+                            f"{_TORCHSCRIPT_OPSETS.stop - 1}; 17 for TensorRT 10.x)")
 
         tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
             raw = tmpdir / "raw.onnx"
-            if exporter == "torchscript":
-                _torchscript_export(model, dummy, raw, opset, dynamic_batch)
-            else:
-                _dynamo_export(model, dummy, raw, opset, dynamic_batch)
+            try:
+                if exporter == "torchscript":
+                    _torchscript_export(model, dummy, raw, opset, dynamic_batch)
+                else:
+                    _dynamo_export(model, dummy, raw, opset, dynamic_batch)
+            except UserError:
+                raise
+            except Exception:
+                # Say so in one line if the model simply does not take this input (or returns no
+                # single tensor); anything else is a real export problem: re-raise it.
+                _single_tensor_output(model, dummy)
+                raise
             proto = onnx.load(str(raw), load_external_data=True)
+            if len(proto.graph.output) != 1:
+                _single_tensor_output(model, dummy)
+                raise UserError(f"the model has {len(proto.graph.output)} outputs; "
+                                "ONNX export needs one tensor output")
             if fold_constants:
                 proto = _clean_graph(proto)
 

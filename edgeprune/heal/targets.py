@@ -154,11 +154,18 @@ class DenseTargets:
 
 
 # ---- dense targets, disk cache --------------------------------------------------------------------
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -172,6 +179,7 @@ def _atomic_save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metad
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

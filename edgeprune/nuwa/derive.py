@@ -334,10 +334,9 @@ def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.
         idx = torch.randperm(len(train[0]), generator=g)[:cfg.calib_size]
         calibration = train[0][idx]
         calib_desc = f"{len(idx)} random labeled target-class images (seed {cfg.seed + 1}), labels unused"
-        calib_n = len(idx)
         batches = lambda: _batches(calibration, cfg.batch_size)  # noqa: E731
     else:
-        batches, calib_desc, calib_n = _calibration_batches(calibration, cfg.batch_size)
+        batches, calib_desc, _ = _calibration_batches(calibration, cfg.batch_size)
     st = collect_statistics(find_anatomy(anchor_model), batches(), mlp=True, qk=False, progress=progress)
     timing["stats_s"] = time.perf_counter() - t
 
