@@ -83,6 +83,7 @@ def load_target(run_dir: Path | None, model_name: str | None, checkpoint: Path |
         model, record = load_run(run_dir)
         spec = spec_from_record(record["base_model"])
         return model.eval(), record, spec
+    assert model_name is not None
     spec = get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init=random_init)
     if random_init:
         import torch
@@ -217,7 +218,8 @@ def make_runner(target: str, backend: str = "auto", *, provider: str = "cpu", de
     * ``*.onnx`` file -> :class:`runners.onnxruntime_runner.OrtRunner` (backend onnxruntime);
     * run directory -> :class:`runners.torch_runner.TorchRunner` (backend torch);
     * a model name (no such path) -> dense TorchRunner (backend torch);
-    * ``*.engine`` / ``*.plan`` -> TensorRT (not in this build yet).
+    * ``*.engine`` / ``*.plan`` -> :class:`runners.tensorrt_runner.TrtRunner` (backend tensorrt;
+      ``device`` may name the device profile whose bench settings apply, e.g. ``orin-nx``).
 
     Raises:
         UserError: missing file, a target the backend cannot run, ...
@@ -225,7 +227,19 @@ def make_runner(target: str, backend: str = "auto", *, provider: str = "cpu", de
     p = Path(target)
     suffix = p.suffix.lower()
     if suffix in (".engine", ".plan", ".trt"):
-        raise UserError(f"{target}: TensorRT engines are not supported by this edgeprune build yet")
+        if backend not in ("auto", "tensorrt"):
+            raise UserError(f"{target} is a TensorRT engine; use --backend tensorrt (or auto)")
+        from runners.tensorrt_runner import TrtRunner
+
+        cuda_graphs = False
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            from devices import load_profile
+
+            profile = load_profile(device)
+            if not profile.uses_tensorrt:
+                raise UserError(f"device profile {profile.name!r} does not use TensorRT")
+            cuda_graphs = bool(profile.bench.cuda_graphs)
+        return TrtRunner(p, cuda_graphs=cuda_graphs, model=p.name)
     if suffix == ".onnx":
         if backend not in ("auto", "onnxruntime"):
             raise UserError(f"{target} is an ONNX file; the {backend} backend runs run directories "
@@ -268,11 +282,12 @@ def _parse_batch_sizes(ctx, param, value: str) -> list[int]:
 @click.command("bench")
 @click.argument("a")
 @click.option("--vs", "b", default=None, metavar="B", help="compare against B (interleaved A B A B ...)")
-@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "torch"]), default="auto",
-              show_default=True, help="auto: .onnx -> onnxruntime, run dir / model name -> torch")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "torch", "tensorrt"]), default="auto",
+              show_default=True, help="auto: .onnx -> onnxruntime, .engine -> tensorrt, run dir / model name -> torch")
 @click.option("--provider", default="cpu", show_default=True,
               help="ONNX Runtime provider: cpu, cuda, tensorrt")
-@click.option("--device", default="cpu", show_default=True, help="torch device: cpu or cuda")
+@click.option("--device", default="cpu", show_default=True,
+              help="torch device (cpu, cuda), or for .engine files a device profile (rtx3090, orin-nx)")
 @click.option("--batch-sizes", default="1,8", show_default=True, callback=_parse_batch_sizes)
 @click.option("--iterations", default=50, show_default=True, type=click.IntRange(min=1))
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(min=0))

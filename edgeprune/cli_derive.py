@@ -108,12 +108,13 @@ def _load_eval(model_name: str, data, eval_data, spec, classes: list[int], n: in
 @click.option("--no-eval", is_flag=True, help="Skip the final evaluation.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the on-disk SVD cache.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch CPU threads [torch's default].")
 @click.option("-o", "--out", type=click.Path(), default=None, help="New run directory [runs/<model>-nuwa-<classes>-<budget>].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def derive_cmd(model_name, checkpoint, random_init, num_classes, classes, flops, params, slice_head, data,
                train_data, train_per_class, calib_dir, calib_size, val_size, skp_steps, skp_batch_size,
                skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha, eval_data, eval_size,
-               no_eval, no_cache, seed, out, quiet):
+               no_eval, no_cache, seed, threads, out, quiet):
     """Derive a class-specific edge ViT with NuWa (SKP + SVD/least-squares pruning) under a budget."""
     from edgeprune.artifact import check_new_dir, save_run
     from edgeprune.nuwa.derive import (DeriveConfig, check_budget, derive, evaluate_targets, resolve_budget,
@@ -122,7 +123,13 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, classes, flops,
     from edgeprune.nuwa.skp import SKPConfig
     from edgeprune.zoo.registry import get_model_spec
 
+    import torch
+
     metric, frac = resolve_budget(flops, params)
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     if train_per_class is not None and train_per_class < 1:
         raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
     cfg = DeriveConfig(
@@ -189,5 +196,8 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, classes, flops,
     click.echo(f"\nnuwa: rho={d['rho']:g} qk={d['ofp_mha']['qk']} vo={d['ofp_mha']['vo']} mlp={d['ofp_mlp']['mlp']}; "
                f"anchor kept {d['anchor']['kept']} (SKP step {d['anchor']['step']}); "
                f"{metric} x{b['achieved_fraction']:.3f} (budget {frac:g}); head: {rec['head']['mode']}; "
-               f"SVD factors: {d['ofp_mha']['svd_cache']['source']}; took {rec['timing']['total_s']:.1f} s")
+               f"SVD factors: {d['ofp_mha']['svd_cache']['source']}")
+    t = rec["timing"]
+    click.echo(f"time: SKP {t['skp_s']:.1f} s, statistics {t['stats_s']:.1f} s, SVD {t['svd_s']:.1f} s, "
+               f"budget search {t['search_s']:.1f} s; total {t['total_s']:.1f} s")
     click.echo(f"saved {out_path}")

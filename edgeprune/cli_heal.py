@@ -145,9 +145,16 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
     from edgeprune.cli import _fmt_metric
 
     click.echo("")
-    click.echo(f"alignment loss ({loss}) on the calibration set: {info['initial_loss']:.5f} -> "
-               f"{info['final_loss']:.5f}; {len(info['trained_modules'])} layers trained "
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.5f}"
+
+    click.echo(f"alignment loss ({loss}) on the calibration set: {fmt(info['initial_loss'])} -> "
+               f"{fmt(info['final_loss'])}; {len(info['trained_modules'])} layers trained "
                f"({info['trainable_params']:,} params), {epochs} epochs in {info['wall_time_s']:.1f} s")
+    if info["final_loss"] is not None and info["initial_loss"] is not None and info["final_loss"] > info["initial_loss"]:
+        click.echo(f"warning: healing increased the alignment loss ({info['steps']} steps); AdamW's first steps at "
+                   f"--lr {lr:g} overshoot when there are few steps: try a lower --lr, more --epochs or a larger "
+                   "--calib-size", err=True)
     if not no_eval:
         click.echo(f"| {'':8} | quality |")
         click.echo(f"|{'-' * 10}|---------|")

@@ -174,6 +174,7 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
     gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
     stats = collect_statistics(anatomy, batches(), mlp=prune_mlp and (cfg.compensation or cfg.mlp_criterion != "magnitude"),
                                qk=prune_qk, qk_grams=keep_grams, gram_dtype=gram_dtype,
+                               mlp_second_order=cfg.compensation,
                                progress=progress)
     seconds = stats.seconds
     t0 = time.perf_counter()

@@ -156,8 +156,11 @@ def block_dims(model: nn.Module) -> list[dict[str, int]]:
             qk = getattr(attn, "qk_dim", None)
             v = getattr(attn, "v_dim", None)
             hd = getattr(attn, "head_dim", None)
-            entry["qk_dim"] = int(qk if qk is not None else hd)
-            entry["v_dim"] = int(v if v is not None else hd)
+            qk = qk if qk is not None else hd
+            v = v if v is not None else hd
+            if qk is not None and v is not None:
+                entry["qk_dim"] = int(qk)
+                entry["v_dim"] = int(v)
             entry["num_heads"] = heads
         out.append(entry)
     return out
@@ -297,6 +300,8 @@ def _dynamo_export(model: nn.Module, dummy: torch.Tensor, path: Path, opset: int
                 input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                 dynamic_shapes=dyn, optimize=True, verbose=False, report=False,
             )
+            if prog is None:
+                raise RuntimeError("torch.onnx.export(dynamo=True) returned no program")
             prog.save(str(path))
 
 
@@ -429,6 +434,10 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
                 _single_tensor_output(model, dummy)
                 raise UserError(f"the model has {len(proto.graph.output)} outputs; "
                                 "ONNX export needs one tensor output")
+            got_opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), None)
+            if got_opset != opset:
+                raise UserError(f"the {exporter} exporter produced opset {got_opset}, not {opset}; "
+                                "use the torchscript exporter or another opset")
             if fold_constants:
                 proto = _clean_graph(proto)
 

@@ -183,13 +183,13 @@ def plot_latency(results: Sequence[BenchResult] | Sequence[PairResult],
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix or ".png", dir=p.parent)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=out.suffix or ".png", dir=out.parent)
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120)
-        os.replace(tmp, p)
+        os.replace(tmp, out)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -198,4 +198,4 @@ def plot_latency(results: Sequence[BenchResult] | Sequence[PairResult],
         raise
     finally:
         plt.close(fig)
-    return p
+    return out

@@ -40,6 +40,16 @@ HAVE_FMNIST = _fmnist_available()
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST is not installed")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a 2-core machine shared with other jobs, OpenMP's spinning worker
+    threads make these tiny matmuls 10x slower than a single thread."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="module")
 def spec():
     return get_model_spec("fmnist-vit")
@@ -136,9 +146,9 @@ def test_reduced_modules(pruned, pruned0, dense):
 
 
 # ---- invariance at sparsity 0 ---------------------------------------------------------------------
-def test_heal_at_sparsity_zero_changes_nothing(pruned0, dense, calib):
+def test_heal_at_sparsity_zero_changes_nothing(pruned0, pruned, dense, calib):
     before = _state(dense)
-    res = heal(pruned0.model, dense, calib[:32], epochs=2, batch_size=16)
+    res = heal(pruned0.model, dense, calib[:16], epochs=2, batch_size=8)
     assert res.info["trained_modules"] == [] and res.info["trainable_params"] == 0
     assert abs(res.info["initial_loss"]) < 1e-6 and abs(res.info["final_loss"]) < 1e-6
     _assert_states_equal(_state(res.model), before)
@@ -152,13 +162,10 @@ def test_heal_at_sparsity_zero_changes_nothing(pruned0, dense, calib):
         (g,) = torch.autograd.grad(loss, [an.blocks[2].fc1.weight])
         return g.norm().item()
 
-    import copy
-
-    pruned_half = prune(dense, calib[:32], sparsity=0.5, compensation=False).model
-    assert fc1_grad(copy.deepcopy(pruned0.model)) < 1e-4 * fc1_grad(pruned_half)
+    assert fc1_grad(pruned0.model) < 1e-4 * fc1_grad(pruned.model)
     # ... so training all of them (no weight decay) moves nothing beyond round-off.
     names = [f"blocks.{i}.{m}" for i in range(6) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
-    forced = heal(pruned0.model, dense, calib[:32], epochs=1, batch_size=32, trainable=names, weight_decay=0.0)
+    forced = heal(pruned0.model, dense, calib[:16], epochs=1, batch_size=16, trainable=names, weight_decay=0.0)
     assert abs(forced.info["final_loss"]) < 1e-6
     moved = max((a - b).abs().max().item() for a, b in zip(_state(forced.model).values(), before.values()))
     assert moved < 1e-4
@@ -167,7 +174,9 @@ def test_heal_at_sparsity_zero_changes_nothing(pruned0, dense, calib):
 # ---- a short heal helps, and touches only the reduced layers --------------------------------------
 @pytest.fixture(scope="module")
 def healed(pruned, dense, calib):
-    return heal(pruned.model, dense, calib, epochs=2, batch_size=16, seed=0)
+    # 8 AdamW steps. The paper's lr (6e-4) is tuned for hundreds of steps: its first,
+    # sign-like Adam steps overshoot and need many more to settle, so a heal this short uses 1e-4.
+    return heal(pruned.model, dense, calib, epochs=2, batch_size=16, lr=1e-4, seed=0)
 
 
 @needs_fmnist
@@ -206,8 +215,8 @@ class _Interrupt(Exception):
 
 
 def test_resume_after_interruption_is_exact(pruned, dense, calib, tmp_path):
-    kw = dict(epochs=2, batch_size=16, seed=3, measure=False)
-    data = calib[:32]
+    kw = dict(epochs=2, batch_size=8, seed=3, measure=False)
+    data = calib[:16]
     full = heal(pruned.model, dense, data, **kw)
 
     def stop_after_first(epoch, stats):
@@ -235,18 +244,19 @@ def test_resume_after_interruption_is_exact(pruned, dense, calib, tmp_path):
 
 # ---- disk target cache ----------------------------------------------------------------------------
 def test_disk_cache_streams_within_budget_and_matches(pruned, dense, calib, tmp_path):
-    data = CalibrationSet(calib[:24])
-    per_image_mb = 6 * 50 * 128 * 4 / 2 ** 20  # blocks x tokens x width x float32
+    data = CalibrationSet(calib[:16])
+    an = find_anatomy(dense)
+    per_image_mb = len(an.blocks) * an.num_tokens * an.embed_dim * 4 / 2 ** 20  # float32 block outputs
     stream = DiskTargetCache(tmp_path / "cache", memory_budget_mb=2.5 * per_image_mb)
     stream.prepare(dense, data, batch_size=8)
-    assert not stream.resident and len(stream.manifest["shards"]) == 24  # one image per shard
-    idx = torch.tensor([17, 3, 3, 22, 0])
+    assert not stream.resident and len(stream.manifest["shards"]) == 16  # one image per shard
+    idx = torch.tensor([11, 3, 3, 14, 0])
     otf = DenseTargets(dense).get(idx, data.get(idx))
     for a, b in zip(stream.get(idx), otf):
         assert torch.equal(a, b)
 
     with pytest.raises(UserError, match="different dense model or calibration"):
-        DiskTargetCache(tmp_path / "cache").prepare(dense, CalibrationSet(calib[24:48]))
+        DiskTargetCache(tmp_path / "cache").prepare(dense, CalibrationSet(calib[16:32]))
     resident = DiskTargetCache(tmp_path / "cache", memory_budget_mb=64)  # same cache, now fits: in memory
     resident.prepare(dense, data)
     assert resident.reused and resident.built_shards == 0 and resident.resident
@@ -262,11 +272,16 @@ def test_disk_cache_streams_within_budget_and_matches(pruned, dense, calib, tmp_
 
     # healing from the streamed cache equals healing with on-the-fly targets
     kw = dict(epochs=1, batch_size=8, measure=False)
-    a = heal(pruned.model, dense, calib[:24], **kw)
-    b = heal(pruned.model, dense, calib[:24], target_cache=tmp_path / "cache",
+    a = heal(pruned.model, dense, calib[:16], **kw)
+    b = heal(pruned.model, dense, calib[:16], target_cache=tmp_path / "cache",
              memory_budget_mb=2.5 * per_image_mb, **kw)
     assert b.info["targets"]["kind"] == "disk-cache" and not b.info["targets"]["resident"]
     _assert_states_equal(_state(a.model), _state(b.model))
+
+
+def test_mse_ablation(pruned, dense, calib):
+    res = heal(pruned.model, dense, calib[:16], epochs=1, batch_size=8, loss="mse", lr=1e-4)
+    assert res.info["loss"] == "mse" and 0 < res.info["final_loss"] < res.info["initial_loss"]
 
 
 # ---- Python API errors ----------------------------------------------------------------------------
@@ -308,19 +323,49 @@ def runs(pruned, pruned0, tmp_path_factory):
 @needs_fmnist
 def test_cli_heal_writes_a_normal_run(runs, capsys):
     out = runs / "half-healed"
-    code, stdout, err = _cli(["heal", runs / "half", "--calib-size", 32, "--epochs", 1, "--batch-size", 16,
-                              "--no-eval", "--quiet", "-o", out], capsys)
+    cache = runs / "targets"
+    code, stdout, err = _cli(["heal", runs / "half", "--calib-size", 16, "--epochs", 1, "--batch-size", 8,
+                              "--cache-targets", cache, "--memory-budget-mb", 0.5, "--no-eval", "--quiet",
+                              "-o", out], capsys)
     assert code == 0, err
     assert "saved" in stdout
     model, rec = load_run(out)
     h = rec["healing"]
-    assert h["method"] == "starfish" and h["loss"] == "cosine" and h["epochs"] == 1 and h["batch_size"] == 16
-    assert h["calibration"]["num_images"] == 32 and "train" in h["calibration"]["source"]
-    assert h["final_loss"] <= h["initial_loss"] * 1.5 and h["wall_time_s"] > 0
+    assert h["method"] == "starfish" and h["loss"] == "cosine" and h["epochs"] == 1 and h["batch_size"] == 8
+    assert h["calibration"]["num_images"] == 16 and "train" in h["calibration"]["source"]
+    assert h["steps"] == 2 and len(h["history"]) == 1 and h["lr"] == 6e-4 and h["seed"] == 0
+    assert 0 < h["initial_loss"] < 1 and 0 < h["final_loss"] < 1 and h["wall_time_s"] > 0
     assert len(h["trained_modules"]) == 24 and h["input_method"] == "uncompensated"
     assert rec["blocks"] == json.loads((runs / "half" / "run.json").read_text())["blocks"]
     assert "evaluation" not in rec  # the input's evaluation was of the unhealed model
     assert not (runs / "half-healed.partial").exists()
+    assert h["targets"]["kind"] == "disk-cache" and not h["targets"]["resident"]
+    assert len(list(cache.glob("shard-*.safetensors"))) > 1
+
+
+@needs_fmnist
+def test_cli_resumes_from_the_partial_checkpoint(runs, spec, capsys):
+    """An interrupted heal leaves OUT.partial/; the same command then resumes and gives exactly
+    the uninterrupted result."""
+    model, _ = load_run(runs / "half")
+    dense = spec.create(pretrained=True)
+    data = spec.calibration_source(16, seed=0)  # what the CLI draws for --calib-size 16
+    kw = dict(epochs=2, batch_size=8, measure=False)
+    full = heal(model, dense, data, **kw)
+
+    def stop(epoch, stats):
+        raise _Interrupt
+
+    out = runs / "resumed"
+    with pytest.raises(_Interrupt):
+        heal(model, dense, data, checkpoint_dir=runs / "resumed.partial", callback=stop, **kw)
+    code, stdout, err = _cli(["heal", runs / "half", "--calib-size", 16, "--epochs", 2, "--batch-size", 8,
+                              "--no-eval", "--quiet", "-o", out], capsys)
+    assert code == 0, err
+    assert "resuming" in stdout
+    healed, rec = load_run(out)
+    assert rec["healing"]["resumed_from_epoch"] == 1
+    _assert_states_equal(_state(healed), _state(full.model))
 
 
 def test_cli_errors(runs, tmp_path, capsys):

@@ -118,3 +118,16 @@ def test_fold_without_compensation_keeps_dense_scale():
 def test_negative_alpha_rejected():
     with pytest.raises(ValueError):
         mlp_ridge.ridge_lambda(torch.eye(3, dtype=torch.float64), -1.0)
+
+
+def test_first_order_only_statistics_give_the_same_ranking_inputs():
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(4, 30, 16, generator=g) * 2 + 1
+    full, light = MLPStatistics(16), MLPStatistics(16, second_order=False)
+    for chunk in h.split(1):
+        full.add_batch(chunk)
+        light.add_batch(chunk)
+    assert torch.allclose(full.energy, light.energy, atol=1e-9)
+    assert torch.allclose(full.active_prob, light.active_prob)
+    with pytest.raises(RuntimeError):
+        light.cov

@@ -27,7 +27,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -199,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import onnxruntime
     import os
+
+    import onnxruntime
 
     print(f"ONNX Runtime {onnxruntime.__version__} CPU, threads {args.threads or 'default'} "
           f"({os.cpu_count()} logical CPUs), {args.iterations} interleaved pairs after {args.warmup} "

@@ -58,6 +58,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         mlp: collect MLP hidden statistics (for MLP pruning).
         qk: collect Q/K statistics (for attention pruning).
         qk_grams: keep per-image Q/K Grams (needed for Q/K compensation).
+        mlp_second_order: accumulate MLP covariances (needed for MLP compensation).
         gram_dtype: dtype of the per-batch MLP Gram product (see :class:`MLPStatistics`).
         progress: show a tqdm progress bar; total: number of batches, for the bar.
         qk_keep: second-pass mode: per block the (H, d') kept Q/K dims (or None); the pass then
@@ -72,7 +73,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     model = anatomy.model
     model.eval()
     mlp_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.mlp_hidden, gram_dtype) if mlp else None for b in anatomy.blocks]
+        MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order) if mlp else None for b in anatomy.blocks]
     qk_stats: list = [
         QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams) if qk else None for b in anatomy.blocks]
     if qk_keep is not None:

@@ -59,7 +59,7 @@ class BlockCapture:
         self.outputs: list[torch.Tensor | None] = [None] * len(anatomy.blocks)
         self._stop = False
         self._handles = []
-        blocks = list(anatomy.vit.blocks)
+        blocks = [b.block for b in anatomy.blocks]  # the modules of anatomy.vit.blocks, in order
         for i, blk in enumerate(blocks):
             self._handles.append(blk.register_forward_hook(self._hook(i, last=i == len(blocks) - 1)))
 
@@ -129,7 +129,7 @@ def per_image_alignment(outputs: Sequence[torch.Tensor], targets: Sequence[torch
         raise ValueError(f"unknown alignment loss {kind!r} (choose from {', '.join(LOSSES)})")
     if len(outputs) != len(targets) or not outputs:
         raise ValueError(f"{len(outputs)} block outputs vs {len(targets)} targets")
-    total = None
+    total: torch.Tensor | None = None
     for out, ref in zip(outputs, targets):
         if out.shape != ref.shape:
             raise ValueError(f"block output {tuple(out.shape)} vs target {tuple(ref.shape)}")
@@ -140,6 +140,7 @@ def per_image_alignment(outputs: Sequence[torch.Tensor], targets: Sequence[torch
         else:
             per = (a - b).pow(2).mean(dim=1)
         total = per if total is None else total + per
+    assert total is not None
     return total / len(outputs)
 
 

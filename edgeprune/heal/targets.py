@@ -79,8 +79,8 @@ class CalibrationSet:
 
     def __init__(self, calibration: Any) -> None:
         self.images: torch.Tensor | None = None
-        self._files = None
-        self._load: Callable | None = None
+        self._files: list[Any] = []
+        self._load: Callable[[Any], torch.Tensor] | None = None
         self.description = getattr(calibration, "description", None)
         if isinstance(calibration, torch.Tensor):
             self.images = calibration
@@ -111,6 +111,7 @@ class CalibrationSet:
         idx = torch.as_tensor(indices, dtype=torch.long)
         if self.images is not None:
             return self.images[idx].float()
+        assert self._load is not None
         return torch.stack([self._load(self._files[int(i)]) for i in idx]).float()
 
     def fingerprint(self) -> str:
@@ -263,8 +264,9 @@ class DiskTargetCache:
                 self._maybe_load_resident(per_image)
                 return
         shard_images = max(1, (self.budget // 2) // per_image)
-        shards = [{"file": SHARD_PATTERN.format(i), "start": s, "count": min(shard_images, n - s)}
-                  for i, s in enumerate(range(0, n, shard_images))]
+        shards: list[dict[str, Any]] = [
+            {"file": SHARD_PATTERN.format(i), "start": s, "count": min(shard_images, n - s)}
+            for i, s in enumerate(range(0, n, shard_images))]
         todo = []
         for s in shards:
             p = self.dir / s["file"]

@@ -317,6 +317,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
     loaded = _load_checkpoint(ckpt_dir) if ckpt_dir is not None else None
     if loaded is not None:
         diff = _settings_diff(loaded[1]["settings"], settings)
+        assert ckpt_dir is not None
         if diff:
             raise UserError(f"healing checkpoint {ckpt_dir / CHECKPOINT} was made with other settings or "
                             f"inputs ({'; '.join(diff[:3])}); use the same settings or delete {ckpt_dir}")
@@ -362,6 +363,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                 initial_loss = _measure(cap, targets, calib, batch_size, loss)
 
             for epoch in range(start_epoch, epochs if opt is not None else 0):
+                assert opt is not None
                 t0 = time.perf_counter()
                 order = torch.randperm(n, generator=gen)
                 bar = tqdm(iter_batches(n, batch_size, order), total=steps_per_epoch, disable=not progress,
