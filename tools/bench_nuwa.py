@@ -88,6 +88,8 @@ def main(argv=None) -> int:
         meta = fh.metadata() or {}
     if "test_top1" not in meta:
         print(f"warning: {WEIGHTS} has no test_top1 metadata -- untrained placeholder?", file=sys.stderr)
+    elif meta.get("partial") == "true":
+        print(f"warning: {WEIGHTS} is a partial checkpoint (epochs {meta.get('epochs')})", file=sys.stderr)
     sizes = [int(s) for s in args.sizes.split(",")]
     fracs = [float(f) for f in args.flops.split(",")]
     base = create_fmnist_vit(pretrained=True)

@@ -47,6 +47,7 @@ def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.
 @torch.no_grad()
 def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        mlp: bool = True, qk: bool = True, qk_grams: bool = True,
+                       mlp_second_order: bool = True,
                        gram_dtype: torch.dtype = torch.float64, progress: bool = True,
                        total: int | None = None,
                        qk_keep: list[torch.Tensor | None] | None = None) -> CalibrationStatistics:
