@@ -68,7 +68,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
           target: str = "both", sparsity: float | None = 0.5, mlp_sparsity: float | None = None,
           attn_sparsity: float | None = None, compensation: bool = True, criterion: str = "combined",
           ridge_alpha: float | None = None, qk_ridge_alpha: float | None = None, round_to: int = 8,
-          batch_size: int = 32, gram_dtype: str = "float64", progress: bool = False,
+          batch_size: int = 32, gram_dtype: str = "float32", progress: bool = False,
           inplace: bool = False, spec=None, calibration_info: dict | None = None) -> PruneResult:
     """One-shot structured pruning with CORP (corp-v1 Alg. 1).
 
@@ -85,7 +85,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         ridge_alpha, qk_ridge_alpha: scale-free ridge strengths (None = defaults).
         round_to: kept dims are multiples of this.
         batch_size: calibration batch size (tensor input).
-        gram_dtype: "float64" or "float32" for the per-batch MLP Gram product.
+        gram_dtype: "float32" (default) or "float64" for the per-batch Gram products.
         progress: progress bars.
         spec: the model's :class:`ModelSpec`, recorded in the run record when given.
         calibration_info: extra calibration description for the record.

@@ -33,7 +33,7 @@ class CorpConfig:
         ridge_alpha: scale-free ridge strength of the MLP fit (lam = alpha * tr(Sigma_SS)/|S|).
         qk_ridge_alpha: scale-free ridge strength of the Q/K fit (lam = alpha * mean diag of K).
         round_to: kept dims are multiples of this.
-        gram_dtype: dtype of the per-batch MLP Gram product ("float64" or "float32").
+        gram_dtype: dtype of the per-batch Gram products ("float32" default, or "float64").
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
     """
@@ -45,7 +45,7 @@ class CorpConfig:
     ridge_alpha: float = mlp_ridge.DEFAULT_ALPHA
     qk_ridge_alpha: float = qk_logit.DEFAULT_ALPHA
     round_to: int = 8
-    gram_dtype: str = "float64"
+    gram_dtype: str = "float32"
     qk_memory_limit_gb: float = 4.0
 
     def validate(self) -> None:
@@ -110,7 +110,7 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
             keep = plan.mlp_keep
             prune = _complement(keep, b.mlp_hidden)
             bmat = cvec = None
-            if cfg.compensation:
+            if cfg.compensation and len(prune) > 0:
                 st = mlp_stats[b.index]
                 bmat, cvec, lam = mlp_ridge.ridge_affine_map(st.mean, st.cov, keep, prune, cfg.ridge_alpha)
                 rec["mlp_lambda"] = lam
@@ -124,7 +124,8 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
             for h in range(H):
                 keep = plan.qk_keep[h]
                 m = None
-                if cfg.compensation and qk_systems is not None:
+                # nothing pruned in this head: M = 0 exactly, skip the d'^2 x d'^2 solve
+                if cfg.compensation and qk_systems is not None and len(keep) < b.qk_dim:
                     k_sys, rhs = qk_systems(b.index, h)
                     m, lam = qk_logit.solve_logit_compensation(k_sys, rhs, cfg.qk_ridge_alpha)
                     lams.append(lam)

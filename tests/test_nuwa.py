@@ -20,6 +20,7 @@ from edgeprune.artifact import load_run, save_run
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.errors import UserError
 from edgeprune.flops import model_flops
+from edgeprune.nuwa import budget as budget_mod
 from edgeprune.nuwa import svd_cache
 from edgeprune.nuwa.derive import (DeriveConfig, derive, materialize_anchor, prepare, derive_from,
                                    resolve_classes)
@@ -254,6 +255,19 @@ def test_rank_for_energy_floors_to_multiple_of_8():
     f = model_factors(find_anatomy(_tiny()))
     qk, vo = layer_dims(f, 1.0)
     assert qk == [16, 16] and vo == [16, 16]
+
+
+def test_adaptive_rho_grid_hits_every_dim_change():
+    factors = model_factors(find_anatomy(_fmnist_arch(15)))
+    grid = budget_mod.rho_candidates(factors, n=1000)
+    assert grid[0] == 1.0 and grid[-1] == 0.0 and grid == sorted(grid, reverse=True)
+    dims = [layer_dims(factors, r) for r in grid]
+    assert dims[0] == ([64] * 6, [64] * 6) and dims[-1] == ([8] * 6, [8] * 6)
+    # every layer takes every multiple of 8 somewhere on the grid (rho = its energy at that rank)
+    for i in range(6):
+        assert {d[0][i] for d in dims} == set(range(8, 65, 8))
+        assert {d[1][i] for d in dims} == set(range(8, 65, 8))
+    assert len(budget_mod.rho_candidates(factors, n=5)) == 7
 
 
 def test_svd_cache_memory_disk_and_key(tmp_path):

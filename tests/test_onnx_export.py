@@ -261,7 +261,8 @@ def test_graph_op_summary(tmp_path):
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("onnxscript"), reason="needs onnxscript")
 def test_dynamo_exporter(tmp_path):
     model = _fmnist()
-    path = export_onnx(model, tmp_path / "d.onnx", (1, 28, 28), {}, exporter="dynamo")
+    # the dynamo exporter emits opset >= 18 natively; its down-conversion to 17 is unreliable
+    path = export_onnx(model, tmp_path / "d.onnx", (1, 28, 28), {}, exporter="dynamo", opset=18)
     x = torch.randn(3, 1, 28, 28)
     with torch.no_grad():
         assert np.abs(_ort_run(path, x) - model(x).numpy()).max() <= ATOL

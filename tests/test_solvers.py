@@ -14,7 +14,7 @@ from edgeprune.solve import mlp_ridge, qk_logit
 def test_mlp_stats_match_direct_computation():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 40, 12, generator=g, dtype=torch.float64) * 3 + 50  # large mean
-    st = MLPStatistics(12)
+    st = MLPStatistics(12, gram_dtype=torch.float64)
     for chunk in h.split(1):
         st.add_batch(chunk)
     x = h.reshape(-1, 12)
@@ -34,7 +34,7 @@ def test_exactly_affine_mlp_case_is_compensated_exactly():
     hp = hs @ b_true.T + c_true
     keep, prune = torch.arange(S), torch.arange(S, S + P)
     h = torch.cat([hs, hp], 1)
-    st = MLPStatistics(S + P)
+    st = MLPStatistics(S + P, gram_dtype=torch.float64)
     st.add_batch(h)
     b, c, lam = mlp_ridge.ridge_affine_map(st.mean, st.cov, keep, prune, alpha=1e-12)
     assert torch.allclose(b, b_true, atol=1e-6) and torch.allclose(c, c_true, atol=1e-6)
@@ -54,7 +54,7 @@ def test_ridge_lambda_is_scale_free():
     keep, prune = torch.arange(6), torch.tensor([6, 7])
     outs = []
     for scale in (1.0, 1000.0):
-        st = MLPStatistics(8)
+        st = MLPStatistics(8, gram_dtype=torch.float64)
         st.add_batch(h * scale)
         b, c, lam = mlp_ridge.ridge_affine_map(st.mean, st.cov, keep, prune, alpha=0.1)
         outs.append((b, c / scale, lam / scale ** 2))
@@ -131,3 +131,15 @@ def test_first_order_only_statistics_give_the_same_ranking_inputs():
     assert torch.allclose(full.active_prob, light.active_prob)
     with pytest.raises(RuntimeError):
         light.cov
+
+
+def test_float32_batch_grams_match_float64():
+    """The default float32 per-batch products (shifted, summed in float64) match float64 ones."""
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(8, 257, 96, generator=g) * torch.linspace(0.1, 5, 96) + 3
+    f32, f64 = MLPStatistics(96), MLPStatistics(96, gram_dtype=torch.float64)
+    for chunk in h.split(2):
+        f32.add_batch(chunk)
+        f64.add_batch(chunk)
+    rel = (f32.cov - f64.cov).abs().max() / f64.cov.abs().max()
+    assert rel < 1e-5, rel

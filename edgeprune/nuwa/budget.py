@@ -10,7 +10,8 @@ Both are affine in each block's MLP width, which makes the MLP allowance a close
    ``floor(rest / cost_per_neuron)`` MLP neurons, spread uniformly
    (:func:`edgeprune.nuwa.ofp_mlp.uniform_mlp_dims`).
 
-:func:`plan_candidates` does this for a grid of rho values and drops dominated ones (once the MLPs
+:func:`plan_candidates` does this for a grid of rho values (by default adapted to the spectra:
+:func:`rho_candidates`) and drops dominated ones (once the MLPs
 reach their SKP-anchor caps, pruning attention further buys nothing). The derivation then picks the
 candidate with the best held-out accuracy (``edgeprune.nuwa.derive``). A budget that cannot be met
 even with every dim at ``round_to`` is a :class:`UserError`.
@@ -30,8 +31,30 @@ from edgeprune.nuwa.ofp_mha import BlockFactors, layer_dims, retained_energy
 from edgeprune.nuwa.ofp_mlp import uniform_mlp_dims
 
 METRICS = ("flops", "params")
-DEFAULT_RHO_GRID = (1.0, 0.999, 0.995, 0.99, 0.98, 0.97, 0.96, 0.95, 0.93, 0.9, 0.87, 0.85, 0.8,
-                    0.75, 0.7, 0.65, 0.6, 0.5, 0.4, 0.3, 0.0)
+DEFAULT_NUM_RHO = 16
+
+
+def rho_candidates(factors: list[BlockFactors], n: int = DEFAULT_NUM_RHO, round_to: int = 8) -> list[float]:
+    """Adaptive rho grid: the retained-energy levels at which some layer's dim changes.
+
+    Every layer's qk and vo spectrum has a retained energy at each multiple of ``round_to``; these
+    levels are exactly the rho values where :func:`layer_dims` changes (and they crowd near 1 for
+    trained attention, e.g. 0.995 at rank 8 of 64). ``n`` of them, evenly spaced in rank order,
+    plus 1.0 (no attention pruning) and 0.0 (every dim at ``round_to``) form the grid.
+    """
+    from edgeprune.nuwa.ofp_mha import energy_ratios
+
+    levels = set()
+    for f in factors:
+        for s in (f.qk_s, f.vo_s):
+            r = energy_ratios(s)
+            for k in range(round_to, r.numel(), round_to):
+                levels.add(round(float(r[k - 1]), 12))
+    levels.discard(1.0)
+    lv = sorted(levels, reverse=True)
+    if len(lv) > n:
+        lv = [lv[round(i * (len(lv) - 1) / (n - 1))] for i in range(n)] if n > 1 else lv[:1]
+    return [1.0, *lv, 0.0]
 
 
 @dataclasses.dataclass
@@ -152,13 +175,16 @@ def check_feasible(cost: CostModel, budget: int, dense_cost: int, round_to: int 
 
 
 def plan_candidates(cost: CostModel, factors: list[BlockFactors], caps: list[int], budget: int,
-                    rho_grid: tuple[float, ...] | list[float] = DEFAULT_RHO_GRID,
+                    rho_grid: tuple[float, ...] | list[float] | None = None,
                     round_to: int = 8) -> list[Plan]:
-    """Feasible, distinct, non-dominated plans for the rho values of ``rho_grid`` (descending).
+    """Feasible, distinct, non-dominated plans for the rho values of ``rho_grid`` (descending;
+    None = :func:`rho_candidates`).
 
     Raises:
         UserError: no rho in the grid gives a feasible plan.
     """
+    if rho_grid is None:
+        rho_grid = rho_candidates(factors, round_to=round_to)
     plans: list[Plan] = []
     seen = set()
     for rho in sorted(set(float(r) for r in rho_grid), reverse=True):
@@ -177,6 +203,10 @@ def plan_candidates(cost: CostModel, factors: list[BlockFactors], caps: list[int
         if mlp == caps:
             break  # MLPs are at the anchor: lower rho would only prune attention for nothing
     if not plans:
-        raise UserError(f"no retained-energy ratio in {sorted(set(rho_grid), reverse=True)} meets the "
-                        f"{cost.metric} budget; lower rho values or a larger budget are needed")
+        grid = sorted(set(float(r) for r in rho_grid), reverse=True)
+        if len(grid) == 1:
+            raise UserError(f"--rho {grid[0]:g} leaves too little of the {cost.metric} budget for the MLPs "
+                            f"(each needs >= {round_to} channels); lower --rho or raise the budget")
+        raise UserError(f"no retained-energy ratio in the grid ({len(grid)} values, {grid[0]:g} .. {grid[-1]:g}) "
+                        f"meets the {cost.metric} budget; include lower values or raise the budget")
     return plans

@@ -63,7 +63,7 @@ class DeriveConfig:
         val_size: held-out target-class images (from the labeled data) for SKP checkpoints and rho.
         calib_size: calibration images drawn from the labeled data when none are given.
         rho: fixed retained-energy ratio (None = search ``rho_grid``).
-        rho_grid: candidate ratios.
+        rho_grid: candidate ratios (None = adaptive, :func:`edgeprune.nuwa.budget.rho_candidates`).
         key_bias: "drop" (default) or "augment" -- see :mod:`edgeprune.nuwa.ofp_mha`.
         ridge_alpha: scale-free ridge of the fc2 least-squares re-fit.
         refit: False = plain removal of the low-activation channels (ablation).
@@ -78,7 +78,7 @@ class DeriveConfig:
     val_size: int = 300
     calib_size: int = 128
     rho: float | None = None
-    rho_grid: tuple[float, ...] = budget_mod.DEFAULT_RHO_GRID
+    rho_grid: tuple[float, ...] | None = None
     key_bias: str = "drop"
     ridge_alpha: float = DEFAULT_RIDGE_ALPHA
     refit: bool = True
@@ -337,7 +337,8 @@ def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.
         batches = lambda: _batches(calibration, cfg.batch_size)  # noqa: E731
     else:
         batches, calib_desc, _ = _calibration_batches(calibration, cfg.batch_size)
-    st = collect_statistics(find_anatomy(anchor_model), batches(), mlp=True, qk=False, progress=progress)
+    st = collect_statistics(find_anatomy(anchor_model), batches(), mlp=True, qk=False,
+                            mlp_second_order=cfg.refit, progress=progress)
     timing["stats_s"] = time.perf_counter() - t
 
     # 4. head
@@ -380,7 +381,7 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
     cost = budget_mod.CostModel(an_anchor, metric)
     budget_mod.check_feasible(cost, target, dense_cost, cfg.round_to)
     caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], cfg.round_to)
-    grid = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid
+    grid = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid  # None = adaptive
     plans = budget_mod.plan_candidates(cost, prep.factors, caps, target, grid, cfg.round_to)
     sliced = prep.info["sliced"]
     candidates = []
