@@ -97,6 +97,10 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     model = spec.create(pretrained=False)
     try:
         apply_structure(model, rec["blocks"])
+        if rec.get("head"):  # NuWa: head suppressed or sliced to the target classes
+            from edgeprune.nuwa.head import apply_head_structure
+
+            apply_head_structure(model, rec["head"])
         state = load_file(str(p / WEIGHTS))
         model.load_state_dict(state, strict=True)
     except (ValueError, RuntimeError, KeyError) as err:

@@ -157,6 +157,24 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, eval_dat
 
     model, rec, spec = _load_target(run_dir, model_name, checkpoint, random_init, num_classes)
     ev = spec.eval_source(eval_data, n=eval_size)
+    if rec is not None and rec.get("head"):  # NuWa run: only its target classes count
+        from edgeprune.nuwa.derive import evaluate_targets
+
+        classes = [int(c) for c in rec["head"]["classes"]]
+        keep = torch.tensor(classes)
+        pairs = [(x[torch.isin(y, keep)], y[torch.isin(y, keep)]) for x, y in ev.batches(1024) if y is not None]
+        if not pairs:
+            raise UserError("evaluating a NuWa run needs labeled evaluation images")
+        xs, ys = zip(*pairs)
+        x, y = torch.cat(xs), torch.cat(ys)
+        with torch.no_grad():
+            top1, _ = evaluate_targets(model, x, y, classes, sliced=rec["head"].get("mode") == "slice")
+        m = {"top1": top1, "num_images": len(y)}
+        click.echo(f"{run_dir}: {ev.description}, target classes {classes} ({len(y)} images): "
+                   f"top-1 {top1 * 100:.2f}% (argmax over the target classes)")
+        if json_out:
+            Path(json_out).write_text(json.dumps(m, indent=2) + "\n")
+        return
     dense = spec.create(pretrained=True) if rec is not None else None
     with torch.no_grad():
         if spec.output_kind == "saliency":

@@ -416,10 +416,7 @@ def test_sliced_head_run_round_trip(tmp_path):
 
     rebuilt.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
     torch.testing.assert_close(rebuilt.eval()(x[:4]), res.model(x[:4]))
-    try:
-        loaded, _ = load_run(out)
-    except UserError as err:
-        pytest.xfail(f"edgeprune.artifact.load_run does not apply record['head'] yet: {err}")
+    loaded, _ = load_run(out)
     torch.testing.assert_close(loaded(x[:4]), res.model(x[:4]))
 
 
