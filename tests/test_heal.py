@@ -26,17 +26,7 @@ from edgeprune.heal.trainer import CHECKPOINT
 from edgeprune.zoo.registry import get_model_spec
 
 
-def _fmnist_available() -> bool:
-    try:
-        from edgeprune.data.fashion_mnist import dataset_dir
-
-        dataset_dir()
-        return True
-    except UserError:
-        return False
-
-
-HAVE_FMNIST = _fmnist_available()
+from tests.conftest import HAS_FMNIST as HAVE_FMNIST  # noqa: E402
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST is not installed")
 
 

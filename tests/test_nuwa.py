@@ -11,6 +11,8 @@ import json
 import math
 
 import pytest
+
+from tests.conftest import needs_fmnist
 import torch
 import torch.nn as nn
 
@@ -450,16 +452,6 @@ def test_derive_errors():
         derive(nn.Sequential(), [0], x, y, flops=0.5, config=cfg)
 
 
-def _fmnist_available() -> bool:
-    try:
-        from edgeprune.data.fashion_mnist import dataset_dir
-
-        dataset_dir()
-        return True
-    except UserError:
-        return False
-
-
 def _run_cli(args, capsys):
     from edgeprune.cli import main
 
@@ -485,7 +477,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], cap.err
 
 
-@pytest.mark.skipif(not _fmnist_available(), reason="Fashion-MNIST not installed")
+@needs_fmnist
 def test_cli_derive_fmnist_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     code = 0
