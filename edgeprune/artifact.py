@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
+from edgeprune.atomic import atomic_dir
 from edgeprune.errors import UserError
 
 WEIGHTS = "model.safetensors"
@@ -47,17 +46,12 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
     from safetensors.torch import save_file
 
     out = check_new_dir(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "edgeprune_record": RECORD})
         (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
         if out.exists():
             raise UserError(f"output directory {out} appeared while saving; not overwriting it")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
+from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
 
 
@@ -173,19 +173,16 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, eval_dat
         click.echo(f"{run_dir}: {ev.description}, target classes {classes} ({len(y)} images): "
                    f"top-1 {top1 * 100:.2f}% (argmax over the target classes)")
         if json_out:
-            Path(json_out).write_text(json.dumps(m, indent=2) + "\n")
+            atomic_write_text(json_out, json.dumps(m, indent=2) + "\n")
         return
     dense = spec.create(pretrained=True) if rec is not None else None
     with torch.no_grad():
-        if spec.output_kind == "saliency":
-            if dense is None:
-                raise UserError("dinov2-s14 quality is fidelity to the dense model: evaluate a run directory")
-            m = evaluate(spec, model, ev, dense=dense, progress=not quiet)
-        else:
-            m = evaluate(spec, model, ev, dense=dense, progress=not quiet)
+        if spec.output_kind == "saliency" and dense is None:
+            raise UserError("dinov2-s14 quality is fidelity to the dense model: evaluate a run directory")
+        m = evaluate(spec, model, ev, dense=dense, progress=not quiet)
     click.echo(f"{run_dir or spec.name}: {ev.description}: {_fmt_metric(m, spec.output_kind)}")
     if json_out:
-        Path(json_out).write_text(json.dumps(m, indent=2) + "\n")
+        atomic_write_text(json_out, json.dumps(m, indent=2) + "\n")
 
 
 @cli.command("info")
@@ -219,7 +216,8 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes):
         params = sum(p.numel() for p in b.block.parameters())
         click.echo(f"| {b.index} | {b.num_heads} | {b.head_dim} | {b.qk_dim} | {b.v_dim} | {b.mlp_hidden} | "
                    f"{params:,} | {f['total'] / 1e6:.1f} |")
-    click.echo(f"total: {count_params(model):,} params, {fl['total'] / 1e9:.3f} GFLOPs per image")
+    click.echo(f"total: {count_params(model):,} params, {fl['total'] / 1e9:.3f} GFLOPs per image "
+               f"(patch embedding {fl['patch_embed'] / 1e9:.3f}, head {fl['head'] / 1e9:.3f})")
 
 
 def _register_optional_commands() -> None:

@@ -11,6 +11,10 @@ Q/K head dim d_qk, V head dim d_v and MLP hidden D_mlp:
 
 which is NuWa's suppl. eq. 13 (``(2 N d + N^2) h (d_qk + d_vo) + 2 N d d_mlp`` counts MACs with
 fc1+fc2 folded into one term). Patch embedding and the head are added once.
+
+A wrapper model with a head of its own outside the ViT (the dinov2-s14 saliency decoder) counts it
+by defining ``head_flops(img_size: tuple[int, int]) -> int``; :func:`model_flops` adds it, so the
+FLOPs ratio of a pruned wrapper compares whole models, not backbones.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
 
     Returns:
         dict with ``total`` (int), ``blocks`` (list of :func:`block_flops` dicts),
-        ``patch_embed`` and ``head`` (int).
+        ``patch_embed`` and ``head`` (int): the ViT's linear head, or the wrapper's own head
+        (``anatomy.model.head_flops``) when the ViT sits inside one.
     """
     n = anatomy.num_tokens
     ph, pw = anatomy.patch_size
@@ -52,6 +57,9 @@ def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
     vit_head = getattr(anatomy.vit, "head", None)
     if isinstance(vit_head, nn.Linear):
         head = 2 * vit_head.in_features * vit_head.out_features
+    wrapper_head = getattr(anatomy.model, "head_flops", None)
+    if anatomy.model is not anatomy.vit and callable(wrapper_head):
+        head += int(wrapper_head(anatomy.img_size))
     blocks = [block_flops(b, n) for b in anatomy.blocks]
     total = pe + head + sum(b["total"] for b in blocks)
     return {"total": total, "blocks": blocks, "patch_embed": pe, "head": head}

@@ -22,11 +22,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from edgeprune.atomic import atomic_write_bytes  # noqa: F401  (re-exported)
 from edgeprune.errors import UserError
 
 if TYPE_CHECKING:
@@ -258,25 +258,6 @@ def _make_logger() -> tuple[trt.ILogger, list[str]]:
                 print(f"[TensorRT] warning: {msg}", file=sys.stderr)
 
     return _Logger(), errors
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def sidecar_path(engine_path: str | os.PathLike[str]) -> Path:

@@ -8,29 +8,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from edgeprune.atomic import atomic_path, atomic_write_text
 from runners.base import BenchResult
 from runners.compare import PairResult
-
-
-def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return p
 
 
 def _as_dict(obj: Any) -> Any:
@@ -68,7 +51,7 @@ def to_json(results: Any, path: str | os.PathLike | None = None, *, extra: dict 
         doc = {**extra, "results": doc}
     text = json.dumps(doc, indent=2, default=_json_default, allow_nan=True) + "\n"
     if path is not None:
-        _atomic_write_bytes(path, text.encode())
+        atomic_write_text(path, text)
     return text
 
 
@@ -184,18 +167,9 @@ def plot_latency(results: Sequence[BenchResult] | Sequence[PairResult],
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=out.suffix or ".png", dir=out.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        with atomic_path(out, suffix=out.suffix or ".png") as tmp:
+            fig.savefig(tmp, dpi=120)
     finally:
         plt.close(fig)
     return out

@@ -72,3 +72,20 @@ def test_dinov2_wrapper_anatomy():
     an = find_anatomy(model)
     assert an.vit is model.backbone
     assert an.num_tokens == 257 and an.blocks[0].ls1 is not None
+
+
+def test_dinov2_flops_include_the_decoder_and_match_torch_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from edgeprune.zoo.dinov2 import create_dinov2_s14
+
+    model = create_dinov2_s14(pretrained=False).eval()
+    an = find_anatomy(model)
+    for b in an.blocks:
+        b.attn.fused_attn = False
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        model(torch.randn(1, 3, 224, 224))
+    counted = fc.get_total_flops()
+    ours = model_flops(an)
+    assert ours["head"] == model.head_flops((224, 224)) > 2e9  # three 4x4 transposed convs
+    assert abs(ours["total"] - counted) / counted < 0.01, (ours["total"], counted)

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from edgeprune.atomic import atomic_write_text  # noqa: E402
 from edgeprune.api import prune  # noqa: E402
 from edgeprune.evaluate import evaluate  # noqa: E402
 from edgeprune.zoo.registry import get_model_spec  # noqa: E402
@@ -104,7 +105,7 @@ def main() -> None:
     print(f"\ndense: {rows[0]['dense_params'] / 1e6:.3f} M params, {rows[0]['dense_flops'] / 1e9:.3f} GFLOPs")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": args.model, "dense": dense_q, "rows": rows,
+        atomic_write_text(args.json, json.dumps({"model": args.model, "dense": dense_q, "rows": rows,
                                                "calibration": calib.description,
                                                "evaluation": ev.description}, indent=2))
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from edgeprune.atomic import atomic_write_text
+
 
 def _parse_list(s: str, typ=str) -> list:
     return [typ(x) for x in s.split(",") if x.strip()]
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
         from edgeprune.zoo.fmnist_vit import WEIGHTS
 
         meta = safe_open(str(WEIGHTS), "pt").metadata() if WEIGHTS.exists() else None
-        Path(args.json_out).write_text(json.dumps({
+        atomic_write_text(args.json_out, json.dumps({
             "command": " ".join(["python", "tools/bench_heal.py", *(argv if argv is not None else sys.argv[1:])]),
             "results": results, "markdown": md, "total_s": total, "torch": torch.__version__,
             "threads": args.threads, "machine": platform.platform(), "fmnist_weights": meta,

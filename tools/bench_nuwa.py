@@ -25,9 +25,10 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from edgeprune.atomic import atomic_write_text
 
 
 def corp_sparsity_for(base, frac: float, round_to: int = 8) -> tuple[float | None, int]:
@@ -172,9 +173,9 @@ def main(argv=None) -> int:
     print(md)
     print(f"\ntotal {total_s:.0f} s; command: {cmd}")
     if args.out_json:
-        Path(args.out_json).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(args.out_json, json.dumps(result, indent=2) + "\n")
     if args.out_md:
-        Path(args.out_md).write_text(f"{md}\n\ncommand: `{cmd}`; total {total_s:.0f} s\n")
+        atomic_write_text(args.out_md, f"{md}\n\ncommand: `{cmd}`; total {total_s:.0f} s\n")
     return 0
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from edgeprune.atomic import atomic_write_text  # noqa: E402
 from edgeprune.errors import UserError  # noqa: E402
 
 
@@ -192,8 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batch_sizes": batch_sizes, "iterations": iterations, "warmup": warmup,
         "rows": rows, "results": all_results,
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    (out / "results.md").write_text(markdown(rows, doc) + "\n")
+    atomic_write_text(out / "results.json", json.dumps(doc, indent=2, default=str) + "\n")
+    atomic_write_text(out / "results.md", markdown(rows, doc) + "\n")
     try:
         plot(rows, out / "latency.png", title=f"{args.model} on {rows[0]['device'] if rows else '?'} ({doc['backend']})")
     except ImportError:

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -36,6 +35,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from edgeprune.anatomy import find_anatomy
+from edgeprune.atomic import atomic_path, atomic_write_text
 from edgeprune.errors import UserError
 from edgeprune.heal.alignment import BlockCapture
 
@@ -155,36 +155,11 @@ class DenseTargets:
 
 
 # ---- dense targets, disk cache --------------------------------------------------------------------
-def _umask_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _atomic_save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -301,7 +276,7 @@ class DiskTargetCache:
                     "num_blocks": num_blocks, "token_shape": token_shape, "dtype": "float32",
                     "bytes_per_image": per_image, "shards": shards,
                     "calibration": calib.description}
-        _atomic_write_text(mpath, json.dumps(manifest, indent=2) + "\n")
+        atomic_write_text(mpath, json.dumps(manifest, indent=2) + "\n")
         self.manifest = manifest
         self._maybe_load_resident(per_image)
 

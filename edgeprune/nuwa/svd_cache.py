@@ -16,12 +16,12 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from edgeprune.anatomy import ViTAnatomy
+from edgeprune.atomic import atomic_path
 from edgeprune.nuwa.ofp_mha import BlockFactors, block_factors
 
 VERSION = "nuwa-svd-v1"
@@ -99,15 +99,8 @@ def _write_atomic(path: Path, factors: list[BlockFactors]) -> bool:
 
     tensors, meta = _to_tensors(factors)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
         return True
     except OSError:
         return False  # a read-only or full cache directory only costs the speed-up

@@ -260,6 +260,26 @@ class SaliencyDecoder(nn.Module):
         self.relu3 = nn.ReLU()
         self.final_conv = nn.Conv2d(64, 1, 1)
 
+    def flops(self, grid_hw: tuple[int, int]) -> int:
+        """FLOPs (2 x multiply-accumulates) of one decoder pass for one image.
+
+        A transposed convolution with C_in -> C_out channels and a k x k kernel scatters every
+        input pixel to k*k outputs per output channel: 2 C_in C_out k^2 h_in w_in. Batch norm,
+        ReLU, the bilinear resize and the sigmoid are not counted (as in :mod:`edgeprune.flops`).
+
+        Args:
+            grid_hw: patch grid (h, w), e.g. (16, 16) for a 224x224 input.
+        """
+        h, w = grid_hw
+        total = 0
+        for conv in (self.upconv1, self.upconv2, self.upconv3):
+            kh, kw = conv.kernel_size
+            total += 2 * conv.in_channels * conv.out_channels * kh * kw * h * w
+            h = (h - 1) * conv.stride[0] - 2 * conv.padding[0] + kh
+            w = (w - 1) * conv.stride[1] - 2 * conv.padding[1] + kw
+        fc = self.final_conv
+        return total + 2 * fc.in_channels * fc.out_channels * fc.kernel_size[0] * fc.kernel_size[1] * h * w
+
     def forward(self, tokens: torch.Tensor, grid_hw: tuple[int, int], out_hw: tuple[int, int]) -> torch.Tensor:
         """Decode backbone tokens into a saliency map.
 
@@ -304,6 +324,11 @@ class SaliencyViT(nn.Module):
     def _grid(self, x: torch.Tensor) -> tuple[int, int]:
         ph, pw = self.backbone.patch_embed.patch_size
         return x.shape[-2] // ph, x.shape[-1] // pw
+
+    def head_flops(self, img_size: tuple[int, int]) -> int:
+        """FLOPs of the saliency decoder for one (H, W) image (read by :func:`edgeprune.flops.model_flops`)."""
+        ph, pw = self.backbone.patch_embed.patch_size
+        return self.decoder.flops((img_size[0] // ph, img_size[1] // pw))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Backbone tokens after the final LayerNorm.
