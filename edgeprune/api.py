@@ -68,7 +68,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
           target: str = "both", sparsity: float | None = 0.5, mlp_sparsity: float | None = None,
           attn_sparsity: float | None = None, compensation: bool = True, criterion: str = "combined",
           ridge_alpha: float | None = None, qk_ridge_alpha: float | None = None, round_to: int = 8,
-          batch_size: int = 32, gram_dtype: str = "float32", progress: bool = False,
+          batch_size: int = 32, gram_dtype: str = "float32", qk_solver: str = "auto",
+          progress: bool = False,
           inplace: bool = False, spec=None, calibration_info: dict | None = None) -> PruneResult:
     """One-shot structured pruning with CORP (corp-v1 Alg. 1).
 
@@ -86,6 +87,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         round_to: kept dims are multiples of this.
         batch_size: calibration batch size (tensor input).
         gram_dtype: "float32" (default) or "float64" for the per-batch Gram products.
+        qk_solver: "auto" (default), "direct" or "cg": how the exact Q/K system is solved (same
+            system, same answer to ~1e-9; see :class:`~edgeprune.corp.CorpConfig`).
         progress: progress bars.
         spec: the model's :class:`ModelSpec`, recorded in the run record when given.
         calibration_info: extra calibration description for the record.
@@ -98,7 +101,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     """
     sp = resolve_sparsities(target, sparsity, mlp_sparsity, attn_sparsity)
     cfg = CorpConfig(mlp_sparsity=sp["mlp"], attn_sparsity=sp["attn"], compensation=compensation,
-                     mlp_criterion=criterion, round_to=round_to, gram_dtype=gram_dtype)
+                     mlp_criterion=criterion, round_to=round_to, gram_dtype=gram_dtype,
+                     qk_solver=qk_solver)
     if ridge_alpha is not None:
         cfg.ridge_alpha = ridge_alpha
     if qk_ridge_alpha is not None:
@@ -140,7 +144,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         "settings": {"mlp_criterion": criterion, "qk_criterion": "logit",
                      "ridge_alpha": cfg.ridge_alpha, "qk_ridge_alpha": cfg.qk_ridge_alpha,
                      "ridge_lambda_rule": "lam = alpha * mean diag of the normal matrix (scale-free)",
-                     "round_to": round_to, "gram_dtype": gram_dtype, "compensation": compensation},
+                     "round_to": round_to, "gram_dtype": gram_dtype, "qk_solver": qk_solver,
+                     "compensation": compensation},
         "calibration": {"source": description, "num_images": info["num_images"], "passes": info["passes"],
                         **(calibration_info or {})},
         "blocks": pruned["blocks"],

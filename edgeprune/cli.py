@@ -57,6 +57,8 @@ def cli() -> None:
 @click.option("--no-compensation", is_flag=True, help="Uncompensated baseline (same ranking, plain removal).")
 @click.option("--ridge-alpha", type=float, default=None, help="Scale-free MLP ridge strength (default 1e-3).")
 @click.option("--qk-ridge-alpha", type=float, default=None, help="Scale-free Q/K ridge strength (default 1e-3).")
+@click.option("--qk-solver", type=click.Choice(["auto", "direct", "cg"]), default="auto", show_default=True,
+              help="Exact Q/K system: Cholesky, matrix-free CG, or CG when the kept qk_dim > 32.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
 @click.option("--calib", "calib_dir", type=click.Path(), default=None,
               help="Calibration data: Fashion-MNIST dir (fmnist-vit) or ImageFolder dir (timm models).")
@@ -69,7 +71,7 @@ def cli() -> None:
 @click.option("-o", "--out", type=click.Path(), default=None, help="New run directory [runs/<model>-<target>-<sparsity>].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def prune_cmd(model_name, checkpoint, random_init, num_classes, target, sparsity, mlp_sparsity, attn_sparsity,
-              criterion, no_compensation, ridge_alpha, qk_ridge_alpha, round_to, calib_dir, eval_data,
+              criterion, no_compensation, ridge_alpha, qk_ridge_alpha, qk_solver, round_to, calib_dir, eval_data,
               calib_size, eval_size, batch_size, seed, no_eval, out, quiet):
     """Prune a model with CORP, evaluate dense vs pruned, and save a run directory."""
     import time
@@ -98,8 +100,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, target, sparsity
     t0 = time.perf_counter()
     result = prune(dense, calib, target=target, sparsity=sparsity, mlp_sparsity=mlp_sparsity,
                    attn_sparsity=attn_sparsity, compensation=not no_compensation, criterion=criterion,
-                   ridge_alpha=ridge_alpha, qk_ridge_alpha=qk_ridge_alpha, round_to=round_to,
-                   batch_size=batch_size, progress=not quiet, spec=spec,
+                   ridge_alpha=ridge_alpha, qk_ridge_alpha=qk_ridge_alpha, qk_solver=qk_solver,
+                   round_to=round_to, batch_size=batch_size, progress=not quiet, spec=spec,
                    calibration_info={"seed": seed, "size_requested": n})
     prune_s = time.perf_counter() - t0
     rec = result.record

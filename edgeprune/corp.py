@@ -18,8 +18,15 @@ from edgeprune.calibration.collect import CalibrationStatistics, collect_statist
 from edgeprune.errors import UserError
 from edgeprune.plan import BlockPlan, kept_dim
 from edgeprune.ranking import MLP_CRITERIA, mlp_scores, qk_scores, top_k_indices
-from edgeprune.solve import mlp_ridge, qk_logit
+from edgeprune.solve import mlp_ridge, qk_logit, qk_logit_cg
 from edgeprune.surgery import qkv_parts, replace_attention, shrink_mlp
+
+
+QK_SOLVERS = ("auto", "direct", "cg")
+CG_MIN_KEPT_DIM = 32  # "auto": below this d' the d'^2 x d'^2 Cholesky is as fast (measured)
+
+# f(block, head) -> (M (d', d') float64, ridge lambda, solve info dict)
+QKSolve = Callable[[int, int], "tuple[torch.Tensor, float, dict]"]
 
 
 @dataclasses.dataclass
@@ -36,6 +43,11 @@ class CorpConfig:
         gram_dtype: dtype of the per-batch Gram products ("float32" default, or "float64").
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
+        qk_solver: how the exact Q/K system is solved from per-image Grams: "direct" (float64
+            Cholesky of the d'^2 x d'^2 matrix), "cg" (matrix-free preconditioned conjugate
+            gradients, ``edgeprune.solve.qk_logit_cg``; falls back to direct if it does not
+            converge) or "auto" (cg when d' > 32 and the ridge alpha is > 0, else direct). The
+            second-pass (memory-limited) route always solves directly.
     """
 
     mlp_sparsity: float = 0.0
@@ -47,6 +59,7 @@ class CorpConfig:
     round_to: int = 8
     gram_dtype: str = "float32"
     qk_memory_limit_gb: float = 4.0
+    qk_solver: str = "auto"
 
     def validate(self) -> None:
         """Raises UserError for out-of-range settings."""
@@ -63,6 +76,10 @@ class CorpConfig:
             raise UserError(f"--round-to must be >= 1, got {self.round_to}")
         if self.gram_dtype not in ("float64", "float32"):
             raise UserError("gram dtype must be float64 or float32")
+        if self.qk_solver not in QK_SOLVERS:
+            raise UserError(f"unknown Q/K solver {self.qk_solver!r} (choose from {', '.join(QK_SOLVERS)})")
+        if self.qk_solver == "cg" and self.qk_ridge_alpha == 0:
+            raise UserError("the cg Q/K solver needs a ridge alpha > 0 (use --qk-solver direct)")
 
 
 def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig) -> list[BlockPlan]:
@@ -89,8 +106,7 @@ def _complement(keep: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
-               mlp_stats: list, qk_systems: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None
-               ) -> list[dict]:
+               mlp_stats: list, qk_solve: QKSolve | None) -> list[dict]:
     """Solve and fold the compensation, then shrink the modules (in place).
 
     Args:
@@ -98,10 +114,12 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
         plans: from :func:`plan_corp`.
         cfg: settings.
         mlp_stats: per-block :class:`MLPStatistics` (or None).
-        qk_systems: ``f(block, head) -> (K, rhs)`` of the exact Q/K system; None without compensation.
+        qk_solve: ``f(block, head) -> (M, lam, info)`` solving that head's exact Q/K system (see
+            :func:`qk_solver_from_grams`); None without compensation.
 
     Returns:
-        per-block solve info: ridge lambdas actually used (``mlp_lambda``, ``qk_lambda`` list).
+        per-block solve info: ridge lambdas actually used (``mlp_lambda``, ``qk_lambda`` list) and
+        the Q/K solver per head (``qk_solver``: "direct" or "cg:<iterations>").
     """
     info = []
     for b, plan in zip(anatomy.blocks, plans):
@@ -120,15 +138,15 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
         if plan.qk_keep is not None:
             parts = qkv_parts(b)
             H = b.num_heads
-            wq, wk, bq, bk, lams = [], [], [], [], []
+            wq, wk, bq, bk, lams, how = [], [], [], [], [], []
             for h in range(H):
                 keep = plan.qk_keep[h]
                 m = None
                 # nothing pruned in this head: M = 0 exactly, skip the d'^2 x d'^2 solve
-                if cfg.compensation and qk_systems is not None and len(keep) < b.qk_dim:
-                    k_sys, rhs = qk_systems(b.index, h)
-                    m, lam = qk_logit.solve_logit_compensation(k_sys, rhs, cfg.qk_ridge_alpha)
+                if cfg.compensation and qk_solve is not None and len(keep) < b.qk_dim:
+                    m, lam, solved = qk_solve(b.index, h)
                     lams.append(lam)
+                    how.append(solved["solver"])
                 sel = lambda t: None if t is None else t[h][keep]  # noqa: E731
                 out = qk_logit.fold_logit_compensation(sel(parts["wq"]), sel(parts["bq"]),
                                                        sel(parts["wk"]), sel(parts["bk"]), m, b.head_dim)
@@ -139,8 +157,45 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
                               None if b.proj.bias is None else b.proj.bias.detach())
             if lams:
                 rec["qk_lambda"] = lams
+                rec["qk_solver"] = how
         info.append(rec)
     return info
+
+
+def qk_solver_from_grams(qk_stats: list, plans: list[BlockPlan], cfg: CorpConfig) -> QKSolve:
+    """Per-head solver of the exact Q/K system from the stored per-image Grams.
+
+    Args:
+        qk_stats: per-block :class:`~edgeprune.calibration.qk_stats.QKStatistics` with Grams.
+        plans: kept Q/K dims per block (``plan.qk_keep``, (H, d')).
+        cfg: ``qk_solver`` ("auto" / "direct" / "cg") and ``qk_ridge_alpha``.
+
+    Returns:
+        ``f(block, head) -> (M (d', d') float64, lam, {"solver": "direct" | "cg:<iters>"})``.
+        Both routes solve the same system (same lambda); CG falls back to Cholesky if it does
+        not reach its tolerance.
+    """
+    grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def solve(i: int, h: int) -> tuple[torch.Tensor, float, dict]:
+        if i not in grams:
+            grams.clear()  # blocks are solved in order: hold one block's Grams at a time
+            grams[i] = qk_stats[i].grams()
+        gq, gk = grams[i]
+        keep = plans[i].qk_keep[h]
+        prune = _complement(keep, gq.shape[-1])
+        use_cg = cfg.qk_solver == "cg" or (cfg.qk_solver == "auto" and cfg.qk_ridge_alpha > 0
+                                          and len(keep) > CG_MIN_KEPT_DIM)
+        if use_cg:
+            gq_ss, gk_ss, rhs = qk_logit.kept_blocks(gq[:, h], gk[:, h], keep, prune)
+            res = qk_logit_cg.solve_logit_compensation_cg(gq_ss, gk_ss, rhs, cfg.qk_ridge_alpha)
+            if res.converged:
+                return res.m, res.lam, {"solver": f"cg:{res.iterations}"}
+        k_sys, rhs = qk_logit.kronecker_system(gq[:, h], gk[:, h], keep, prune)
+        m, lam = qk_logit.solve_logit_compensation(k_sys, rhs, cfg.qk_ridge_alpha)
+        return m, lam, {"solver": "direct"}
+
+    return solve
 
 
 def _qk_gram_bytes(anatomy: ViTAnatomy, num_images: int) -> int:
@@ -181,18 +236,10 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
     t0 = time.perf_counter()
     plans = plan_corp(anatomy, stats, cfg)
     passes = 1
-    qk_systems = None
+    qk_solve = None
     if prune_qk and cfg.compensation:
         if keep_grams:
-            grams = {}
-
-            def qk_systems(i: int, h: int, _stats=stats, _plans=plans):
-                if i not in grams:
-                    grams[i] = _stats.qk[i].grams()
-                gq, gk = grams[i]
-                keep = _plans[i].qk_keep[h]
-                return qk_logit.kronecker_system(gq[:, h], gk[:, h], keep,
-                                                 _complement(keep, gq.shape[-1]))
+            qk_solve = qk_solver_from_grams(stats.qk, plans, cfg)
         else:
             solve_time = time.perf_counter() - t0
             second = collect_statistics(anatomy, batches(), mlp=False, qk=True,
@@ -201,9 +248,10 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             passes = 2
             t0 = time.perf_counter() - solve_time
 
-            def qk_systems(i: int, h: int, _second=second):
+            def qk_solve(i: int, h: int, _second=second):
                 st = _second.qk[i]
-                return st.k_sys[h], st.rhs[h]
-    info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_systems)
+                m, lam = qk_logit.solve_logit_compensation(st.k_sys[h], st.rhs[h], cfg.qk_ridge_alpha)
+                return m, lam, {"solver": "direct"}
+    info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve)
     return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
             "passes": passes, "num_images": stats.num_images, "blocks": info}

@@ -39,11 +39,13 @@ def test_keeping_every_dim_through_the_full_solve_and_surgery_is_exact(fmnist_mo
     plans = [BlockPlan(b.index, torch.arange(b.mlp_hidden), torch.arange(b.qk_dim).repeat(b.num_heads, 1))
              for b in an.blocks]
 
-    def systems(i, h):
+    def solve(i, h):
         gq, gk = stats.qk[i].grams()
-        return qk_logit.kronecker_system(gq[:, h], gk[:, h], plans[i].qk_keep[h], torch.arange(0))
+        k_sys, rhs = qk_logit.kronecker_system(gq[:, h], gk[:, h], plans[i].qk_keep[h], torch.arange(0))
+        m, lam = qk_logit.solve_logit_compensation(k_sys, rhs)
+        return m, lam, {"solver": "direct"}
 
-    apply_corp(an, plans, CorpConfig(), stats.mlp, systems)
+    apply_corp(an, plans, CorpConfig(), stats.mlp, solve)
     assert all(isinstance(b.attn, PrunedAttention) for b in an.blocks)
     with torch.no_grad():
         torch.testing.assert_close(model(x), fmnist_model(x), atol=2e-5, rtol=1e-5)

@@ -31,6 +31,42 @@ import torch
 DEFAULT_ALPHA = 1e-3
 
 
+def kept_blocks(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, prune: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-image blocks of one head's system, in float64.
+
+    Args:
+        gq, gk: per-image Grams (N, d_h, d_h) of Q and K (any float dtype).
+        keep: S (d',) int64; prune: P (p,) int64.
+
+    Returns:
+        ``Gq_i[S,S]`` (N, d', d'), ``Gk_i[S,S]`` (N, d', d') and
+        rhs (d', d') = sum_i Gq_i[S,P] Gk_i[P,S] (corp-v1 eq. 29), all float64.
+    """
+    gq, gk = gq.double(), gk.double()
+    gq_s, gk_s = gq[:, keep], gk[:, :, keep]  # rows S of Gq; columns S of Gk
+    rhs = (gq_s[:, :, prune] @ gk_s[:, prune]).sum(0)
+    return gq_s[:, :, keep], gk_s[:, keep], rhs
+
+
+def ridge_lambda(gq_ss: torch.Tensor, gk_ss: torch.Tensor, alpha: float) -> float:
+    """``lam = alpha * tr(K) / d'^2`` without forming K: ``tr(A (x) B) = tr(A) tr(B)``, so
+    ``tr(K) = sum_i tr(Gq_i[S,S]) tr(Gk_i[S,S])``.
+
+    Args:
+        gq_ss, gk_ss: (N, d', d') kept blocks; alpha: scale-free ridge strength (>= 0).
+
+    Raises:
+        ValueError: alpha < 0.
+    """
+    if alpha < 0:
+        raise ValueError(f"ridge alpha must be >= 0, got {alpha}")
+    d = gq_ss.shape[-1]
+    tr = (torch.diagonal(gq_ss, dim1=-2, dim2=-1).sum(-1).double()
+          * torch.diagonal(gk_ss, dim1=-2, dim2=-1).sum(-1).double()).sum()
+    return float(alpha * tr.clamp_min(0) / (d * d))
+
+
 def kronecker_system(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, prune: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Assemble the exact normal equations for one head.
@@ -43,15 +79,11 @@ def kronecker_system(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, pru
         K (d'^2, d'^2) float64 = sum_i Gq_i[S,S] (x) Gk_i[S,S];
         rhs (d', d') float64 = sum_i Gq_i[S,P] Gk_i[P,S].
     """
-    gq, gk = gq.double(), gk.double()
-    n = gq.shape[0]
-    d = len(keep)
-    gq_ss = gq[:, keep][:, :, keep]
-    gk_ss = gk[:, keep][:, :, keep]
+    gq_ss, gk_ss, rhs = kept_blocks(gq, gk, keep, prune)
+    n, d = gq_ss.shape[0], len(keep)
     # sum_i Gq[a,b] Gk[c,e] -> kron index ((a,c),(b,e))
     k4 = (gq_ss.reshape(n, d * d).T @ gk_ss.reshape(n, d * d)).reshape(d, d, d, d)
     k_sys = k4.permute(0, 2, 1, 3).reshape(d * d, d * d)
-    rhs = (gq[:, keep][:, :, prune] @ gk[:, prune][:, :, keep]).sum(0)
     return k_sys, rhs
 
 
