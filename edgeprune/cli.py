@@ -58,7 +58,7 @@ def cli() -> None:
 @click.option("--ridge-alpha", type=float, default=None, help="Scale-free MLP ridge strength (default 1e-3).")
 @click.option("--qk-ridge-alpha", type=float, default=None, help="Scale-free Q/K ridge strength (default 1e-3).")
 @click.option("--qk-solver", type=click.Choice(["auto", "direct", "cg"]), default="auto", show_default=True,
-              help="Exact Q/K system: Cholesky, matrix-free CG, or CG when the kept qk_dim > 32.")
+              help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two for the kept qk_dim and calibration size.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
 @click.option("--calib", "calib_dir", type=click.Path(), default=None,
               help="Calibration data: Fashion-MNIST dir (fmnist-vit) or ImageFolder dir (timm models).")

@@ -23,7 +23,18 @@ from edgeprune.surgery import qkv_parts, replace_attention, shrink_mlp
 
 
 QK_SOLVERS = ("auto", "direct", "cg")
-CG_MIN_KEPT_DIM = 32  # "auto": below this d' the d'^2 x d'^2 Cholesky is as fast (measured)
+
+
+def cg_is_cheaper(num_images: int, kept_dim: int) -> bool:
+    """``qk_solver="auto"``: whether CG beats the Cholesky route for N images and kept dim d'.
+
+    Cost model fitted to ``tools/bench_qk_solver.py`` on this project's CPU (float64, 1 thread):
+    Cholesky route ``a N d'^4 + b d'^6`` (assembly + factorisation, b/a ~ 0.23), CG
+    ``~60 iterations x c N d'^3`` (c/a ~ 2). CG wins when ``N (120 - d') < 0.23 d'^3``: e.g. for
+    64 images from d' = 32 (1.4x faster measured on DINOv2-S) and always from d' = 120, where the
+    d'^4 system alone would take 1.6 GB.
+    """
+    return num_images * (120 - kept_dim) < 0.23 * kept_dim ** 3
 
 # f(block, head) -> (M (d', d') float64, ridge lambda, solve info dict)
 QKSolve = Callable[[int, int], "tuple[torch.Tensor, float, dict]"]
@@ -46,8 +57,9 @@ class CorpConfig:
         qk_solver: how the exact Q/K system is solved from per-image Grams: "direct" (float64
             Cholesky of the d'^2 x d'^2 matrix), "cg" (matrix-free preconditioned conjugate
             gradients, ``edgeprune.solve.qk_logit_cg``; falls back to direct if it does not
-            converge) or "auto" (cg when d' > 32 and the ridge alpha is > 0, else direct). The
-            second-pass (memory-limited) route always solves directly.
+            converge) or "auto" (the cheaper by :func:`cg_is_cheaper`; direct if alpha = 0). The
+            second-pass (memory-limited) route always solves directly. Same system, same answer
+            to ~1e-8 relative either way.
     """
 
     mlp_sparsity: float = 0.0
@@ -185,7 +197,7 @@ def qk_solver_from_grams(qk_stats: list, plans: list[BlockPlan], cfg: CorpConfig
         keep = plans[i].qk_keep[h]
         prune = _complement(keep, gq.shape[-1])
         use_cg = cfg.qk_solver == "cg" or (cfg.qk_solver == "auto" and cfg.qk_ridge_alpha > 0
-                                          and len(keep) > CG_MIN_KEPT_DIM)
+                                          and cg_is_cheaper(gq.shape[0], len(keep)))
         if use_cg:
             gq_ss, gk_ss, rhs = qk_logit.kept_blocks(gq[:, h], gk[:, h], keep, prune)
             res = qk_logit_cg.solve_logit_compensation_cg(gq_ss, gk_ss, rhs, cfg.qk_ridge_alpha)

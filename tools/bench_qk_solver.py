@@ -9,7 +9,7 @@ table gives the total solve seconds of each, CG iterations (min / median / max) 
 relative difference ``||M_cg - M_direct||_F / ||M_direct||_F``.
 
 Part 2 (end to end): ``edgeprune.api.prune`` with target ``both`` and ``qk_solver`` "direct" then
-"auto" (the default: CG when the kept qk_dim > 32), next to one dense forward pass over the same
+"auto" (the default: ``edgeprune.corp.cg_is_cheaper`` picks per head), next to one dense forward pass over the same
 calibration set (the pruning-cost yardstick of the CORP issue), and the largest output difference
 between the two pruned models on the calibration images.
 """
