@@ -130,19 +130,6 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, target, sparsity
     click.echo(f"saved {out_path}")
 
 
-def _load_target(run_dir, model_name, checkpoint, random_init, num_classes):
-    from edgeprune.artifact import load_run
-    from edgeprune.zoo.registry import get_model_spec, spec_from_record
-
-    if run_dir and model_name:
-        raise UserError("give either RUN_DIR or --model, not both")
-    if run_dir:
-        model, rec = load_run(run_dir)
-        return model, rec, spec_from_record(rec["base_model"])
-    spec = get_model_spec(model_name or "fmnist-vit", checkpoint, random_init, num_classes)
-    return spec.create(pretrained=True), None, spec
-
-
 @cli.command("eval")
 @click.argument("run_dir", required=False, type=click.Path())
 @click.option("--model", "model_name", default=None, help="Evaluate a dense model instead of a run.")
@@ -157,7 +144,11 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, eval_dat
 
     from edgeprune.evaluate import evaluate
 
-    model, rec, spec = _load_target(run_dir, model_name, checkpoint, random_init, num_classes)
+    from edgeprune.loading import load_target
+
+    if run_dir is None and model_name is None:
+        model_name = "fmnist-vit"
+    model, rec, spec = load_target(run_dir, model_name, checkpoint, random_init, num_classes)
     ev = spec.eval_source(eval_data, n=eval_size)
     if rec is not None and rec.get("head"):  # NuWa run: only its target classes count
         from edgeprune.nuwa.derive import evaluate_targets
@@ -196,15 +187,17 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes):
     from edgeprune.anatomy import find_anatomy
     from edgeprune.flops import count_params, model_flops
 
-    if not run_dir and not model_name:
+    if run_dir is None and model_name is None:
         model_name = "fmnist-vit"
-    if model_name and not run_dir:
+    if run_dir is not None:
+        from edgeprune.loading import load_target
+
+        model, rec, spec = load_target(run_dir, model_name, checkpoint, random_init, num_classes)
+    else:  # the structure needs no weights
         from edgeprune.zoo.registry import get_model_spec
 
         spec = get_model_spec(model_name, checkpoint, random_init, num_classes)
         model, rec = spec.create(pretrained=False), None
-    else:
-        model, rec, spec = _load_target(run_dir, None, None, False, None)
     an = find_anatomy(model)
     fl = model_flops(an)
     click.echo(f"{run_dir or spec.name}: {len(an.blocks)} blocks, width {an.embed_dim}, "

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import click
 
 from edgeprune.errors import UserError
+from edgeprune.loading import RANDOM_INIT_SEED, load_target  # noqa: F401  (RANDOM_INIT_SEED re-exported)
 
 
 class DeployError(click.ClickException):
@@ -48,53 +49,6 @@ def _user_errors(fn: Callable) -> Callable:
             raise
 
     return wrapper
-
-
-# ---------------------------------------------------------------------------------------------
-# loading models
-
-#: torch seed for ``--random-init`` models (same weights in export, verify and bench).
-RANDOM_INIT_SEED = 0
-
-
-def load_target(run_dir: Path | None, model_name: str | None, checkpoint: Path | None = None,
-                random_init: bool = False):
-    """The PyTorch model to export / verify against: a run directory or a dense model name.
-
-    Returns:
-        ``(model, record or None, spec)``.
-
-    Raises:
-        UserError: neither or both given, missing run directory, unknown model, ...
-    """
-    from edgeprune.zoo.registry import get_model_spec, spec_from_record
-
-    if (run_dir is None) == (model_name is None):
-        raise UserError("give either a run directory or --model NAME (not both)")
-    if run_dir is not None:
-        if checkpoint is not None or random_init:
-            raise UserError("--checkpoint/--random-init go with --model, not a run directory")
-        if not run_dir.exists():
-            raise UserError(f"run directory not found: {run_dir}")
-        if not run_dir.is_dir():
-            raise UserError(f"{run_dir} is not a run directory")
-        from edgeprune.artifact import load_run
-
-        model, record = load_run(run_dir)
-        spec = spec_from_record(record["base_model"])
-        return model.eval(), record, spec
-    assert model_name is not None
-    spec = get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init=random_init)
-    if random_init:
-        import torch
-
-        # Seeded, so that `export --random-init` and `verify --random-init` build the same model.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_INIT_SEED)
-            model = spec.create(pretrained=False)
-    else:
-        model = spec.create(pretrained=True)
-    return model.eval(), None, spec
 
 
 def _quick_check(path: Path, model, input_shape) -> dict:

@@ -46,6 +46,11 @@ def test_prune_info_eval_end_to_end(tmp_path, capsys):
     assert code == 0 and "| 0 | 2 | 64 | 32 | 64 | 256 |" in stdout
     code, stdout, _ = run(["eval", str(out), "--eval-size", "200", "--quiet"], capsys)
     assert code == 0 and "top-1" in stdout and "agreement" in stdout
+    for cmd in ("eval", "info"):  # a run and a model at once: one-line error, not a silent choice
+        code, _, err = run([cmd, str(out), "--model", "fmnist-vit"], capsys)
+        assert_one_line_error(code, err, "either a run directory or --model")
+    code, _, err = run(["eval", str(tmp_path / "missing")], capsys)
+    assert_one_line_error(code, err, "run directory not found")
 
 
 @needs_fmnist
