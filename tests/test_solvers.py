@@ -143,3 +143,9 @@ def test_float32_batch_grams_match_float64():
         f64.add_batch(chunk)
     rel = (f32.cov - f64.cov).abs().max() / f64.cov.abs().max()
     assert rel < 1e-5, rel
+    assert (f32.mean - f64.mean).abs().max() < 1e-5 * f64.mean.abs().max()
+    assert torch.equal(f32.active_prob, f64.active_prob)
+    light = MLPStatistics(96, second_order=False)
+    for chunk in h.split(2):
+        light.add_batch(chunk)
+    assert (light.variance - f64.variance).abs().max() < 1e-5 * f64.variance.abs().max()

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_corp import dense_pass_seconds  # noqa: E402  (tools/ is on sys.path when run as a script)
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.api import prune  # noqa: E402
 from edgeprune.atomic import atomic_write_text  # noqa: E402
@@ -85,19 +86,11 @@ def per_head(model, calib, sparsities, batch_size: int, alpha: float) -> list[di
     return rows
 
 
-@torch.no_grad()
-def _dense_pass(model, calib, batch_size: int) -> float:
-    t0 = time.perf_counter()
-    for x, _ in calib.batches(batch_size):
-        model(x)
-    return time.perf_counter() - t0
-
-
 def end_to_end(spec, model, calib, sparsities, batch_size: int) -> list[dict]:
     rows = []
     probe = next(x for x, _ in calib.batches(batch_size))
     for sp in sparsities:
-        fwd = _dense_pass(model, calib, batch_size)
+        fwd = dense_pass_seconds(model, calib, batch_size)
         out, row = {}, {"sparsity": sp, "dense_pass_s": fwd}
         for solver in ("direct", "auto"):
             res = prune(model, calib, target="both", sparsity=sp, qk_solver=solver,
