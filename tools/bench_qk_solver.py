@@ -12,6 +12,10 @@ Part 2 (end to end): ``edgeprune.api.prune`` with target ``both`` and ``qk_solve
 "auto" (the default: ``edgeprune.corp.cg_is_cheaper`` picks per head), next to one dense forward pass over the same
 calibration set (the pruning-cost yardstick of the CORP issue), and the largest output difference
 between the two pruned models on the calibration images.
+
+Part 3 (calibration pass): the statistics pass alone with each kind of statistic (MLP first
+order only, MLP with covariance, per-image Q/K Grams, both) next to a plain forward pass over the
+same images, alternating, twice; the table gives the median ratio.
 """
 
 from __future__ import annotations
@@ -106,6 +110,26 @@ def end_to_end(spec, model, calib, sparsities, batch_size: int) -> list[dict]:
     return rows
 
 
+def pass_cost(model, calib, batch_size: int, repeats: int = 2) -> list[dict]:
+    an = find_anatomy(model)
+    xs = [x for x, _ in calib.batches(batch_size)]
+    kinds = {"MLP first order": dict(mlp=True, qk=False, mlp_second_order=False),
+             "MLP with covariance": dict(mlp=True, qk=False),
+             "Q/K Grams": dict(mlp=False, qk=True),
+             "both (CORP, target both)": dict(mlp=True, qk=True)}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    dense: list[float] = []
+    for _ in range(repeats):
+        for name, kw in kinds.items():
+            dense.append(dense_pass_seconds(model, calib, batch_size))
+            t0 = time.perf_counter()
+            collect_statistics(an, iter(xs), progress=False, **kw)
+            times[name].append(time.perf_counter() - t0)
+    d = statistics.median(dense)
+    return [{"statistics": k, "seconds": statistics.median(v), "dense_pass_s": d,
+             "ratio": statistics.median(v) / d} for k, v in times.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="dinov2-s14", help="fmnist-vit, dinov2-s14 or a timm ViT name (random init)")
@@ -114,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--alpha", type=float, default=qk_logit.DEFAULT_ALPHA, help="Q/K ridge alpha")
-    ap.add_argument("--skip-end-to-end", action="store_true")
+    ap.add_argument("--parts", default="heads,e2e,pass", help="comma-separated: heads, e2e, pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -127,16 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     calib = _calibration(spec, n, args.seed)
     print(f"{args.model}: {calib.description}, torch threads {torch.get_num_threads()}", file=sys.stderr)
 
-    heads = per_head(model, calib, sparsities, args.batch_size, args.alpha)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    heads = per_head(model, calib, sparsities, args.batch_size, args.alpha) if "heads" in parts else []
     print(f"\n{args.model}, {n} calibration images, ridge alpha {args.alpha:g}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s)\n")
-    print("| attn sparsity | kept qk_dim | heads | Cholesky s | CG s | speed-up | CG iterations min / median / max | max rel. diff of M |")
-    print("|---:|---:|---:|---:|---:|---:|---|---:|")
+    if heads:
+        print("| attn sparsity | kept qk_dim | heads | Cholesky s | CG s | speed-up | CG iterations min / median / max | max rel. diff of M |")
+        print("|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in heads:
         print(f"| {r['sparsity']:.2f} | {r['kept_qk_dim']} | {r['heads']} | {r['direct_s']:.2f} | {r['cg_s']:.2f} | "
               f"{r['direct_s'] / r['cg_s']:.1f}x | {r['cg_iters_min']} / {r['cg_iters_median']:g} / {r['cg_iters_max']} | "
               f"{r['max_rel_diff']:.1e} |")
-    e2e = [] if args.skip_end_to_end else end_to_end(spec, model, calib, sparsities, args.batch_size)
+    e2e = end_to_end(spec, model, calib, sparsities, args.batch_size) if "e2e" in parts else []
     if e2e:
         print("\n| sparsity (both) | dense pass s | prune s, direct | prune s, auto | ratio to dense pass, direct | ratio, auto | max abs output diff |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -144,10 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['sparsity']:.2f} | {r['dense_pass_s']:.1f} | {r['direct_prune_s']:.1f} | {r['auto_prune_s']:.1f} | "
                   f"{r['direct_prune_s'] / r['dense_pass_s']:.2f} | {r['auto_prune_s'] / r['dense_pass_s']:.2f} | "
                   f"{r['max_abs_output_diff']:.1e} |")
+    cost = pass_cost(model, calib, args.batch_size) if "pass" in parts else []
+    if cost:
+        print("\n| statistics collected | pass s | dense pass s | ratio |")
+        print("|---|---:|---:|---:|")
+        for r in cost:
+            print(f"| {r['statistics']} | {r['seconds']:.1f} | {r['dense_pass_s']:.1f} | {r['ratio']:.2f} |")
     if args.json:
         atomic_write_text(args.json, json.dumps({"tool": "bench_qk_solver", "argv": sys.argv, "model": args.model,
                                                  "calib_size": n, "threads": torch.get_num_threads(),
-                                                 "per_head": heads, "end_to_end": e2e}, indent=2) + "\n")
+                                                 "per_head": heads, "end_to_end": e2e, "calibration_pass": cost}, indent=2) + "\n")
     return 0
 
 
