@@ -36,6 +36,7 @@ def cg_is_cheaper(num_images: int, kept_dim: int) -> bool:
     """
     return num_images * (120 - kept_dim) < 0.23 * kept_dim ** 3
 
+
 # f(block, head) -> (M (d', d') float64, ridge lambda, solve info dict)
 QKSolve = Callable[[int, int], "tuple[torch.Tensor, float, dict]"]
 
