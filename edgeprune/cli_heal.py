@@ -54,11 +54,14 @@ def partial_dir(out: str | Path) -> Path:
                    "across runs of the same dense model and calibration set). Default: recompute per batch.")
 @click.option("--memory-budget-mb", type=float, default=1024, show_default=True,
               help="Most memory held for cached targets; beyond it shards are streamed from disk.")
+@click.option("--keep-best/--keep-last", default=True, show_default=True,
+              help="Return the epoch with the lowest alignment loss on the calibration set (the input "
+                   "included), or the last epoch (the paper).")
 @click.option("--no-eval", is_flag=True, help="Skip the before/after evaluation.")
 @click.option("-o", "--out", type=click.Path(), default=None, help="New run directory [RUN_DIR-healed].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch_size, lr, min_lr,
-             weight_decay, loss, seed, cache_targets, memory_budget_mb, no_eval, out, quiet):
+             weight_decay, loss, seed, cache_targets, memory_budget_mb, keep_best, no_eval, out, quiet):
     """Heal a pruned run with STARFISH (block-output alignment to the dense model)."""
     import torch
 
@@ -106,7 +109,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
         result = heal(pruned, dense, calib, epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr,
                       weight_decay=weight_decay, loss=loss, seed=seed, progress=not quiet,
                       checkpoint_dir=ckpt, target_cache=cache_targets, memory_budget_mb=memory_budget_mb,
-                      inplace=True)
+                      inplace=True, keep_best=keep_best)
     except KeyboardInterrupt:
         if (ckpt / "checkpoint.safetensors").is_file():
             click.echo(f"\ncheckpoint kept in {ckpt}; rerun the same command to resume", err=True)
@@ -151,10 +154,15 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
     click.echo(f"alignment loss ({loss}) on the calibration set: {fmt(info['initial_loss'])} -> "
                f"{fmt(info['final_loss'])}; {len(info['trained_modules'])} layers trained "
                f"({info['trainable_params']:,} params), {epochs} epochs in {info['wall_time_s']:.1f} s")
-    if info["final_loss"] is not None and info["initial_loss"] is not None and info["final_loss"] > info["initial_loss"]:
-        click.echo(f"warning: healing increased the alignment loss ({info['steps']} steps); AdamW's first steps at "
-                   f"--lr {lr:g} overshoot when there are few steps: try a lower --lr, more --epochs or a larger "
-                   "--calib-size", err=True)
+    advice = (f"AdamW's first steps at --lr {lr:g} overshoot when there are few steps ({info['steps']} here): "
+              "try a lower --lr, more --epochs or a larger --calib-size")
+    if keep_best and info["best_epoch"] == 0 and info["steps"]:
+        click.echo(f"warning: no epoch lowered the alignment loss, so the output keeps the input weights; {advice}",
+                   err=True)
+    elif keep_best and info["best_epoch"] is not None and info["best_epoch"] < epochs:
+        click.echo(f"kept epoch {info['best_epoch']} of {epochs} (lowest alignment loss on the calibration set)")
+    elif info["final_loss"] is not None and info["initial_loss"] is not None and info["final_loss"] > info["initial_loss"]:
+        click.echo(f"warning: healing increased the alignment loss; {advice}", err=True)
     if not no_eval:
         click.echo(f"| {'':8} | quality |")
         click.echo(f"|{'-' * 10}|---------|")

@@ -199,6 +199,30 @@ def test_frozen_parameters_are_bit_identical(healed, pruned):
         p.numel() for p in healed.model.parameters())
 
 
+# ---- keep the best epoch --------------------------------------------------------------------------
+def test_keep_best_returns_the_input_when_every_epoch_is_worse(pruned, dense, calib):
+    """An lr far too large makes every epoch worse than the input: keep-best hands back the input
+    weights exactly; without it, the drifted last epoch comes back."""
+    kw = dict(epochs=2, batch_size=8, lr=0.05, seed=1)
+    data = calib[:16]
+    kept = heal(pruned.model, dense, data, **kw)
+    assert kept.info["best_epoch"] == 0
+    assert all(h["eval_loss"] > kept.info["initial_loss"] for h in kept.history)
+    assert kept.info["final_loss"] == kept.info["initial_loss"]
+    _assert_states_equal(_state(kept.model), _state(pruned.model))
+    last = heal(pruned.model, dense, data, keep_best=False, **kw)
+    assert last.info["best_epoch"] is None and last.info["final_loss"] > last.info["initial_loss"]
+    assert last.info["final_loss"] == pytest.approx(kept.history[-1]["eval_loss"], rel=1e-9)
+
+
+def test_keep_best_picks_the_epoch_with_the_lowest_alignment(pruned, dense, calib):
+    res = heal(pruned.model, dense, calib[:16], epochs=3, batch_size=8, lr=1e-4, seed=2)
+    losses = [res.info["initial_loss"]] + [h["eval_loss"] for h in res.history]
+    assert res.info["best_epoch"] == min(range(len(losses)), key=losses.__getitem__) > 0
+    assert res.info["final_loss"] == min(losses)
+    assert measure_alignment(res.model, dense, calib[:16]) == pytest.approx(min(losses), rel=1e-6)
+
+
 # ---- resume ---------------------------------------------------------------------------------------
 class _Interrupt(Exception):
     pass
@@ -379,3 +403,16 @@ def test_cli_errors(runs, tmp_path, capsys):
     (bad / "run.json").write_text(json.dumps({"base_model": {"name": "nope"}, "blocks": []}))
     assert "unknown model" in err_of([bad, "-o", tmp_path / "o6"])
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
+
+
+@needs_fmnist
+def test_cli_keeps_the_input_weights_when_healing_only_hurts(runs, capsys):
+    out = runs / "half-overshoot"
+    code, stdout, err = _cli(["heal", runs / "half", "--calib-size", 16, "--epochs", 1, "--batch-size", 8,
+                              "--lr", 0.05, "--no-eval", "--quiet", "-o", out], capsys)
+    assert code == 0, err
+    assert "keeps the input weights" in err and "--lr" in err
+    healed, rec = load_run(out)
+    original, _ = load_run(runs / "half")
+    _assert_states_equal(_state(healed), _state(original))
+    assert rec["healing"]["best_epoch"] == 0 and rec["healing"]["keep_best"] is True

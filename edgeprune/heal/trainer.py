@@ -15,8 +15,15 @@ to ``min_lr`` (1e-6) over ``epochs * ceil(N / batch_size)`` steps
 by a generator seeded with ``seed``. Runs are deterministic for a given seed, machine and thread
 count (``torch.use_deterministic_algorithms(True)`` while healing).
 
+Keeping the best epoch (``keep_best``, default on; not in the paper): after every epoch the
+alignment loss over the whole calibration set is measured in an eval pass, and the result is the
+weights of the epoch with the lowest value -- the input weights ("epoch 0") included -- so healing
+never returns a model that is further from the dense one on its own objective than its input.
+With few optimisation steps AdamW's first updates at the paper's learning rate can overshoot
+(measured on dinov2-s14 with 64 calibration crops: see the README), which this guards against.
+
 Checkpoints (``checkpoint_dir``): after every epoch one ``checkpoint.safetensors`` (trainable
-weights, AdamW moments, the shuffling generator's and torch's RNG states; a JSON header in its
+weights, the best epoch's weights, AdamW moments, the shuffling generator's and torch's RNG states; a JSON header in its
 metadata with epoch, step, history and the settings) is written atomically. A later call with the
 same directory resumes after the last completed epoch -- exactly: the result is bit-identical to an
 uninterrupted run -- after checking that the settings, the input model and the calibration set
@@ -47,7 +54,7 @@ from edgeprune.heal.targets import (DEFAULT_MEMORY_BUDGET_MB, CalibrationSet, _a
 
 CHECKPOINT = "checkpoint.safetensors"
 STATE_KEY = "edgeprune_heal_state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: keep-best state (best.* tensors, best_loss / best_epoch)
 
 
 @dataclasses.dataclass
@@ -57,11 +64,13 @@ class HealResult:
     Attributes:
         model: the healed model (eval mode).
         history: one dict per epoch: ``epoch`` (1-based), ``loss`` (mean training loss over the
-            epoch's images), ``lr`` (at the epoch's last step), ``seconds``.
+            epoch's images), ``lr`` (at the epoch's last step), ``seconds``, and with
+            ``keep_best`` ``eval_loss`` (alignment over the calibration set after the epoch).
         info: settings and summary for the run record: loss, epochs, lr, min_lr, batch_size,
             weight_decay, seed, calibration (source, num_images), initial_loss / final_loss (the
             alignment loss over the calibration set before / after, eval pass), wall_time_s,
-            trained_modules, trainable_params, frozen_params, targets, resumed_from_epoch.
+            trained_modules, trainable_params, frozen_params, targets, resumed_from_epoch,
+            keep_best and best_epoch (0 = the input weights were kept).
     """
 
     model: nn.Module
@@ -175,10 +184,13 @@ def measure_alignment(model: nn.Module, dense: nn.Module, images: Any, *, batch_
 
 # ---- checkpoints ----------------------------------------------------------------------------------
 def _save_checkpoint(directory: Path, model: nn.Module, param_names: list[str], opt: torch.optim.Optimizer,
-                     gen: torch.Generator, header: dict[str, Any]) -> None:
+                     gen: torch.Generator, header: dict[str, Any],
+                     best: dict[str, torch.Tensor] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())
     tensors: dict[str, torch.Tensor] = {f"param.{n}": params[n].detach().clone().contiguous() for n in param_names}
+    for n, t in (best or {}).items():
+        tensors[f"best.{n}"] = t.contiguous()
     sd = opt.state_dict()
     extra: dict[str, dict[str, Any]] = {}
     for i, st in sd["state"].items():
@@ -256,7 +268,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
          progress: bool = False, checkpoint_dir: str | os.PathLike | None = None,
          target_cache: Any = None, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
          callback: Callable[[int, dict[str, Any]], None] | None = None, inplace: bool = False,
-         measure: bool = True) -> HealResult:
+         measure: bool = True, keep_best: bool = True) -> HealResult:
     """STARFISH healing: align every block output of a pruned model with the dense model's.
 
     Args:
@@ -285,6 +297,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
         inplace: heal ``pruned_model`` itself.
         measure: measure the alignment loss over the calibration set before and after (eval
             passes) for ``info["initial_loss"]`` / ``info["final_loss"]``.
+        keep_best: measure the alignment loss after every epoch and return the weights of the
+            best epoch, the input's included (see the module docstring); implies ``measure``.
 
     Returns:
         :class:`HealResult`.
@@ -309,7 +323,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
     total_steps = epochs * steps_per_epoch
     settings = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "min_lr": min_lr,
                 "weight_decay": weight_decay, "loss": loss, "seed": seed, "trainable": param_names,
-                "num_images": n}
+                "num_images": n, "keep_best": keep_best}
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None:
         settings.update(model_fingerprint=state_fingerprint(model), dense_fingerprint=state_fingerprint(dense_model),
@@ -326,6 +340,9 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
     targets = None
     resumed_from = None
     initial_loss = final_loss = None
+    best_loss: float | None = None
+    best_epoch = 0
+    best: dict[str, torch.Tensor] | None = None
     elapsed_before = 0.0
     try:
         for name, p in params.items():
@@ -357,10 +374,16 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                 start_epoch, step = int(header["epochs_done"]), int(header["step"])
                 history = list(header["history"])
                 initial_loss = header.get("initial_loss")
+                best_loss, best_epoch = header.get("best_loss"), int(header.get("best_epoch", 0))
+                if keep_best:
+                    best = {pn: tensors[f"best.{pn}"] for pn in param_names}
                 elapsed_before = float(header.get("elapsed_s", 0.0))
                 resumed_from = start_epoch
-            elif measure:
+            elif measure or keep_best:
                 initial_loss = _measure(cap, targets, calib, batch_size, loss)
+                if keep_best:
+                    best_loss = initial_loss
+                    best = {pn: params[pn].detach().clone() for pn in param_names}
 
             for epoch in range(start_epoch, epochs if opt is not None else 0):
                 assert opt is not None
@@ -386,6 +409,12 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                 bar.close()
                 stats = {"epoch": epoch + 1, "loss": loss_sum / seen, "lr": cur_lr,
                          "seconds": time.perf_counter() - t0}
+                if keep_best:
+                    assert best_loss is not None
+                    stats["eval_loss"] = _measure(cap, targets, calib, batch_size, loss)
+                    if stats["eval_loss"] < best_loss:
+                        best_loss, best_epoch = stats["eval_loss"], epoch + 1
+                        best = {pn: params[pn].detach().clone() for pn in param_names}
                 history.append(stats)
                 if progress:
                     tqdm.write(f"heal epoch {epoch + 1}/{epochs}: loss {stats['loss']:.5f} "
@@ -394,10 +423,18 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                     _save_checkpoint(ckpt_dir, model, param_names, opt, gen, {
                         "version": STATE_VERSION, "epochs_done": epoch + 1, "step": step,
                         "settings": settings, "history": history, "initial_loss": initial_loss,
-                        "elapsed_s": elapsed_before + time.perf_counter() - t_start})
+                        "best_loss": best_loss, "best_epoch": best_epoch,
+                        "elapsed_s": elapsed_before + time.perf_counter() - t_start}, best)
                 if callback is not None:
                     callback(epoch + 1, stats)
-            if measure:
+            if keep_best and opt is not None:
+                assert best is not None
+                if best_epoch != epochs:  # a later epoch drifted away: restore the best one
+                    with torch.no_grad():
+                        for pn in param_names:
+                            params[pn].copy_(best[pn])
+                final_loss = best_loss
+            elif measure:
                 final_loss = (_measure(cap, targets, calib, batch_size, loss) if opt is not None
                               else initial_loss)
     finally:
@@ -420,6 +457,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
         "frozen_params": sum(p.numel() for p in params.values()) - n_train,
         "targets": targets.describe() if targets is not None else None,
         "resumed_from_epoch": resumed_from,
+        "keep_best": keep_best,
+        "best_epoch": best_epoch if keep_best else None,
     }
     if not param_names:
         info["note"] = "nothing to train: no reduced layers (the model has the dense shapes)"
