@@ -45,6 +45,9 @@ def partial_dir(out: str | Path) -> Path:
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--lr", type=float, default=6e-4, show_default=True, help="AdamW learning rate (cosine schedule start).")
 @click.option("--min-lr", type=float, default=1e-6, show_default=True, help="Cosine schedule end.")
+@click.option("--warmup-steps", type=int, default=None,
+              help="Linear learning-rate warm-up steps before the cosine decay (not in the paper; "
+                   "0 = the paper's schedule) [10% of the steps, at least 5, at most half].")
 @click.option("--weight-decay", type=float, default=0.01, show_default=True, help="AdamW weight decay.")
 @click.option("--loss", type=click.Choice(["cosine", "mse"]), default="cosine", show_default=True,
               help="Block-output alignment: cosine (STARFISH eq. 1) or mse (ablation).")
@@ -61,7 +64,7 @@ def partial_dir(out: str | Path) -> Path:
 @click.option("-o", "--out", type=click.Path(), default=None, help="New run directory [RUN_DIR-healed].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch_size, lr, min_lr,
-             weight_decay, loss, seed, cache_targets, memory_budget_mb, keep_best, no_eval, out, quiet):
+             warmup_steps, weight_decay, loss, seed, cache_targets, memory_budget_mb, keep_best, no_eval, out, quiet):
     """Heal a pruned run with STARFISH (block-output alignment to the dense model)."""
     import torch
 
@@ -109,7 +112,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
         result = heal(pruned, dense, calib, epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr,
                       weight_decay=weight_decay, loss=loss, seed=seed, progress=not quiet,
                       checkpoint_dir=ckpt, target_cache=cache_targets, memory_budget_mb=memory_budget_mb,
-                      inplace=True, keep_best=keep_best)
+                      inplace=True, keep_best=keep_best, warmup_steps=warmup_steps)
     except KeyboardInterrupt:
         if (ckpt / "checkpoint.safetensors").is_file():
             click.echo(f"\ncheckpoint kept in {ckpt}; rerun the same command to resume", err=True)

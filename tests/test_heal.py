@@ -124,6 +124,10 @@ def test_cosine_schedule():
     assert cosine_lr(100, 100, 6e-4, 1e-6) == pytest.approx(1e-6)
     lrs = [cosine_lr(s, 10, 6e-4, 1e-6) for s in range(11)]
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    # warm-up: rises linearly to lr, then the same cosine over the remaining steps
+    warm = [cosine_lr(s, 12, 6e-4, 1e-6, warmup=2) for s in range(13)]
+    assert warm[:2] == pytest.approx([2e-4, 4e-4]) and warm[2] == pytest.approx(6e-4)
+    assert warm[2:] == pytest.approx(lrs)
 
 
 # ---- which layers train ---------------------------------------------------------------------------
@@ -306,6 +310,8 @@ def test_api_rejects_bad_input(pruned, dense, calib):
         heal(pruned.model, dense, calib[:0], epochs=1)
     with pytest.raises(UserError, match="loss"):
         heal(pruned.model, dense, calib[:8], epochs=1, loss="kl")
+    with pytest.raises(UserError, match="warm-up"):
+        heal(pruned.model, dense, calib[:8], epochs=1, warmup_steps=-1)
     with pytest.raises(UserError, match="no module or parameter"):
         heal(pruned.model, dense, calib[:8], epochs=1, trainable=["blocks.0.mlp.fc9"])
     other = get_model_spec("deit_tiny_patch16_224", random_init=True).create(pretrained=False)

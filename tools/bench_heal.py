@@ -82,7 +82,7 @@ def bench_model(name: str, args, cache_root: Path) -> dict:
             before = _metric(spec, pr.model, dense, ev)
             res = heal(pr.model, dense, heal_calib, epochs=cfg["epochs"], batch_size=cfg["batch"], lr=cfg["lr"],
                        seed=args.seed, target_cache=cache, memory_budget_mb=args.memory_budget_mb,
-                       progress=args.progress)
+                       progress=args.progress, warmup_steps=args.warmup_steps, keep_best=not args.keep_last)
             after = _metric(spec, res.model, dense, ev)
             row = {"model": name, "sparsity": sp, "method": method, "params": pr.record["params"],
                    "dense_params": pr.record["dense_params"], "flops": pr.record["flops"],
@@ -91,11 +91,13 @@ def bench_model(name: str, args, cache_root: Path) -> dict:
                    "heal_s": res.info["wall_time_s"], "heal_calibration": len(heal_calib),
                    "epochs": cfg["epochs"], "batch_size": cfg["batch"], "lr": cfg["lr"],
                    "align_before": res.info["initial_loss"], "align_after": res.info["final_loss"],
-                   "targets": res.info["targets"], "history": res.history}
+                   "targets": res.info["targets"], "history": res.history,
+                   "warmup_steps": res.info["warmup_steps"], "keep_best": res.info["keep_best"],
+                   "best_epoch": res.info["best_epoch"]}
             rows.append(row)
             print(f"sparsity {sp:g} {method:13s}: {_cell(before, spec.output_kind)} -> healed "
                   f"{_cell(after, spec.output_kind)}; alignment {row['align_before']:.4f} -> {row['align_after']:.4f}; "
-                  f"prune {prune_s:.1f} s, heal {row['heal_s']:.1f} s", flush=True)
+                  f"prune {prune_s:.1f} s, heal {row['heal_s']:.1f} s (best epoch {row['best_epoch']})", flush=True)
     return {"model": name, "output_kind": spec.output_kind, "dense": dense_metric, "config": cfg,
             "evaluation": ev.description, "heal_calibration_source": heal_calib.description, "rows": rows}
 
@@ -146,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--prune-batch", type=int, default=32)
     p.add_argument("--memory-budget-mb", type=float, default=1024)
     p.add_argument("--cache-dir", default=None, help="Dense-target cache root (default: a temporary directory).")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="heal warm-up steps (default: edgeprune's, 10%% of the steps, at least 5; 0 = the paper)")
+    p.add_argument("--keep-last", action="store_true", help="return the last epoch, not the best (the paper)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1 is fastest on a small box shared with other jobs).")
     p.add_argument("--json", dest="json_out", default=None)
