@@ -60,11 +60,14 @@ def partial_dir(out: str | Path) -> Path:
 @click.option("--keep-best/--keep-last", default=True, show_default=True,
               help="Return the epoch with the lowest alignment loss on the calibration set (the input "
                    "included), or the last epoch (the paper).")
+@click.option("--holdout", type=float, default=0.0, show_default=True,
+              help="Fraction of the calibration images held out of training; the kept epoch is the one "
+                   "with the lowest alignment loss on them (early stopping).")
 @click.option("--no-eval", is_flag=True, help="Skip the before/after evaluation.")
 @click.option("-o", "--out", type=click.Path(), default=None, help="New run directory [RUN_DIR-healed].")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch_size, lr, min_lr,
-             warmup_steps, weight_decay, loss, seed, cache_targets, memory_budget_mb, keep_best, no_eval, out, quiet):
+             warmup_steps, weight_decay, loss, seed, cache_targets, memory_budget_mb, keep_best, holdout, no_eval, out, quiet):
     """Heal a pruned run with STARFISH (block-output alignment to the dense model)."""
     import torch
 
@@ -112,7 +115,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
         result = heal(pruned, dense, calib, epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr,
                       weight_decay=weight_decay, loss=loss, seed=seed, progress=not quiet,
                       checkpoint_dir=ckpt, target_cache=cache_targets, memory_budget_mb=memory_budget_mb,
-                      inplace=True, keep_best=keep_best, warmup_steps=warmup_steps)
+                      inplace=True, keep_best=keep_best, warmup_steps=warmup_steps, holdout=holdout)
     except KeyboardInterrupt:
         if (ckpt / "checkpoint.safetensors").is_file():
             click.echo(f"\ncheckpoint kept in {ckpt}; rerun the same command to resume", err=True)
@@ -154,7 +157,9 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
     def fmt(v):
         return "n/a" if v is None else f"{v:.5f}"
 
-    click.echo(f"alignment loss ({loss}) on the calibration set: {fmt(info['initial_loss'])} -> "
+    where = (f"{info['holdout']['num_images']} held-out calibration images" if info["holdout"]["num_images"]
+             else "the calibration set")
+    click.echo(f"alignment loss ({loss}) on {where}: {fmt(info['initial_loss'])} -> "
                f"{fmt(info['final_loss'])}; {len(info['trained_modules'])} layers trained "
                f"({info['trainable_params']:,} params), {epochs} epochs in {info['wall_time_s']:.1f} s")
     advice = (f"AdamW's first steps at --lr {lr:g} overshoot when there are few steps ({info['steps']} here): "
@@ -163,7 +168,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, eval_data, eval_size, epochs, batch
         click.echo(f"warning: no epoch lowered the alignment loss, so the output keeps the input weights; {advice}",
                    err=True)
     elif keep_best and info["best_epoch"] is not None and info["best_epoch"] < epochs:
-        click.echo(f"kept epoch {info['best_epoch']} of {epochs} (lowest alignment loss on the calibration set)")
+        click.echo(f"kept epoch {info['best_epoch']} of {epochs} (lowest alignment loss on {where})")
     elif info["final_loss"] is not None and info["initial_loss"] is not None and info["final_loss"] > info["initial_loss"]:
         click.echo(f"warning: healing increased the alignment loss; {advice}", err=True)
     if not no_eval:

@@ -227,6 +227,21 @@ def test_keep_best_picks_the_epoch_with_the_lowest_alignment(pruned, dense, cali
     assert measure_alignment(res.model, dense, calib[:16]) == pytest.approx(min(losses), rel=1e-6)
 
 
+def test_holdout_trains_on_the_rest_and_selects_on_the_held_out_images(pruned, dense, calib):
+    data = calib[:16]
+    res = heal(pruned.model, dense, data, epochs=2, batch_size=8, lr=1e-4, seed=2, holdout=0.25)
+    assert res.info["holdout"]["num_images"] == 4 and res.info["steps"] == 2 * 2  # 12 images, batch 8
+    split = torch.randperm(16, generator=torch.Generator().manual_seed(3))  # seed + 1
+    held = data[split[:4].sort().values]
+    losses = [res.info["initial_loss"]] + [h["eval_loss"] for h in res.history]
+    assert res.info["initial_loss"] == pytest.approx(measure_alignment(pruned.model, dense, held), rel=1e-6)
+    assert measure_alignment(res.model, dense, held) == pytest.approx(min(losses), rel=1e-6)
+    with pytest.raises(UserError, match="holdout"):
+        heal(pruned.model, dense, data, epochs=1, holdout=1.0)
+    with pytest.raises(UserError, match="none to train on"):
+        heal(pruned.model, dense, data[:1], epochs=1, holdout=0.5)
+
+
 # ---- resume ---------------------------------------------------------------------------------------
 class _Interrupt(Exception):
     pass

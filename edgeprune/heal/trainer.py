@@ -176,9 +176,11 @@ def default_warmup_steps(total_steps: int) -> int:
 
 # ---- loss over a data set -------------------------------------------------------------------------
 @torch.no_grad()
-def _measure(capture: BlockCapture, targets, calib: CalibrationSet, batch_size: int, kind: str) -> float:
+def _measure(capture: BlockCapture, targets, calib: CalibrationSet, batch_size: int, kind: str,
+             indices: torch.Tensor | None = None) -> float:
+    order = torch.arange(len(calib)) if indices is None else indices
     total, n = 0.0, 0
-    for idx in iter_batches(len(calib), batch_size):
+    for idx in iter_batches(len(order), batch_size, order):
         x = calib.get(idx)
         per = per_image_alignment(capture.run(x), targets.get(idx, x), kind)
         total += float(per.double().sum())
@@ -290,7 +292,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
          progress: bool = False, checkpoint_dir: str | os.PathLike | None = None,
          target_cache: Any = None, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
          callback: Callable[[int, dict[str, Any]], None] | None = None, inplace: bool = False,
-         measure: bool = True, keep_best: bool = True, warmup_steps: int | None = None) -> HealResult:
+         measure: bool = True, keep_best: bool = True, warmup_steps: int | None = None,
+         holdout: float = 0.0) -> HealResult:
     """STARFISH healing: align every block output of a pruned model with the dense model's.
 
     Args:
@@ -324,6 +327,10 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
         warmup_steps: linear learning-rate warm-up steps before the cosine decay; 0 is the
             paper's schedule; ``None`` (default) is :func:`default_warmup_steps` (10% of the
             steps, at least 5, at most half).
+        holdout: fraction of the calibration images held out of training (seeded split, at least
+            one image); the alignment loss that ``measure`` / ``keep_best`` report and select by
+            is then measured on them only, so the kept epoch is the one that generalises best
+            (early stopping). 0 (default): train on all images and measure on all of them.
 
     Returns:
         :class:`HealResult`.
@@ -346,13 +353,24 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
     flags = {n: p.requires_grad for n, p in params.items()}
     train_set = set(param_names)
     n = len(calib)
-    steps_per_epoch = math.ceil(n / batch_size)
+    if not (0.0 <= holdout < 1.0):
+        raise UserError(f"holdout must be a fraction in [0, 1), got {holdout}")
+    if holdout > 0:
+        n_val = max(1, round(holdout * n))
+        if n_val >= n:
+            raise UserError(f"holdout {holdout:g} of {n} calibration images leaves none to train on")
+        split = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))
+        val_idx, train_idx = split[:n_val].sort().values, split[n_val:].sort().values
+    else:
+        train_idx = val_idx = torch.arange(n)
+    n_train = len(train_idx)
+    steps_per_epoch = math.ceil(n_train / batch_size)
     total_steps = epochs * steps_per_epoch
     if warmup_steps is None:
         warmup_steps = default_warmup_steps(total_steps)
     settings = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "min_lr": min_lr,
                 "weight_decay": weight_decay, "loss": loss, "seed": seed, "trainable": param_names,
-                "num_images": n, "keep_best": keep_best, "warmup_steps": warmup_steps}
+                "num_images": n, "keep_best": keep_best, "warmup_steps": warmup_steps, "holdout": holdout}
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None:
         settings.update(model_fingerprint=state_fingerprint(model), dense_fingerprint=state_fingerprint(dense_model),
@@ -409,7 +427,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                 elapsed_before = float(header.get("elapsed_s", 0.0))
                 resumed_from = start_epoch
             elif measure or keep_best:
-                initial_loss = _measure(cap, targets, calib, batch_size, loss)
+                initial_loss = _measure(cap, targets, calib, batch_size, loss, val_idx)
                 if keep_best:
                     best_loss = initial_loss
                     best = {pn: params[pn].detach().clone() for pn in param_names}
@@ -417,8 +435,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
             for epoch in range(start_epoch, epochs if opt is not None else 0):
                 assert opt is not None
                 t0 = time.perf_counter()
-                order = torch.randperm(n, generator=gen)
-                bar = tqdm(iter_batches(n, batch_size, order), total=steps_per_epoch, disable=not progress,
+                order = train_idx[torch.randperm(n_train, generator=gen)]
+                bar = tqdm(iter_batches(n_train, batch_size, order), total=steps_per_epoch, disable=not progress,
                            desc=f"heal epoch {epoch + 1}/{epochs}", leave=False)
                 loss_sum, seen, cur_lr = 0.0, 0, lr
                 for idx in bar:
@@ -440,7 +458,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                          "seconds": time.perf_counter() - t0}
                 if keep_best:
                     assert best_loss is not None
-                    stats["eval_loss"] = _measure(cap, targets, calib, batch_size, loss)
+                    stats["eval_loss"] = _measure(cap, targets, calib, batch_size, loss, val_idx)
                     if stats["eval_loss"] < best_loss:
                         best_loss, best_epoch = stats["eval_loss"], epoch + 1
                         best = {pn: params[pn].detach().clone() for pn in param_names}
@@ -464,7 +482,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                             params[pn].copy_(best[pn])
                 final_loss = best_loss
             elif measure:
-                final_loss = (_measure(cap, targets, calib, batch_size, loss) if opt is not None
+                final_loss = (_measure(cap, targets, calib, batch_size, loss, val_idx) if opt is not None
                               else initial_loss)
     finally:
         for name, p in params.items():
@@ -479,6 +497,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
         "optimizer": "AdamW", "batch_size": batch_size, "weight_decay": weight_decay, "seed": seed,
         "steps": total_steps if param_names else 0,
         "calibration": {"source": calib.description, "num_images": n},
+        "holdout": {"fraction": holdout, "num_images": len(val_idx) if holdout > 0 else 0,
+                    "loss_measured_on": "held-out calibration images" if holdout > 0 else "all calibration images"},
         "initial_loss": initial_loss, "final_loss": final_loss,
         "wall_time_s": elapsed_before + time.perf_counter() - t_start,
         "trained_modules": given,
