@@ -12,24 +12,27 @@ throughout (no dropout / drop-path, BatchNorm statistics untouched).
 Optimisation (App. B): AdamW, learning rate ``lr`` decayed per step with a cosine schedule
 to ``min_lr`` (1e-6) over ``epochs * ceil(N / batch_size)`` steps
 (``lr_t = min_lr + (lr - min_lr) * (1 + cos(pi t / T)) / 2``), batch 32, reshuffled every epoch
-by a generator seeded with ``seed``. Not in the paper: by default the first
-``default_warmup_steps(T)`` steps warm the learning rate up linearly (the cosine then spans the
-remaining steps); ``warmup_steps=0`` gives the paper's schedule. Runs are deterministic for a given seed, machine and thread
-count (``torch.use_deterministic_algorithms(True)`` while healing).
+by a generator seeded with ``seed``. Not in the paper: the default lr is 1e-4 (paper: 6e-4), and
+by default the first ``default_warmup_steps(T)`` steps warm the learning rate up linearly (the
+cosine then spans the remaining steps); ``warmup_steps=0`` gives the paper's schedule. Runs are
+deterministic for a given seed, machine and thread count
+(``torch.use_deterministic_algorithms(True)`` while healing).
 
 Keeping the best epoch (``keep_best``, default on; not in the paper): after every epoch the
-alignment loss over the whole calibration set is measured in an eval pass, and the result is the
-weights of the epoch with the lowest value -- the input weights ("epoch 0") included -- so healing
-never returns a model that is further from the dense one on its own objective than its input.
-With few optimisation steps AdamW's first updates at the paper's learning rate can overshoot
-(measured on dinov2-s14 with 64 calibration crops: see the README), which this guards against.
+alignment loss is measured in an eval pass -- over the whole calibration set, or over the
+``holdout`` images kept out of training -- and the result is the weights of the epoch with the
+lowest value, the input weights ("epoch 0") included, so healing never returns a model that is
+further from the dense one on that measure than its input. With few optimisation steps AdamW's
+first updates at the paper's learning rate can overshoot, and a heal can overfit a tiny
+calibration set (measured on dinov2-s14 with 64 calibration crops: see the README); keep-best
+guards against the first, ``holdout`` against the second.
 
 Checkpoints (``checkpoint_dir``): after every epoch one ``checkpoint.safetensors`` (trainable
-weights, the best epoch's weights, AdamW moments, the shuffling generator's and torch's RNG states; a JSON header in its
-metadata with epoch, step, history and the settings) is written atomically. A later call with the
-same directory resumes after the last completed epoch -- exactly: the result is bit-identical to an
-uninterrupted run -- after checking that the settings, the input model and the calibration set
-are the same. No pickle is involved.
+weights, the best epoch's weights, AdamW moments, the shuffling generator's and torch's RNG
+states; a JSON header in its metadata with epoch, step, history and the settings) is written
+atomically. A later call with the same directory resumes after the last completed epoch --
+exactly: the result is bit-identical to an uninterrupted run -- after checking that the settings,
+the input model and the calibration set are the same. No pickle is involved.
 """
 
 from __future__ import annotations
