@@ -81,6 +81,20 @@ def atomic_write_text(dest: str | os.PathLike[str], text: str, *, fsync: bool = 
     return atomic_write_bytes(dest, text.encode("utf-8"), fsync=fsync)
 
 
+def atomic_save_safetensors(dest: str | os.PathLike[str], tensors: dict, metadata: dict[str, str] | None = None
+                            ) -> Path:
+    """``safetensors.torch.save_file(tensors, dest, metadata)`` atomically (see :func:`atomic_path`).
+
+    Args:
+        tensors: name -> contiguous torch.Tensor (no shared storage); metadata: str -> str.
+    """
+    from safetensors.torch import save_file
+
+    with atomic_path(dest) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return Path(dest)
+
+
 @contextlib.contextmanager
 def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary folder next to ``dest``, renamed to ``dest`` on a clean exit.

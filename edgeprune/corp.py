@@ -16,7 +16,7 @@ import torch
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.collect import CalibrationStatistics, collect_statistics
 from edgeprune.errors import UserError
-from edgeprune.plan import BlockPlan, kept_dim
+from edgeprune.plan import BlockPlan, kept_dim, pruned_indices
 from edgeprune.ranking import MLP_CRITERIA, mlp_scores, qk_scores, top_k_indices
 from edgeprune.solve import mlp_ridge, qk_logit, qk_logit_cg
 from edgeprune.surgery import qkv_parts, replace_attention, shrink_mlp
@@ -113,11 +113,6 @@ def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig
     return plans
 
 
-def _complement(keep: torch.Tensor, dim: int) -> torch.Tensor:
-    all_dims = torch.arange(dim)
-    return all_dims[~torch.isin(all_dims, keep)]
-
-
 def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
                mlp_stats: list, qk_solve: QKSolve | None) -> list[dict]:
     """Solve and fold the compensation, then shrink the modules (in place).
@@ -139,7 +134,7 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
         rec: dict = {"index": b.index}
         if plan.mlp_keep is not None:
             keep = plan.mlp_keep
-            prune = _complement(keep, b.mlp_hidden)
+            prune = pruned_indices(keep, b.mlp_hidden)
             bmat = cvec = None
             if cfg.compensation and len(prune) > 0:
                 st = mlp_stats[b.index]
@@ -196,7 +191,7 @@ def qk_solver_from_grams(qk_stats: list, plans: list[BlockPlan], cfg: CorpConfig
             grams[i] = qk_stats[i].grams()
         gq, gk = grams[i]
         keep = plans[i].qk_keep[h]
-        prune = _complement(keep, gq.shape[-1])
+        prune = pruned_indices(keep, gq.shape[-1])
         use_cg = cfg.qk_solver == "cg" or (cfg.qk_solver == "auto" and cfg.qk_ridge_alpha > 0
                                           and cg_is_cheaper(gq.shape[0], len(keep)))
         if use_cg:

@@ -83,3 +83,13 @@ def resolve_sparsities(target: str, sparsity: float | None, mlp_sparsity: float 
     for v in out.values():
         check_sparsity(v)
     return out
+
+
+def pruned_indices(keep: torch.Tensor, dim: int) -> torch.Tensor:
+    """The complement P of kept indices S in ``range(dim)``, ascending (int64).
+
+    Args:
+        keep: S, (k,) int64 kept indices; dim: the dense dim.
+    """
+    all_dims = torch.arange(dim)
+    return all_dims[~torch.isin(all_dims, keep)]

@@ -37,6 +37,7 @@ from edgeprune.api import prune  # noqa: E402
 from edgeprune.atomic import atomic_write_text  # noqa: E402
 from edgeprune.calibration.collect import collect_statistics  # noqa: E402
 from edgeprune.corp import CorpConfig, plan_corp  # noqa: E402
+from edgeprune.plan import pruned_indices  # noqa: E402
 from edgeprune.solve import qk_logit, qk_logit_cg  # noqa: E402
 from edgeprune.zoo.registry import get_model_spec  # noqa: E402
 
@@ -66,8 +67,7 @@ def per_head(model, calib, sparsities, batch_size: int, alpha: float) -> list[di
             for h in range(b.num_heads):
                 keep = plan.qk_keep[h]
                 kept = len(keep)
-                all_dims = torch.arange(b.qk_dim)
-                prune_idx = all_dims[~torch.isin(all_dims, keep)]
+                prune_idx = pruned_indices(keep, b.qk_dim)
                 t0 = time.perf_counter()
                 k_sys, rhs = qk_logit.kronecker_system(gq[:, h], gk[:, h], keep, prune_idx)
                 m_direct, _ = qk_logit.solve_logit_compensation(k_sys, rhs, alpha)

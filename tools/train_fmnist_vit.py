@@ -112,27 +112,18 @@ def main() -> None:
                                          "test_top1": f"{acc:.4f}", "partial": "true",
                                          "recipe": "tools/train_fmnist_vit.py " + " ".join(sys.argv[1:])})
 
-    from safetensors.torch import save_file
-
     model.eval()
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    meta = {"config": repr(CONFIG), "epochs": str(args.epochs), "test_top1": f"{acc:.4f}",
-            "recipe": "tools/train_fmnist_vit.py " + " ".join(sys.argv[1:])}
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp), metadata=meta)
-    tmp.replace(out)
+    save(model, out, {"config": repr(CONFIG), "epochs": str(args.epochs), "test_top1": f"{acc:.4f}",
+                      "recipe": "tools/train_fmnist_vit.py " + " ".join(sys.argv[1:])})
     print(f"saved {out} (test top-1 {acc * 100:.2f}%)")
 
 
 def save(model, out: Path, meta: dict) -> None:
     """Write the weights atomically (temp file + rename)."""
-    from safetensors.torch import save_file
+    from edgeprune.atomic import atomic_save_safetensors
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp), metadata=meta)
-    tmp.replace(out)
+    atomic_save_safetensors(out, {k: v.contiguous() for k, v in model.state_dict().items()}, meta)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from edgeprune.plan import pruned_indices
+
 
 class QKStatistics:
     """Accumulates per-image Q/K Gram matrices and the logit-energy score of one layer.
@@ -106,8 +108,7 @@ class QKSystemStatistics:
         self._kron = kronecker_system
         self.keep = keep
         self.num_heads, self.kept = keep.shape
-        all_dims = torch.arange(qk_dim)
-        self.prune = torch.stack([all_dims[~torch.isin(all_dims, k)] for k in keep])
+        self.prune = torch.stack([pruned_indices(k, qk_dim) for k in keep])
         d2 = self.kept * self.kept
         self.k_sys = torch.zeros(self.num_heads, d2, d2, dtype=torch.float64)
         self.rhs = torch.zeros(self.num_heads, self.kept, self.kept, dtype=torch.float64)

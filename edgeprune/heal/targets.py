@@ -35,7 +35,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from edgeprune.anatomy import find_anatomy
-from edgeprune.atomic import atomic_path, atomic_write_text
+from edgeprune.atomic import atomic_save_safetensors, atomic_write_text
 from edgeprune.errors import UserError
 from edgeprune.heal.alignment import BlockCapture
 
@@ -155,13 +155,6 @@ class DenseTargets:
 
 
 # ---- dense targets, disk cache --------------------------------------------------------------------
-def _atomic_save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
-
-
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     """safetensors header (dict) and the byte offset where tensor data starts."""
     with open(path, "rb") as fh:
@@ -265,7 +258,7 @@ class DiskTargetCache:
                     for b, o in zip(bufs, outs):
                         b[j:j + m] = o
                     bar.update(m)
-                _atomic_save_safetensors(
+                atomic_save_safetensors(
                     self.dir / s["file"], {f"block.{l}": b for l, b in enumerate(bufs)},
                     {"fingerprint": fingerprint, "start": str(s["start"]), "count": str(s["count"]),
                      "format": CACHE_FORMAT})

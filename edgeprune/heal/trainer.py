@@ -52,9 +52,10 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from edgeprune.anatomy import find_anatomy
+from edgeprune.atomic import atomic_save_safetensors
 from edgeprune.errors import UserError
 from edgeprune.heal.alignment import LOSSES, BlockCapture, alignment_loss, per_image_alignment
-from edgeprune.heal.targets import (DEFAULT_MEMORY_BUDGET_MB, CalibrationSet, _atomic_save_safetensors,
+from edgeprune.heal.targets import (DEFAULT_MEMORY_BUDGET_MB, CalibrationSet,
                                     iter_batches, make_targets, state_fingerprint)
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -231,7 +232,7 @@ def _save_checkpoint(directory: Path, model: nn.Module, param_names: list[str], 
     tensors["rng.torch"] = torch.get_rng_state().clone()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
     header = dict(header, optimizer={"param_groups": groups, "extra_state": extra})
-    _atomic_save_safetensors(directory / CHECKPOINT, tensors, {STATE_KEY: json.dumps(header)})
+    atomic_save_safetensors(directory / CHECKPOINT, tensors, {STATE_KEY: json.dumps(header)})
 
 
 def _load_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from edgeprune.anatomy import ViTAnatomy
-from edgeprune.atomic import atomic_path
+from edgeprune.atomic import atomic_save_safetensors
 from edgeprune.nuwa.ofp_mha import BlockFactors, block_factors
 
 VERSION = "nuwa-svd-v1"
@@ -95,12 +95,9 @@ def _from_file(path: Path) -> list[BlockFactors] | None:
 
 
 def _write_atomic(path: Path, factors: list[BlockFactors]) -> bool:
-    from safetensors.torch import save_file
-
     tensors, meta = _to_tensors(factors)
     try:
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
+        atomic_save_safetensors(path, tensors, meta)
         return True
     except OSError:
         return False  # a read-only or full cache directory only costs the speed-up
