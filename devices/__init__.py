@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
+from typing import Any, Mapping
 
 from devices.profile import (
     BatchRange,
@@ -36,6 +37,7 @@ __all__ = [
     "load_profile",
     "load_profile_file",
     "profile_from_dict",
+    "profile_from_record",
     "shipped_profile_path",
 ]
 
@@ -77,3 +79,27 @@ def load_profile(name_or_path: str | os.PathLike[str] | DeviceProfile) -> Device
         f"unknown device {text!r} (shipped profiles: {', '.join(list_profiles())}; "
         "or pass the path of a .toml profile)"
     )
+
+
+def profile_from_record(record: Mapping[str, Any]) -> DeviceProfile:
+    """Rebuild a profile from its :meth:`DeviceProfile.to_dict` form (e.g. an engine's sidecar).
+
+    The settings an engine was built and meant to be benchmarked with travel in its sidecar;
+    this validates them again exactly as a TOML file would be.
+
+    Raises:
+        ProfileError: the record is not a valid profile.
+    """
+    name = str(record.get("name") or "recorded")
+    device = {k: record[k] for k in ("name", "description", "backend", "architecture", "compute_capability",
+                                     "memory_gb", "shared_memory", "gpu_names", "tensorrt", "jetpack")
+              if record.get(k) not in (None, [], "")}
+    data: dict[str, Any] = {"device": device, "bench": dict(record.get("bench") or {})}
+    if record.get("build"):
+        data["build"] = dict(record["build"])
+    if record.get("onnxruntime"):
+        data["onnxruntime"] = dict(record["onnxruntime"])
+    src = record.get("source")
+    return profile_from_dict(data, label=f"recorded profile {name!r}", default_name=name,
+                             source=Path(src) if src else None)
+

@@ -16,7 +16,9 @@ A profile is one TOML file (the shipped ones live next to this module: ``rtx3090
     jetpack = "6"                   # optional
 
     [build]                         # backend = "tensorrt" only
-    precision = "fp16"              # "fp16" (default) or "fp32"
+    precision = "fp16"              # "fp16" (default), "fp32" or "int8" (int8: the ONNX must be
+                                    # explicitly quantized (Q/DQ, `edgeprune quantize`); built
+                                    # with the INT8 and FP16 flags: TensorRT's explicit quantization)
     workspace_mib = 4096
     builder_optimization_level = 3  # 0..5
     timing_cache = "~/.cache/edgeprune/timing/rtx3090.cache"   # optional; this is the default
@@ -30,32 +32,30 @@ A profile is one TOML file (the shipped ones live next to this module: ``rtx3090
 
     [onnxruntime]                   # backend = "onnxruntime" only, optional
     threads = 0                     # intra-op threads; 0 = ONNX Runtime's default
+    precision = "fp32"              # "fp32" (default), "fp16" or "int8": what the benchmarked
+                                    # ONNX must be (int8: it has Q/DQ nodes); run as-is
 
 Every field is checked on load; a bad one raises :class:`ProfileError` (a
 :class:`~edgeprune.errors.UserError`) naming the file and the field, e.g.
-``orin-nx.toml: build.precision must be one of fp16, fp32 (got 'fp8')``. Unknown keys are errors
+``orin-nx.toml: build.precision must be one of fp16, fp32, int8 (got 'fp8')``. Unknown keys are errors
 too, so a typo does not silently fall back to a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from edgeprune.errors import UserError
+from devices.fields import ProfileError, Section
 
 BACKENDS = ("tensorrt", "onnxruntime")
-PRECISIONS = ("fp16", "fp32")
+PRECISIONS = ("fp16", "fp32", "int8")
+ORT_PRECISIONS = ("fp32", "fp16", "int8")
 MAX_OPT_LEVEL = 5
 DEFAULT_TIMING_CACHE_DIR = "~/.cache/edgeprune/timing"
-
-
-class ProfileError(UserError):
-    """A device profile that cannot be loaded or has a bad field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,18 @@ class DeviceProfile:
     tensorrt: str | None = None
     jetpack: str | None = None
     ort_threads: int = 0
+    ort_precision: str = "fp32"
     source: Path | None = None
+
+    @property
+    def precision(self) -> str:
+        """The profile's precision: ``build.precision`` (TensorRT) or ``onnxruntime.precision``."""
+        return self.build.precision if self.build is not None else self.ort_precision
+
+    @property
+    def threads(self) -> int | None:
+        """Intra-op threads for CPU backends (``None``: the backend's default)."""
+        return self.ort_threads or None
 
     @property
     def compute_capability_str(self) -> str:
@@ -142,7 +153,7 @@ class DeviceProfile:
             "source": None if self.source is None else str(self.source),
         }
         if self.backend == "onnxruntime":
-            d["onnxruntime"] = {"threads": self.ort_threads}
+            d["onnxruntime"] = {"threads": self.ort_threads, "precision": self.ort_precision}
         if self.build is not None:
             d["build"] = {
                 "precision": self.build.precision,
@@ -153,94 +164,6 @@ class DeviceProfile:
             }
         return d
 
-
-# --------------------------------------------------------------------------------------------
-# validation helpers: each takes the file label and the dotted field name for the message
-
-
-class _Section:
-    """Reads typed fields from one TOML table and remembers which keys were consumed."""
-
-    def __init__(self, label: str, prefix: str, table: Mapping[str, Any], known: tuple[str, ...]):
-        self.label = label
-        self.prefix = prefix
-        self.table = table
-        self.known = known
-        self.seen: set[str] = set()
-        extra = [k for k in table if k not in known]
-        if extra:
-            close = difflib.get_close_matches(extra[0], known, n=1)
-            hint = f"did you mean {self.field(close[0])}? " if close else ""
-            raise ProfileError(f"{label}: unknown key {self.field(extra[0])} "
-                               f"({hint}known here: {', '.join(known)})")
-
-    def field(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def fail(self, key: str, what: str) -> ProfileError:
-        return ProfileError(f"{self.label}: {self.field(key)} {what}")
-
-    def _get(self, key: str, default: Any, required: bool) -> Any:
-        self.seen.add(key)
-        if key not in self.table:
-            if required:
-                raise self.fail(key, "is required")
-            return default
-        return self.table[key]
-
-    def string(self, key: str, default: str | None = None, *, required: bool = False,
-               choices: tuple[str, ...] | None = None) -> str | None:
-        v = self._get(key, default, required)
-        if v is None:
-            return None
-        if not isinstance(v, str):
-            raise self.fail(key, f"must be a string (got {v!r})")
-        if choices is not None and v not in choices:
-            raise self.fail(key, f"must be one of {', '.join(choices)} (got {v!r})")
-        return v
-
-    def integer(self, key: str, default: int | None = None, *, required: bool = False,
-                lo: int | None = None, hi: int | None = None) -> int:
-        v = self._get(key, default, required)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self.fail(key, f"must be an integer (got {v!r})")
-        if lo is not None and hi is not None and not lo <= v <= hi:
-            raise self.fail(key, f"must be between {lo} and {hi} (got {v})")
-        if lo is not None and v < lo:
-            raise self.fail(key, f"must be >= {lo} (got {v})")
-        return v
-
-    def boolean(self, key: str, default: bool) -> bool:
-        v = self._get(key, default, False)
-        if not isinstance(v, bool):
-            raise self.fail(key, f"must be true or false (got {v!r})")
-        return v
-
-    def int_list(self, key: str, default: list[int] | None = None, *, required: bool = False,
-                 lo: int = 1) -> tuple[int, ...]:
-        v = self._get(key, default, required)
-        if isinstance(v, int) and not isinstance(v, bool):
-            v = [v]
-        if not isinstance(v, list) or not v:
-            raise self.fail(key, f"must be a non-empty list of integers (got {v!r})")
-        for item in v:
-            if isinstance(item, bool) or not isinstance(item, int) or item < lo:
-                raise self.fail(key, f"must contain integers >= {lo} (got {item!r})")
-        return tuple(v)
-
-    def str_list(self, key: str) -> tuple[str, ...]:
-        v = self._get(key, [], False)
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise self.fail(key, f"must be a list of strings (got {v!r})")
-        return tuple(v)
-
-    def table_(self, key: str, *, required: bool = False) -> Mapping[str, Any] | None:
-        v = self._get(key, None, required)
-        if v is None:
-            return None
-        if not isinstance(v, dict):
-            raise self.fail(key, f"must be a table (got {v!r})")
-        return v
 
 def parse_compute_capability(value: Any, label: str, field: str = "device.compute_capability"
                              ) -> tuple[int, int]:
@@ -281,14 +204,14 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
     Raises:
         ProfileError: a missing, unknown or invalid field.
     """
-    top = _Section(label, "", data, ("device", "build", "bench", "onnxruntime"))
+    top = Section(label, "", data, ("device", "build", "bench", "onnxruntime"))
     dev_t = top.table_("device", required=True)
     build_t = top.table_("build")
     bench_t = top.table_("bench", required=True)
     ort_t = top.table_("onnxruntime")
     assert dev_t is not None and bench_t is not None
 
-    dev = _Section(label, "device", dev_t, (
+    dev = Section(label, "device", dev_t, (
         "name", "description", "backend", "architecture", "compute_capability", "memory_gb",
         "shared_memory", "gpu_names", "tensorrt", "jetpack"))
     name = dev.string("name", default_name)
@@ -316,7 +239,7 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
             raise dev.fail("compute_capability", "is required for backend 'tensorrt'")
         if build_t is None:
             raise ProfileError(f"{label}: [build] section is required for backend 'tensorrt'")
-        b = _Section(label, "build", build_t, ("precision", "workspace_mib", "builder_optimization_level",
+        b = Section(label, "build", build_t, ("precision", "workspace_mib", "builder_optimization_level",
                                                "timing_cache", "batch"))
         precision = b.string("precision", "fp16", choices=PRECISIONS)
         assert precision is not None
@@ -328,7 +251,7 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
             raise b.fail("timing_cache", "must be a non-empty path")
         batch_t = b.table_("batch", required=True)
         assert batch_t is not None
-        bt = _Section(label, "build.batch", batch_t, ("min", "opt", "max"))
+        bt = Section(label, "build.batch", batch_t, ("min", "opt", "max"))
         bmin = bt.integer("min", required=True, lo=1)
         bopt = bt.integer("opt", required=True, lo=1)
         bmax = bt.integer("max", required=True, lo=1)
@@ -344,13 +267,15 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
                            f"(this profile's backend is {backend!r})")
 
     ort_threads = 0
+    ort_precision = "fp32"
     if ort_t is not None:
         if backend != "onnxruntime":
             raise ProfileError(f"{label}: [onnxruntime] is only allowed for backend 'onnxruntime'")
-        o = _Section(label, "onnxruntime", ort_t, ("threads",))
+        o = Section(label, "onnxruntime", ort_t, ("threads", "precision"))
         ort_threads = o.integer("threads", 0, lo=0)
+        ort_precision = o.string("precision", "fp32", choices=ORT_PRECISIONS) or "fp32"
 
-    be = _Section(label, "bench", bench_t, ("batch_sizes", "warmup", "iterations", "cuda_graphs"))
+    be = Section(label, "bench", bench_t, ("batch_sizes", "warmup", "iterations", "cuda_graphs"))
     batch_sizes = be.int_list("batch_sizes", required=True)
     warmup = be.integer("warmup", 10, lo=0)
     iterations = be.integer("iterations", 100, lo=1)
@@ -370,7 +295,7 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
         bench=BenchSettings(batch_sizes=batch_sizes, warmup=warmup, iterations=iterations,
                             cuda_graphs=cuda_graphs),
         gpu_names=gpu_names, tensorrt=trt_version, jetpack=jetpack, ort_threads=ort_threads,
-        source=source,
+        ort_precision=ort_precision, source=source,
     )
 
 

@@ -18,8 +18,9 @@ except ImportError:  # torchvision not installed: timm will say so when it is ne
 
 from edgeprune.api import PruneResult, prune, structure_summary  # noqa: E402
 from edgeprune.artifact import load_run, save_run  # noqa: E402
-from edgeprune.errors import UserError  # noqa: E402
+from edgeprune.corp import CorpConfig  # noqa: E402
+from edgeprune.errors import RuntimeFault, UserError  # noqa: E402
 from edgeprune.zoo.registry import ModelSpec, get_model_spec  # noqa: E402
 
-__all__ = ["PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
-           "ModelSpec", "get_model_spec", "__version__"]
+__all__ = ["CorpConfig", "PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
+           "RuntimeFault", "ModelSpec", "get_model_spec", "__version__"]

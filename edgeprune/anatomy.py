@@ -6,6 +6,14 @@ every block, the fused ``qkv`` and ``proj`` Linears, ``num_heads``, the dense ``
 current ``qk_dim`` and ``v_dim``, ``fc1``/``act``/``fc2`` and the LayerScales, plus the number of
 prefix tokens. Everything downstream (calibration hooks, planning, surgery, FLOPs) reads the
 model only through this record.
+
+Only what edgeprune reproduces *exactly* is accepted (issue 12, defect 1): the model class must be
+timm's ``VisionTransformer`` (or the distilled DeiT subclass), every block timm's pre-norm ``Block``
+with timm's standard ``Attention`` (or edgeprune's :class:`PrunedAttention`) and a plain ``Mlp``,
+the patch embedding timm's ``PatchEmbed``. Anything else -- relative-position bias, RoPE, separate
+q/v biases, q/k or scale norm, gated attention, post-norm or parallel blocks, GLU MLPs, hybrid CNN
+stems, unknown attention classes -- raises :class:`UnsupportedModelError` naming the feature, before
+any work. The supported and refused families are listed in :mod:`edgeprune.zoo.families`.
 """
 
 from __future__ import annotations
@@ -94,6 +102,92 @@ def _pair(v) -> tuple[int, int]:
     return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))
 
 
+def _timm_classes() -> dict[str, tuple[type, ...]]:
+    """The exact classes edgeprune reproduces (looked up in the installed timm)."""
+    from edgeprune._compat import import_timm
+
+    import_timm()
+    from timm.layers import Mlp, PatchEmbed
+    from timm.layers.attention import Attention
+    from timm.models.deit import VisionTransformerDistilled
+    from timm.models.vision_transformer import Block, VisionTransformer
+
+    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block,),
+            "attn": (Attention, PrunedAttention), "mlp": (Mlp,), "patch_embed": (PatchEmbed,)}
+
+
+def _has(module: nn.Module, attr: str) -> bool:
+    return getattr(module, attr, None) is not None
+
+
+def _module_features(kind: str, module: nn.Module) -> list[str]:
+    """Features of one module (model, block, attention or MLP) that edgeprune cannot reproduce."""
+    cls = type(module).__name__
+    low = cls.lower()
+    out = []
+    if (any(_has(module, a) for a in ("rel_pos", "shared_rel_pos", "relative_position_bias_table",
+                                      "relative_position_index", "rel_pos_bias"))
+            or "relpos" in low or "rel_pos" in low):
+        out.append("relative-position bias")
+    if any(_has(module, a) for a in ("rope", "rotary_emb", "rotary_pos_emb", "freqs_cis")) or "rope" in low:
+        out.append("RoPE (rotary position embedding)")
+    if kind == "attn":
+        if _has(module, "q_bias") or _has(module, "v_bias"):
+            out.append("separate q_bias/v_bias (BEiT/EVA qkv layout)")
+        if any(not isinstance(getattr(module, a, nn.Identity()), nn.Identity) for a in ("q_norm", "k_norm")):
+            out.append("q/k norm")
+        if not isinstance(getattr(module, "norm", nn.Identity()), nn.Identity):
+            out.append("attention scale norm")
+        if _has(module, "gate"):
+            out.append("gated attention")
+        if not isinstance(getattr(module, "attn_drop", nn.Identity()), (nn.Identity, nn.Dropout)):
+            out.append(f"attention dropout {type(module.attn_drop).__name__}")
+    if kind == "block":
+        if "respost" in low or "post" in low:
+            out.append(f"post-norm blocks ({cls})")
+        if "parallel" in low or (not _has(module, "attn") and _has(module, "attns")):
+            out.append(f"parallel attention/MLP blocks ({cls})")
+    if kind == "mlp" and ("glu" in low or "swiglu" in low):
+        out.append(f"gated (GLU/SwiGLU) MLP ({cls})")
+    if kind == "mlp" and not isinstance(getattr(module, "norm", nn.Identity()), nn.Identity):
+        out.append("MLP hidden norm")
+    return out
+
+
+def unsupported_features(vit: nn.Module) -> list[str]:
+    """Everything in ``vit`` (a timm ViT-like module) that edgeprune cannot prune exactly.
+
+    Returns:
+        Distinct feature descriptions in the order found; empty when the model is supported.
+    """
+    classes = _timm_classes()
+    found = _module_features("model", vit)
+    pe = getattr(vit, "patch_embed", None)
+    if pe is not None and not isinstance(pe, classes["patch_embed"]):
+        found.append("hybrid CNN patch embedding" if "hybrid" in type(pe).__name__.lower()
+                     else f"patch embedding {type(pe).__name__}")
+    for blk in getattr(vit, "blocks", None) or []:
+        found += _module_features("block", blk)
+        attn, mlp = getattr(blk, "attn", None), getattr(blk, "mlp", None)
+        if attn is not None:
+            found += _module_features("attn", attn)
+        if mlp is not None:
+            found += _module_features("mlp", mlp)
+    if not found:  # no named feature: check the classes themselves
+        if type(vit) not in classes["vit"]:
+            found.append(f"model class {type(vit).__module__}.{type(vit).__name__} "
+                         "(only timm VisionTransformer / distilled DeiT)")
+        for blk in getattr(vit, "blocks", None) or []:
+            attn, mlp = getattr(blk, "attn", None), getattr(blk, "mlp", None)
+            if type(blk) not in classes["block"]:
+                found.append(f"block class {type(blk).__name__} (only timm's pre-norm Block)")
+            elif type(attn) not in classes["attn"]:
+                found.append(f"unknown attention class {type(attn).__module__}.{type(attn).__name__}")
+            elif type(mlp) not in classes["mlp"]:
+                found.append(f"MLP class {type(mlp).__name__} (only timm's Mlp)")
+    return list(dict.fromkeys(found))
+
+
 def _dense_head_dim(attn: nn.Module) -> int:
     # PrunedAttention remembers nothing about the dense model; the caller passes it via
     # `dense_head_dims` when re-reading a pruned model. timm Attention: head_dim.
@@ -112,8 +206,10 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
         :class:`ViTAnatomy`.
 
     Raises:
-        UnsupportedModelError: the model lacks a piece edgeprune needs; the message names it
-            (e.g. "block 3 has no fused attn.qkv Linear").
+        UnsupportedModelError: the model lacks a piece edgeprune needs, or uses a feature edgeprune
+            cannot reproduce exactly after pruning (relative-position bias, RoPE, q_bias/v_bias,
+            q/k or scale norm, post-norm/parallel blocks, GLU MLPs, hybrid stems, unknown
+            attention classes: :func:`unsupported_features`); the one-line message names it.
     """
     vit = model
     if not hasattr(vit, "blocks") and hasattr(model, "backbone"):
@@ -124,6 +220,11 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
         raise UnsupportedModelError(
             f"{name} is not a supported ViT: missing {', '.join(missing)} "
             "(edgeprune supports timm VisionTransformer models: deit_*, vit_*, deit3_*, dinov2)")
+    features = unsupported_features(vit)
+    if features:
+        raise UnsupportedModelError(
+            f"{name} uses {'; '.join(features[:3])}, which edgeprune cannot prune exactly "
+            "(supported: timm ViT/DeiT/DeiT3/DINOv2 with standard attention; see edgeprune.zoo.families)")
     pe = vit.patch_embed
     for attr in ("img_size", "patch_size", "num_patches"):
         if getattr(pe, attr, None) is None:

@@ -4,7 +4,8 @@
     spec = edgeprune.get_model_spec("fmnist-vit")
     model = spec.create()
     calib = spec.calibration_source(512)
-    result = edgeprune.prune(model, calib, target="both", sparsity=0.5)
+    config = edgeprune.CorpConfig.from_target("both", 0.5)   # or: target="both", sparsity=0.5
+    result = edgeprune.prune(model, calib, config, spec=spec)
     edgeprune.save_run("runs/fmnist-50", result.model, result.record)
 """
 
@@ -23,7 +24,7 @@ from edgeprune.corp import CorpConfig, corp_prune
 from edgeprune.data.sources import TensorSource
 from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
-from edgeprune.plan import resolve_sparsities
+from edgeprune.plan import achieved_sparsity  # noqa: F401  (re-exported: nuwa, tools)
 from edgeprune.surgery import block_dims
 
 
@@ -40,12 +41,6 @@ class PruneResult:
     record: dict[str, Any]
 
 
-def _version() -> str:
-    from edgeprune import __version__
-
-    return __version__
-
-
 def structure_summary(model: nn.Module) -> dict[str, Any]:
     """Params, FLOPs (per image) and per-block dims of a model."""
     anatomy = find_anatomy(model)
@@ -54,67 +49,34 @@ def structure_summary(model: nn.Module) -> dict[str, Any]:
             "block_flops": [b["total"] for b in flops["blocks"]]}
 
 
-def achieved_sparsity(dense_blocks: list[dict], pruned_blocks: list[dict]) -> dict[str, float]:
-    """Fraction of MLP hidden channels and of Q/K head dims removed over the whole model."""
-    def frac(key: str, weight: str | None) -> float:
-        d = sum(b[key] * (b[weight] if weight else 1) for b in dense_blocks)
-        p = sum(b[key] * (b[weight] if weight else 1) for b in pruned_blocks)
-        return 1.0 - p / d
-
-    return {"mlp": frac("mlp_hidden", None), "attn": frac("qk_dim", "num_heads")}
+_UNSET: Any = object()
+_LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
+#: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)
+_SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "v", "head_sparsity": "heads"}
 
 
-def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Iterable[torch.Tensor]], *,
-          target: str = "both", sparsity: float | None = 0.5, mlp_sparsity: float | None = None,
-          attn_sparsity: float | None = None, compensation: bool = True, criterion: str = "combined",
-          ridge_alpha: float | None = None, qk_ridge_alpha: float | None = None, round_to: int = 8,
-          batch_size: int = 32, gram_dtype: str = "float32", qk_solver: str = "auto",
-          progress: bool = False,
-          inplace: bool = False, spec=None, calibration_info: dict | None = None) -> PruneResult:
-    """One-shot structured pruning with CORP (corp-v1 Alg. 1).
-
-    Args:
-        model: a timm ViT (or ``dinov2-s14``), eval mode. Copied unless ``inplace``.
-        calibration: unlabeled images -- a tensor (N, C, H, W), a data source with
-            ``batches(batch_size)``, or a callable returning an iterable of (B, C, H, W) batches.
-        target: "mlp", "attn" (Q/K head dims) or "both".
-        sparsity: fraction of each targeted module's dims removed, in [0, 1).
-        mlp_sparsity, attn_sparsity: per-target overrides.
-        compensation: fold CORP's closed-form compensation (False = uncompensated baseline with
-            the same ranking).
-        criterion: MLP ranking criterion: combined, energy, magnitude, active.
-        ridge_alpha, qk_ridge_alpha: scale-free ridge strengths (None = defaults).
-        round_to: kept dims are multiples of this.
-        batch_size: calibration batch size (tensor input).
-        gram_dtype: "float32" (default) or "float64" for the per-batch Gram products.
-        qk_solver: "auto" (default), "direct" or "cg": how the exact Q/K system is solved (same
-            system, same answer to ~1e-9; see :class:`~edgeprune.corp.CorpConfig`).
-        progress: progress bars.
-        spec: the model's :class:`ModelSpec`, recorded in the run record when given.
-        calibration_info: extra calibration description for the record.
-
-    Returns:
-        :class:`PruneResult` with the pruned model and its run record.
+def corp_config(target: str = "both", sparsity: float | None = 0.5, **settings: Any) -> CorpConfig:
+    """A :class:`CorpConfig` from the Python API's keyword arguments (``target=``, ``sparsity=``,
+    ``mlp_sparsity=``, ``criterion=``, ``ridge_alpha=`` ...). ``None`` values mean "default".
 
     Raises:
-        UserError: bad settings, unsupported model, empty or mis-shaped calibration data.
+        UserError: unknown setting, bad target or sparsity, invalid settings.
     """
-    sp = resolve_sparsities(target, sparsity, mlp_sparsity, attn_sparsity)
-    cfg = CorpConfig(mlp_sparsity=sp["mlp"], attn_sparsity=sp["attn"], compensation=compensation,
-                     mlp_criterion=criterion, round_to=round_to, gram_dtype=gram_dtype,
-                     qk_solver=qk_solver)
-    if ridge_alpha is not None:
-        cfg.ridge_alpha = ridge_alpha
-    if qk_ridge_alpha is not None:
-        cfg.qk_ridge_alpha = qk_ridge_alpha
-    cfg.validate()
-    if not inplace:
-        model = copy.deepcopy(model)
-    model.eval()
-    anatomy = find_anatomy(model)
-    dense = structure_summary(model)
+    kw: dict[str, Any] = {}
+    for key, value in settings.items():
+        if value is None:
+            continue
+        kw[_LEGACY.get(key, key)] = value
+    return CorpConfig.from_target(target, sparsity, **kw)
 
-    num_images = None
+
+def calibration_batches(calibration: Any, batch_size: int) -> tuple[Callable[[], Iterable[torch.Tensor]], str,
+                                                                   int | None]:
+    """(callable returning fresh (B, C, H, W) batches, description, number of images or None).
+
+    Raises:
+        UserError: an empty set, or something that is not a tensor / data source / callable.
+    """
     if isinstance(calibration, torch.Tensor):
         calibration = TensorSource(calibration, None, f"tensor {tuple(calibration.shape)}")
     if hasattr(calibration, "batches"):
@@ -122,39 +84,121 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         num_images = len(source)
         if num_images == 0:
             raise UserError("the calibration set is empty")
-        batches = lambda: (x for x, _ in source.batches(batch_size))  # noqa: E731
-        description = getattr(source, "description", type(source).__name__)
-    elif callable(calibration):
-        batches = calibration
-        description = "custom iterable"
-    else:
-        raise UserError("calibration must be a tensor, a data source or a callable returning batches")
+        return ((lambda: (x for x, _ in source.batches(batch_size))),
+                getattr(source, "description", type(source).__name__), num_images)
+    if callable(calibration):
+        return calibration, "custom iterable", None
+    raise UserError("calibration must be a tensor, a data source or a callable returning batches")
+
+
+def base_model_record(model: nn.Module, spec=None) -> dict[str, Any]:
+    """The ``base_model`` entry of a run record.
+
+    ``spec.to_record()`` when a spec is given. Without one, a timm model is recognised by its
+    ``pretrained_cfg["architecture"]`` when rebuilding that name (with the model's number of
+    classes) gives exactly the same parameter names and shapes -- so ``load_run`` can rebuild
+    it; anything else is recorded by its class name only (then pass ``spec=``).
+    """
+    if spec is not None:
+        return spec.to_record()
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+    if arch:
+        try:
+            from edgeprune.zoo.registry import get_model_spec
+
+            guess = get_model_spec(arch, num_classes=getattr(model, "num_classes", None))
+            built = guess.create(pretrained=False)
+        except (UserError, RuntimeError, TypeError, ValueError):
+            built = None
+        if built is not None:
+            mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+            theirs = {k: tuple(v.shape) for k, v in built.state_dict().items()}
+            if mine == theirs:
+                return guess.to_record()
+    return {"name": type(model).__name__}
+
+
+def require_cpu(device: str, what: str) -> None:
+    """Raises UserError unless ``device`` is "cpu": ``what`` runs on the CPU for now."""
+    if str(device) != "cpu":
+        raise UserError(f"{what} runs on the CPU for now, got device {device!r} (use --device cpu)")
+
+
+def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Iterable[torch.Tensor]],
+          config: CorpConfig | None = None, *, spec=None, progress: bool = False, inplace: bool = False,
+          batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
+          target: str = _UNSET, sparsity: float | None = _UNSET, **settings: Any) -> PruneResult:
+    """One-shot structured pruning with CORP (corp-v1 Alg. 1).
+
+    Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings
+    as keywords (``target="both", sparsity=0.5, mlp_sparsity=..., attn_sparsity=...,
+    compensation=, criterion=, ridge_alpha=, qk_ridge_alpha=, round_to=, gram_dtype=,
+    qk_solver=`` and any other CorpConfig field), which build one with
+    :meth:`CorpConfig.from_target`; not both.
+
+    Args:
+        model: a timm ViT (or ``dinov2-s14``), eval mode. Copied unless ``inplace``.
+        calibration: unlabeled images -- a tensor (N, C, H, W), a data source with
+            ``batches(batch_size)``, or a callable returning an iterable of (B, C, H, W) batches.
+        config: the CORP settings (sparsity per module, compensation, ridge alphas, ...).
+        spec: the model's :class:`ModelSpec`, recorded in the run record (without it, see
+            :func:`base_model_record`).
+        progress: progress display (:mod:`edgeprune.progress`: bars on a terminal).
+        inplace: prune ``model`` itself.
+        batch_size: calibration batch size (tensor or source input).
+        device: the torch device; CORP's statistics run on the CPU for now, so only "cpu" is
+            accepted here (recorded in the run record).
+        calibration_info: extra calibration description for the record (seed, size requested).
+        target, sparsity, **settings: the keyword form of ``config`` (see above).
+
+    Returns:
+        :class:`PruneResult` with the pruned model and its run record
+        (:func:`edgeprune.artifact.new_record`; ``config`` holds ``asdict(config)``).
+
+    Raises:
+        UserError: bad settings, unsupported model, empty or mis-shaped calibration data, both
+            ``config`` and keyword settings given, a device other than cpu.
+    """
+    from edgeprune.artifact import new_record
+
+    if config is None:
+        config = corp_config("both" if target is _UNSET else target,
+                             0.5 if sparsity is _UNSET else sparsity, **settings)
+    elif target is not _UNSET or sparsity is not _UNSET or settings:
+        raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
+    config.validate()
+    require_cpu(device, "CORP pruning")
+    if not inplace:
+        model = copy.deepcopy(model)
+    model.eval()
+    anatomy = find_anatomy(model)
+    base_record = base_model_record(model, spec)
+    dense = structure_summary(model)
+    batches, description, num_images = calibration_batches(calibration, batch_size)
 
     t0 = time.perf_counter()
-    info = corp_prune(anatomy, batches, cfg, num_images=num_images, progress=progress)
+    info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress)
     seconds = time.perf_counter() - t0
     pruned = structure_summary(model)
-    record = {
-        "edgeprune_version": _version(),
-        "base_model": spec.to_record() if spec is not None else {"name": type(model).__name__},
-        "method": "corp" if compensation else "uncompensated",
-        "targets": target,
-        "sparsity": sp,
-        "achieved_sparsity": achieved_sparsity(dense["blocks"], pruned["blocks"]),
-        "settings": {"mlp_criterion": criterion, "qk_criterion": "logit",
-                     "ridge_alpha": cfg.ridge_alpha, "qk_ridge_alpha": cfg.qk_ridge_alpha,
-                     "ridge_lambda_rule": "lam = alpha * mean diag of the normal matrix (scale-free)",
-                     "round_to": round_to, "gram_dtype": gram_dtype, "qk_solver": qk_solver,
-                     "compensation": compensation},
-        "calibration": {"source": description, "num_images": info["num_images"], "passes": info["passes"],
-                        **(calibration_info or {})},
-        "blocks": pruned["blocks"],
-        "dense_blocks": dense["blocks"],
-        "params": pruned["params"], "dense_params": dense["params"],
-        "flops": pruned["flops"], "dense_flops": dense["flops"],
-        "timing": {"total_s": seconds, "calibration_s": info["calibration_seconds"],
-                   "solve_s": info["solve_seconds"]},
-        "solve": info["blocks"],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    fields = dataclasses.asdict(config)
+    requested = {key: float(fields[name]) for name, key in _SPARSITY_KEYS.items()
+                 if name in fields and (key in ("mlp", "attn") or fields[name])}
+    record = new_record(
+        "corp" if config.compensation else "uncompensated",
+        base_record, config, dense, pruned,
+        calibration={"source": description, "num_images": info["num_images"], "passes": info["passes"],
+                     "batch_size": batch_size, **(calibration_info or {})},
+        timing={"total_s": seconds, "calibration_s": info["calibration_seconds"],
+                "solve_s": info["solve_seconds"]},
+        device=str(device),
+        targets=config.target,
+        sparsity=requested,
+        achieved_sparsity=achieved_sparsity(dense["blocks"], pruned["blocks"]),
+        settings={"mlp_criterion": config.mlp_criterion, "qk_criterion": "logit",
+                  "ridge_alpha": config.ridge_alpha, "qk_ridge_alpha": config.qk_ridge_alpha,
+                  "ridge_lambda_rule": "lam = alpha * mean diag of the normal matrix (scale-free)",
+                  "round_to": config.round_to, "gram_dtype": config.gram_dtype, "qk_solver": config.qk_solver,
+                  "compensation": config.compensation},
+        solve=info["blocks"],
+    )
     return PruneResult(model=model.eval(), record=record)

@@ -4,33 +4,83 @@
 input size, preprocessing), ``method``, ``targets``, ``sparsity`` (requested per target),
 ``achieved_sparsity``, ``blocks`` (per-block num_heads, head_dim, qk_dim, v_dim, mlp_hidden),
 ``calibration`` (source, size, seed), ``settings`` (criterion, ridge alpha, round_to, ...),
-``params``, ``flops`` and timings. :func:`load_run` rebuilds the model from the record
+``params``, ``flops`` and timings, ``config`` (the method's config object as
+``dataclasses.asdict``), ``device`` and ``created``. :func:`new_record` builds it for every method
+(prune, heal's input, derive). :func:`load_run` rebuilds the model from the record
 (architecture + per-block shapes) and loads the weights strictly -- no pickle.
+
+Output checks (:func:`check_new_dir`, :func:`check_writable`) run before any expensive work; a
+write failure while saving (disk full, read-only file system, no permission) becomes one
+:class:`~edgeprune.errors.RuntimeFault` line and leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
 from edgeprune.atomic import atomic_dir
-from edgeprune.errors import UserError
+from edgeprune.errors import RuntimeFault, UserError
 
 WEIGHTS = "model.safetensors"
 RECORD = "run.json"
 
 
+def write_fault(path: str | os.PathLike, err: BaseException) -> RuntimeFault:
+    """The one-line error for a failed write of ``path`` (disk full, read-only, no permission)."""
+    reason = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+    return RuntimeFault(f"cannot write {path}: {reason} (free space / choose a writable -o)")
+
+
+def check_writable(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` if needed and probe-write a file in it (removed at once).
+
+    Call it before expensive work so that a read-only or missing output location fails first.
+
+    Raises:
+        UserError: a file is in the way (the folder or one of its parents is a file).
+        RuntimeFault: the folder cannot be created or written (EROFS, EACCES, ENOSPC, ...).
+    """
+    d = Path(folder) if str(folder) else Path(".")
+    for parent in (d, *d.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"cannot write into {d}: {parent} is a file, not a folder (choose another -o)")
+            break
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".edgeprune-probe.", dir=d)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as err:
+        raise write_fault(d, err) from None
+    return d
+
+
 def check_new_dir(path: str | os.PathLike) -> Path:
-    """Raise UserError if ``path`` exists (edgeprune never overwrites a run); return it as Path."""
+    """Check that a new run directory can be written at ``path``; return it as Path.
+
+    The parent folder is created if needed and probed with a small write.
+
+    Raises:
+        UserError: ``path`` exists (edgeprune never overwrites a run).
+        RuntimeFault: the parent folder cannot be created or written.
+    """
     p = Path(path)
     if p.exists():
         raise UserError(f"output directory {p} already exists; choose another -o/--out")
-    if not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(p.parent)
     return p
 
 
@@ -42,17 +92,84 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
 
     Raises:
         UserError: the directory already exists.
+        RuntimeFault: the write failed (disk full, read-only file system, no permission).
     """
-    from safetensors.torch import save_file
+    from safetensors import SafetensorError
+
+    from edgeprune import atomic
 
     out = check_new_dir(path)
-    with atomic_dir(out) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "edgeprune_record": RECORD})
-        (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
-        if out.exists():
-            raise UserError(f"output directory {out} appeared while saving; not overwriting it")
+    try:
+        with atomic_dir(out) as tmp:
+            state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+            # deterministic bytes (sorted names and metadata): identical runs, identical files
+            atomic.write_safetensors(tmp / WEIGHTS, state, {"format": "pt", "edgeprune_record": RECORD})
+            (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+            if out.exists():
+                raise UserError(f"output directory {out} appeared while saving; not overwriting it")
+    except (OSError, SafetensorError) as err:
+        if isinstance(err, OSError) and err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise UserError(f"output directory {out} appeared while saving; not overwriting it") from None
+        raise write_fault(out, err) from None
     return out
+
+
+def _version() -> str:
+    from edgeprune import __version__
+
+    return __version__
+
+
+def config_record(config: Any) -> dict[str, Any]:
+    """A config object as it goes into the record: ``dataclasses.asdict`` (tuples as lists)."""
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    return dict(config)
+
+
+def new_record(method: str, base_model: dict[str, Any], config: Any, dense: dict[str, Any],
+               pruned: dict[str, Any], *, calibration: dict[str, Any] | None = None,
+               timing: dict[str, float] | None = None, device: str = "cpu",
+               **extra: Any) -> dict[str, Any]:
+    """The run record of a pruned / derived model -- built here and only here.
+
+    Args:
+        method: "corp", "uncompensated", "nuwa", ...
+        base_model: the base model's ``ModelSpec.to_record()`` (or ``{"name": ...}``).
+        config: the method's config object (a dataclass: CorpConfig, DeriveConfig, ...),
+            recorded as ``dataclasses.asdict(config)`` under ``config``.
+        dense, pruned: :func:`edgeprune.api.structure_summary` of the dense and the result model
+            (``params``, ``flops``, ``blocks``).
+        calibration: source description, number of images, seed, ...
+        timing: seconds per stage (``total_s`` at least).
+        device: the torch device the work ran on.
+        **extra: further top-level entries (``targets``, ``sparsity``, ``achieved_sparsity``,
+            ``settings``, ``solve``, ``head``, ``derivation`` ...), kept in the order given.
+
+    Returns:
+        the JSON-serialisable record read by :func:`load_run`, ``edgeprune eval/info``, the ONNX
+        exporter's metadata and ``edgeprune heal``.
+    """
+    record: dict[str, Any] = {
+        "edgeprune_version": _version(),
+        "base_model": base_model,
+        "method": method,
+    }
+    record.update(extra)
+    record.update({
+        "config": config_record(config),
+        "device": str(device),
+        "calibration": calibration or {},
+        "blocks": pruned["blocks"],
+        "dense_blocks": dense["blocks"],
+        "params": pruned["params"], "dense_params": dense["params"],
+        "flops": pruned["flops"], "dense_flops": dense["flops"],
+        "timing": timing or {},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    return record
 
 
 def read_record(path: str | os.PathLike) -> dict[str, Any]:

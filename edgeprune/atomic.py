@@ -81,18 +81,98 @@ def atomic_write_text(dest: str | os.PathLike[str], text: str, *, fsync: bool = 
     return atomic_write_bytes(dest, text.encode("utf-8"), fsync=fsync)
 
 
-def atomic_save_safetensors(dest: str | os.PathLike[str], tensors: dict, metadata: dict[str, str] | None = None
-                            ) -> Path:
-    """``safetensors.torch.save_file(tensors, dest, metadata)`` atomically (see :func:`atomic_path`).
+#: torch dtype -> safetensors dtype name (the format's spec, safetensors/README "Format").
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+
+
+def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
+    """Serialise tensors to the safetensors format, byte-identically for identical inputs.
+
+    ``safetensors.torch.save`` keeps the metadata in a Rust ``HashMap`` whose iteration order
+    changes from call to call, so two saves of the same tensors differ in their header bytes
+    (issue 12, defect 7). This writer emits the same format deterministically: an 8-byte
+    little-endian header length, a compact JSON header with ``__metadata__`` first (keys sorted)
+    and the tensors ordered as safetensors orders them (larger element size first, then name), the
+    header padded with spaces to a multiple of 8, then the raw little-endian tensor bytes.
+    ``safetensors.torch.load_file`` reads the result.
 
     Args:
-        tensors: name -> contiguous torch.Tensor (no shared storage); metadata: str -> str.
-    """
-    from safetensors.torch import save_file
+        tensors: name -> torch.Tensor (any device/layout; copied to contiguous CPU memory).
+        metadata: str -> str, or None.
 
-    with atomic_path(dest) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
-    return Path(dest)
+    Returns:
+        The file contents.
+
+    Raises:
+        TypeError: a non-string metadata key/value or a dtype safetensors cannot store.
+    """
+    import json
+    import sys
+
+    import torch
+
+    header: dict = {}
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"safetensors metadata must be str -> str, got {k!r}: {type(v).__name__}")
+        header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    items = []
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: not a tensor ({type(t).__name__})")
+        dtype = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise TypeError(f"{name}: safetensors cannot store dtype {t.dtype}")
+        items.append((-t.element_size(), str(name), dtype, t))
+    items.sort(key=lambda it: (it[0], it[1]))
+    chunks: list[bytes] = []
+    offset = 0
+    for _, name, dtype, t in items:
+        data = t.detach().to("cpu").contiguous().reshape(-1)
+        raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        if sys.byteorder != "little" and t.element_size() > 1:  # pragma: no cover - big-endian hosts
+            raw = data.numpy().byteswap().tobytes()
+        header[name] = {"dtype": dtype, "shape": [int(s) for s in t.shape],
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + b"".join(chunks)
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: dict, metadata: dict[str, str] | None = None) -> Path:
+    """Write :func:`safetensors_bytes` to ``path`` directly (inside an :func:`atomic_dir`, say).
+
+    Raises:
+        OSError: the write failed; TypeError: see :func:`safetensors_bytes`.
+    """
+    data = safetensors_bytes(tensors, metadata)
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return Path(path)
+
+
+def atomic_save_safetensors(dest: str | os.PathLike[str], tensors: dict, metadata: dict[str, str] | None = None
+                            ) -> Path:
+    """Save tensors as safetensors atomically (see :func:`atomic_path`), byte-identically for
+    identical inputs (see :func:`safetensors_bytes`: sorted metadata keys, sorted tensor names,
+    contiguous little-endian data).
+
+    Args:
+        tensors: name -> torch.Tensor; metadata: str -> str.
+
+    Raises:
+        OSError: the folder cannot be written (``dest`` untouched); TypeError: bad metadata/dtype.
+    """
+    return atomic_write_bytes(dest, safetensors_bytes(tensors, metadata))
 
 
 @contextlib.contextmanager

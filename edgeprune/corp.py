@@ -1,8 +1,9 @@
 """CORP end to end: statistics -> plan -> closed-form solve -> surgery (corp-v1 Alg. 1-3).
 
 :func:`corp_prune` prunes a model in place: MLP hidden channels (ridge-compensated affine fold,
-``edgeprune.solve.mlp_ridge``) and attention Q/K head dims (exact per-image logit compensation,
-``edgeprune.solve.qk_logit``). V is not pruned (corp-v1 §3.4).
+``edgeprune.solve.mlp_ridge``), attention Q/K head dims (exact per-image logit compensation,
+``edgeprune.solve.qk_logit``), and -- beyond CORP (corp-v1 §3.4 keeps V) -- V/O head dims and
+whole heads with the same ridge fold on ``proj`` (METHODS.md §5, ``edgeprune.vo``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.collect import CalibrationStatistics, collect_statistics
 from edgeprune.errors import UserError
 from edgeprune.plan import BlockPlan, kept_dim, pruned_indices
-from edgeprune.ranking import MLP_CRITERIA, mlp_scores, qk_scores, top_k_indices
+from edgeprune.ranking import MLP_CRITERIA, VO_CRITERIA, mlp_scores, top_k_indices
 from edgeprune.solve import mlp_ridge, qk_logit, qk_logit_cg
-from edgeprune.surgery import qkv_parts, replace_attention, shrink_mlp
+from edgeprune.surgery import shrink_mlp
+from edgeprune.vo import LAYOUTS, attention_dims, attention_sparsities, plan_attention, prune_attention
 
 
 QK_SOLVERS = ("auto", "direct", "cg")
@@ -47,9 +49,16 @@ class CorpConfig:
 
     Attributes:
         mlp_sparsity, attn_sparsity: fraction of MLP hidden channels / Q/K head dims removed, [0, 1).
+        v_sparsity: fraction of V head dims removed (per head, same count in every head), [0, 1).
+        head_sparsity: fraction of whole heads removed per layer (kept = round(H (1 - s)) >= 1).
+        layout: "default", or "fused": Q/K and V are pruned to the same kept dim per head (the
+            Q/K or V sparsity given applies to both), so every block ends with qk_dim == v_dim
+            and the attention is an ordinary multi-head attention (fused/flash kernels).
+        vo_criterion: V-dim ranking, "combined" (default), "energy" or "magnitude" (ranking.py).
         compensation: fold the closed-form compensation (False = plain removal, same ranking).
         mlp_criterion: "combined" (default), "energy", "magnitude" or "active" (see ranking.py).
-        ridge_alpha: scale-free ridge strength of the MLP fit (lam = alpha * tr(Sigma_SS)/|S|).
+        ridge_alpha: scale-free ridge strength of the MLP and proj (V/O, heads) fits
+            (lam = alpha * tr(Sigma_SS)/|S|).
         qk_ridge_alpha: scale-free ridge strength of the Q/K fit (lam = alpha * mean diag of K).
         round_to: kept dims are multiples of this.
         gram_dtype: dtype of the per-batch Gram products ("float32" default, or "float64").
@@ -73,6 +82,41 @@ class CorpConfig:
     gram_dtype: str = "float32"
     qk_memory_limit_gb: float = 4.0
     qk_solver: str = "auto"
+    target: str = "custom"
+    v_sparsity: float = 0.0
+    head_sparsity: float = 0.0
+    layout: str = "default"
+    vo_criterion: str = "combined"
+
+    @classmethod
+    def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
+                    mlp_sparsity: float | None = None, attn_sparsity: float | None = None,
+                    v_sparsity: float | None = None, head_sparsity: float | None = None,
+                    **settings) -> "CorpConfig":
+        """The config the CLI and the Python API build: one sparsity for every module of
+        ``target``, with optional per-module overrides, then any other field by name.
+
+        Args:
+            target: which modules to prune (``edgeprune.plan.TARGETS``).
+            sparsity: fraction of each targeted module's dims removed, [0, 1).
+            mlp_sparsity, attn_sparsity, v_sparsity, head_sparsity: per-module overrides (they also
+                select that module).
+            **settings: any other :class:`CorpConfig` field (compensation, mlp_criterion, ...).
+
+        Raises:
+            UserError: unknown target or field, sparsity out of range, invalid settings.
+        """
+        from edgeprune.plan import resolve_sparsities
+
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - fields)
+        if unknown:
+            raise UserError(f"unknown CORP setting(s) {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+        sp = resolve_sparsities(target, sparsity, mlp_sparsity, attn_sparsity, v_sparsity, head_sparsity)
+        cfg = cls(mlp_sparsity=sp["mlp"], attn_sparsity=sp["attn"], v_sparsity=sp["v"],
+                  head_sparsity=sp["heads"], target=target, **settings)
+        cfg.validate()
+        return cfg
 
     def validate(self) -> None:
         """Raises UserError for out-of-range settings."""
@@ -80,6 +124,13 @@ class CorpConfig:
 
         check_sparsity(self.mlp_sparsity)
         check_sparsity(self.attn_sparsity)
+        check_sparsity(self.v_sparsity)
+        check_sparsity(self.head_sparsity)
+        if self.layout not in LAYOUTS:
+            raise UserError(f"unknown layout {self.layout!r} (choose from {', '.join(LAYOUTS)})")
+        attention_sparsities(self)
+        if self.vo_criterion not in VO_CRITERIA:
+            raise UserError(f"unknown V/O criterion {self.vo_criterion!r} (choose from {', '.join(VO_CRITERIA)})")
         if self.mlp_criterion not in MLP_CRITERIA:
             raise UserError(f"unknown MLP criterion {self.mlp_criterion!r} "
                             f"(choose from {', '.join(MLP_CRITERIA)})")
@@ -105,16 +156,19 @@ def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig
             if k < b.mlp_hidden:
                 scores = mlp_scores(stats.mlp[b.index], b.fc2.weight.detach(), cfg.mlp_criterion)
                 plan.mlp_keep = top_k_indices(scores, k)
-        if cfg.attn_sparsity > 0:
-            k = kept_dim(b.qk_dim, cfg.attn_sparsity, cfg.round_to, f"block {b.index} attention heads")
-            if k < b.qk_dim:
-                plan.qk_keep = top_k_indices(qk_scores(stats.qk[b.index]), k)
+        if _prunes_attention(cfg):
+            vo = stats.vo[b.index] if stats.vo else None
+            plan_attention(b, plan, cfg, stats.qk[b.index], vo)
         plans.append(plan)
     return plans
 
 
+def _prunes_attention(cfg: CorpConfig) -> bool:
+    return cfg.attn_sparsity > 0 or cfg.v_sparsity > 0 or cfg.head_sparsity > 0
+
+
 def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
-               mlp_stats: list, qk_solve: QKSolve | None) -> list[dict]:
+               mlp_stats: list, qk_solve: QKSolve | None, vo_stats: list | None = None) -> list[dict]:
     """Solve and fold the compensation, then shrink the modules (in place).
 
     Args:
@@ -124,10 +178,11 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
         mlp_stats: per-block :class:`MLPStatistics` (or None).
         qk_solve: ``f(block, head) -> (M, lam, info)`` solving that head's exact Q/K system (see
             :func:`qk_solver_from_grams`); None without compensation.
+        vo_stats: per-block statistics of proj's input (V/O dims and heads); None if not pruned.
 
     Returns:
-        per-block solve info: ridge lambdas actually used (``mlp_lambda``, ``qk_lambda`` list) and
-        the Q/K solver per head (``qk_solver``: "direct" or "cg:<iterations>").
+        per-block solve info: ridge lambdas actually used (``mlp_lambda``, ``vo_lambda``,
+        ``qk_lambda`` list) and the Q/K solver per head (``qk_solver``: "direct" or "cg:<iterations>").
     """
     info = []
     for b, plan in zip(anatomy.blocks, plans):
@@ -140,32 +195,12 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
                 st = mlp_stats[b.index]
                 bmat, cvec, lam = mlp_ridge.ridge_affine_map(st.mean, st.cov, keep, prune, cfg.ridge_alpha)
                 rec["mlp_lambda"] = lam
-            w2, b2 = mlp_ridge.fold_into_fc2(b.fc2.weight.detach(), None if b.fc2.bias is None else b.fc2.bias.detach(),
-                                             keep, prune, bmat, cvec)
+            w2, b2 = mlp_ridge.fold_into_linear(b.fc2.weight.detach(), None if b.fc2.bias is None else b.fc2.bias.detach(),
+                                                keep, prune, bmat, cvec)
             shrink_mlp(b, keep, w2, b2)
-        if plan.qk_keep is not None:
-            parts = qkv_parts(b)
-            H = b.num_heads
-            wq, wk, bq, bk, lams, how = [], [], [], [], [], []
-            for h in range(H):
-                keep = plan.qk_keep[h]
-                m = None
-                # nothing pruned in this head: M = 0 exactly, skip the d'^2 x d'^2 solve
-                if cfg.compensation and qk_solve is not None and len(keep) < b.qk_dim:
-                    m, lam, solved = qk_solve(b.index, h)
-                    lams.append(lam)
-                    how.append(solved["solver"])
-                sel = lambda t: None if t is None else t[h][keep]  # noqa: E731
-                out = qk_logit.fold_logit_compensation(sel(parts["wq"]), sel(parts["bq"]),
-                                                       sel(parts["wk"]), sel(parts["bk"]), m, b.head_dim)
-                wq.append(out[0]); bq.append(out[1]); wk.append(out[2]); bk.append(out[3])
-            stack = lambda ts: None if ts[0] is None else torch.stack(ts)  # noqa: E731
-            replace_attention(b, torch.stack(wq), stack(bq), torch.stack(wk), stack(bk),
-                              parts["wv"], parts["bv"], b.proj.weight.detach(),
-                              None if b.proj.bias is None else b.proj.bias.detach())
-            if lams:
-                rec["qk_lambda"] = lams
-                rec["qk_solver"] = how
+        if plan.prunes_attention:
+            vo = vo_stats[b.index] if vo_stats else None
+            rec.update(prune_attention(b, plan, cfg, vo, qk_solve))
         info.append(rec)
     return info
 
@@ -230,15 +265,18 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
         UserError: invalid settings, empty or mis-shaped calibration data.
     """
     cfg.validate()
+    for b in anatomy.blocks:  # rounding and fused-layout errors before the calibration pass
+        attention_dims(b, cfg)
     prune_mlp = cfg.mlp_sparsity > 0
-    prune_qk = cfg.attn_sparsity > 0
+    prune_qk = attention_sparsities(cfg)[0] > 0
+    prune_vo = cfg.v_sparsity > 0 or cfg.head_sparsity > 0 or (cfg.layout == "fused" and prune_qk)
     two_pass = bool(prune_qk and cfg.compensation and num_images is not None
                     and _qk_gram_bytes(anatomy, num_images) > cfg.qk_memory_limit_gb * 2 ** 30)
     keep_grams = prune_qk and cfg.compensation and not two_pass
     gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
     stats = collect_statistics(anatomy, batches(), mlp=prune_mlp and (cfg.compensation or cfg.mlp_criterion != "magnitude"),
                                qk=prune_qk, qk_grams=keep_grams, gram_dtype=gram_dtype,
-                               mlp_second_order=cfg.compensation,
+                               mlp_second_order=cfg.compensation, vo=prune_vo,
                                progress=progress)
     seconds = stats.seconds
     t0 = time.perf_counter()
@@ -260,6 +298,6 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
                 st = _second.qk[i]
                 m, lam = qk_logit.solve_logit_compensation(st.k_sys[h], st.rhs[h], cfg.qk_ridge_alpha)
                 return m, lam, {"solver": "direct"}
-    info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve)
+    info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
     return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
             "passes": passes, "num_images": stats.num_images, "blocks": info}

@@ -9,35 +9,43 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
+
+from edgeprune.errors import UserError
+from edgeprune.progress import progress as progress_bar
 
 
 @torch.no_grad()
 def evaluate_classifier(model: nn.Module, source, batch_size: int = 256,
-                        dense: nn.Module | None = None, progress: bool = False) -> dict[str, float]:
+                        dense: nn.Module | None = None, progress: bool = False,
+                        device: str = "cpu") -> dict[str, float]:
     """Top-1 (needs labels) and, with ``dense``, top-1 agreement and mean |logit diff|.
 
     Args:
         model: classifier returning logits (B, K).
         source: a data source yielding (images, labels) batches.
         dense: the reference model, or None.
+        progress: progress display (:mod:`edgeprune.progress`).
+        device: torch device the models and batches are moved to.
 
     Returns:
         dict with ``top1`` (fraction, if labeled), ``agreement``, ``logit_mae`` (with dense),
         ``num_images``.
     """
-    model.eval()
+    model.eval().to(device)
+    if dense is not None:
+        dense.eval().to(device)
     correct = agree = n = 0
     labeled = True
     abs_err = 0.0
-    for x, y in tqdm(source.batches(batch_size), desc="eval", disable=not progress, leave=False,
-                     total=-(-len(source) // batch_size)):
+    for x, y in progress_bar(source.batches(batch_size), "eval", enabled=progress,
+                             total=-(-len(source) // batch_size), unit="batch"):
+        x = x.to(device)
         logits = model(x)
         pred = logits.argmax(-1)
         if y is None:
             labeled = False
         else:
-            correct += (pred == y).sum().item()
+            correct += (pred == y.to(device)).sum().item()
         if dense is not None:
             ref = dense(x)
             agree += (ref.argmax(-1) == pred).sum().item()
@@ -54,7 +62,7 @@ def evaluate_classifier(model: nn.Module, source, batch_size: int = 256,
 
 @torch.no_grad()
 def evaluate_saliency(model: nn.Module, dense: nn.Module, source, batch_size: int = 8,
-                      progress: bool = False) -> dict[str, float]:
+                      progress: bool = False, device: str = "cpu") -> dict[str, float]:
     """Saliency and feature fidelity of ``model`` to ``dense`` (both :class:`SaliencyViT`).
 
     Returns:
@@ -63,13 +71,15 @@ def evaluate_saliency(model: nn.Module, dense: nn.Module, source, batch_size: in
     """
     from edgeprune.metrics.saliency import feature_cosine, saliency_fidelity
 
-    model.eval()
-    dense.eval()
+    model.eval().to(device)
+    dense.eval().to(device)
     maps, refs, feats, ref_feats = [], [], [], []
-    for x, _ in tqdm(source.batches(batch_size), desc="eval", disable=not progress, leave=False):
+    for x, _ in progress_bar(source.batches(batch_size), "eval", enabled=progress,
+                             total=-(-len(source) // batch_size), unit="batch"):
+        x = x.to(device)
         s, f = model.forward_with_features(x)
         rs, rf = dense.forward_with_features(x)
-        maps.append(s); refs.append(rs); feats.append(f); ref_feats.append(rf)
+        maps.append(s.cpu()); refs.append(rs.cpu()); feats.append(f.cpu()); ref_feats.append(rf.cpu())
     out = saliency_fidelity(torch.cat(maps), torch.cat(refs))
     out["feature_cosine"] = feature_cosine(torch.cat(feats), torch.cat(ref_feats))
     out["num_images"] = sum(len(m) for m in maps)
@@ -77,10 +87,44 @@ def evaluate_saliency(model: nn.Module, dense: nn.Module, source, batch_size: in
 
 
 def evaluate(spec, model: nn.Module, source, dense: nn.Module | None = None,
-             batch_size: int | None = None, progress: bool = False) -> dict[str, float]:
-    """Dispatch on ``spec.output_kind`` ("logits" or "saliency")."""
+             batch_size: int | None = None, progress: bool = False, device: str = "cpu") -> dict[str, float]:
+    """Dispatch on ``spec.output_kind`` ("logits" or "saliency").
+
+    Raises:
+        UserError: saliency fidelity without the dense model.
+    """
     if spec.output_kind == "saliency":
         if dense is None:
-            raise ValueError("saliency fidelity needs the dense model")
-        return evaluate_saliency(model, dense, source, batch_size or 8, progress)
-    return evaluate_classifier(model, source, batch_size or 256, dense, progress)
+            raise UserError(f"{spec.name} quality is fidelity to the dense model: evaluate a run directory")
+        return evaluate_saliency(model, dense, source, batch_size or 8, progress, device)
+    return evaluate_classifier(model, source, batch_size or 256, dense, progress, device)
+
+
+@torch.no_grad()
+def evaluate_target_classes(model: nn.Module, head: dict, source, device: str = "cpu") -> dict[str, float]:
+    """Top-1 of a NuWa run over its target classes (argmax over them), on the labeled images of
+    ``source`` that belong to them.
+
+    Args:
+        model: the derived model; head: the record's ``head`` entry (``classes``, ``mode``).
+        source: labeled evaluation images.
+
+    Returns:
+        ``{"top1": fraction, "num_images": N}``.
+
+    Raises:
+        UserError: no labeled image of the target classes.
+    """
+    from edgeprune.nuwa.inputs import evaluate_targets
+
+    classes = [int(c) for c in head["classes"]]
+    keep = torch.tensor(classes)
+    pairs = [(x[torch.isin(y, keep)], y[torch.isin(y, keep)]) for x, y in source.batches(1024) if y is not None]
+    pairs = [(x, y) for x, y in pairs if len(y)]
+    if not pairs:
+        raise UserError("evaluating a NuWa run needs labeled evaluation images of its target classes")
+    xs, ys = zip(*pairs)
+    x, y = torch.cat(xs), torch.cat(ys)
+    model.to(device)
+    top1, _ = evaluate_targets(model, x.to(device), y.to(device), classes, sliced=head.get("mode") == "slice")
+    return {"top1": top1, "num_images": len(y)}

@@ -1,8 +1,9 @@
 """Analytic parameter and FLOPs counts of a (pruned) ViT.
 
 FLOPs = 2 x multiply-accumulates of the matrix products for one image (norms, softmax, GELU and
-additions are ignored; they are < 1% for these models). Per block, with n tokens, width D, H heads,
-Q/K head dim d_qk, V head dim d_v and MLP hidden D_mlp:
+additions are ignored; they are < 1% for these models). Per block, with n tokens, width D, H heads
+(the kept heads after head pruning), Q/K head dim d_qk, V head dim d_v (d_qk != d_v after Q/K-only
+or V-only pruning) and MLP hidden D_mlp:
 
     qkv   2 n D H (2 d_qk + d_v)
     attn  2 n^2 H d_qk  (logits)  +  2 n^2 H d_v  (weights x values)
@@ -15,6 +16,10 @@ fc1+fc2 folded into one term). Patch embedding and the head are added once.
 A wrapper model with a head of its own outside the ViT (the dinov2-s14 saliency decoder) counts it
 by defining ``head_flops(img_size: tuple[int, int]) -> int``; :func:`model_flops` adds it, so the
 FLOPs ratio of a pruned wrapper compares whole models, not backbones.
+
+Checked against ``torch.utils.flop_counter.FlopCounterMode`` for dense models (tests/test_anatomy.py)
+and for pruned blocks with d_qk != d_v, pruned heads and the fused layout (tests/test_vo_heads.py;
+the counter does not see PyTorch's fused CPU attention kernel, so those tests run SDPA's math path).
 """
 
 from __future__ import annotations

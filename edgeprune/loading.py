@@ -2,7 +2,9 @@
 
 Every command that takes ``RUN_DIR`` or ``--model NAME`` (eval, info, export, verify, bench) loads
 through :func:`load_target`, so they agree on the errors and on the weights of ``--random-init``
-models (seeded: export and verify of the same random-init model see the same weights).
+models (seeded by the spec: export and verify of the same random-init model see the same weights).
+:func:`load_base_model` rebuilds a run's dense base model from its record -- same seed, img_size,
+model_kwargs, and the recorded checkpoint, refused if it is gone or its sha256 changed.
 """
 
 from __future__ import annotations
@@ -14,19 +16,39 @@ import torch.nn as nn
 
 from edgeprune.errors import UserError
 
-#: torch seed for ``--random-init`` models.
+#: torch seed for ``--random-init`` models (``ModelSpec.seed``'s default).
 RANDOM_INIT_SEED = 0
+
+
+def load_base_model(record: dict) -> nn.Module:
+    """The dense base model of a run, rebuilt from ``record["base_model"]`` (eval mode).
+
+    Random-init models come out identical to the one the run was pruned from (recorded seed);
+    checkpoints are loaded from the recorded absolute path and checked against the recorded
+    sha256.
+
+    Raises:
+        UserError: the checkpoint is gone or changed ("checkpoint X changed since the run was made
+            ..."), an unknown model.
+    """
+    from edgeprune.zoo.registry import spec_from_record
+
+    spec = spec_from_record(record["base_model"])
+    return spec.create(pretrained=not spec.random_init)
 
 
 def load_target(run_dir: str | os.PathLike | None, model_name: str | None,
                 checkpoint: str | os.PathLike | None = None, random_init: bool = False,
-                num_classes: int | None = None) -> tuple[nn.Module, dict | None, object]:
+                num_classes: int | None = None, img_size: int | None = None,
+                model_kwargs: dict | None = None,
+                seed: int = RANDOM_INIT_SEED) -> tuple[nn.Module, dict | None, object]:
     """Load a run directory or build a dense model, in eval mode.
 
     Args:
         run_dir: an edgeprune run directory, or None.
         model_name: a zoo or timm model name, or None (exactly one of the two is given).
-        checkpoint, random_init, num_classes: for ``model_name`` (see ``get_model_spec``).
+        checkpoint, random_init, num_classes, img_size, model_kwargs, seed: for ``model_name``
+            (see ``get_model_spec``).
 
     Returns:
         ``(model, run record or None, ModelSpec)``.
@@ -40,8 +62,10 @@ def load_target(run_dir: str | os.PathLike | None, model_name: str | None,
     if (run_dir is None) == (model_name is None):
         raise UserError("give either a run directory or --model NAME (not both)")
     if run_dir is not None:
-        if checkpoint is not None or random_init or num_classes is not None:
-            raise UserError("--checkpoint/--random-init/--num-classes go with --model, not a run directory")
+        if (checkpoint is not None or random_init or num_classes is not None or img_size is not None
+                or model_kwargs):
+            raise UserError("--checkpoint/--random-init/--num-classes/--img-size/--model-kwargs go with "
+                            "--model, not a run directory")
         run_dir = Path(run_dir)
         if not run_dir.exists():
             raise UserError(f"run directory not found: {run_dir}")
@@ -51,13 +75,7 @@ def load_target(run_dir: str | os.PathLike | None, model_name: str | None,
 
         model, record = load_run(run_dir)
         return model.eval(), record, spec_from_record(record["base_model"])
-    spec = get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init, num_classes)
-    if random_init:
-        import torch
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_INIT_SEED)
-            model = spec.create(pretrained=False)
-    else:
-        model = spec.create(pretrained=True)
+    spec = get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init, num_classes,
+                          img_size=img_size, model_kwargs=model_kwargs, seed=seed)
+    model = spec.create(pretrained=not random_init)  # seeded by spec.seed
     return model.eval(), None, spec

@@ -2,8 +2,13 @@
 
 "Sparsity s in a module" is the fraction of that module's prunable dims removed (corp-v1
 Table 1): an MLP of hidden D keeps ``D (1 - s)`` channels; an attention layer of head_dim d_h keeps
-``d_h (1 - s)`` Q/K dims per head (the same for every head of a layer). Kept dims are rounded to
-the nearest multiple of ``round_to`` (8 by default, for tensor cores) and never exceed the dense dim.
+``d_h (1 - s)`` Q/K dims per head (the same for every head of a layer), ``d_h (1 - s_v)`` V dims
+per head, and ``H (1 - s_heads)`` whole heads (METHODS.md §5). Kept dims are rounded to the nearest
+multiple of ``round_to`` (8 by default, for tensor cores) and never exceed the dense dim; kept heads
+are rounded to the nearest integer (at least 1).
+
+Targets (``--target``): ``mlp``; ``attn`` (Q/K head dims); ``both`` (mlp + attn); ``v`` (V/O head
+dims); ``heads`` (whole heads); ``all`` (mlp + attn + v).
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import torch
 
 from edgeprune.errors import UserError
 
-TARGETS = ("mlp", "attn", "both")
+TARGETS = ("mlp", "attn", "both", "v", "heads", "all")
+#: module keys of :func:`resolve_sparsities` and the targets that select each
+SPARSITY_KEYS = ("mlp", "attn", "v", "heads")
+_SELECTS = {"mlp": ("mlp",), "attn": ("attn",), "both": ("mlp", "attn"), "v": ("v",),
+            "heads": ("heads",), "all": ("mlp", "attn", "v")}
 
 
 @dataclasses.dataclass
@@ -24,12 +33,22 @@ class BlockPlan:
     Attributes:
         index: block index.
         mlp_keep: (D_mlp',) int64 sorted kept hidden channels.
-        qk_keep: (H, d') int64 sorted kept Q/K dims per head.
+        qk_keep: (H, d') int64 sorted kept Q/K dims per head, one row per head of the block as
+            it was before pruning (rows of removed heads are ignored).
+        head_keep: (H',) int64 sorted kept heads (``None`` = all heads kept).
+        v_keep: (H, d_v') int64 sorted kept V dims per head, one row per head as for ``qk_keep``.
     """
 
     index: int
     mlp_keep: torch.Tensor | None = None
     qk_keep: torch.Tensor | None = None
+    head_keep: torch.Tensor | None = None
+    v_keep: torch.Tensor | None = None
+
+    @property
+    def prunes_attention(self) -> bool:
+        """Whether the block's attention is rebuilt (Q/K, V or heads pruned)."""
+        return self.qk_keep is not None or self.head_keep is not None or self.v_keep is not None
 
 
 def kept_dim(dim: int, sparsity: float, round_to: int = 8, what: str = "module") -> int:
@@ -54,6 +73,20 @@ def kept_dim(dim: int, sparsity: float, round_to: int = 8, what: str = "module")
     return k
 
 
+def kept_heads(num_heads: int, sparsity: float, what: str = "attention") -> int:
+    """Number of whole heads kept out of ``num_heads`` at ``sparsity``: ``round(H (1 - s))`` (Python's
+    round, ties to even), at least 1 and at most H; sparsity 0 keeps all.
+
+    Raises:
+        UserError: sparsity outside [0, 1).
+    """
+    check_sparsity(sparsity)
+    if sparsity == 0:
+        return num_heads
+    k = int(round(num_heads * (1.0 - sparsity)))
+    return max(1, min(num_heads, k))
+
+
 def check_sparsity(sparsity: float) -> None:
     """Raises UserError unless 0 <= sparsity < 1."""
     if not (0.0 <= float(sparsity) < 1.0):
@@ -61,28 +94,50 @@ def check_sparsity(sparsity: float) -> None:
 
 
 def resolve_sparsities(target: str, sparsity: float | None, mlp_sparsity: float | None = None,
-                       attn_sparsity: float | None = None) -> dict[str, float]:
-    """Per-target sparsities ``{"mlp": s_mlp, "attn": s_attn}`` (0 for targets not pruned).
+                       attn_sparsity: float | None = None, v_sparsity: float | None = None,
+                       head_sparsity: float | None = None) -> dict[str, float]:
+    """Per-module sparsities ``{"mlp", "attn", "v", "heads"}`` (0 for modules not pruned).
 
-    ``sparsity`` applies to every selected target; ``mlp_sparsity`` / ``attn_sparsity`` override
-    it for one target (and select it).
+    ``sparsity`` applies to every module ``target`` selects (``all`` = mlp + attn + v; see the
+    module doc); ``mlp_sparsity`` / ``attn_sparsity`` / ``v_sparsity`` / ``head_sparsity``
+    override it for one module (and select it).
 
     Raises:
-        UserError: unknown target, sparsity outside [0, 1), or nothing to prune.
+        UserError: unknown target, sparsity outside [0, 1).
     """
     if target not in TARGETS:
         raise UserError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
-    out = {"mlp": 0.0, "attn": 0.0}
-    for key in ("mlp", "attn"):
-        if target in (key, "both") and sparsity is not None:
+    out = {key: 0.0 for key in SPARSITY_KEYS}
+    if sparsity is not None:
+        for key in _SELECTS[target]:
             out[key] = float(sparsity)
-    if mlp_sparsity is not None:
-        out["mlp"] = float(mlp_sparsity)
-    if attn_sparsity is not None:
-        out["attn"] = float(attn_sparsity)
+    for key, value in (("mlp", mlp_sparsity), ("attn", attn_sparsity), ("v", v_sparsity),
+                       ("heads", head_sparsity)):
+        if value is not None:
+            out[key] = float(value)
     for v in out.values():
         check_sparsity(v)
     return out
+
+
+def achieved_sparsity(dense_blocks: list[dict], pruned_blocks: list[dict]) -> dict[str, float]:
+    """Fraction of each kind of dim removed over the whole model, from :func:`block_dims` records.
+
+    Keys: ``mlp`` (MLP hidden channels), ``attn`` (Q/K dims, sum over heads of qk_dim),
+    ``v`` (V dims, sum over heads of v_dim) and ``heads`` (whole heads). Removed heads count
+    towards ``attn`` and ``v`` too (their dims are gone).
+
+    Args:
+        dense_blocks, pruned_blocks: per-block dicts with ``num_heads``, ``qk_dim``, ``v_dim``,
+            ``mlp_hidden`` (``edgeprune.surgery.block_dims``), same length.
+    """
+    def frac(key: str, weight: str | None) -> float:
+        d = sum(b[key] * (b[weight] if weight else 1) for b in dense_blocks)
+        p = sum(b[key] * (b[weight] if weight else 1) for b in pruned_blocks)
+        return 1.0 - p / d if d else 0.0
+
+    return {"mlp": frac("mlp_hidden", None), "attn": frac("qk_dim", "num_heads"),
+            "v": frac("v_dim", "num_heads"), "heads": frac("num_heads", None)}
 
 
 def pruned_indices(keep: torch.Tensor, dim: int) -> torch.Tensor:

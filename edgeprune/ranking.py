@@ -10,6 +10,11 @@ MLP hidden channels (corp-v2 §3.3, App. E), from :class:`MLPStatistics` and ``f
 * ``active``:     P(h_j > 0)
 
 Attention Q/K dims (corp-v1 §3.3, eq. 13): ``logit`` = E_image[ ||q_j||^2 ||k_j||^2 ] per head.
+
+Attention V dims (METHODS.md §5), from the statistics of ``proj``'s input z (an
+:class:`MLPStatistics` over H*d_v channels) and ``proj.weight``: the same ``combined`` / ``energy``
+/ ``magnitude`` criteria as the MLP (``active`` is meaningless for z, which is not post-GELU).
+Whole heads are ranked by their removal error (``edgeprune.vo.rank_heads``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from edgeprune.errors import UserError
 
 MLP_CRITERIA = ("combined", "energy", "magnitude", "active")
 QK_CRITERIA = ("logit",)
+VO_CRITERIA = ("combined", "energy", "magnitude")
 
 
 def mlp_scores(stats: MLPStatistics, fc2_weight: torch.Tensor, criterion: str = "combined") -> torch.Tensor:
@@ -44,6 +50,24 @@ def mlp_scores(stats: MLPStatistics, fc2_weight: torch.Tensor, criterion: str = 
     if criterion == "active":
         return stats.active_prob
     raise UserError(f"unknown MLP criterion {criterion!r} (choose from {', '.join(MLP_CRITERIA)})")
+
+
+def vo_scores(stats: MLPStatistics, proj_weight: torch.Tensor, num_heads: int,
+              criterion: str = "combined") -> torch.Tensor:
+    """V-dim scores per head (H, d_v) float64, from proj-input statistics (METHODS.md §5).
+
+    Args:
+        stats: statistics of z, proj's input (H*d_v channels, head-major).
+        proj_weight: W_O (D, H*d_v).
+        num_heads: H.
+        criterion: one of :data:`VO_CRITERIA`.
+
+    Raises:
+        UserError: unknown criterion.
+    """
+    if criterion not in VO_CRITERIA:
+        raise UserError(f"unknown V/O criterion {criterion!r} (choose from {', '.join(VO_CRITERIA)})")
+    return mlp_scores(stats, proj_weight, criterion).reshape(num_heads, -1)
 
 
 def qk_scores(stats: QKStatistics, criterion: str = "logit") -> torch.Tensor:

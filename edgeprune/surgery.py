@@ -4,7 +4,7 @@ Pure module plumbing -- the weights come from ``edgeprune.solve``. Two operation
 
 * :func:`shrink_mlp` -- ``fc1`` keeps output rows S, ``fc2`` becomes Linear(|S|, D) with given weights.
 * :func:`replace_attention` -- the block's attention becomes a :class:`PrunedAttention` with the
-  given fused qkv / proj weights and per-head qk_dim / v_dim.
+  given fused qkv / proj weights, number of heads and per-head qk_dim / v_dim.
 
 :func:`apply_structure` rebuilds the pruned shapes (random weights) from the per-block dims of a
 run record, so a saved state dict can be loaded strictly.
@@ -76,9 +76,10 @@ def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | 
     """Install a :class:`PrunedAttention` in the block, in place, and return it.
 
     Args:
-        wq, wk: (H, qk_dim', D); bq, bk: (H, qk_dim') or None.
-        wv: (H, v_dim', D); bv: (H, v_dim') or None.
-        proj_weight: (D, H*v_dim'); proj_bias: (D,) or None.
+        wq, wk: (H', qk_dim', D); bq, bk: (H', qk_dim') or None. H' (the kept heads) may be
+            smaller than the block's H.
+        wv: (H', v_dim', D); bv: (H', v_dim') or None.
+        proj_weight: (D, H'*v_dim'); proj_bias: (D,) or None.
         The query weights must already carry any logit-scale fold (the module uses 1/sqrt(qk_dim')).
     """
     H, dq, D = wq.shape
@@ -96,12 +97,13 @@ def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | 
             attn.proj.bias.copy_(proj_bias)
     block.block.attn = attn
     block.attn, block.qkv, block.proj = attn, attn.qkv, attn.proj
-    block.qk_dim, block.v_dim = dq, dv
+    block.qk_dim, block.v_dim, block.num_heads = dq, dv, H
     return attn
 
 
 def block_dims(anatomy: ViTAnatomy) -> list[dict[str, int]]:
-    """Per-block dims for the run record: index, num_heads, head_dim, qk_dim, v_dim, mlp_hidden."""
+    """Per-block dims for the run record: index, num_heads (the current, i.e. kept, heads), head_dim
+    (the dense model's), qk_dim, v_dim, mlp_hidden."""
     return [dict(index=b.index, num_heads=b.num_heads, head_dim=b.head_dim, qk_dim=b.qk_dim,
                  v_dim=b.v_dim, mlp_hidden=b.mlp_hidden) for b in anatomy.blocks]
 
@@ -112,21 +114,24 @@ def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Modu
     Weights of resized modules are left uninitialised-random; load a state dict afterwards.
 
     Raises:
-        ValueError: ``dims`` does not match the model's number of blocks or heads.
+        ValueError: ``dims`` does not match the model's number of blocks, or has more heads than
+            the model.
     """
     anatomy = find_anatomy(model)
     if len(dims) != len(anatomy.blocks):
         raise ValueError(f"record has {len(dims)} blocks, model has {len(anatomy.blocks)}")
     for b, d in zip(anatomy.blocks, dims):
-        if int(d["num_heads"]) != b.num_heads:
+        heads = int(d["num_heads"])
+        if not 1 <= heads <= b.num_heads:
             raise ValueError(f"block {b.index}: record has {d['num_heads']} heads, model {b.num_heads}")
         if int(d["mlp_hidden"]) != b.mlp_hidden:
             D = b.fc1.in_features
             b.mlp.fc1 = nn.Linear(D, int(d["mlp_hidden"]), bias=b.fc1.bias is not None)
             b.mlp.fc2 = nn.Linear(int(d["mlp_hidden"]), b.fc2.out_features, bias=b.fc2.bias is not None)
-        if (int(d["qk_dim"]), int(d["v_dim"])) != (b.qk_dim, b.v_dim) or isinstance(b.attn, PrunedAttention):
+        if ((heads, int(d["qk_dim"]), int(d["v_dim"])) != (b.num_heads, b.qk_dim, b.v_dim)
+                or isinstance(b.attn, PrunedAttention)):
             D = b.qkv.in_features
-            b.block.attn = PrunedAttention(D, b.num_heads, int(d["qk_dim"]), int(d["v_dim"]),
+            b.block.attn = PrunedAttention(D, heads, int(d["qk_dim"]), int(d["v_dim"]),
                                            qkv_bias=b.qkv.bias is not None,
                                            proj_bias=b.proj.bias is not None,
                                            dense_head_dim=int(d.get("head_dim", b.head_dim)))

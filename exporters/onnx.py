@@ -17,22 +17,14 @@ next to the destination and is moved into place with ``os.replace`` only once co
 error or interrupt never leaves a half-written file. Weights are embedded unless the protobuf
 would exceed 2 GB; then they go to ``<name>.onnx.data`` next to the file (ONNX external data).
 
-Metadata
---------
-Everything a deployer needs is stored in ``ModelProto.metadata_props`` as string key/values:
-strings as they are, anything else JSON-encoded; the key ``edgeprune_json_keys`` lists the
-JSON-encoded keys so that :func:`read_metadata` returns the original values. The exporter adds
-the facts about the file itself: ``input_name``, ``input_shape`` (``"batch"`` for the dynamic
-axis), ``input_dtype``, ``output_name``, ``output_shape``, ``opset``, ``dynamic_batch``,
-``exporter``, ``torch_version``. :func:`build_metadata` assembles the rest (edgeprune version,
-base model, method, sparsities, per-block dims, preprocessing) from a run record and/or a model
-spec.
+Metadata (``metadata_props``: :func:`build_metadata`, :func:`read_metadata`, JSON encoding) lives in
+:mod:`exporters.onnx_metadata`; graph clean-up and inspection (:func:`graph_op_summary`) in
+:mod:`exporters.onnx_graph`. Both are re-exported here, so ``from exporters.onnx import ...`` keeps
+working.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -44,212 +36,21 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from exporters.onnx_graph import (PROTOBUF_LIMIT, _clean_graph, _output_shape_of,  # noqa: F401
+                                  _quiet_onnxruntime, _weights_bytes, graph_op_summary)
+from exporters.onnx_metadata import (JSON_KEYS_KEY, _edgeprune_version, _first_line,  # noqa: F401
+                                     _to_jsonable, block_dims, build_metadata, decode_metadata,
+                                     encode_metadata, read_metadata)
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 DEFAULT_OPSET = 17
-#: metadata key listing the JSON-encoded keys.
-JSON_KEYS_KEY = "edgeprune_json_keys"
-#: Serialized protobufs must stay below 2 GiB; above this many bytes of weights, use external data.
-PROTOBUF_LIMIT = 2_000_000_000
 #: Opsets the TorchScript exporter supports (LayerNormalization needs >= 17 to stay one op).
 _TORCHSCRIPT_OPSETS = range(14, 21)
 
-
-# --------------------------------------------------------------------------------------------
-# metadata
-
-
-def _edgeprune_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("edgeprune")
-    except Exception:  # pragma: no cover - not installed
-        return "unknown"
-
-
-def _to_jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        try:
-            return obj.item()
-        except Exception:
-            pass
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
-    """String key/values for ``metadata_props``: strings kept, everything else JSON.
-
-    The returned dict holds ``edgeprune_json_keys`` (JSON list of the encoded keys).
-
-    Raises:
-        ValueError: a value JSON cannot encode.
-    """
-    out: dict[str, str] = {}
-    json_keys: list[str] = []
-    for key, value in metadata.items():
-        key = str(key)
-        if key == JSON_KEYS_KEY:
-            continue
-        if isinstance(value, str):
-            out[key] = value
-        else:
-            try:
-                out[key] = json.dumps(_to_jsonable(value), sort_keys=False)
-            except TypeError as err:
-                raise ValueError(f"metadata {key!r}: cannot JSON-encode {type(value).__name__}") from err
-            json_keys.append(key)
-    out[JSON_KEYS_KEY] = json.dumps(sorted(json_keys))
-    return out
-
-
-def decode_metadata(props: Mapping[str, str]) -> dict[str, Any]:
-    """Inverse of :func:`encode_metadata` (keys not listed as JSON stay strings)."""
-    try:
-        json_keys = set(json.loads(props.get(JSON_KEYS_KEY, "[]")))
-    except json.JSONDecodeError:
-        json_keys = set()
-    out: dict[str, Any] = {}
-    for key, value in props.items():
-        if key == JSON_KEYS_KEY:
-            continue
-        if key in json_keys:
-            try:
-                out[key] = json.loads(value)
-                continue
-            except json.JSONDecodeError:
-                pass
-        out[key] = value
-    return out
-
-
-def block_dims(model: nn.Module) -> list[dict[str, int]]:
-    """Per-block dims of a timm ViT (dense ``Attention`` or :class:`PrunedAttention`).
-
-    Returns a list of ``{"index", "mlp_hidden", "qk_dim", "v_dim", "num_heads"}`` (the run
-    record's ``blocks`` format); empty if the model has no ``blocks``.
-    """
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        inner = getattr(model, "model", None) or getattr(model, "backbone", None)
-        blocks = getattr(inner, "blocks", None) if inner is not None else None
-    out: list[dict[str, int]] = []
-    if blocks is None:
-        return out
-    for i, blk in enumerate(blocks):
-        entry: dict[str, int] = {"index": i}
-        fc1 = getattr(getattr(blk, "mlp", None), "fc1", None)
-        if isinstance(fc1, nn.Linear):
-            entry["mlp_hidden"] = fc1.out_features
-        attn = getattr(blk, "attn", None)
-        if attn is not None and hasattr(attn, "num_heads"):
-            heads = int(attn.num_heads)
-            qk = getattr(attn, "qk_dim", None)
-            v = getattr(attn, "v_dim", None)
-            hd = getattr(attn, "head_dim", None)
-            qk = qk if qk is not None else hd
-            v = v if v is not None else hd
-            if qk is not None and v is not None:
-                entry["qk_dim"] = int(qk)
-                entry["v_dim"] = int(v)
-            entry["num_heads"] = heads
-        out.append(entry)
-    return out
-
-
-def build_metadata(*, record: Mapping[str, Any] | None = None, spec: Any = None,
-                   model: nn.Module | None = None, model_name: str | None = None,
-                   checkpoint: str | None = None) -> dict[str, Any]:
-    """Deployment metadata from a run record (pruned) and/or a model spec (dense).
-
-    Args:
-        record: the run's ``run.json`` (see ``edgeprune.artifact.load_run``); ``None`` for a dense
-            model.
-        spec: the base model's ``ModelSpec`` (input size, preprocessing, output kind).
-        model: the module (dense export: per-block dims and parameter count come from it).
-        model_name, checkpoint: the base model when there is no record.
-
-    Returns:
-        A dict for :func:`export_onnx`'s ``metadata``.
-    """
-    md: dict[str, Any] = {}
-    if record is not None:
-        md["edgeprune_version"] = str(record.get("edgeprune_version") or _edgeprune_version())
-        md["base_model"] = record.get("base_model", {})
-        md["method"] = str(record.get("method", "unknown"))
-        for key in ("targets", "sparsity", "calibration", "params", "flops"):
-            if key in record:
-                md[key] = record[key]
-        sp = record.get("sparsity") or {}
-        if isinstance(sp, Mapping):
-            for k in ("mlp", "attn"):
-                if k in sp:
-                    md[f"sparsity_{k}"] = sp[k]
-        if "blocks" in record:
-            md["blocks"] = record["blocks"]
-    else:
-        name = model_name or (getattr(spec, "name", None) if spec is not None else None)
-        md["edgeprune_version"] = _edgeprune_version()
-        md["base_model"] = {"name": name, "checkpoint": checkpoint}
-        md["method"] = "dense"
-        md["sparsity"] = {"mlp": 0.0, "attn": 0.0}
-        md["sparsity_mlp"] = 0.0
-        md["sparsity_attn"] = 0.0
-    if model is not None:
-        if "blocks" not in md:
-            md["blocks"] = block_dims(model)
-        if "params" not in md:
-            md["params"] = int(sum(p.numel() for p in model.parameters()))
-    if spec is not None:
-        md["input_size"] = list(getattr(spec, "input_size"))
-        pre = dict(getattr(spec, "preprocessing", None) or {})
-        pre.setdefault("mean", list(getattr(spec, "mean", []) or []))
-        pre.setdefault("std", list(getattr(spec, "std", []) or []))
-        md["preprocessing"] = pre
-        for k in ("mean", "std", "resize", "crop", "interpolation"):
-            if k in pre:
-                md[k] = pre[k]
-        if getattr(spec, "output_kind", None):
-            md["output_kind"] = spec.output_kind
-    return md
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The metadata of an exported ONNX file, decoded (see :func:`encode_metadata`).
-
-    Raises:
-        UserError: the file is missing or not an ONNX model.
-    """
-    import onnx
-
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"ONNX file not found: {p}")
-    try:
-        m = onnx.load(str(p), load_external_data=False)
-    except Exception as err:
-        raise UserError(f"{p} is not a valid ONNX model ({_first_line(err)})") from None
-    if not m.graph.node and not m.graph.input:
-        raise UserError(f"{p} is not a valid ONNX model (empty graph)")
-    return decode_metadata({prop.key: prop.value for prop in m.metadata_props})
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:300]
-
-
-# --------------------------------------------------------------------------------------------
-# export
+__all__ = ["export_onnx", "build_metadata", "read_metadata", "encode_metadata", "decode_metadata",
+           "block_dims", "graph_op_summary", "INPUT_NAME", "OUTPUT_NAME", "DEFAULT_OPSET", "PROTOBUF_LIMIT",
+           "JSON_KEYS_KEY"]
 
 
 def _single_tensor_output(model: nn.Module, dummy: torch.Tensor) -> torch.Tensor:
@@ -303,60 +104,6 @@ def _dynamo_export(model: nn.Module, dummy: torch.Tensor, path: Path, opset: int
             if prog is None:
                 raise RuntimeError("torch.onnx.export(dynamo=True) returned no program")
             prog.save(str(path))
-
-
-@contextlib.contextmanager
-def _quiet_onnxruntime():
-    """Silence ORT's optimizer warnings while graphsurgeon folds constants with it."""
-    try:
-        import onnxruntime as ort
-    except ImportError:  # gs then folds with numpy only
-        yield
-        return
-    ort.set_default_logger_severity(3)
-    try:
-        yield
-    finally:
-        ort.set_default_logger_severity(2)  # ORT's default (warning)
-
-
-def _clean_graph(model_proto):
-    """onnx-graphsurgeon: fold constants (incl. static shape arithmetic), drop dead nodes, sort."""
-    import onnx_graphsurgeon as gs
-
-    import onnx
-
-    if model_proto.ByteSize() < PROTOBUF_LIMIT:
-        # Static shapes for intermediate tensors let fold_shapes resolve Shape->Gather chains of
-        # static dims (e.g. SDPA's 1/sqrt(head_dim) scale).
-        try:
-            model_proto = onnx.shape_inference.infer_shapes(model_proto, data_prop=True)
-        except Exception:
-            pass
-    graph = gs.import_onnx(model_proto)
-    with warnings.catch_warnings(), _quiet_onnxruntime():
-        warnings.simplefilter("ignore")
-        graph.fold_constants(fold_shapes=True)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    cleaned = gs.export_onnx(graph, do_type_check=True)
-    # gs keeps the opset; carry over model-level fields gs does not.
-    cleaned.ir_version = model_proto.ir_version
-    return cleaned
-
-
-def _weights_bytes(model_proto) -> int:
-    total = 0
-    for init in model_proto.graph.initializer:
-        total += len(init.raw_data) if init.raw_data else init.ByteSize()
-    return total
-
-
-def _output_shape_of(model_proto) -> list:
-    outs = model_proto.graph.output
-    if not outs:
-        return []
-    dims = outs[0].type.tensor_type.shape.dim
-    return [d.dim_param if d.dim_param else int(d.dim_value) for d in dims]
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence[int],
@@ -482,17 +229,3 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
     finally:
         model.train(was_training)
     return path
-
-
-def graph_op_summary(path: str | os.PathLike) -> dict[str, Any]:
-    """Op types and domains of an ONNX file (for tests and ``verify`` output)."""
-    import onnx
-
-    m = onnx.load(str(path), load_external_data=False)
-    ops: dict[str, int] = {}
-    domains: set[str] = set()
-    for node in m.graph.node:
-        ops[node.op_type] = ops.get(node.op_type, 0) + 1
-        domains.add(node.domain or "ai.onnx")
-    opsets = {imp.domain or "ai.onnx": imp.version for imp in m.opset_import}
-    return {"ops": ops, "domains": sorted(domains), "opsets": opsets}

@@ -12,22 +12,29 @@ An ONNX file with a static batch gets an engine for exactly that batch (the prof
 range is then ignored, with a note in the settings).
 
 TensorRT is imported lazily; without it (or without a GPU) the functions raise
-:class:`~edgeprune.errors.UserError` with one line that says what is missing.
+:class:`~edgeprune.errors.RuntimeFault` with one line that says what is missing. A Q/DQ
+(explicitly quantized) ONNX is built with INT8 + FP16 (:mod:`exporters.tensorrt_settings`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from edgeprune.atomic import atomic_write_bytes  # noqa: F401  (re-exported)
-from edgeprune.errors import UserError
+from edgeprune.errors import RuntimeFault, UserError
+from exporters.tensorrt_settings import (  # noqa: F401  (re-exported: the pure half of a build)
+    Shape,
+    builder_settings,
+    file_sha256,
+    onnx_input,
+    onnx_precision,
+)
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -41,9 +48,6 @@ TRT_INSTALL_HINT = (
 )
 SIDECAR_SUFFIX = ".json"
 
-Shape = tuple[int | str, ...]
-"""An ONNX input shape: ints for fixed dims, a name (or -1) for dynamic ones."""
-
 
 # --------------------------------------------------------------------------------------------
 # TensorRT availability
@@ -53,149 +57,41 @@ def tensorrt_version() -> str:
     """The installed TensorRT version, e.g. ``"10.3.0"``.
 
     Raises:
-        UserError: the ``tensorrt`` package is missing, is only type stubs, does not load, or
+        RuntimeFault: the ``tensorrt`` package is missing, is only type stubs, does not load, or
             is not TensorRT 10.x.
     """
     try:
         import tensorrt as trt_mod
     except ImportError as err:
-        raise UserError(f"TensorRT Python package not found: {TRT_INSTALL_HINT} ({err})") from None
+        raise RuntimeFault(f"TensorRT Python package not found: {TRT_INSTALL_HINT} ({err})") from None
     except Exception as err:  # e.g. OSError: libnvinfer.so.10 missing
-        raise UserError(f"TensorRT Python package failed to load ({type(err).__name__}: "
+        raise RuntimeFault(f"TensorRT Python package failed to load ({type(err).__name__}: "
                         f"{str(err).splitlines()[0] if str(err) else ''}): {TRT_INSTALL_HINT}") from None
     version = getattr(trt_mod, "__version__", None)
     if version is None or not hasattr(trt_mod, "Builder"):
         # `pip install tensorrt-stubs` without TensorRT leaves an importable, empty `tensorrt`.
-        raise UserError(f"TensorRT Python package not found ('tensorrt' is only type stubs): "
+        raise RuntimeFault(f"TensorRT Python package not found ('tensorrt' is only type stubs): "
                         f"{TRT_INSTALL_HINT}")
     major = str(version).split(".", 1)[0]
     if major != str(REQUIRED_TRT_MAJOR):
-        raise UserError(f"TensorRT {version} found, but edgeprune needs TensorRT "
+        raise RuntimeFault(f"TensorRT {version} found, but edgeprune needs TensorRT "
                         f"{REQUIRED_TRT_MAJOR}.x: {TRT_INSTALL_HINT}")
     return str(version)
 
 
 def require_gpu(device_index: int = 0) -> Any:
-    """The local :class:`~runners.gpu_info.GpuInfo`; raises UserError if no CUDA GPU is visible."""
+    """The local :class:`~runners.gpu_info.GpuInfo`.
+
+    Raises:
+        RuntimeFault: no CUDA GPU is visible.
+    """
     from runners.gpu_info import local_gpu
 
     gpu = local_gpu(device_index)
     if gpu is None:
-        raise UserError("no CUDA GPU visible: TensorRT needs an NVIDIA GPU and driver "
-                        "(nvidia-smi finds none, or CUDA_VISIBLE_DEVICES hides it)")
+        raise RuntimeFault("no CUDA GPU visible: TensorRT needs an NVIDIA GPU and driver "
+                           "(nvidia-smi finds none, or CUDA_VISIBLE_DEVICES hides it)")
     return gpu
-
-
-# --------------------------------------------------------------------------------------------
-# ONNX side (no TensorRT needed)
-
-
-def onnx_input(onnx_path: str | os.PathLike[str]) -> tuple[str, Shape]:
-    """Name and shape of the single graph input of an ONNX file (weights are not loaded).
-
-    Raises:
-        UserError: missing or unreadable file, or not exactly one input.
-    """
-    import onnx
-
-    path = Path(onnx_path)
-    if not path.is_file():
-        raise UserError(f"ONNX file {str(path)!r} not found")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as err:
-        raise UserError(f"cannot read ONNX file {str(path)!r}: {err}") from None
-    inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
-    if len(inputs) != 1:
-        raise UserError(f"{path.name}: expected exactly one graph input (an image batch), "
-                        f"found {len(inputs)}: {', '.join(i.name for i in inputs)}")
-    inp = inputs[0]
-    dims: list[int | str] = []
-    for d in inp.type.tensor_type.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(int(d.dim_value))
-        else:
-            dims.append(d.dim_param or -1)
-    return inp.name, tuple(dims)
-
-
-def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
-
-
-def _is_dynamic(d: int | str) -> bool:
-    return isinstance(d, str) or d < 0
-
-
-def builder_settings(profile: DeviceProfile, onnx_input_shape: Sequence[int | str], *,
-                     input_name: str = "input",
-                     timing_cache: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Everything the builder needs, derived from a device profile and the ONNX input shape.
-
-    Pure (no TensorRT): the same dict drives :func:`apply_settings` and
-    :func:`exporters.trtexec.trtexec_command`.
-
-    Args:
-        profile: a TensorRT device profile.
-        onnx_input_shape: e.g. ``("batch", 3, 224, 224)``, ``(-1, 3, 224, 224)`` or
-            ``(1, 3, 224, 224)``; only the first (batch) dimension may be dynamic.
-        input_name: the ONNX input's name.
-        timing_cache: overrides the profile's timing-cache path.
-
-    Returns:
-        dict with ``precision``, ``fp16`` (bool), ``workspace_mib``, ``workspace_bytes``,
-        ``builder_optimization_level``, ``profiling_verbosity`` (``"detailed"``),
-        ``timing_cache`` (str path), ``input_name``, ``dynamic_batch`` (bool), ``shapes``
-        (``{"min": [...], "opt": [...], "max": [...]}``) and ``notes`` (list of str).
-
-    Raises:
-        UserError: not a TensorRT profile; a non-batch dimension is dynamic; empty shape.
-    """
-    if profile.build is None or not profile.uses_tensorrt:
-        raise UserError(f"device profile {profile.name!r} has no TensorRT build settings "
-                        f"(backend {profile.backend}); pick a TensorRT profile such as rtx3090 or orin-nx")
-    shape = tuple(onnx_input_shape)
-    if len(shape) == 0:
-        raise UserError(f"ONNX input {input_name!r} is a scalar; expected (batch, C, H, W)")
-    dyn_rest = [i for i, d in enumerate(shape[1:], start=1) if _is_dynamic(d)]
-    if dyn_rest:
-        raise UserError(
-            f"ONNX input {input_name!r} has dynamic dimension(s) {dyn_rest} in shape {list(shape)}: "
-            "only the batch dimension may be dynamic (re-export with a fixed image size)")
-    rest = [int(d) for d in shape[1:]]
-    b = profile.build.batch
-    notes: list[str] = []
-    dynamic = _is_dynamic(shape[0])
-    if dynamic:
-        shapes = {"min": [b.min, *rest], "opt": [b.opt, *rest], "max": [b.max, *rest]}
-    else:
-        fixed = int(shape[0])
-        shapes = {k: [fixed, *rest] for k in ("min", "opt", "max")}
-        if (b.min, b.opt, b.max) != (fixed, fixed, fixed):
-            notes.append(f"ONNX batch dimension is fixed at {fixed}: the profile's batch range "
-                         f"{b.min}/{b.opt}/{b.max} is ignored (export with a dynamic batch to use it)")
-    cache = Path(timing_cache).expanduser() if timing_cache is not None else profile.build.timing_cache
-    return {
-        "precision": profile.build.precision,
-        "fp16": profile.build.precision == "fp16",
-        "workspace_mib": profile.build.workspace_mib,
-        "workspace_bytes": profile.build.workspace_mib * (1 << 20),
-        "builder_optimization_level": profile.build.builder_optimization_level,
-        "profiling_verbosity": "detailed",
-        "timing_cache": str(cache),
-        "input_name": input_name,
-        "dynamic_batch": dynamic,
-        "shapes": shapes,
-        "notes": notes,
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,8 +102,10 @@ def apply_settings(config: trt.IBuilderConfig, builder: trt.Builder,
                    network: trt.INetworkDefinition, settings: dict[str, Any]) -> None:
     """Configure a builder config from :func:`builder_settings` output.
 
-    Sets the workspace pool limit, FP16 (when the profile asks for it), the builder optimization level, detailed profiling verbosity (layer names in the
-    engine inspector) and, for a dynamic batch, one optimization profile.
+    Sets the workspace pool limit, FP16 and INT8 (INT8 only for an explicitly quantized, Q/DQ
+    model: TensorRT's explicit quantization; see :mod:`exporters.tensorrt_settings`), the
+    builder optimization level, detailed profiling verbosity (layer names in the engine
+    inspector) and, for a dynamic batch, one optimization profile.
 
     Raises:
         UserError: the network's input does not match ``settings``.
@@ -217,6 +115,8 @@ def apply_settings(config: trt.IBuilderConfig, builder: trt.Builder,
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(settings["workspace_bytes"]))
     if settings["fp16"]:
         config.set_flag(trt.BuilderFlag.FP16)
+    if settings.get("int8"):
+        config.set_flag(trt.BuilderFlag.INT8)
     config.builder_optimization_level = int(settings["builder_optimization_level"])
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
 
@@ -309,7 +209,8 @@ def _load_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> tuple[tr
 
 def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str | os.PathLike[str],
                  out_path: str | os.PathLike[str], *, force_device: bool = False,
-                 timing_cache: str | os.PathLike[str] | None = None) -> Path:
+                 timing_cache: str | os.PathLike[str] | None = None,
+                 precision: str | None = None) -> Path:
     """Build a TensorRT engine for ``profile`` from ``onnx_path`` and write it to ``out_path``.
 
     Also writes ``<out_path>.json`` (see :func:`read_sidecar`) and updates the timing cache.
@@ -320,13 +221,15 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
         out_path: engine file to write (replaced atomically).
         force_device: build even if the local GPU's compute capability differs from the profile's.
         timing_cache: timing-cache file to use instead of the profile's.
+        precision: ``fp16``/``fp32``/``int8`` instead of the profile's (int8 needs Q/DQ nodes).
 
     Returns:
         ``Path(out_path)``.
 
     Raises:
-        UserError: missing ONNX file, non-TensorRT profile, TensorRT or GPU missing, compute
-            capability mismatch (without ``force_device``), ONNX parser errors, build failure.
+        UserError: missing ONNX file, non-TensorRT profile, compute capability mismatch
+            (without ``force_device``), int8 without Q/DQ nodes, ONNX parser errors, build failure.
+        RuntimeFault: TensorRT or a GPU missing.
     """
     from devices import load_profile
     from runners.gpu_info import check_compute_capability
@@ -335,7 +238,8 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
     onnx_file = Path(onnx_path)
     out = Path(out_path)
     input_name, input_shape = onnx_input(onnx_file)
-    settings = builder_settings(prof, input_shape, input_name=input_name, timing_cache=timing_cache)
+    settings = builder_settings(prof, input_shape, input_name=input_name, timing_cache=timing_cache,
+                                precision=precision, model_precision=onnx_precision(onnx_file))
     trt_version = tensorrt_version()
     gpu = require_gpu()
     check = check_compute_capability(prof, gpu, force=force_device)

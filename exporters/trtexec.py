@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import shlex
+from pathlib import Path
 from typing import Any, Sequence
 
 from devices import DeviceProfile, load_profile
-from exporters.tensorrt import builder_settings, onnx_input
+from exporters.tensorrt_settings import builder_settings, onnx_input, onnx_precision
 
 
 def _dims(shape: Sequence[int]) -> str:
@@ -25,6 +26,8 @@ def trtexec_args(onnx_path: str | os.PathLike[str], settings: dict[str, Any],
     args = [trtexec, f"--onnx={os.fspath(onnx_path)}", f"--saveEngine={os.fspath(engine_path)}"]
     if settings["fp16"]:
         args.append("--fp16")
+    if settings.get("int8"):
+        args.append("--int8")  # with Q/DQ nodes in the ONNX: explicit quantization
     if settings["dynamic_batch"]:
         name = settings["input_name"]
         for flag, key in (("--minShapes", "min"), ("--optShapes", "opt"), ("--maxShapes", "max")):
@@ -41,7 +44,7 @@ def trtexec_args(onnx_path: str | os.PathLike[str], settings: dict[str, Any],
 def trtexec_command(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str | os.PathLike[str],
                     engine_path: str | os.PathLike[str], *, input_name: str | None = None,
                     input_shape: Sequence[int | str] | None = None,
-                    trtexec: str = "trtexec") -> str:
+                    trtexec: str = "trtexec", precision: str | None = None) -> str:
     """The ``trtexec`` command line (a shell-quoted string) that builds the same engine.
 
     Args:
@@ -51,6 +54,7 @@ def trtexec_command(onnx_path: str | os.PathLike[str], profile: DeviceProfile | 
         engine_path: where trtexec saves the engine.
         input_name, input_shape: the ONNX input, to skip reading the file.
         trtexec: the executable to name.
+        precision: instead of the profile's build precision (int8 needs a Q/DQ model).
 
     Raises:
         UserError: as :func:`~exporters.tensorrt.builder_settings` and
@@ -61,5 +65,7 @@ def trtexec_command(onnx_path: str | os.PathLike[str], profile: DeviceProfile | 
         name, shape = onnx_input(onnx_path)
         input_name = input_name or name
         input_shape = input_shape if input_shape is not None else shape
-    settings = builder_settings(prof, input_shape, input_name=input_name)
+    model_precision = onnx_precision(onnx_path) if Path(onnx_path).is_file() else "fp32"
+    settings = builder_settings(prof, input_shape, input_name=input_name, precision=precision,
+                                model_precision=model_precision)
     return shlex.join(trtexec_args(onnx_path, settings, engine_path, trtexec=trtexec))

@@ -190,3 +190,121 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['agreement_metric']}: {report['agreement'] * 100:.2f}%",
         f"{verdict} ({tol})",
     ])
+
+
+# ---------------------------------------------------------------------------------------------
+# quantized models: verification by metric (top-1, agreement), not by allclose
+
+
+def _outputs_of(reference: Any, x: np.ndarray, batch_size: int, threads: int | None) -> np.ndarray:
+    """Outputs of an ONNX file (path) or a PyTorch module on ``x`` (N, C, H, W) float32."""
+    if isinstance(reference, nn.Module):
+        return _run_torch(reference, x, batch_size)
+    from runners.onnxruntime_runner import load_session
+
+    session = load_session(Path(reference), providers=["cpu"], threads=threads)
+    fixed = check_input_shape(session, x.shape)
+    return _run_onnx(session, x, fixed, batch_size).astype(np.float32)
+
+
+def quantized_metrics(quant_out: np.ndarray, float_out: np.ndarray, labels: np.ndarray | None,
+                      output_kind: str | None = None) -> dict[str, Any]:
+    """Top-1 (when labels exist) and agreement of a quantized model's outputs with the float model's.
+
+    Args:
+        quant_out, float_out: (N, K) logits or (N, ...) saliency maps of the same N images.
+        labels: (N,) int class indices, or ``None``.
+
+    Returns:
+        dict with ``n``, ``output_kind``, ``agreement`` (fraction of images whose top-1 class
+        matches the float model's; for saliency maps the fraction of pixels on which the maps
+        thresholded at 0.5 agree), ``agreement_metric``, ``top1`` / ``top1_float`` (fractions, or
+        ``None`` without labels), ``drop_points`` and ``drop_metric``: the top-1 loss in
+        percentage points (``100 * (top1_float - top1)``) when labels exist, otherwise the
+        disagreement ``100 * (1 - agreement)``; ``max_abs_diff``.
+    """
+    cmp = compare_outputs(quant_out, float_out, output_kind=output_kind, atol=np.inf)
+    top1 = top1_float = None
+    if labels is not None and cmp["output_kind"] == "logits":
+        y = np.asarray(labels).reshape(-1)
+        top1 = float(np.mean(quant_out.argmax(1) == y))
+        top1_float = float(np.mean(float_out.argmax(1) == y))
+        drop, metric = 100.0 * (top1_float - top1), "top1_points"
+    else:
+        drop, metric = 100.0 * (1.0 - cmp["agreement"]), "disagreement_percent"
+    return {"n": cmp["n"], "output_kind": cmp["output_kind"], "agreement": cmp["agreement"],
+            "agreement_metric": cmp["agreement_metric"], "top1": top1, "top1_float": top1_float,
+            "drop_points": float(drop), "drop_metric": metric, "max_abs_diff": cmp["max_abs_diff"]}
+
+
+def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_source: Any,
+                     max_drop: float | None = None, *, batch_size: int = 64,
+                     threads: int | None = None, output_kind: str | None = None) -> dict[str, Any]:
+    """Check a quantized (int8 / fp16) ONNX model by task metric against its float model.
+
+    ``allclose`` is the wrong test for a quantized model (int8 logits differ from fp32 by design);
+    what matters is whether it still classifies like the float model. This runs both on the
+    held-out images of ``eval_source`` (never the calibration images) and reports top-1 and top-1
+    agreement (see :func:`quantized_metrics`).
+
+    Args:
+        onnx_path: the quantized file (run with ONNX Runtime, CPU).
+        float_reference: the float model: a path to the fp32 ONNX file or the PyTorch module
+            (e.g. ``load_target(run_dir, ...)[0]``).
+        eval_source: held-out images: a data source with ``batches(b)`` yielding
+            ``(images (B, C, H, W), labels (B,) or None)`` (``ModelSpec.eval_source``), or an
+            ``(images, labels|None)`` pair of arrays.
+        max_drop: gate, in points: fail when ``drop_points`` (top-1 loss with labels, else
+            disagreement in percent) exceeds it; ``None`` = report only (always passes).
+        batch_size, threads: ONNX Runtime batch and intra-op threads.
+        output_kind: ``"logits"``/``"saliency"``; default: the file's ``output_kind`` metadata.
+
+    Returns:
+        dict of :func:`quantized_metrics` plus ``precision`` (from the file's metadata),
+        ``max_drop``, ``passed`` and ``onnx_path``.
+
+    Raises:
+        UserError: missing / corrupt files, inputs the model does not take, empty source.
+    """
+    from exporters.calibration_reader import source_to_array
+    from runners.onnxruntime_runner import load_session
+
+    path = Path(onnx_path)
+    if max_drop is not None and max_drop < 0:
+        raise UserError(f"--max-drop must be >= 0 points, got {max_drop}")
+    if isinstance(eval_source, tuple):
+        x, labels = eval_source
+        x = _as_numpy(x)
+        labels = None if labels is None else np.asarray(labels)
+    else:
+        x, labels = source_to_array(eval_source)
+        x = _as_numpy(x)
+    session = load_session(path, providers=["cpu"], threads=threads)
+    fixed = check_input_shape(session, x.shape)
+    meta = session.get_modelmeta().custom_metadata_map
+    if output_kind is None and meta.get("output_kind") in ("logits", "saliency"):
+        output_kind = meta["output_kind"]
+    chunk = max(1, int(batch_size))
+    quant_out = _run_onnx(session, x, fixed, chunk).astype(np.float32)
+    del session
+    float_out = _outputs_of(float_reference, x, chunk, threads)
+    report = quantized_metrics(quant_out, float_out, labels, output_kind)
+    report["precision"] = meta.get("precision", "fp32")
+    report["max_drop"] = max_drop
+    report["passed"] = max_drop is None or report["drop_points"] <= max_drop + 1e-9
+    report["onnx_path"] = str(path)
+    return report
+
+
+def format_quantized_report(report: dict[str, Any]) -> str:
+    """Human-readable lines for :func:`verify_quantized`'s report."""
+    lines = [f"images:        {report['n']} held-out ({report.get('precision', '?')} vs float)"]
+    if report.get("top1") is not None:
+        lines.append(f"top-1:         {report['top1'] * 100:.2f}%  (float {report['top1_float'] * 100:.2f}%, "
+                     f"drop {report['drop_points']:+.2f} points)")
+    lines.append(f"{report['agreement_metric']}: {report['agreement'] * 100:.2f}% with the float model")
+    if report.get("max_drop") is not None:
+        what = "top-1 drop" if report["drop_metric"] == "top1_points" else "disagreement"
+        verdict, cmp = ("PASS", "<=") if report["passed"] else ("FAIL", ">")
+        lines.append(f"{verdict} ({what} {report['drop_points']:.2f} points {cmp} max {report['max_drop']:g})")
+    return "\n".join(lines)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edgeprune.errors import UserError
+from edgeprune.errors import RuntimeFault, UserError
 from runners.base import Runner, peak_rss_mb
 
 PROVIDER_ALIASES = {
@@ -49,7 +49,8 @@ def resolve_providers(providers: Sequence[str] | str | None) -> list[str]:
     """Full ORT provider names for ``providers`` (aliases allowed), CPU appended as fallback.
 
     Raises:
-        UserError: an unknown name, or one the installed onnxruntime does not offer.
+        UserError: a name ONNX Runtime does not know.
+        RuntimeFault: a known provider the installed onnxruntime does not offer (no CUDA build).
     """
     ort = _ort()
     if providers is None:
@@ -62,8 +63,12 @@ def resolve_providers(providers: Sequence[str] | str | None) -> list[str]:
         name = PROVIDER_ALIASES.get(p.strip().lower(), p.strip())
         if name not in available:
             short = ", ".join(sorted({k for k, v in PROVIDER_ALIASES.items() if v in available}))
-            raise UserError(f"ONNX Runtime provider {p!r} is not available in onnxruntime "
-                            f"{ort.__version__} (available: {short or ', '.join(available)})")
+            # a known provider this installation lacks is the environment's fault (exit 1);
+            # a name ONNX Runtime does not know at all is the user's (exit 2)
+            known = name in set(PROVIDER_ALIASES.values()) or name in ort.get_all_providers()
+            error = RuntimeFault if known else UserError
+            raise error(f"ONNX Runtime provider {p!r} is not available in onnxruntime "
+                        f"{ort.__version__} (available: {short or ', '.join(available)})")
         if name not in out:
             out.append(name)
     if "CPUExecutionProvider" not in out:
@@ -120,7 +125,7 @@ def load_session(path: str | os.PathLike, providers: Sequence[str] | str | None 
     got = sess.get_providers()
     missing = [n for n in names if n not in got]
     if missing:
-        raise UserError(f"ONNX Runtime could not initialise {', '.join(missing)} for {p} "
+        raise RuntimeFault(f"ONNX Runtime could not initialise {', '.join(missing)} for {p} "
                         f"(running on {', '.join(got)}); check the CUDA/TensorRT libraries")
     return sess
 

@@ -7,6 +7,12 @@ per input array in :meth:`TorchRunner.prepare`, outside the timed region.
 
 Peak memory: on CPU the process peak RSS (``VmHWM``, reset per batch size where the kernel
 allows); on CUDA ``torch.cuda.max_memory_allocated`` (reset per batch size).
+
+Precision (CUDA only; the CPU runs fp32): ``fp32`` (TF32 off: ``float32_matmul_precision
+"highest"``), ``tf32`` (``"high"``: TF32 tensor-core matmuls), ``fp16`` / ``bf16`` (weights and
+input cast, logits returned as float32). CUDA graphs (CUDA only): each batch size's forward is
+captured once on a side stream (after 3 eager warm-up passes) and replayed, as in PyTorch's
+"CUDA Graphs" notes (``torch.cuda.graph``).
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from edgeprune.errors import UserError
+from edgeprune.errors import RuntimeFault, UserError
 from runners.base import Runner, peak_rss_mb
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class TorchRunner(Runner):
@@ -33,21 +42,38 @@ class TorchRunner(Runner):
             each timed call if another runner changed it); ``None`` keeps torch's setting.
         label: model name in reports.
         input_shape: (C, H, W) of one image (for :meth:`benchmark` without inputs).
+        precision: ``fp32`` (default), ``tf32``, ``fp16``, ``bf16``; other than fp32 needs CUDA.
+        cuda_graphs: replay a captured CUDA graph per batch size (needs CUDA).
 
     Raises:
-        UserError: CUDA requested but not available.
+        UserError: unsupported device or precision, bad threads.
+        RuntimeFault: CUDA (device, precision other than fp32, or CUDA graphs) but no usable GPU.
     """
 
     backend = "torch"
 
     def __init__(self, model: nn.Module, *, device: str = "cpu", threads: int | None = None,
-                 label: str = "torch-model", input_shape: Sequence[int] | None = None) -> None:
-        dev = torch.device(device)
+                 label: str = "torch-model", input_shape: Sequence[int] | None = None,
+                 precision: str = "fp32", cuda_graphs: bool = False) -> None:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise UserError(f"unsupported torch device {device!r} (cpu or cuda)") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError("CUDA was requested but this torch build has no usable GPU "
-                            f"(torch {torch.__version__}); use --device cpu")
+            raise RuntimeFault("CUDA was requested but this torch build has no usable GPU "
+                               f"(torch {torch.__version__}); use --device cpu")
         if dev.type not in ("cpu", "cuda"):
             raise UserError(f"unsupported torch device {device!r} (cpu or cuda)")
+        if precision not in PRECISIONS:
+            raise UserError(f"unknown torch precision {precision!r} (one of {', '.join(PRECISIONS)})")
+        if dev.type != "cuda" and (precision != "fp32" or cuda_graphs):
+            what = f"precision {precision} needs" if precision != "fp32" else "CUDA graphs need"
+            raise RuntimeFault(f"{what} a CUDA GPU and the torch runner is on {dev.type} "
+                               "(use --precision fp32 without --cuda-graphs, or a GPU profile)")
+        self.precision = precision
+        self.dtype = _DTYPES[precision]
+        self.want_graphs = bool(cuda_graphs)
+        self._graphs: dict[tuple[int, ...], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         if threads is not None and threads < 1:
             raise UserError(f"threads must be >= 1, got {threads}")
         self.torch_device = dev
@@ -55,22 +81,53 @@ class TorchRunner(Runner):
         self.threads = threads
         self.label = label
         self.input_shape = tuple(int(s) for s in input_shape) if input_shape is not None else None
-        self.model = model.to(dev).eval()
+        self.model = model.to(device=dev, dtype=self.dtype).eval()
         self._x_key: tuple | None = None
         self._x: torch.Tensor | None = None
         self._apply_threads()
 
     # -- helpers ---------------------------------------------------------------------------
     def _apply_threads(self) -> None:
+        """Re-apply process-wide settings another runner may have changed (threads, TF32)."""
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        if self.torch_device.type == "cuda":
+            torch.set_float32_matmul_precision("high" if self.precision == "tf32" else "highest")
 
     def _tensor(self, x: np.ndarray) -> torch.Tensor:
         key = (id(x), x.shape, x.__array_interface__["data"][0])
         if self._x_key != key or self._x is None:
-            self._x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(self.torch_device)
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+            self._x = t.to(device=self.torch_device, dtype=self.dtype)
             self._x_key = key
         return self._x
+
+    def _graph(self, t: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The captured graph for ``t``'s shape: (graph, static input, static output)."""
+        key = tuple(t.shape)
+        if key not in self._graphs:
+            static_in = t  # the prepared input is the graph's input: replays need no copy
+            side = torch.cuda.Stream(self.torch_device)
+            side.wait_stream(torch.cuda.current_stream(self.torch_device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(3):  # warm-up on a side stream before capture
+                    self.model(static_in)
+            torch.cuda.current_stream(self.torch_device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.inference_mode():
+                static_out = self.model(static_in)
+            self._graphs[key] = (graph, static_in, static_out)
+        graph, static_in, static_out = self._graphs[key]
+        if static_in.data_ptr() != t.data_ptr():
+            static_in.copy_(t)
+        return graph, static_in, static_out
+
+    def _forward(self, t: torch.Tensor) -> torch.Tensor:
+        if self.want_graphs:
+            graph, _inp, out = self._graph(t)
+            graph.replay()
+            return out
+        return self.model(t)
 
     def _sync(self) -> None:
         if self.torch_device.type == "cuda":
@@ -78,13 +135,16 @@ class TorchRunner(Runner):
 
     # -- Runner API ------------------------------------------------------------------------
     def prepare(self, x: np.ndarray) -> None:
-        self._tensor(x)
+        t = self._tensor(x)
+        if self.want_graphs:
+            self._graph(t)
         self._sync()
 
     def infer(self, x: np.ndarray) -> np.ndarray:
         self._apply_threads()
         with torch.inference_mode():
-            out = self.model(self._tensor(x))
+            out = self._forward(self._tensor(x))
+        self._sync()
         return out.detach().float().cpu().numpy()
 
     def time_once(self, x: np.ndarray) -> float:
@@ -95,7 +155,7 @@ class TorchRunner(Runner):
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-                self.model(t)
+                self._forward(t)
                 end.record()
                 end.synchronize()
                 return float(start.elapsed_time(end))
@@ -125,7 +185,9 @@ class TorchRunner(Runner):
             "threads": torch.get_num_threads(),
             "threads_requested": self.threads,
             "interop_threads": torch.get_num_interop_threads(),
-            "mode": "eager, inference_mode, float32",
+            "mode": f"eager, inference_mode, {self.precision}",
+            "precision": self.precision,
+            "cuda_graphs": self.want_graphs,
             "timing": "cuda events" if self.torch_device.type == "cuda" else "perf_counter",
         }
         if self.torch_device.type == "cuda":
@@ -141,5 +203,6 @@ class TorchRunner(Runner):
         return v
 
     def close(self) -> None:
+        self._graphs = {}
         self._x = None
         self._x_key = None

@@ -57,3 +57,49 @@ def test_atomic_dir_renames_on_success_and_cleans_up_on_error(tmp_path, umask_02
             (tmp / "model.safetensors").write_bytes(b"x")
             raise KeyboardInterrupt
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+# ---- deterministic safetensors (issue 12, defect 7) -------------------------------------------
+
+
+def _tensors(order):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    full = {"blocks.0.w": torch.randn(3, 4, generator=g), "a.bias": torch.randn(5, generator=g).half(),
+            "idx": torch.arange(6), "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5),
+            "bf": torch.randn(2, 2, generator=g).bfloat16(), "t": torch.randn(4, 3, generator=g).t()}
+    return {k: full[k] for k in order}
+
+
+def test_safetensors_writes_are_byte_identical_whatever_the_insertion_order(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from edgeprune.atomic import atomic_save_safetensors
+
+    keys = ["blocks.0.w", "a.bias", "idx", "flag", "scalar", "bf", "t"]
+    meta_items = [(f"key{i:02d}", f"value {i}") for i in range(20)]
+    atomic_save_safetensors(tmp_path / "a.safetensors", _tensors(keys), dict(meta_items))
+    atomic_save_safetensors(tmp_path / "b.safetensors", _tensors(keys[::-1]), dict(meta_items[::-1]))
+    for _ in range(3):  # the old writer's HashMap order changed between calls
+        atomic_save_safetensors(tmp_path / "c.safetensors", _tensors(keys), dict(reversed(meta_items)))
+        assert (tmp_path / "c.safetensors").read_bytes() == (tmp_path / "a.safetensors").read_bytes()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    loaded = load_file(str(tmp_path / "a.safetensors"))  # safetensors itself reads the file
+    for k, v in _tensors(keys).items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as fh:
+        assert fh.metadata() == dict(meta_items)
+
+
+def test_safetensors_writer_refuses_non_string_metadata(tmp_path):
+    import torch
+
+    from edgeprune.atomic import atomic_save_safetensors
+
+    with pytest.raises(TypeError, match="str -> str"):
+        atomic_save_safetensors(tmp_path / "x.safetensors", {"w": torch.zeros(1)}, {"n": 3})
+    assert os.listdir(tmp_path) == []

@@ -1,27 +1,19 @@
-"""``export`` / ``verify`` / ``bench`` commands (edgeprune/cli_deploy.py) on a local click group."""
+"""``export`` / ``verify`` commands (edgeprune/cli/deploy.py) through the ``edgeprune`` entry point
+and its one error handler (bench: tests/test_bench_cli.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import types
 
-import click
 import pytest
 import torch
-from click.testing import CliRunner
 
-from edgeprune.cli_deploy import bench_cmd, export_cmd, verify_cmd
+from edgeprune.cli import main
 from edgeprune.errors import UserError
 from exporters.onnx import read_metadata
-
-
-@click.group()
-def cli() -> None:
-    """Test group holding the deploy commands."""
-
-
-cli.add_command(export_cmd, "export")
-cli.add_command(verify_cmd, "verify")
-cli.add_command(bench_cmd, "bench")
 
 
 def _fmnist_data_available() -> bool:
@@ -38,7 +30,16 @@ needs_fmnist = pytest.mark.skipif(not _fmnist_data_available(), reason="Fashion-
 
 
 def invoke(*args: str):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+    """``edgeprune ARGS`` through :func:`edgeprune.cli.main` (the one error handler)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code or 0
+    return types.SimpleNamespace(exit_code=code, stdout=out.getvalue(), stderr=err.getvalue(),
+                                 output=out.getvalue() + err.getvalue(), exception=None)
 
 
 def assert_user_error(result, pattern: str, code: int = 2) -> None:
@@ -56,7 +57,7 @@ def work(tmp_path_factory):
     """A pruned fmnist-vit run directory and dense + pruned ONNX exports."""
     from edgeprune.api import prune
     from edgeprune.artifact import save_run
-    from edgeprune.cli_deploy import RANDOM_INIT_SEED
+    from edgeprune.loading import RANDOM_INIT_SEED
     from edgeprune.zoo.registry import get_model_spec
 
     d = tmp_path_factory.mktemp("cli")
@@ -162,44 +163,45 @@ def test_verify_user_errors(work, tmp_path):
     assert r.exit_code == 2 and "input shape mismatch" in r.stderr and "Traceback" not in r.output
 
 
+# bench tests: tests/test_bench_cli.py
+
+
 # ---------------------------------------------------------------------------------------------
-# bench
+# shared model options
 
 
-def test_bench_pair_table_json_plot(work, tmp_path):
-    d = work[0]
-    r = invoke("bench", d / "dense.onnx", "--vs", d / "pruned.onnx", "--batch-sizes", "1,2",
-               "--iterations", "4", "--warmup", "1", "--threads", "1",
-               "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png")
+def test_export_dense_timm_model_with_num_classes(tmp_path):
+    """A 10-class random-init timm model exports dense (export takes --num-classes like every
+    model command), and the ONNX output has 10 logits equal to the seeded PyTorch model's."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from edgeprune.loading import load_target
+
+    out = tmp_path / "d10.onnx"
+    r = invoke("export", "--model", "deit_tiny_patch16_224", "--random-init", "--num-classes", "10",
+               "-o", out, "--no-check")
     assert r.exit_code == 0, r.output
-    assert "latency A/B" in r.stdout and "throughput B/A" in r.stdout
-    assert "| dense.onnx | onnxruntime | cpu | 2 |" in r.stdout
-    doc = json.loads((tmp_path / "b.json").read_text())
-    assert [p["batch_size"] for p in doc["results"]] == [1, 2]
-    assert doc["results"][0]["a"]["settings"]["intra_op_threads"] == 1
-    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    md = read_metadata(out)
+    assert md["base_model"]["name"] == "deit_tiny_patch16_224" and md["base_model"]["num_classes"] == 10
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    assert y.shape == (1, 10)
+    model = load_target(None, "deit_tiny_patch16_224", None, True, 10)[0]
+    with torch.no_grad():
+        ref = model(x).numpy()
+    assert np.abs(y - ref).max() < 1e-4
 
 
-def test_bench_single_and_torch_backend(work):
-    d = work[0]
-    r = invoke("bench", d / "pruned.onnx", "--batch-sizes", "2", "--iterations", "3", "--warmup", "0")
-    assert r.exit_code == 0, r.output
-    assert "| pruned.onnx | onnxruntime | cpu | 2 |" in r.stdout
-    r2 = invoke("bench", "fmnist-vit", "--vs", d / "run", "--backend", "torch", "--random-init",
-                "--batch-sizes", "1", "--iterations", "3", "--warmup", "0", "--threads", "1")
-    assert r2.exit_code == 0, r2.output
-    assert "| run | torch | cpu | 1 |" in r2.stdout
+def test_export_to_an_unwritable_place_is_one_line(tmp_path, monkeypatch):
+    import errno
+    import tempfile
 
+    def refuse(*a, dir=None, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(dir))
 
-def test_bench_user_errors(work, tmp_path):
-    d = work[0]
-    assert_user_error(invoke("bench", tmp_path / "missing.onnx"), "not found")
-    bad = tmp_path / "bad.onnx"
-    bad.write_text("garbage")
-    assert_user_error(invoke("bench", bad), "cannot load")
-    assert_user_error(invoke("bench", d / "dense.onnx", "--provider", "no_such_provider"), "not available")
-    assert_user_error(invoke("bench", d / "dense.onnx", "--backend", "torch"), "ONNX file")
-    assert_user_error(invoke("bench", d / "run", "--backend", "onnxruntime"), "export it first")
-    assert_user_error(invoke("bench", tmp_path / "model.engine"), "TensorRT")
-    r = invoke("bench", d / "dense.onnx", "--batch-sizes", "1,x")
-    assert r.exit_code == 2 and "comma-separated integers" in r.output
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    r = invoke("export", "--model", "fmnist-vit", "--random-init", "-o", tmp_path / "ro" / "m.onnx")
+    assert_user_error(r, "cannot write", code=1)
+    assert not (tmp_path / "ro" / "m.onnx").exists()

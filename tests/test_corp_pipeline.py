@@ -172,4 +172,4 @@ def test_bad_calibration_input(fmnist_model):
     with pytest.raises(UserError, match="shape"):
         prune(fmnist_model, torch.randn(4, 3, 28, 28))
     with pytest.raises(UserError, match="target"):
-        prune(fmnist_model, torch.randn(4, 1, 28, 28), target="heads")
+        prune(fmnist_model, torch.randn(4, 1, 28, 28), target="bogus")

@@ -139,7 +139,7 @@ def _edit(text: str, pattern: str, replacement: str) -> str:
 
 BAD = [
     (r'^precision = "fp16"', 'precision = "fp8"',
-     "orin-nx.toml: build.precision must be one of fp16, fp32 (got 'fp8')"),
+     "orin-nx.toml: build.precision must be one of fp16, fp32, int8 (got 'fp8')"),
     (r"^builder_optimization_level = 3", "builder_optimization_level = 7",
      "orin-nx.toml: build.builder_optimization_level must be between 0 and 5 (got 7)"),
     (r"^workspace_mib = 1024", 'workspace_mib = "1G"',
@@ -209,3 +209,41 @@ def test_unknown_top_level_table(tmp_path: Path) -> None:
     f.write_text(ORIN + "\n[benchmark]\nwarmup = 3\n")
     with pytest.raises(ProfileError, match=r"^orin-nx.toml: unknown key benchmark"):
         load_profile(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# precision: int8 (issue 16) and the CPU profile's settings
+
+
+def test_int8_build_precision_is_accepted(tmp_path: Path) -> None:
+    f = tmp_path / "orin-int8.toml"
+    f.write_text(_edit(ORIN, r'^precision = "fp16"', 'precision = "int8"'))
+    p = load_profile(f)
+    assert p.build is not None and p.build.precision == "int8" and p.precision == "int8"
+    assert p.to_dict()["build"]["precision"] == "int8"
+
+
+def test_cpu_profile_precision_and_threads(tmp_path: Path) -> None:
+    cpu = load_profile("cpu")
+    assert cpu.precision == "fp32" and cpu.threads is None  # threads = 0: ONNX Runtime's default
+    text = (SHIPPED / "cpu.toml").read_text()
+    f = tmp_path / "cpu8.toml"
+    f.write_text(_edit(_edit(text, r"^threads = 0", "threads = 2"), r'^precision = "fp32"', 'precision = "int8"'))
+    p = load_profile(f)
+    assert p.precision == "int8" and p.threads == 2
+    assert p.to_dict()["onnxruntime"] == {"threads": 2, "precision": "int8"}
+    f.write_text(_edit(text, r'^precision = "fp32"', 'precision = "int4"'))
+    with pytest.raises(ProfileError, match=r"^cpu8.toml: onnxruntime.precision must be one of fp32, fp16, int8 "
+                                           r"\(got 'int4'\)"):
+        load_profile(f)
+
+
+@pytest.mark.parametrize("name", ["cpu", "orin-nx", "rtx3090"])
+def test_profile_round_trips_through_its_record(name: str) -> None:
+    """An engine's sidecar carries ``to_dict()``; rebuilding it gives the same validated profile."""
+    p = load_profile(name)
+    assert devices.profile_from_record(json.loads(json.dumps(p.to_dict()))) == p
+    bad = {**p.to_dict(), "bench": {**p.to_dict()["bench"], "iterations": 0}}
+    with pytest.raises(ProfileError, match="bench.iterations must be >= 1"):
+        devices.profile_from_record(bad)
+

@@ -228,3 +228,27 @@ def test_calibration_and_eval_sets_are_disjoint():
             tc = _thumb(c)
             corr = max(float((te * tc).sum()), float((te * tc[:, ::-1]).sum()))
             assert corr < 0.9, f"{e.name} looks like {c.name} (thumbnail correlation {corr:.2f})"
+
+
+def test_dinov2_s14_fmnist_registry_entry_at_another_img_size():
+    """``dinov2-s14-fmnist`` (issue 14): --img-size reaches the model, data and record."""
+    from conftest import HAS_FMNIST
+
+    from edgeprune.zoo.registry import get_model_spec, spec_from_record
+
+    spec = get_model_spec("dinov2-s14-fmnist", img_size=56)
+    assert spec.input_size == (3, 56, 56) and spec.is_zoo
+    again = spec_from_record(spec.to_record())
+    assert again.input_size == (3, 56, 56)
+    model = spec.create(pretrained=False)
+    assert model.patch_embed.grid_size == (4, 4)
+    with pytest.raises(UserError, match="multiple of 14"):
+        get_model_spec("dinov2-s14-fmnist", img_size=50)
+    with pytest.raises(UserError, match="--checkpoint is for timm models"):
+        get_model_spec("dinov2-s14-fmnist", checkpoint="x.safetensors")
+    if HAS_FMNIST:
+        x, _ = next(spec.calibration_source(2, seed=0).batches(2))
+        xe, ye = next(spec.eval_source(n=3).batches(3))
+        assert x.shape == (2, 3, 56, 56) and xe.shape == (3, 3, 56, 56) and ye.shape == (3,)
+        with torch.no_grad():
+            assert model(x).shape == (2, 10)

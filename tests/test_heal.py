@@ -437,3 +437,30 @@ def test_cli_keeps_the_input_weights_when_healing_only_hurts(runs, capsys):
     original, _ = load_run(runs / "half")
     _assert_states_equal(_state(healed), _state(original))
     assert rec["healing"]["best_epoch"] == 0 and rec["healing"]["keep_best"] is True
+
+
+# ---- the config object -----------------------------------------------------------------------------
+def test_heal_config_is_the_api_input_and_is_recorded(pruned, dense, calib, tmp_path):
+    import dataclasses
+
+    from edgeprune.heal import HealConfig
+    from edgeprune.heal.runs import healed_record
+
+    cfg = HealConfig(epochs=1, batch_size=8, lr=2e-4, seed=3)
+    a = heal(pruned.model, dense, calib[:16], cfg, measure=False)
+    b = heal(pruned.model, dense, calib[:16], epochs=1, batch_size=8, lr=2e-4, seed=3, measure=False)
+    _assert_states_equal(_state(a.model), _state(b.model))  # keyword form == config form
+    assert a.config == cfg and a.info["config"] == dataclasses.asdict(cfg)
+    c = heal(pruned.model, dense, calib[:16], cfg, seed=4, measure=False)  # keywords override the config
+    assert c.config.seed == 4 and c.config.epochs == 1
+    rec = healed_record(pruned.record, a, tmp_path / "in", calibration={"seed": 3})
+    assert rec["healing"]["config"] == dataclasses.asdict(cfg) and rec["healing"]["device"] == "cpu"
+    assert rec["blocks"] == pruned.record["blocks"] and rec["config"] == pruned.record["config"]
+    with pytest.raises(UserError, match="unknown heal setting"):
+        heal(pruned.model, dense, calib[:8], epochs=1, no_such=1)
+    with pytest.raises(UserError, match="--lr"):
+        HealConfig(lr=0)
+    with pytest.raises(UserError, match="--holdout"):
+        HealConfig(holdout=1.5)
+    with pytest.raises(UserError, match="CPU for now"):
+        HealConfig(device="cuda")

@@ -7,6 +7,7 @@ Small random models keep this file fast; the end-to-end CLI test uses fmnist-vit
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -371,6 +372,9 @@ def test_flops_budget_met_within_one_rounding_step(frac):
                 "dense_flops", "derivation", "head", "timing", "settings"):
         assert key in rec
     assert rec["method"] == "nuwa" and rec["head"]["mode"] == "suppress" and rec["head"]["classes"] == [2, 5, 7]
+    # the config object, as the Python API got it, is the record's ``config`` (asdict; tuples as lists)
+    assert rec["config"] == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    assert rec["config"]["rho_grid"] == [1.0, 0.97, 0.9, 0.7, 0.0] and rec["device"] == "cpu"
     json.dumps(rec)
 
 
@@ -502,3 +506,31 @@ def test_cli_derive_fmnist_end_to_end(tmp_path, capsys):
     assert rec2["blocks"] == rec["blocks"]
     xs = torch.randn(2, 1, 28, 28)
     assert set(model(xs).argmax(-1).tolist()) <= {0, 8}  # non-targets suppressed
+
+
+@needs_fmnist
+def test_cli_eval_of_a_nuwa_run_scores_its_target_classes(tmp_path, capsys):
+    """``edgeprune eval`` of a derived run: top-1 over the target classes only
+    (``edgeprune.evaluate.evaluate_target_classes``), equal to the library's metric."""
+    from edgeprune.data.fashion_mnist import load_split
+    from edgeprune.nuwa.inputs import evaluate_targets
+    from edgeprune.zoo.registry import get_model_spec
+
+    spec = get_model_spec("fmnist-vit")
+    x, y = load_split("train")
+    cfg = DeriveConfig(skp=SKPConfig(steps=0), val_size=16, calib_size=16, rho=0.95)
+    res = derive(spec.create(), [1, 7], x[:400], y[:400], flops=0.7, config=cfg, spec=spec)
+    out = save_run(tmp_path / "run", res.model, res.record)
+    from edgeprune.cli import main
+
+    try:
+        main(["eval", str(out), "--eval-size", "200", "--quiet", "--json", str(tmp_path / "m.json")])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    assert "target classes [1, 7]" in capsys.readouterr().out
+    m = json.loads((tmp_path / "m.json").read_text())
+    xe, ye = load_split("test")
+    xe, ye = xe[:200], ye[:200]
+    keep = torch.isin(ye, torch.tensor([1, 7]))
+    assert m["num_images"] == int(keep.sum())
+    assert m["top1"] == pytest.approx(evaluate_targets(res.model, xe[keep], ye[keep], [1, 7])[0])

@@ -235,3 +235,124 @@ def test_reports(tmp_path):
     png2 = plot_latency(singles, tmp_path / "s.png")
     assert png2.stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "r.json", "s.png"]
+
+
+# ---------------------------------------------------------------------------------------------
+# percentiles
+
+
+def test_summarize_latencies_linear_interpolation():
+    # numpy's default (linear) percentile: position (n - 1) * q between sorted samples
+    s = summarize_latencies([4.0, 1.0, 3.0, 2.0])
+    assert s["p50"] == pytest.approx(2.5) and s["p90"] == pytest.approx(3.7) and s["p99"] == pytest.approx(3.97)
+    assert (s["min"], s["max"], s["mean"]) == (1.0, 4.0, 2.5)
+    assert s["std"] == pytest.approx(np.sqrt(1.25))  # population std
+    lat = list(range(1, 101))  # 1..100 ms
+    s = summarize_latencies(lat)
+    assert s["p50"] == pytest.approx(50.5) and s["p90"] == pytest.approx(90.1) and s["p99"] == pytest.approx(99.01)
+    assert summarize_latencies([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0, "mean": 7.0, "std": 0.0,
+                                          "min": 7.0, "max": 7.0}
+    with pytest.raises(ValueError, match="no latencies"):
+        summarize_latencies([])
+
+
+# ---------------------------------------------------------------------------------------------
+# runner registry
+
+
+def test_registry_maps_backend_names_to_runner_classes():
+    from runners.registry import BACKENDS, backend_names, runner_class
+
+    assert backend_names() == ["onnxruntime", "tensorrt", "torch"]
+    assert runner_class("onnxruntime") is OrtRunner and runner_class("torch") is TorchRunner
+    assert runner_class("tensorrt").__name__ == "TrtRunner"
+    assert BACKENDS["torch"].kinds == ("run", "model") and BACKENDS["tensorrt"].kinds == ("engine",)
+    with pytest.raises(UserError, match="unknown backend 'tvm'"):
+        runner_class("tvm")
+
+
+def test_register_backend_refuses_a_duplicate(monkeypatch):
+    from runners import registry
+
+    monkeypatch.setattr(registry, "BACKENDS", dict(registry.BACKENDS))
+
+    @registry.register_backend("fake", "runners.base:Runner", ("onnx",))
+    def _fake(target, path, kind, opts):  # pragma: no cover - never called
+        raise AssertionError
+
+    assert "fake" in registry.backend_names()
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_backend("fake", "runners.base:Runner", ("onnx",))(_fake)
+
+
+def test_make_runner_dispatches_on_the_target(onnx_file, tmp_path):
+    from runners.registry import make_runner, target_kind
+
+    path, _model = onnx_file
+    r = make_runner(str(path), threads=1)
+    assert isinstance(r, OrtRunner) and r.input_shape == SHAPE and r.threads == 1
+    r.close()
+    t = make_runner("fmnist-vit", random_init=True, threads=1)
+    assert isinstance(t, TorchRunner) and t.input_shape == SHAPE and t.label == "fmnist-vit"
+    assert target_kind(str(path)) == "onnx" and target_kind("x.engine") == "engine"
+    assert target_kind(str(tmp_path)) == "run" and target_kind("deit_small_patch16_224") == "model"
+    with pytest.raises(UserError, match="use --backend onnxruntime"):
+        make_runner(str(path), "torch")
+    with pytest.raises(UserError, match="export it first"):
+        make_runner(str(tmp_path), "onnxruntime")
+    with pytest.raises(UserError, match="ONNX file not found"):
+        make_runner(str(tmp_path / "none.onnx"))
+    with pytest.raises(UserError, match="no such file or directory"):
+        make_runner(str(tmp_path / "none" / "x.pt"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="not an .onnx file or a run directory"):
+        make_runner(str(tmp_path / "notes.txt"))
+
+
+def test_make_runner_engine_without_tensorrt_is_a_runtime_fault(tmp_path, monkeypatch):
+    import sys
+
+    from edgeprune.errors import RuntimeFault
+    from runners.registry import backend_available, make_runner
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    assert "not found" in (backend_available("tensorrt") or "")
+    with pytest.raises(UserError, match="TensorRT engine file not found"):
+        make_runner(str(tmp_path / "m.engine"))
+    (tmp_path / "m.engine").write_bytes(b"x")
+    with pytest.raises(RuntimeFault, match="TensorRT Python package not found"):
+        make_runner(str(tmp_path / "m.engine"))
+    with pytest.raises(UserError, match="does not use TensorRT"):
+        from devices import shipped_profile_path
+
+        make_runner(str(tmp_path / "m.engine"), device=str(shipped_profile_path("cpu")))  # runs ONNX Runtime
+
+
+def test_torch_runner_precision_and_cuda_graphs_need_cuda():
+    from edgeprune.errors import RuntimeFault
+
+    with pytest.raises(UserError, match="unknown torch precision 'fp8'"):
+        TorchRunner(_fmnist(), precision="fp8")
+    if not torch.cuda.is_available():
+        for kwargs, what in (({"precision": "fp16"}, "precision fp16"), ({"precision": "tf32"}, "precision tf32"),
+                             ({"cuda_graphs": True}, "CUDA graphs")):
+            with pytest.raises(RuntimeFault, match=f"^{what} needs? a CUDA GPU"):
+                TorchRunner(_fmnist(), **kwargs)
+        with pytest.raises(RuntimeFault, match="no usable GPU"):
+            TorchRunner(_fmnist(), device="cuda", precision="bf16")
+    r = TorchRunner(_fmnist(), threads=1, input_shape=SHAPE)
+    s = r.settings()
+    assert s["precision"] == "fp32" and s["cuda_graphs"] is False and "float32" not in s["mode"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision,graphs", [("fp16", False), ("bf16", True), ("tf32", True)])
+def test_torch_runner_cuda_precisions(precision, graphs):
+    model = _fmnist()
+    x = make_batch(SHAPE, 4, seed=1)
+    ref = model(torch.from_numpy(x)).detach().numpy()
+    r = TorchRunner(_fmnist(), device="cuda", precision=precision, cuda_graphs=graphs, input_shape=SHAPE)
+    out = r.infer(x)
+    assert out.dtype == np.float32 and np.abs(out - ref).max() < 0.1
+    res = r.benchmark([1, 4], iterations=3, warmup=1)
+    assert res[0].settings["precision"] == precision and res[0].settings["cuda_graphs"] is graphs

@@ -19,19 +19,48 @@ import pytest
 from click.testing import CliRunner
 
 from devices import load_profile
-from edgeprune.cli_trt import bench_engine, build_cmd, default_engine_path, devices_cmd
-from edgeprune.errors import UserError
+from edgeprune.cli.device import build_cmd, default_engine_path, devices_cmd
+from edgeprune.errors import RuntimeFault, UserError
 from exporters import tensorrt as trt_exp
 from exporters.tensorrt import (atomic_write_bytes, build_engine, builder_settings, onnx_input,
                                 read_sidecar, sidecar_path, tensorrt_version)
 from exporters.trtexec import trtexec_command
 from runners import gpu_info
 from runners.gpu_info import GpuInfo, check_compute_capability, parse_nvidia_smi, parse_tegra
-from runners.tensorrt_runner import TrtRunner, compare_outputs, detect_attention_fusion
+from runners.tensorrt import TrtRunner, bench_engine, compare_outputs, detect_attention_fusion
 
 RTX3090 = GpuInfo("NVIDIA GeForce RTX 3090", (8, 6), 24576.0)
 RTX3080 = GpuInfo("NVIDIA GeForce RTX 3080", (8, 6), 10240.0)
 ORIN = GpuInfo("Orin (nvgpu)", (8, 7), 15656.0)
+
+
+def invoke_cmd(cmd: Any, args: list[str]) -> Any:
+    """Run ``edgeprune <cmd.name> ARGS`` as a user does: through the CLI's one error handler
+    (``edgeprune.cli.main.main``) when it is there, else the command alone with a UserError
+    mapped the way that handler maps it (``error: <message>``, exit ``err.exit_code``)."""
+    try:
+        from edgeprune.cli.main import main
+    except ImportError:
+        main = None
+    if main is not None:
+        code = 0
+        with CliRunner().isolation() as streams:
+            try:
+                main([cmd.name, *args])
+            except SystemExit as err:
+                code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            out, err_text = streams[0].getvalue().decode(), streams[1].getvalue().decode()
+        return types.SimpleNamespace(exit_code=code, stdout=out, stderr=err_text, output=out + err_text,
+                                     exception=None)
+    res = CliRunner().invoke(cmd, args)
+    if isinstance(res.exception, UserError):
+        e = res.exception
+        return types.SimpleNamespace(exit_code=e.exit_code, output=res.output + f"error: {e}\n",
+                                     stdout=res.stdout, stderr=f"error: {e}\n", exception=None)
+    return res
 
 
 def make_onnx(path: Path, batch: int | str = "batch", chw: tuple[int, int, int] = (3, 8, 8),
@@ -269,7 +298,7 @@ def _fake_trt_present(monkeypatch: pytest.MonkeyPatch, gpu: GpuInfo | None) -> N
 
 def test_build_engine_without_tensorrt(monkeypatch: pytest.MonkeyPatch, tiny_onnx: Path, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    with pytest.raises(UserError, match="^TensorRT Python package not found"):
+    with pytest.raises(RuntimeFault, match="^TensorRT Python package not found"):
         build_engine(tiny_onnx, "rtx3090", tmp_path / "m.engine")
     assert not (tmp_path / "m.engine").exists()
 
@@ -290,7 +319,7 @@ def test_build_engine_refuses_other_compute_capability(monkeypatch: pytest.Monke
 def test_runner_without_tensorrt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     (tmp_path / "m.engine").write_bytes(b"x")
-    with pytest.raises(UserError, match="^TensorRT Python package not found"):
+    with pytest.raises(RuntimeFault, match="^TensorRT Python package not found"):
         TrtRunner(tmp_path / "m.engine")
 
 
@@ -324,7 +353,7 @@ def test_atomic_write_and_sidecar(tmp_path: Path) -> None:
 
 
 def test_engine_gpu_mismatch_from_sidecar() -> None:
-    from runners.tensorrt_runner import check_engine_matches_gpu
+    from runners.tensorrt.engine import check_engine_matches_gpu
 
     side = {"gpu": {"name": "NVIDIA GeForce RTX 3090", "compute_capability": "8.6"}, "tensorrt_version": "10.3.0"}
     check_engine_matches_gpu(side, RTX3090, "10.3.0")
@@ -428,7 +457,7 @@ def test_compare_outputs() -> None:
 
 
 def test_cli_devices_table() -> None:
-    res = CliRunner().invoke(devices_cmd, [])
+    res = invoke_cmd(devices_cmd, [])
     assert res.exit_code == 0, res.output
     for name in ("cpu", "orin-nx", "rtx3090"):
         assert f"| {name} " in res.output
@@ -436,23 +465,23 @@ def test_cli_devices_table() -> None:
 
 
 def test_cli_devices_one_as_json_and_user_path(tmp_path: Path) -> None:
-    res = CliRunner().invoke(devices_cmd, ["orin-nx"])
+    res = invoke_cmd(devices_cmd, ["orin-nx"])
     assert res.exit_code == 0 and json.loads(res.output)["compute_capability"] == "8.7"
     bad = tmp_path / "mine.toml"
     bad.write_text((Path(load_profile("orin-nx").source or "")).read_text().replace('"fp16"', '"fp8"'))
-    res = CliRunner().invoke(devices_cmd, [str(bad)])
+    res = invoke_cmd(devices_cmd, [str(bad)])
     assert res.exit_code == 2
-    assert res.output.strip() == "error: mine.toml: build.precision must be one of fp16, fp32 (got 'fp8')"
+    assert res.output.strip() == "error: mine.toml: build.precision must be one of fp16, fp32, int8 (got 'fp8')"
 
 
 def test_cli_devices_unknown() -> None:
-    res = CliRunner().invoke(devices_cmd, ["tx2"])
+    res = invoke_cmd(devices_cmd, ["tx2"])
     assert res.exit_code == 2 and res.output.startswith("error: unknown device 'tx2'")
     assert "Traceback" not in res.output
 
 
 def test_cli_build_print_trtexec_only(tiny_onnx: Path) -> None:
-    res = CliRunner().invoke(build_cmd, [str(tiny_onnx), "--device", "rtx3090", "--print-trtexec"])
+    res = invoke_cmd(build_cmd, [str(tiny_onnx), "--device", "rtx3090", "--print-trtexec"])
     assert res.exit_code == 0, res.output
     args = shlex.split(res.output)
     assert args[0] == "trtexec" and f"--saveEngine={default_engine_path(tiny_onnx, 'rtx3090')}" in args
@@ -462,8 +491,8 @@ def test_cli_build_print_trtexec_only(tiny_onnx: Path) -> None:
 def test_cli_build_without_tensorrt(monkeypatch: pytest.MonkeyPatch, tiny_onnx: Path, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     out = tmp_path / "m.engine"
-    res = CliRunner().invoke(build_cmd, [str(tiny_onnx), "--device", "orin-nx", "-o", str(out)])
-    assert res.exit_code == 2
+    res = invoke_cmd(build_cmd, [str(tiny_onnx), "--device", "orin-nx", "-o", str(out)])
+    assert res.exit_code == 1  # an environment fault, not a usage error
     assert "trtexec equivalent:" in res.output and "--saveEngine=" in res.output  # always printed
     last = res.output.strip().splitlines()[-1]
     assert last.startswith("error: TensorRT Python package not found: install TensorRT 10.x")
@@ -472,13 +501,13 @@ def test_cli_build_without_tensorrt(monkeypatch: pytest.MonkeyPatch, tiny_onnx: 
 
 def test_cli_build_without_gpu(monkeypatch: pytest.MonkeyPatch, tiny_onnx: Path) -> None:
     _fake_trt_present(monkeypatch, None)
-    res = CliRunner().invoke(build_cmd, [str(tiny_onnx), "--device", "rtx3090"])
-    assert res.exit_code == 2 and res.output.strip().splitlines()[-1].startswith("error: no CUDA GPU visible")
+    res = invoke_cmd(build_cmd, [str(tiny_onnx), "--device", "rtx3090"])
+    assert res.exit_code == 1 and res.output.strip().splitlines()[-1].startswith("error: no CUDA GPU visible")
 
 
 def test_cli_build_wrong_gpu(monkeypatch: pytest.MonkeyPatch, tiny_onnx: Path) -> None:
     _fake_trt_present(monkeypatch, ORIN)
-    res = CliRunner().invoke(build_cmd, [str(tiny_onnx), "--device", "rtx3090"])
+    res = invoke_cmd(build_cmd, [str(tiny_onnx), "--device", "rtx3090"])
     assert res.exit_code == 2 and "--force-device" in res.output.strip().splitlines()[-1]
 
 
@@ -488,18 +517,22 @@ def test_cli_build_wrong_gpu(monkeypatch: pytest.MonkeyPatch, tiny_onnx: Path) -
     (["{onnx}", "--device", "nano"], "error: unknown device 'nano'"),
 ])
 def test_cli_build_user_errors(tiny_onnx: Path, args: list[str], message: str) -> None:
-    res = CliRunner().invoke(build_cmd, [a.replace("{onnx}", str(tiny_onnx)) for a in args])
+    res = invoke_cmd(build_cmd, [a.replace("{onnx}", str(tiny_onnx)) for a in args])
     assert res.exit_code == 2 and res.output.startswith(message), res.output
 
 
 def test_cli_build_requires_device(tiny_onnx: Path) -> None:
-    res = CliRunner().invoke(build_cmd, [str(tiny_onnx)])
+    res = invoke_cmd(build_cmd, [str(tiny_onnx)])
     assert res.exit_code == 2 and "--device" in res.output
 
 
 def test_commands_registered_in_edgeprune_cli() -> None:
-    cli_mod = pytest.importorskip("edgeprune.cli")
-    assert {"build", "devices"} <= set(cli_mod.cli.commands)
+    import click
+
+    main = pytest.importorskip("edgeprune.cli.main")
+    groups = [v for v in vars(main).values() if isinstance(v, click.Group)]
+    assert groups and {"build", "devices", "bench"} <= set(groups[0].commands)
+    assert groups[0].commands["bench"].callback.__module__ == "edgeprune.cli.device"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,7 +682,7 @@ class _FakeEngine:
 
 @pytest.fixture
 def sim_runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
-    import runners.tensorrt_runner as rt
+    import runners.tensorrt.runner as rt
 
     fake_trt = types.ModuleType("tensorrt")
     fake_trt.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")  # type: ignore[attr-defined]
@@ -660,8 +693,8 @@ def sim_runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     monkeypatch.setattr(trt_exp, "require_gpu", lambda i=0: RTX3090)
     cuda = _FakeCuda()
     engine = _FakeEngine(cuda)
-    monkeypatch.setattr(rt, "_cuda_api", lambda idx: cuda)
-    monkeypatch.setattr(rt, "_load_engine", lambda p: (None, engine, "10.3.0", None))
+    monkeypatch.setattr(rt, "cuda_api", lambda idx: cuda)
+    monkeypatch.setattr(rt, "load_engine", lambda p: (None, engine, "10.3.0", None))
     path = tmp_path / "sim.engine"
     path.write_bytes(b"engine")
     sidecar_path(path).write_text(json.dumps({
@@ -715,6 +748,21 @@ def test_simulated_bench_engine(sim_runner: Any) -> None:
     assert res[0].iterations == 4 and res[0].settings["cuda_graphs"] is False
     with pytest.raises(UserError, match=r"batch size\(s\) \[8\] outside sim.engine's range 1..6"):
         bench_engine(path, batch_sizes=[1, 8])
+
+
+def test_simulated_bench_cli_uses_the_engines_profile(sim_runner: Any, tmp_path: Path) -> None:
+    from edgeprune.cli.device import bench_cmd
+
+    path, _cuda, _engine = sim_runner
+    res = invoke_cmd(bench_cmd, [str(path), "--vs", str(path), "--json", str(tmp_path / "b.json")])
+    assert res.exit_code == 0, res.output
+    assert "profile: rtx3090" in res.output and "batch sizes 1,6 [profile]" in res.output
+    assert "cuda graphs on [profile]" in res.output and "A on tensorrt" in res.output
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert [p["batch_size"] for p in doc["results"]] == [1, 6] and doc["config"]["iterations"] == 3
+    assert doc["results"][0]["a"]["settings"]["cuda_graphs"] is True
+    res = invoke_cmd(bench_cmd, [str(path), "--device", "cpu"])
+    assert res.exit_code == 2 and "is a TensorRT engine" in res.output
 
 
 def test_simulated_runner_refuses_engine_from_other_gpu(sim_runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -777,7 +825,7 @@ cuda_graphs = true
 @pytest.mark.gpu
 @needs_trt_gpu
 def test_real_build_run_compare_and_bench(tmp_path: Path) -> None:
-    from runners.tensorrt_runner import attention_fusion_report, check_against_onnxruntime
+    from runners.tensorrt import attention_fusion_report, check_against_onnxruntime
 
     onnx_path = make_onnx(tmp_path / "tiny.onnx")
     profile = _local_profile(tmp_path)
@@ -804,3 +852,109 @@ def test_real_build_run_compare_and_bench(tmp_path: Path) -> None:
         assert r.settings["cuda_graphs"] in (True, False) and r.peak_memory_mb is not None
     with pytest.raises(UserError, match="outside"):
         bench_engine(engine, profile, batch_sizes=[8])
+
+
+# ---------------------------------------------------------------------------------------------
+# INT8: explicit quantization (Q/DQ ONNX -> INT8 + FP16 builder flags), issue 16
+
+
+def make_qdq_onnx(src: Path, out: Path) -> Path:
+    """``src`` quantized by ONNX Runtime's static quantizer (QDQ format, per-channel int8 weights)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            rng = np.random.default_rng(0)
+            self.items = iter([{"input": rng.standard_normal((1, 3, 8, 8), dtype=np.float32)} for _ in range(4)])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.items, None)
+
+    quantize_static(str(src), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    weight_type=QuantType.QInt8, activation_type=QuantType.QInt8)
+    return out
+
+
+@pytest.fixture
+def qdq_onnx(tiny_onnx: Path, tmp_path: Path) -> Path:
+    return make_qdq_onnx(tiny_onnx, tmp_path / "tiny.int8.onnx")
+
+
+def test_onnx_precision_detects_qdq_fp16_and_qoperator(tiny_onnx: Path, qdq_onnx: Path, tmp_path: Path) -> None:
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from exporters.tensorrt_settings import onnx_precision
+
+    assert onnx_precision(tiny_onnx) == "fp32"
+    assert onnx_precision(qdq_onnx) == "int8"
+    m = onnx.load(str(tiny_onnx))
+    w = numpy_helper.to_array(m.graph.initializer[0]).astype(np.float16)
+    m.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, m.graph.initializer[0].name))
+    onnx.save(m, str(tmp_path / "half.onnx"))
+    assert onnx_precision(tmp_path / "half.onnx") == "fp16"
+    m = onnx.load(str(tiny_onnx))
+    m.graph.node.append(helper.make_node("MatMulInteger", ["a", "b"], ["c"]))
+    onnx.save(m, str(tmp_path / "qop.onnx"))
+    with pytest.raises(UserError, match="QOperator format .*MatMulInteger.*QDQ"):
+        onnx_precision(tmp_path / "qop.onnx")
+
+
+def test_builder_settings_int8_needs_qdq_and_sets_both_flags() -> None:
+    p = load_profile("rtx3090")
+    s = builder_settings(p, ("batch", 3, 8, 8), precision="int8", model_precision="int8")
+    assert s["precision"] == "int8" and s["int8"] is True and s["fp16"] is True and s["explicit_quantization"]
+    with pytest.raises(UserError, match=r"no Q/DQ nodes .*edgeprune quantize .*--precision int8"):
+        builder_settings(p, ("batch", 3, 8, 8), precision="int8", model_precision="fp32")
+    # a Q/DQ model under the fp16 profile still builds INT8 (explicit quantization), with a note
+    s = builder_settings(p, ("batch", 3, 8, 8), model_precision="int8")
+    assert s["int8"] and s["fp16"] and any("Q/DQ" in n for n in s["notes"])
+    s = builder_settings(p, ("batch", 3, 8, 8))
+    assert s["int8"] is False and s["explicit_quantization"] is False
+    with pytest.raises(UserError, match="unknown precision 'int4'"):
+        builder_settings(p, ("batch", 3, 8, 8), precision="int4")
+
+
+def test_trtexec_and_build_cli_for_a_qdq_model(tiny_onnx: Path, qdq_onnx: Path) -> None:
+    args = shlex.split(trtexec_command(qdq_onnx, "orin-nx", "m.engine"))
+    assert "--int8" in args and "--fp16" in args
+    assert "--int8" not in shlex.split(trtexec_command(tiny_onnx, "orin-nx", "m.engine"))
+    res = invoke_cmd(build_cmd, [str(qdq_onnx), "--device", "orin-nx", "--precision", "int8", "--print-trtexec"])
+    assert res.exit_code == 0 and "--int8" in shlex.split(res.output), res.output
+    res = invoke_cmd(build_cmd, [str(tiny_onnx), "--device", "orin-nx", "--precision", "int8", "--print-trtexec"])
+    assert res.exit_code == 2 and "edgeprune quantize" in res.output and "Traceback" not in res.output
+
+
+def test_apply_settings_sets_the_int8_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("tensorrt")
+    fake.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")  # type: ignore[attr-defined]
+    fake.BuilderFlag = types.SimpleNamespace(FP16="FP16", INT8="INT8")  # type: ignore[attr-defined]
+    fake.ProfilingVerbosity = types.SimpleNamespace(DETAILED="DETAILED")  # type: ignore[attr-defined]
+    fake.Dims = lambda d: tuple(d)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+
+    class Config:
+        def __init__(self) -> None:
+            self.flags: list[str] = []
+            self.profiles: list[Any] = []
+
+        def set_memory_pool_limit(self, pool: str, size: int) -> None: ...
+
+        def set_flag(self, flag: str) -> None:
+            self.flags.append(flag)
+
+        def add_optimization_profile(self, p: Any) -> None:
+            self.profiles.append(p)
+
+    class Profile:
+        def set_shape(self, *a: Any) -> None:
+            self.shapes = a
+
+    builder = types.SimpleNamespace(create_optimization_profile=Profile)
+    network = types.SimpleNamespace(num_inputs=1, get_input=lambda i: types.SimpleNamespace(name="input", shape=(-1, 3, 8, 8)))
+    p = load_profile("rtx3090")
+    for model_precision, flags in (("int8", ["FP16", "INT8"]), ("fp32", ["FP16"])):
+        cfg = Config()
+        trt_exp.apply_settings(cfg, builder, network,  # type: ignore[arg-type]
+                               builder_settings(p, ("batch", 3, 8, 8), model_precision=model_precision))
+        assert cfg.flags == flags and len(cfg.profiles) == 1

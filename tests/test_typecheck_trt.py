@@ -28,8 +28,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "mypy-trt.ini"
 # The TensorRT API users first; the rest of the deployment code rides along (seconds more).
-TARGETS = ["exporters/tensorrt.py", "runners/tensorrt_runner.py", "exporters/trtexec.py",
-           "runners/gpu_info.py", "devices/__init__.py", "devices/profile.py", "edgeprune/cli_trt.py"]
+TARGETS = ["exporters/tensorrt.py", "exporters/tensorrt_settings.py", "exporters/trtexec.py",
+           "runners/tensorrt/__init__.py", "runners/tensorrt/cuda.py", "runners/tensorrt/engine.py",
+           "runners/tensorrt/runner.py", "runners/tensorrt/inspect.py", "runners/tensorrt/check.py",
+           "runners/tensorrt/bench.py", "runners/gpu_info.py", "runners/registry.py", "runners/bench.py",
+           "devices/__init__.py", "devices/fields.py", "devices/profile.py", "edgeprune/cli/device.py"]
 STUB_PACKAGES = ("tensorrt", "tensorrt_bindings")
 
 

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from exporters.onnx import build_metadata, export_onnx
     from exporters.verify import verify_onnx
     from runners.compare import bench_pair
-    from runners.onnxruntime_runner import OrtRunner
+    from runners.registry import make_runner
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="edgeprune-speedup-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             mdir.mkdir(exist_ok=True)
             dense_path = export_onnx(model, mdir / "dense.onnx", spec.input_size,
                                      build_metadata(spec=spec, model=model, model_name=name))
-            dense_runner = OrtRunner(dense_path, threads=args.threads, label=f"{name} dense")
+            dense_runner = make_runner(str(dense_path), "onnxruntime", threads=args.threads)
+            dense_runner.label = f"{name} dense"
             calib = _calibration(spec, args.calib_n, args.pretrained, args.seed)
             for sparsity in args.sparsities:
                 for round_to in args.round_to:
@@ -143,8 +144,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     if not args.no_verify:
                         x = torch.randn(2, *spec.input_size, generator=torch.Generator().manual_seed(1))
                         diff = verify_onnx(ppath, res.model, x)["max_abs_diff"]
-                    pruned_runner = OrtRunner(ppath, threads=args.threads,
-                                              label=f"{name} {args.target} {sparsity} r{round_to}")
+                    pruned_runner = make_runner(str(ppath), "onnxruntime", threads=args.threads)
+                    pruned_runner.label = f"{name} {args.target} {sparsity} r{round_to}"
                     pairs = bench_pair(dense_runner, pruned_runner, args.batch_sizes,
                                        args.iterations, args.warmup, seed=args.seed)
                     pruned_runner.close()
@@ -195,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         rows = run(args)
-    except UserError as err:
+    except UserError as err:  # RuntimeFault (missing backend, full disk) is a subclass: exit 1
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return int(getattr(err, "exit_code", 2))
     import os
 
     import onnxruntime

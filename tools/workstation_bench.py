@@ -90,7 +90,7 @@ def tensorrt_status(no_trt: bool) -> tuple[bool, str]:
     try:
         tensorrt_version()
         require_gpu()
-        import runners.tensorrt_runner  # noqa: F401
+        import runners.tensorrt.runner  # noqa: F401
     except UserError as err:
         return False, str(err)
     return True, ""
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from devices import load_profile
     from edgeprune.api import prune
-    from edgeprune.cli_deploy import load_target
+    from edgeprune.loading import load_target
     from exporters.onnx import export_onnx
 
     out = Path(args.out)
@@ -150,9 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         export_onnx(m, onnx_path, input_size, metadata)
         extra: dict[str, Any] = {"onnx_mb": round(onnx_path.stat().st_size / 2**20, 2)}
         if use_trt:
-            from edgeprune.cli_trt import bench_engine
             from exporters.tensorrt import build_engine
-            from runners.tensorrt_runner import attention_fusion_report, check_against_onnxruntime
+            from runners.tensorrt import attention_fusion_report, bench_engine, check_against_onnxruntime
 
             engine = build_engine(onnx_path, profile, out / f"{tag}.{profile.name}.engine",
                                   force_device=args.force_device)
@@ -163,9 +162,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results = bench_engine(engine, profile, batch_sizes, iterations, warmup,
                                    cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs)
         else:
-            from runners.onnxruntime_runner import OrtRunner
+            from runners.registry import make_runner
 
-            runner = OrtRunner(onnx_path, providers="cpu", threads=args.threads, label=tag)
+            runner = make_runner(str(onnx_path), "onnxruntime", provider="cpu", threads=args.threads)
+            runner.label = tag
             try:
                 results = runner.benchmark(batch_sizes, iterations, warmup)
             finally:
@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         doc = run(args)
-    except UserError as err:
+    except UserError as err:  # RuntimeFault (missing backend, full disk) is a subclass: exit 1
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return int(getattr(err, "exit_code", 2))
     print((Path(args.out) / "results.md").read_text())
     print(f"wrote {args.out}/results.md, results.json, latency.png ({len(doc['rows'])} rows)")
     return 0

@@ -3,10 +3,17 @@
 A source yields ``(images, labels)`` batches; images are preprocessed float32 (B, C, H, W), labels
 int64 (B,) or ``None`` for unlabeled data. Folder sources decode lazily, so evaluation over a large
 directory (ImageNet val) never holds more than one batch.
+
+Image files are opened by :func:`open_image` (16-bit images scaled to 8 bits, decompression bombs
+refused with one line); calibration and evaluation sets are compared by content
+(:func:`check_disjoint`), so the same photo under two names is caught.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -64,6 +71,53 @@ def list_image_folder(root: str | Path) -> tuple[list[Path], list[int], list[str
     return files, labels, classes
 
 
+def _to_8bit(img):
+    """A PIL image with 16-bit (``I;16*``) or 32-bit integer (``I``) samples -> 8-bit ``L``.
+
+    PIL's own ``convert("RGB")`` clips such samples at 255 (a 16-bit photo turns almost white);
+    here they are scaled: 16-bit values ``v`` become ``v >> 8`` (0..65535 -> 0..255). ``I`` images
+    whose values all fit in 0..255 are kept as they are; larger ones are taken as 16-bit.
+    """
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(img)
+    if img.mode.startswith("I;16"):
+        a8 = (a.astype(np.uint32) >> 8).astype(np.uint8)
+    else:  # "I": int32
+        a8 = a.clip(0, 255) if a.size == 0 or int(a.max()) <= 255 else (a.clip(0, 65535) >> 8)
+        a8 = a8.astype(np.uint8)
+    return Image.fromarray(a8, mode="L")
+
+
+def open_image(path: str | Path):
+    """Decode an image file to an 8-bit RGB PIL image.
+
+    16-bit greyscale images (PNG ``I;16``) are scaled to 8 bits (``>> 8``), not clipped; images
+    above PIL's ``Image.MAX_IMAGE_PIXELS`` (decompression-bomb guard) are refused.
+
+    Raises:
+        UserError: unreadable or undecodable file, or an image too large to decode safely (the
+            message names the file).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                img.load()
+                if img.mode.startswith("I;16") or img.mode == "I":
+                    img = _to_8bit(img)
+                return img.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise UserError(f"image {path} is too large to decode safely ({str(err).split('.')[0]}); "
+                        "resize it or remove it from the folder") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        text = str(err).strip().splitlines()
+        raise UserError(f"cannot read image {path}: {text[0] if text else type(err).__name__}") from None
+
+
 class FolderSource:
     """Images from files, decoded and transformed batch by batch.
 
@@ -84,13 +138,7 @@ class FolderSource:
         return all(lbl >= 0 for lbl in self.label_list)
 
     def _load(self, path: Path) -> torch.Tensor:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(path) as img:
-                return self.transform(img.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as err:
-            raise UserError(f"cannot read image {path}: {err}") from None
+        return self.transform(open_image(path))
 
     def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         for i in range(0, len(self.files), batch_size):
@@ -108,9 +156,55 @@ def subset(files: list[Path], labels: list[int], n: int | None, seed: int) -> tu
     return [files[i] for i in idx], [labels[i] for i in idx]
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as err:
+        raise UserError(f"cannot read image {path}: {err.strerror}") from None
+
+
 def check_disjoint(calib_files: list[Path], eval_files: list[Path]) -> None:
-    """Raises UserError if a calibration image is also an evaluation image (same resolved path)."""
-    overlap = {f.resolve() for f in calib_files} & {f.resolve() for f in eval_files}
-    if overlap:
-        raise UserError(f"calibration and evaluation images overlap ({len(overlap)} files, e.g. "
-                        f"{sorted(overlap)[0]}); they must be disjoint")
+    """Refuse calibration images that are also evaluation images: the same file, or the same bytes
+    under another name.
+
+    Cost: one ``stat`` per file; only files whose size occurs in both sets are hashed (sha256 of
+    the bytes), each at most once.
+
+    Raises:
+        UserError: an overlap (the message names one pair and the count).
+    """
+    calib_sizes = {f: _size(f) for f in calib_files}
+    eval_sizes = {f: _size(f) for f in eval_files}
+    common = set(calib_sizes.values()) & set(eval_sizes.values())
+    if not common:
+        return
+    hashes: dict[Path, str] = {}
+
+    def digest(f: Path) -> str:
+        key = f.resolve()
+        if key not in hashes:
+            try:
+                hashes[key] = _sha256(key)
+            except OSError as err:
+                raise UserError(f"cannot read image {f}: {err.strerror}") from None
+        return hashes[key]
+
+    eval_by_hash: dict[str, Path] = {}
+    for f, size in eval_sizes.items():
+        if size in common:
+            eval_by_hash.setdefault(digest(f), f)
+    pairs = [(f, eval_by_hash[digest(f)]) for f, size in calib_sizes.items()
+             if size in common and digest(f) in eval_by_hash]
+    if pairs:
+        c, e = pairs[0]
+        same = "the same file" if c.resolve() == e.resolve() else f"identical to {e}"
+        raise UserError(f"calibration and evaluation images overlap ({len(pairs)} images, e.g. {c} is {same}); "
+                        "they must be disjoint (remove them from one set)")

@@ -7,17 +7,22 @@ ViT so that every block's output aligns (cosine, eq. 1) with the dense model's.
 
 Modules: :mod:`~edgeprune.heal.alignment` (loss, block-output hooks), :mod:`~edgeprune.heal.targets`
 (calibration access, dense targets on the fly or in a disk cache), :mod:`~edgeprune.heal.trainer`
-(the AdamW loop, checkpoint/resume). The CLI is ``edgeprune heal`` (:mod:`edgeprune.cli_heal`).
+(the AdamW loop), :mod:`~edgeprune.heal.checkpoint` (resume), :mod:`~edgeprune.heal.config`
+(:class:`HealConfig`), :mod:`~edgeprune.heal.reduced` (which layers train),
+:mod:`~edgeprune.heal.schedule` (learning rate), :mod:`~edgeprune.heal.runs` (healing a run
+directory). The CLI is ``edgeprune heal`` (:mod:`edgeprune.cli.heal`).
 """
 
 from edgeprune.heal.alignment import (LOSSES, BlockCapture, alignment_loss, per_block_alignment,
                                       per_image_alignment)
 from edgeprune.heal.targets import CalibrationSet, DenseTargets, DiskTargetCache, state_fingerprint
-from edgeprune.heal.trainer import (HealResult, cosine_lr, heal, measure_alignment, reduced_modules,
-                                    reduced_modules_from_record)
+from edgeprune.heal.config import HealConfig
+from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record
+from edgeprune.heal.schedule import cosine_lr
+from edgeprune.heal.trainer import HealResult, heal, measure_alignment
 
 __all__ = [
     "LOSSES", "BlockCapture", "alignment_loss", "per_block_alignment", "per_image_alignment",
     "CalibrationSet", "DenseTargets", "DiskTargetCache", "state_fingerprint",
-    "HealResult", "cosine_lr", "heal", "measure_alignment", "reduced_modules", "reduced_modules_from_record",
+    "HealConfig", "HealResult", "cosine_lr", "heal", "measure_alignment", "reduced_modules", "reduced_modules_from_record",
 ]

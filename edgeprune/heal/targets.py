@@ -32,12 +32,12 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.atomic import atomic_save_safetensors, atomic_write_text
 from edgeprune.errors import UserError
 from edgeprune.heal.alignment import BlockCapture
+from edgeprune.progress import progress as progress_bar
 
 CACHE_FORMAT = "edgeprune-heal-targets/1"
 MANIFEST = "manifest.json"
@@ -247,8 +247,8 @@ class DiskTargetCache:
                     raise UserError(f"target cache {self.dir} holds targets of a different dense model or "
                                     "calibration set; use another --cache-targets directory or delete it")
             todo.append(s)
-        bar = tqdm(total=sum(s["count"] for s in todo), desc="dense targets", unit="img",
-                   disable=not progress, leave=False)
+        bar = progress_bar(None, "dense targets", enabled=progress, total=sum(s["count"] for s in todo),
+                           unit="img")
         with torch.no_grad(), BlockCapture(anatomy) as cap:
             for s in todo:
                 bufs = [torch.empty(s["count"], *token_shape) for _ in range(num_blocks)]

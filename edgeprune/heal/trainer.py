@@ -1,5 +1,9 @@
 """STARFISH healing loop (starfish §3.2, App. B; METHODS.md §2).
 
+Settings: :class:`edgeprune.heal.config.HealConfig`; layers trained:
+:mod:`edgeprune.heal.reduced`; schedule: :mod:`edgeprune.heal.schedule`; checkpoints:
+:mod:`edgeprune.heal.checkpoint`.
+
 :func:`heal` trains the *reduced* layers of a pruned model -- those whose shapes differ from the
 dense model's: ``mlp.fc1``/``mlp.fc2`` of blocks with fewer MLP hidden channels, ``attn.qkv`` /
 ``attn.proj`` of blocks with fewer Q/K or V head dims -- so that every block's output matches the
@@ -40,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import time
@@ -49,18 +52,17 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from edgeprune.anatomy import find_anatomy
-from edgeprune.atomic import atomic_save_safetensors
 from edgeprune.errors import UserError
-from edgeprune.heal.alignment import LOSSES, BlockCapture, alignment_loss, per_image_alignment
-from edgeprune.heal.targets import (DEFAULT_MEMORY_BUDGET_MB, CalibrationSet,
-                                    iter_batches, make_targets, state_fingerprint)
-
-CHECKPOINT = "checkpoint.safetensors"
-STATE_KEY = "edgeprune_heal_state"
-STATE_VERSION = 2  # 2: keep-best state (best.* tensors, best_loss / best_epoch)
+from edgeprune.heal.alignment import BlockCapture, alignment_loss, per_image_alignment
+from edgeprune.heal.checkpoint import (CHECKPOINT, STATE_KEY, STATE_VERSION, load_checkpoint,  # noqa: F401
+                                       restore_optimizer, save_checkpoint, settings_diff)
+from edgeprune.heal.config import HealConfig
+from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record, resolve_trainable  # noqa: F401
+from edgeprune.heal.schedule import cosine_lr, default_warmup_steps  # noqa: F401
+from edgeprune.heal.targets import CalibrationSet, iter_batches, make_targets, state_fingerprint
+from edgeprune.progress import on_terminal, progress as progress_bar
 
 
 @dataclasses.dataclass
@@ -76,107 +78,14 @@ class HealResult:
             weight_decay, seed, calibration (source, num_images), initial_loss / final_loss (the
             alignment loss over the calibration set before / after, eval pass), wall_time_s,
             trained_modules, trainable_params, frozen_params, targets, resumed_from_epoch,
-            keep_best and best_epoch (0 = the input weights were kept).
+            keep_best and best_epoch (0 = the input weights were kept), config (asdict).
+        config: the :class:`HealConfig` used.
     """
 
     model: nn.Module
     history: list[dict[str, Any]]
     info: dict[str, Any]
-
-
-# ---- which layers train ---------------------------------------------------------------------------
-def reduced_modules(pruned: nn.Module, dense: nn.Module) -> list[str]:
-    """Names (in ``pruned.named_modules()``) of the layers whose shapes differ from the dense model.
-
-    For a block with fewer MLP hidden channels than the dense block: its ``mlp.fc1`` and
-    ``mlp.fc2``; with a smaller ``qk_dim`` or ``v_dim``: its ``attn.qkv`` and ``attn.proj``.
-    Empty for a model pruned at sparsity 0.
-
-    Raises:
-        UserError: the two models do not have the same blocks (count, width, heads).
-    """
-    pa, da = find_anatomy(pruned), find_anatomy(dense)
-    if len(pa.blocks) != len(da.blocks) or pa.embed_dim != da.embed_dim:
-        raise UserError(f"the pruned model ({len(pa.blocks)} blocks, width {pa.embed_dim}) is not a pruned "
-                        f"version of the dense model ({len(da.blocks)} blocks, width {da.embed_dim})")
-    names = {id(m): n for n, m in pruned.named_modules()}
-    out: list[str] = []
-    for p, d in zip(pa.blocks, da.blocks):
-        if p.num_heads != d.num_heads:
-            raise UserError(f"block {p.index}: pruned model has {p.num_heads} heads, dense {d.num_heads}")
-        if (p.qk_dim, p.v_dim) != (d.qk_dim, d.v_dim):
-            out += [names[id(p.qkv)], names[id(p.proj)]]
-        if p.mlp_hidden != d.mlp_hidden:
-            out += [names[id(p.fc1)], names[id(p.fc2)]]
-    return out
-
-
-def reduced_modules_from_record(record: dict[str, Any]) -> list[str]:
-    """Like :func:`reduced_modules` but from a run record's ``blocks`` vs ``dense_blocks``; names
-    relative to the ViT (``blocks.<i>.attn.qkv`` ...). Empty when nothing is pruned.
-
-    Raises:
-        UserError: the record lacks ``blocks`` / ``dense_blocks`` or they disagree in length.
-    """
-    blocks, dense = record.get("blocks"), record.get("dense_blocks")
-    if not isinstance(blocks, list) or not isinstance(dense, list) or len(blocks) != len(dense):
-        raise UserError("run record has no matching 'blocks' / 'dense_blocks' entries")
-    out = []
-    for b, d in zip(blocks, dense):
-        i = b.get("index")
-        if (b["qk_dim"], b["v_dim"]) != (d["qk_dim"], d["v_dim"]):
-            out += [f"blocks.{i}.attn.qkv", f"blocks.{i}.attn.proj"]
-        if b["mlp_hidden"] != d["mlp_hidden"]:
-            out += [f"blocks.{i}.mlp.fc1", f"blocks.{i}.mlp.fc2"]
-    return out
-
-
-def _resolve_trainable(model: nn.Module, names: Iterable[str]) -> tuple[list[str], list[str]]:
-    """Module or parameter names -> (module-ish names as given, parameter names), model order."""
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    wanted: set[str] = set()
-    given = list(dict.fromkeys(names))
-    for n in given:
-        if n in params:
-            wanted.add(n)
-        elif n in modules and n != "":
-            sub = [f"{n}.{pn}" for pn, _ in modules[n].named_parameters()]
-            if not sub:
-                raise UserError(f"trainable module {n!r} has no parameters")
-            wanted.update(sub)
-        else:
-            raise UserError(f"trainable: the model has no module or parameter named {n!r}")
-    return given, [n for n in params if n in wanted]
-
-
-# ---- schedule -------------------------------------------------------------------------------------
-def cosine_lr(step: int, total: int, lr: float, min_lr: float, warmup: int = 0) -> float:
-    """Learning rate of step ``step`` (0-based) of ``total``.
-
-    Optional linear warm-up over the first ``warmup`` steps (``lr * (step + 1) / (warmup + 1)``;
-    not in the paper), then a cosine decay from ``lr`` towards ``min_lr`` over the remaining
-    ``total - warmup`` steps (starfish App. B).
-    """
-    if step < warmup:
-        return lr * (step + 1) / (warmup + 1)
-    span = total - warmup
-    if span <= 0:
-        return lr
-    t = min(step - warmup, span)
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t / span))
-
-
-def default_warmup_steps(total_steps: int) -> int:
-    """Warm-up used when none is given: 10% of the steps, at least 5, at most half of them.
-
-    Not in the paper. AdamW's first updates are sign-like steps of size ``lr`` per weight; with
-    only a few dozen steps in all (dinov2-s14 with 64 calibration crops: 20) the paper's 6e-4
-    overshoots and the alignment loss rises for several epochs (README, STARFISH section); a
-    short linear warm-up damps that (at dinov2 sparsity 0.7 the rise disappears) and changed
-    nothing measurable in a 320-step fmnist-vit heal.
-    """
-    return min(max(5, total_steps // 10), total_steps // 2)
+    config: HealConfig | None = None
 
 
 # ---- loss over a data set -------------------------------------------------------------------------
@@ -211,55 +120,6 @@ def measure_alignment(model: nn.Module, dense: nn.Module, images: Any, *, batch_
         targets.close()
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------
-def _save_checkpoint(directory: Path, model: nn.Module, param_names: list[str], opt: torch.optim.Optimizer,
-                     gen: torch.Generator, header: dict[str, Any],
-                     best: dict[str, torch.Tensor] | None = None) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor] = {f"param.{n}": params[n].detach().clone().contiguous() for n in param_names}
-    for n, t in (best or {}).items():
-        tensors[f"best.{n}"] = t.contiguous()
-    sd = opt.state_dict()
-    extra: dict[str, dict[str, Any]] = {}
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous()
-            else:
-                extra.setdefault(str(i), {})[k] = v
-    tensors["rng.shuffle"] = gen.get_state().clone()
-    tensors["rng.torch"] = torch.get_rng_state().clone()
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-    header = dict(header, optimizer={"param_groups": groups, "extra_state": extra})
-    atomic_save_safetensors(directory / CHECKPOINT, tensors, {STATE_KEY: json.dumps(header)})
-
-
-def _load_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    path = directory / CHECKPOINT
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        header = json.loads(meta[STATE_KEY])
-    except Exception as err:  # noqa: BLE001 - any parse failure is a bad checkpoint
-        raise UserError(f"cannot read healing checkpoint {path}: {str(err).splitlines()[0]}; "
-                        "delete it to start over") from None
-    if header.get("version") != STATE_VERSION:
-        raise UserError(f"healing checkpoint {path} has an unsupported version; delete it to start over")
-    return tensors, header
-
-
-def _settings_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    keys = sorted(set(saved) | set(now))
-    return [f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
-
-
-# ---- the loop -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _deterministic(seed: int):
     """Seed torch and enable deterministic algorithms; restore both afterwards."""
@@ -274,31 +134,26 @@ def _deterministic(seed: int):
             torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
 
 
-def _validate(epochs, batch_size, lr, min_lr, weight_decay, loss, memory_budget_mb) -> None:
-    if not isinstance(epochs, int) or epochs < 1:
-        raise UserError(f"epochs must be an integer >= 1, got {epochs}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise UserError(f"batch size must be an integer >= 1, got {batch_size}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise UserError(f"learning rate must be > 0, got {lr}")
-    if not (0 <= min_lr <= lr):
-        raise UserError(f"minimum learning rate must be in [0, lr={lr}], got {min_lr}")
-    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise UserError(f"weight decay must be >= 0, got {weight_decay}")
-    if loss not in LOSSES:
-        raise UserError(f"unknown loss {loss!r} (choose from {', '.join(LOSSES)})")
-    if memory_budget_mb is not None and memory_budget_mb <= 0:
-        raise UserError(f"memory budget must be > 0 MB, got {memory_budget_mb}")
+def _holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train indices, measure indices): a seeded split, or all images for both when holdout = 0.
+
+    Raises:
+        UserError: the split leaves no image to train on.
+    """
+    if holdout <= 0:
+        return torch.arange(n), torch.arange(n)
+    n_val = max(1, round(holdout * n))
+    if n_val >= n:
+        raise UserError(f"holdout {holdout:g} of {n} calibration images leaves none to train on")
+    split = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))
+    return split[n_val:].sort().values, split[:n_val].sort().values
 
 
-def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, epochs: int = 10,
-         batch_size: int = 32, lr: float = 1e-4, min_lr: float = 1e-6, weight_decay: float = 0.01,
-         loss: str = "cosine", seed: int = 0, trainable: Iterable[str] | None = None,
-         progress: bool = False, checkpoint_dir: str | os.PathLike | None = None,
-         target_cache: Any = None, memory_budget_mb: float = DEFAULT_MEMORY_BUDGET_MB,
+def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, config: HealConfig | None = None, *,
+         trainable: Iterable[str] | None = None, progress: bool = False,
+         checkpoint_dir: str | os.PathLike | None = None, target_cache: Any = None,
          callback: Callable[[int, dict[str, Any]], None] | None = None, inplace: bool = False,
-         measure: bool = True, keep_best: bool = True, warmup_steps: int | None = None,
-         holdout: float = 0.0) -> HealResult:
+         measure: bool = True, **settings: Any) -> HealResult:
     """STARFISH healing: align every block output of a pruned model with the dense model's.
 
     Args:
@@ -308,38 +163,23 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
         calibration: unlabeled images -- tensor (N, C, H, W), a data source, or a callable
             returning batches (see :class:`~edgeprune.heal.targets.CalibrationSet`). Never the
             evaluation images.
-        epochs: passes over the calibration set (>= 1; paper: 5-10).
-        batch_size: images per step (paper: 32).
-        lr, min_lr: cosine schedule from ``lr`` to ``min_lr``. The paper uses 6e-4 -> 1e-6; the
-            default lr is 1e-4: on CORP-compensated models, which start close to the dense one, it
-            heals as well (fmnist-vit, 320 steps) or clearly better (dinov2-s14, 20 steps: saliency
-            Pearson 0.923 vs 0.799 at sparsity 0.5); 6e-4 heals uncompensated models further when
-            there are hundreds of steps (README, STARFISH section).
-        weight_decay: AdamW decoupled weight decay (the paper does not state it; 0.01 is
-            torch's AdamW default).
-        loss: ``"cosine"`` (eq. 1) or ``"mse"`` (ablation, App. B.1).
-        seed: seeds torch and the per-epoch shuffling generator.
+        config: :class:`~edgeprune.heal.config.HealConfig` (epochs, batch size, lr, min_lr,
+            weight decay, loss, seed, warm-up, holdout, keep_best, memory budget). Instead of a
+            config, its fields may be given as keywords (``epochs=2, batch_size=8, ...``); with
+            a config, keywords override its fields. On CORP-compensated models lr 1e-4 heals as
+            well as the paper's 6e-4 (fmnist-vit, 320 steps) or clearly better (dinov2-s14, 20
+            steps: saliency Pearson 0.923 vs 0.799 at sparsity 0.5; README, STARFISH section).
         trainable: module or parameter names to train; ``None`` = the reduced layers
-            (:func:`reduced_modules`). Everything else is frozen.
-        progress: tqdm bars with the running loss.
+            (:func:`~edgeprune.heal.reduced.reduced_modules`). Everything else is frozen.
+        progress: progress display with the running loss (:mod:`edgeprune.progress`).
         checkpoint_dir: write a checkpoint after every epoch and resume from one found there.
         target_cache: directory for a :class:`~edgeprune.heal.targets.DiskTargetCache` of the
             dense targets (default: recompute them batch by batch).
-        memory_budget_mb: most memory held for cached targets.
         callback: ``callback(epoch, stats)`` after each epoch (after its checkpoint); an exception
             it raises stops healing (the checkpoint stays).
         inplace: heal ``pruned_model`` itself.
         measure: measure the alignment loss over the calibration set before and after (eval
             passes) for ``info["initial_loss"]`` / ``info["final_loss"]``.
-        keep_best: measure the alignment loss after every epoch and return the weights of the
-            best epoch, the input's included (see the module docstring); implies ``measure``.
-        warmup_steps: linear learning-rate warm-up steps before the cosine decay; 0 is the
-            paper's schedule; ``None`` (default) is :func:`default_warmup_steps` (10% of the
-            steps, at least 5, at most half).
-        holdout: fraction of the calibration images held out of training (seeded split, at least
-            one image); the alignment loss that ``measure`` / ``keep_best`` report and select by
-            is then measured on them only, so the kept epoch is the one that generalises best
-            (early stopping). 0 (default): train on all images and measure on all of them.
 
     Returns:
         :class:`HealResult`.
@@ -349,44 +189,40 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
             made with other settings.
     """
     t_start = time.perf_counter()
-    _validate(epochs, batch_size, lr, min_lr, weight_decay, loss, memory_budget_mb)
-    if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
-        raise UserError(f"warm-up steps must be an integer >= 0, got {warmup_steps}")
+    if config is None:
+        config = HealConfig.from_settings(**settings)
+    elif settings:
+        HealConfig.from_settings(**settings)  # unknown names -> UserError
+        config = dataclasses.replace(config, **settings)
+    config.validate()
+    cfg = config
     calib = CalibrationSet(calibration)
     model = pruned_model if inplace else copy.deepcopy(pruned_model)
     model.eval()
     dense_model.eval()
     reduced = reduced_modules(model, dense_model)  # also checks that the models match
-    given, param_names = _resolve_trainable(model, reduced if trainable is None else trainable)
+    given, param_names = resolve_trainable(model, reduced if trainable is None else trainable)
     params = dict(model.named_parameters())
     flags = {n: p.requires_grad for n, p in params.items()}
     train_set = set(param_names)
     n = len(calib)
-    if not (0.0 <= holdout < 1.0):
-        raise UserError(f"holdout must be a fraction in [0, 1), got {holdout}")
-    if holdout > 0:
-        n_val = max(1, round(holdout * n))
-        if n_val >= n:
-            raise UserError(f"holdout {holdout:g} of {n} calibration images leaves none to train on")
-        split = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))
-        val_idx, train_idx = split[:n_val].sort().values, split[n_val:].sort().values
-    else:
-        train_idx = val_idx = torch.arange(n)
+    train_idx, val_idx = _holdout_split(n, cfg.holdout, cfg.seed)
     n_train = len(train_idx)
-    steps_per_epoch = math.ceil(n_train / batch_size)
-    total_steps = epochs * steps_per_epoch
-    if warmup_steps is None:
-        warmup_steps = default_warmup_steps(total_steps)
+    steps_per_epoch = math.ceil(n_train / cfg.batch_size)
+    total_steps = cfg.epochs * steps_per_epoch
+    warmup_steps = default_warmup_steps(total_steps) if cfg.warmup_steps is None else cfg.warmup_steps
+    epochs, batch_size, lr, min_lr, loss, seed, keep_best = (cfg.epochs, cfg.batch_size, cfg.lr, cfg.min_lr,
+                                                              cfg.loss, cfg.seed, cfg.keep_best)
     settings = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "min_lr": min_lr,
-                "weight_decay": weight_decay, "loss": loss, "seed": seed, "trainable": param_names,
-                "num_images": n, "keep_best": keep_best, "warmup_steps": warmup_steps, "holdout": holdout}
+                "weight_decay": cfg.weight_decay, "loss": loss, "seed": seed, "trainable": param_names,
+                "num_images": n, "keep_best": keep_best, "warmup_steps": warmup_steps, "holdout": cfg.holdout}
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None:
         settings.update(model_fingerprint=state_fingerprint(model), dense_fingerprint=state_fingerprint(dense_model),
                         calibration_fingerprint=calib.fingerprint())
-    loaded = _load_checkpoint(ckpt_dir) if ckpt_dir is not None else None
+    loaded = load_checkpoint(ckpt_dir) if ckpt_dir is not None else None
     if loaded is not None:
-        diff = _settings_diff(loaded[1]["settings"], settings)
+        diff = settings_diff(loaded[1]["settings"], settings)
         assert ckpt_dir is not None
         if diff:
             raise UserError(f"healing checkpoint {ckpt_dir / CHECKPOINT} was made with other settings or "
@@ -403,12 +239,12 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
     try:
         for name, p in params.items():
             p.requires_grad_(name in train_set)
-        targets = make_targets(dense_model, calib, target_cache, memory_budget_mb, batch_size, progress)
+        targets = make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb, batch_size, progress)
         with BlockCapture(find_anatomy(model)) as cap, _deterministic(seed):
             gen = torch.Generator().manual_seed(seed)
             opt = None
             if param_names:
-                opt = torch.optim.AdamW([params[n] for n in param_names], lr=lr, weight_decay=weight_decay)
+                opt = torch.optim.AdamW([params[n] for n in param_names], lr=lr, weight_decay=cfg.weight_decay)
             start_epoch, step = 0, 0
             if loaded is not None:
                 tensors, header = loaded
@@ -416,15 +252,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                     for pn in param_names:
                         params[pn].copy_(tensors[f"param.{pn}"])
                 if opt is not None:
-                    state: dict[int, dict[str, Any]] = {}
-                    for key, t in tensors.items():
-                        if key.startswith("optim."):
-                            _, i, k = key.split(".", 2)
-                            state.setdefault(int(i), {})[k] = t
-                    for i, ex in header["optimizer"]["extra_state"].items():
-                        state.setdefault(int(i), {}).update(ex)
-                    groups = [dict(g, params=list(range(len(param_names)))) for g in header["optimizer"]["param_groups"]]
-                    opt.load_state_dict({"state": state, "param_groups": groups})
+                    restore_optimizer(opt, tensors, header, len(param_names))
                 gen.set_state(tensors["rng.shuffle"])
                 torch.set_rng_state(tensors["rng.torch"])
                 start_epoch, step = int(header["epochs_done"]), int(header["step"])
@@ -445,8 +273,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                 assert opt is not None
                 t0 = time.perf_counter()
                 order = train_idx[torch.randperm(n_train, generator=gen)]
-                bar = tqdm(iter_batches(n_train, batch_size, order), total=steps_per_epoch, disable=not progress,
-                           desc=f"heal epoch {epoch + 1}/{epochs}", leave=False)
+                bar = progress_bar(iter_batches(n_train, batch_size, order), f"heal epoch {epoch + 1}/{epochs}",
+                                   enabled=progress, total=steps_per_epoch, unit="step")
                 loss_sum, seen, cur_lr = 0.0, 0, lr
                 for idx in bar:
                     x = calib.get(idx)
@@ -472,11 +300,11 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
                         best_loss, best_epoch = stats["eval_loss"], epoch + 1
                         best = {pn: params[pn].detach().clone() for pn in param_names}
                 history.append(stats)
-                if progress:
-                    tqdm.write(f"heal epoch {epoch + 1}/{epochs}: loss {stats['loss']:.5f} "
-                               f"({stats['seconds']:.1f} s)")
+                if progress and on_terminal():  # the bar vanishes: keep one line per epoch
+                    bar.write(f"heal epoch {epoch + 1}/{epochs}: loss {stats['loss']:.5f} "
+                              f"({stats['seconds']:.1f} s)")
                 if ckpt_dir is not None:
-                    _save_checkpoint(ckpt_dir, model, param_names, opt, gen, {
+                    save_checkpoint(ckpt_dir, model, param_names, opt, gen, {
                         "version": STATE_VERSION, "epochs_done": epoch + 1, "step": step,
                         "settings": settings, "history": history, "initial_loss": initial_loss,
                         "best_loss": best_loss, "best_epoch": best_epoch,
@@ -499,26 +327,27 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, *, e
         if targets is not None:
             targets.close()
     model.eval()
-    n_train = sum(params[pn].numel() for pn in param_names)
+    n_trained = sum(params[pn].numel() for pn in param_names)
     info = {
         "loss": loss, "epochs": epochs, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup_steps,
         "schedule": "linear warm-up, then cosine, per step" if warmup_steps else "cosine, per step",
-        "optimizer": "AdamW", "batch_size": batch_size, "weight_decay": weight_decay, "seed": seed,
+        "optimizer": "AdamW", "batch_size": batch_size, "weight_decay": cfg.weight_decay, "seed": seed,
         "steps": total_steps if param_names else 0,
         "calibration": {"source": calib.description, "num_images": n},
-        "holdout": {"fraction": holdout, "num_images": len(val_idx) if holdout > 0 else 0,
-                    "loss_measured_on": "held-out calibration images" if holdout > 0 else "all calibration images"},
+        "holdout": {"fraction": cfg.holdout, "num_images": len(val_idx) if cfg.holdout > 0 else 0,
+                    "loss_measured_on": "held-out calibration images" if cfg.holdout > 0 else "all calibration images"},
         "initial_loss": initial_loss, "final_loss": final_loss,
         "wall_time_s": elapsed_before + time.perf_counter() - t_start,
         "trained_modules": given,
         "trained_parameters": param_names,
-        "trainable_params": n_train,
-        "frozen_params": sum(p.numel() for p in params.values()) - n_train,
+        "trainable_params": n_trained,
+        "frozen_params": sum(p.numel() for p in params.values()) - n_trained,
         "targets": targets.describe() if targets is not None else None,
         "resumed_from_epoch": resumed_from,
         "keep_best": keep_best,
         "best_epoch": best_epoch if keep_best else None,
+        "config": dataclasses.asdict(cfg),
     }
     if not param_names:
         info["note"] = "nothing to train: no reduced layers (the model has the dense shapes)"
-    return HealResult(model=model, history=history, info=info)
+    return HealResult(model=model, history=history, info=info, config=cfg)

@@ -4,7 +4,14 @@ After CORP prunes Q/K head dims (corp-v1 §3.3) or NuWa truncates the QK and VO 
 (nuwa §3.3), a head computes logits from ``qk_dim``-dimensional queries and keys but still mixes
 ``v_dim``-dimensional values. timm's ``Attention`` ties both to ``head_dim``; this module keeps them
 apart while staying a drop-in replacement (same forward signature, fused ``qkv`` Linear, output
-``proj``), so it exports to ONNX as plain MatMul/Softmax ops.
+``proj``), so it exports to ONNX as plain MatMul/Softmax ops. ``num_heads`` may be smaller than the
+dense model's (whole heads pruned, METHODS.md §5).
+
+When qk_dim == v_dim (edgeprune's ``--layout fused``) the module is an ordinary multi-head
+attention: q, k, v come out of ``qkv`` exactly as in timm (one reshape to (3, B, H, N, d)), so
+``F.scaled_dot_product_attention`` may pick its fused kernels (FlashAttention on GPU, the flash CPU
+kernel), which require the same last dim for q, k and v. With qk_dim != v_dim PyTorch falls back
+to the unfused math/efficient path.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ class PrunedAttention(nn.Module):
 
     Args:
         dim: token width D (input and output).
-        num_heads: H.
+        num_heads: H (the kept heads when whole heads were pruned).
         qk_dim: per-head query/key dim d_qk (>= 1).
         v_dim: per-head value dim d_v (>= 1).
         qkv_bias: whether ``qkv`` has a bias.
@@ -57,10 +64,13 @@ class PrunedAttention(nn.Module):
                 **_: object) -> torch.Tensor:
         B, N, _ = x.shape
         H, dq, dv = self.num_heads, self.qk_dim, self.v_dim
-        q, k, v = self.qkv(x).split([H * dq, H * dq, H * dv], dim=-1)
-        q = q.reshape(B, N, H, dq).transpose(1, 2)
-        k = k.reshape(B, N, H, dq).transpose(1, 2)
-        v = v.reshape(B, N, H, dv).transpose(1, 2)
+        if dq == dv:  # ordinary MHA: timm's layout, fused SDPA kernels apply
+            q, k, v = self.qkv(x).reshape(B, N, 3, H, dq).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = self.qkv(x).split([H * dq, H * dq, H * dv], dim=-1)
+            q = q.reshape(B, N, H, dq).transpose(1, 2)
+            k = k.reshape(B, N, H, dq).transpose(1, 2)
+            v = v.reshape(B, N, H, dv).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
         out = out.transpose(1, 2).reshape(B, N, H * dv)
         return self.proj(out)

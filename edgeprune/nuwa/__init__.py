@@ -6,13 +6,16 @@
 * :mod:`.budget` -- FLOPs / params budget -> per-block dims, rho search.
 * :mod:`.head` -- non-target suppression or head slicing.
 * :mod:`.svd_cache` -- the SVD factors, cached in memory and on disk.
+* :mod:`.config` -- :class:`DeriveConfig`, the settings.
+* :mod:`.inputs` -- target classes, budget, labeled split, target-class metric.
 * :mod:`.derive` -- orchestration: :func:`derive`, :func:`prepare` + :func:`derive_from`.
 """
 
-from edgeprune.nuwa.derive import (DeriveConfig, DeriveResult, Prepared, derive, derive_from,
-                                   evaluate_targets, prepare, resolve_classes)
+from edgeprune.nuwa.config import DeriveConfig
+from edgeprune.nuwa.derive import DeriveResult, Prepared, derive, derive_from, prepare
+from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
 from edgeprune.nuwa.head import apply_head_structure
 from edgeprune.nuwa.skp import Anchor, SKPConfig
 
 __all__ = ["Anchor", "DeriveConfig", "DeriveResult", "Prepared", "SKPConfig", "apply_head_structure",
-           "derive", "derive_from", "evaluate_targets", "prepare", "resolve_classes"]
+           "derive", "derive_from", "evaluate_targets", "prepare", "resolve_budget", "resolve_classes"]

@@ -5,6 +5,9 @@
     result.model     # the derived edge ViT (physically smaller, plain modules)
     result.record    # run record for edgeprune.artifact.save_run
 
+Settings: :class:`~edgeprune.nuwa.config.DeriveConfig`; inputs (classes, budget, data split,
+target-class metric): :mod:`edgeprune.nuwa.inputs`.
+
 Pipeline (each stage documented in its module):
 
 1. Data: the labeled images are filtered to the target classes; a seeded held-out slice of them
@@ -32,11 +35,10 @@ import copy
 import dataclasses
 import math
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.calibration.collect import collect_statistics
@@ -44,69 +46,15 @@ from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
 from edgeprune.nuwa import budget as budget_mod
-from edgeprune.nuwa.head import (HEAD_MODES, apply_head, head_record, num_classes, target_logits,
-                                 target_predictions)
-from edgeprune.nuwa.ofp_mha import KEY_BIAS_MODES, BlockFactors, truncate_attention
-from edgeprune.nuwa.ofp_mlp import DEFAULT_RIDGE_ALPHA, prune_mlp
-from edgeprune.nuwa.skp import Anchor, SKPConfig, run_skp
+from edgeprune.nuwa.config import DeriveConfig
+from edgeprune.nuwa.head import apply_head, head_record, num_classes
+from edgeprune.nuwa.inputs import (_batches, _calibration_batches, evaluate_targets,  # noqa: F401
+                                   resolve_budget, resolve_classes, split_labeled)
+from edgeprune.nuwa.ofp_mha import BlockFactors, truncate_attention
+from edgeprune.nuwa.ofp_mlp import prune_mlp
+from edgeprune.nuwa.skp import Anchor, SKPConfig, run_skp  # noqa: F401
 from edgeprune.nuwa.svd_cache import get_factors
 from edgeprune.surgery import block_dims, shrink_mlp
-
-
-@dataclasses.dataclass
-class DeriveConfig:
-    """Settings of a derivation (SKP settings in ``skp``).
-
-    Attributes:
-        skp: :class:`SKPConfig`; ``skp.steps = 0`` skips SKP (anchor = base model).
-        head: "suppress" (default) or "slice".
-        val_size: held-out target-class images (from the labeled data) for SKP checkpoints and rho.
-        calib_size: calibration images drawn from the labeled data when none are given.
-        rho: fixed retained-energy ratio (None = search ``rho_grid``).
-        rho_grid: candidate ratios (None = adaptive, :func:`edgeprune.nuwa.budget.rho_candidates`).
-        key_bias: "drop" (default) or "augment" -- see :mod:`edgeprune.nuwa.ofp_mha`.
-        ridge_alpha: scale-free ridge of the fc2 least-squares re-fit.
-        refit: False = plain removal of the low-activation channels (ablation).
-        round_to: every pruned dim is a multiple of this.
-        cache: use the on-disk SVD cache (the in-memory one is always used).
-        batch_size: batch size of calibration and evaluation passes.
-        seed: data split / sampling seed.
-    """
-
-    skp: SKPConfig = dataclasses.field(default_factory=SKPConfig)
-    head: str = "suppress"
-    val_size: int = 300
-    calib_size: int = 128
-    rho: float | None = None
-    rho_grid: tuple[float, ...] | None = None
-    key_bias: str = "drop"
-    ridge_alpha: float = DEFAULT_RIDGE_ALPHA
-    refit: bool = True
-    round_to: int = 8
-    cache: bool = True
-    batch_size: int = 64
-    seed: int = 0
-
-    def validate(self) -> None:
-        """Raises UserError for out-of-range settings."""
-        if self.head not in HEAD_MODES:
-            raise UserError(f"head mode must be one of {', '.join(HEAD_MODES)}, got {self.head!r}")
-        if self.key_bias not in KEY_BIAS_MODES:
-            raise UserError(f"key bias mode must be one of {', '.join(KEY_BIAS_MODES)}")
-        if self.rho is not None and not 0.0 <= self.rho <= 1.0:
-            raise UserError(f"--rho must be in [0, 1], got {self.rho}")
-        if self.ridge_alpha < 0:
-            raise UserError(f"ridge alpha must be >= 0, got {self.ridge_alpha}")
-        if self.round_to < 1:
-            raise UserError(f"round_to must be >= 1, got {self.round_to}")
-        for name in ("val_size", "calib_size", "batch_size"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        s = self.skp
-        if s.steps < 0 or s.batch_size < 1 or s.eval_every < 1:
-            raise UserError("SKP steps must be >= 0, batch size and eval interval >= 1")
-        if s.lr_beta < 0 or s.lr_mask < 0 or s.weight_decay < 0:
-            raise UserError("SKP learning rates and weight decay must be >= 0")
 
 
 @dataclasses.dataclass
@@ -146,114 +94,7 @@ class DeriveResult:
     record: dict[str, Any]
 
 
-# ---- inputs -------------------------------------------------------------------------------------
-def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
-                    class_names: Sequence[str] | None = None) -> list[int]:
-    """Target classes as base-model indices, in the given order.
-
-    Args:
-        classes: "0,3,7", "T-shirt/top,Bag", or a sequence of ints / names.
-        num_outputs: the base classifier's number of classes.
-        class_names: names of the base classes (for names; case-insensitive).
-
-    Raises:
-        UserError: empty, unknown name, index out of range, duplicates.
-    """
-    items = [c.strip() for c in classes.split(",")] if isinstance(classes, str) else list(classes)
-    if not items or any(isinstance(c, str) and not c for c in items):
-        raise UserError("--classes needs a comma-separated list of class indices or names, e.g. 0,3,7")
-    lower = {n.lower(): i for i, n in enumerate(class_names or [])}
-    out: list[int] = []
-    for c in items:
-        if isinstance(c, str) and not c.lstrip("-").isdigit():
-            if c.lower() not in lower:
-                known = f" (known: {', '.join(class_names)})" if class_names and len(class_names) <= 20 else ""
-                raise UserError(f"unknown class name {c!r}{known}")
-            idx = lower[c.lower()]
-        else:
-            idx = int(c)
-        if not 0 <= idx < num_outputs:
-            raise UserError(f"class index {idx} out of range: the model has {num_outputs} classes (0..{num_outputs - 1})")
-        if idx in out:
-            raise UserError(f"class {idx} is listed twice in --classes")
-        out.append(idx)
-    return out
-
-
-def resolve_budget(flops: float | None, params: float | None) -> tuple[str, float]:
-    """(metric, fraction) from exactly one of flops / params in (0, 1].
-
-    Raises:
-        UserError: neither or both given, or a fraction outside (0, 1].
-    """
-    if (flops is None) == (params is None):
-        raise UserError("give exactly one budget: --flops FRACTION or --params FRACTION (of the base model, to keep)")
-    metric, frac = ("flops", flops) if flops is not None else ("params", params)
-    if not 0.0 < float(frac) <= 1.0:
-        raise UserError(f"--{metric} is the fraction of the base model's {metric} to keep, in (0, 1]; got {frac}")
-    return metric, float(frac)
-
-
-def split_labeled(images: torch.Tensor, labels: torch.Tensor, classes: Sequence[int], val_size: int,
-                  seed: int, class_names: Sequence[str] | None = None):
-    """Target-class images split into (train, val); val is a seeded random held-out slice.
-
-    Raises:
-        UserError: a target class without labeled images, or too few images to hold some out.
-    """
-    labels = torch.as_tensor(labels)
-    if len(images) != len(labels):
-        raise UserError(f"{len(images)} images but {len(labels)} labels")
-    for c in classes:
-        if not bool((labels == c).any()):
-            name = f" ({class_names[c]})" if class_names and c < len(class_names) else ""
-            raise UserError(f"no labeled images for class {c}{name}")
-    sel = torch.isin(labels, torch.as_tensor(list(classes))).nonzero().flatten()
-    if len(sel) < 2:
-        raise UserError(f"need at least 2 labeled target-class images, got {len(sel)}")
-    perm = sel[torch.randperm(len(sel), generator=torch.Generator().manual_seed(seed))]
-    n_val = max(1, min(val_size, len(perm) // 5))
-    v, t = perm[:n_val], perm[n_val:]
-    return (images[t], labels[t]), (images[v], labels[v])
-
-
-def _batches(images: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
-    for i in range(0, len(images), batch_size):
-        yield images[i:i + batch_size]
-
-
-def _calibration_batches(calibration, batch_size: int):
-    """(callable returning an iterable of image batches, description, count)."""
-    if isinstance(calibration, torch.Tensor):
-        return (lambda: _batches(calibration, batch_size)), f"tensor {tuple(calibration.shape)}", len(calibration)
-    if hasattr(calibration, "batches"):
-        desc = getattr(calibration, "description", type(calibration).__name__)
-        return (lambda: (x for x, _ in calibration.batches(batch_size))), desc, len(calibration)
-    raise UserError("calibration must be an image tensor or a data source with batches()")
-
-
-@torch.no_grad()
-def evaluate_targets(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, classes: Sequence[int],
-                     sliced: bool = False, batch_size: int = 256) -> tuple[float, float]:
-    """(top-1, mean cross-entropy) with the argmax / softmax over the target classes only.
-
-    Args:
-        labels: base-class indices (all in ``classes``).
-        sliced: the model's outputs are the target classes in ``classes`` order.
-    """
-    model.eval()
-    pos = {c: i for i, c in enumerate(classes)}
-    tgt = torch.as_tensor([pos[int(y)] for y in labels], dtype=torch.long)
-    correct, loss, n = 0, 0.0, 0
-    for i in range(0, len(images), batch_size):
-        logits = model(images[i:i + batch_size])
-        correct += (target_predictions(logits, classes, sliced) == labels[i:i + batch_size]).sum().item()
-        loss += F.cross_entropy(target_logits(logits, classes, sliced).float(), tgt[i:i + batch_size],
-                                reduction="sum").item()
-        n += len(logits)
-    return correct / max(n, 1), loss / max(n, 1)
-
-
+# ---- stages -------------------------------------------------------------------------------------
 @torch.no_grad()
 def materialize_anchor(model: nn.Module, keep: Sequence[torch.Tensor]) -> nn.Module:
     """Physically remove the MLP channels outside ``keep``, in place (exact: W2[:, keep], b2)."""
@@ -278,7 +119,6 @@ def check_budget(model: nn.Module, classes, metric: str, frac: float, config: De
                               int(math.floor(frac * dense_cost)), dense_cost, config.round_to)
 
 
-# ---- stages -------------------------------------------------------------------------------------
 def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
             calibration=None, config: DeriveConfig | None = None, class_names: Sequence[str] | None = None,
             anchor: Anchor | None = None, spec=None, progress: bool = False) -> Prepared:
@@ -370,7 +210,8 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
 def derive_from(prep: Prepared, *, flops: float | None = None, params: float | None = None,
                 progress: bool = False) -> DeriveResult:
     """Stage 6: pick dims for the budget, build and score the candidates, return the best."""
-    from edgeprune.api import _version, achieved_sparsity
+    from edgeprune.api import achieved_sparsity
+    from edgeprune.artifact import new_record
 
     cfg = prep.config
     metric, frac = resolve_budget(flops, params)
@@ -412,27 +253,23 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
     head = head_record(model, prep.classes, cfg.head, prep.class_names, num_classes(prep.base))
     a = achieved_sparsity(dense_blocks, blocks)
     a["vo"] = 1.0 - sum(b["v_dim"] * b["num_heads"] for b in blocks) / sum(b["v_dim"] * b["num_heads"] for b in dense_blocks)
-    record = {
-        "edgeprune_version": _version(),
-        "base_model": base_rec,
-        "method": "nuwa",
-        "targets": "both",
-        "sparsity": {"budget": metric, "keep_fraction": frac},
-        "achieved_sparsity": a,
-        "settings": {"head": cfg.head, "rho": plan.rho, "rho_fixed": cfg.rho is not None,
-                     "key_bias": cfg.key_bias, "ridge_alpha": cfg.ridge_alpha, "refit": cfg.refit,
-                     "round_to": cfg.round_to, "energy": "squared singular values (Frobenius)",
-                     "mlp_ranking": "mean activation, within the SKP anchor",
-                     "mlp_dims": "uniform (water-filling, capped at the anchor)",
-                     "skp": dataclasses.asdict(cfg.skp), "val_size": len(prep.val[0]),
-                     "calib_size": prep.info["calibration"]["num_images"], "seed": cfg.seed},
-        "calibration": prep.info["calibration"],
-        "blocks": blocks,
-        "dense_blocks": dense_blocks,
-        "params": params_now, "dense_params": dense_params,
-        "flops": flops_now, "dense_flops": dense_flops,
-        "head": head,
-        "derivation": {
+    record = new_record(
+        "nuwa", base_rec, cfg,
+        {"blocks": dense_blocks, "params": dense_params, "flops": dense_flops},
+        {"blocks": blocks, "params": params_now, "flops": flops_now},
+        calibration=prep.info["calibration"], timing=timing, device=cfg.device,
+        targets="both",
+        sparsity={"budget": metric, "keep_fraction": frac},
+        achieved_sparsity=a,
+        settings={"head": cfg.head, "rho": plan.rho, "rho_fixed": cfg.rho is not None,
+                  "key_bias": cfg.key_bias, "ridge_alpha": cfg.ridge_alpha, "refit": cfg.refit,
+                  "round_to": cfg.round_to, "energy": "squared singular values (Frobenius)",
+                  "mlp_ranking": "mean activation, within the SKP anchor",
+                  "mlp_dims": "uniform (water-filling, capped at the anchor)",
+                  "skp": dataclasses.asdict(cfg.skp), "val_size": len(prep.val[0]),
+                  "calib_size": prep.info["calibration"]["num_images"], "seed": cfg.seed},
+        head=head,
+        derivation={
             "classes": prep.classes, "class_names": prep.class_names, "head": cfg.head,
             "budget": {"metric": metric, "keep_fraction": frac, "target": target, "achieved": achieved,
                        "achieved_fraction": achieved / dense_cost,
@@ -446,9 +283,7 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
             "candidates": candidates,
             "data": prep.info["data"],
         },
-        "timing": timing,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    )
     return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
                         candidates=candidates, record=record)
 

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from edgeprune.progress import progress as show_progress
 
 from edgeprune.anatomy import ViTAnatomy
 
@@ -223,7 +223,7 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
         perm = torch.randperm(n, generator=gen)
         pos = 0
         bs = max(1, min(config.batch_size, n))
-        for step in tqdm(range(1, config.steps + 1), desc="SKP", disable=not progress, leave=False):
+        for step in show_progress(range(1, config.steps + 1), "SKP", enabled=progress, unit="step"):
             if pos + bs > n:
                 perm, pos = torch.randperm(n, generator=gen), 0
             idx = perm[pos:pos + bs]

@@ -1,4 +1,8 @@
-"""CORP's closed-form MLP compensation: pruned hidden channels as an affine map of kept ones.
+"""CORP's closed-form compensation: pruned input channels of a Linear as an affine map of kept ones.
+
+Written for the MLP (``fc2``'s input h, below) and reused unchanged for attention's output
+projection (``proj``'s input z = the heads' outputs, METHODS.md §5: V/O dims and whole heads):
+one solver and one fold for every Linear whose input channels are pruned.
 
 corp-v1 §3.2, eq. 7-11 and App. B eq. 18-24. With hidden statistics mu (D,) and centred covariance
 Sigma (D, D) at the input of fc2, kept set S and pruned set P:
@@ -58,13 +62,14 @@ def ridge_affine_map(mean: torch.Tensor, cov: torch.Tensor, keep: torch.Tensor, 
     return b, c, lam
 
 
-def fold_into_fc2(weight: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor,
-                  prune: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold the compensation into fc2 (corp-v1 eq. 11).
+def fold_into_linear(weight: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor,
+                     prune: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the compensation into the Linear that consumes h: ``fc2`` (corp-v1 eq. 11) or
+    attention's ``proj`` (METHODS.md §5). Also available as :func:`fold_into_fc2`.
 
     Args:
-        weight: fc2 weight W (D_out, D_mlp); bias: (D_out,) or None.
+        weight: W (D_out, D_in) (fc2: D_in = D_mlp; proj: D_in = H*d_v); bias: (D_out,) or None.
         keep, prune: S, P index tensors.
         b, c: from :func:`ridge_affine_map`; ``None`` = no compensation (plain removal).
 
@@ -80,3 +85,36 @@ def fold_into_fc2(weight: torch.Tensor, bias: torch.Tensor | None, keep: torch.T
         w_new = w_new + w_p @ b
         b_new = bias64 + w_p @ c
     return w_new.to(weight.dtype), b_new.to(weight.dtype)
+
+
+fold_into_fc2 = fold_into_linear  # the original name (MLP)
+
+
+def removal_error(mean: torch.Tensor, cov: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor,
+                  prune: torch.Tensor, b: torch.Tensor | None = None, c: torch.Tensor | None = None) -> float:
+    """Mean squared output error per token of removing channels P, with or without the fold.
+
+    ``E || W_P (h_P - B h_S - c) ||^2`` in the consuming Linear's output space (METHODS.md §5,
+    "Budgeted allocation": with the ridge B and c = mu_P - B mu_S it is
+    ``tr(W_P (Sigma_PP - B Sigma_SP - Sigma_PS B^T + B Sigma_SS B^T) W_P^T)``). Without
+    compensation (``b`` = ``c`` = None) it is ``E ||W_P h_P||^2 = tr(W_P (Sigma_PP + mu_P mu_P^T) W_P^T)``.
+
+    Args:
+        mean: mu (D_in,); cov: Sigma (D_in, D_in) centred.
+        weight: W (D_out, D_in) of the consuming Linear.
+        keep, prune: S, P index tensors.
+        b, c: from :func:`ridge_affine_map`, or None (plain removal).
+
+    Returns:
+        the error (float, float64 arithmetic; units: squared output units per token).
+    """
+    mean, cov = mean.double(), cov.double()
+    w_p = weight.double()[:, prune]
+    if b is None or c is None:
+        g = cov[prune][:, prune] + torch.outer(mean[prune], mean[prune])
+        return float(((w_p @ g) * w_p).sum())
+    idx = torch.cat([prune, keep])
+    sig = cov[idx][:, idx]
+    wg = torch.cat([w_p, -(w_p @ b)], dim=1)          # W_P [I, -B]  (D_out, |P| + |S|)
+    bias_err = w_p @ (mean[prune] - b @ mean[keep] - c)
+    return float(((wg @ sig) * wg).sum() + bias_err.pow(2).sum())

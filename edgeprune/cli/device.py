@@ -1,0 +1,239 @@
+"""``edgeprune build`` / ``bench`` / ``devices``: deploy to a device profile and measure it.
+
+The commands parse options, build a :class:`runners.bench.BenchConfig` (or builder settings)
+and call the library; errors are :class:`~edgeprune.errors.UserError` (exit 2) and
+:class:`~edgeprune.errors.RuntimeFault` (exit 1, e.g. TensorRT missing), printed as one line by
+the handler in ``edgeprune.cli.main``. ``edgeprune.cli.main`` registers them::
+
+    from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+
+from edgeprune.errors import UserError
+
+
+# ---------------------------------------------------------------------------------------------
+# devices
+
+
+def _profile_row(p: Any) -> dict[str, str]:
+    if p.build is not None:
+        b = p.build
+        build = (f"{b.precision}, batch {b.batch.min}/{b.batch.opt}/{b.batch.max}, "
+                 f"ws {b.workspace_mib} MiB, opt {b.builder_optimization_level}")
+    else:
+        build = "- (no TensorRT build)"
+    mem = "/".join(str(m) for m in p.memory_gb) + " GB" if p.memory_gb else "-"
+    if p.shared_memory and p.memory_gb:
+        mem += " shared"
+    gpu = f"{p.architecture} {p.compute_capability_str}" if p.compute_capability else (p.architecture or "-")
+    sw = ", ".join(x for x in (f"TensorRT {p.tensorrt}" if p.tensorrt else "",
+                               f"JetPack {p.jetpack}" if p.jetpack else "") if x) or "-"
+    bench = (f"batch {','.join(map(str, p.bench.batch_sizes))}, {p.bench.warmup}+{p.bench.iterations} it"
+             + (", graphs" if p.bench.cuda_graphs else "") + f", {p.precision}"
+             + (f", {p.threads} threads" if p.threads else ""))
+    return {"name": p.name, "backend": p.backend, "gpu (arch, cc)": gpu, "memory": mem,
+            "software": sw, "build": build, "bench": bench}
+
+
+def format_profiles_table(profiles: Sequence[Any]) -> str:
+    """A markdown table with one row per profile."""
+    rows = [_profile_row(p) for p in profiles]
+    if not rows:
+        return "(no device profiles)"
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    line = "| " + " | ".join(c.ljust(widths[c]) for c in cols) + " |"
+    sep = "|" + "|".join("-" * (widths[c] + 2) for c in cols) + "|"
+    body = ["| " + " | ".join(r[c].ljust(widths[c]) for c in cols) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+@click.command("devices")
+@click.argument("device", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the profile(s) as JSON.")
+def devices_cmd(device: str | None, as_json: bool) -> None:
+    """List the device profiles, or show one in full.
+
+    DEVICE is a profile name or a .toml path.
+    """
+    from devices import list_profiles, load_profile
+
+    profiles = [load_profile(device)] if device else [load_profile(n) for n in list_profiles()]
+    if as_json or device:
+        data = [p.to_dict() for p in profiles]
+        click.echo(json.dumps(data[0] if device else data, indent=2))
+        return
+    click.echo(format_profiles_table(profiles))
+    click.echo("\nBuild: edgeprune build model.onnx --device NAME|PROFILE.toml -o model.engine"
+               "\nBench: edgeprune bench model.onnx --device NAME (the profile's bench settings)")
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+
+
+def default_engine_path(onnx_path: Path, device_name: str) -> Path:
+    """``model.onnx`` + ``orin-nx`` -> ``model.orin-nx.engine`` next to the ONNX file."""
+    return onnx_path.with_name(f"{onnx_path.stem}.{device_name}.engine")
+
+
+@click.command("build")
+@click.argument("onnx_path", metavar="MODEL.onnx", type=click.Path(path_type=Path))
+@click.option("--device", "device", required=True, metavar="NAME|PATH",
+              help="Device profile: a shipped name (see `edgeprune devices`) or a .toml file.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Engine file [MODEL.<device>.engine]; a JSON sidecar <engine>.json is written next to it.")
+@click.option("--precision", type=click.Choice(["fp16", "fp32", "int8"]), default=None,
+              help="Instead of the profile's build precision; int8 needs a Q/DQ model (edgeprune quantize).")
+@click.option("--force-device", is_flag=True,
+              help="Build even if this GPU's compute capability differs from the profile's.")
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
+              help="Timing-cache file to reuse and update [the profile's].")
+@click.option("--print-trtexec", is_flag=True,
+              help="Only print the equivalent trtexec command line; build nothing (no TensorRT needed).")
+def build_cmd(onnx_path: Path, device: str, output: Path | None, precision: str | None, force_device: bool,
+              timing_cache: Path | None, print_trtexec: bool) -> None:
+    """Build a TensorRT engine from MODEL.onnx for a device profile.
+
+    Run it on the target device (engines are specific to the GPU's compute capability and the
+    TensorRT version). The equivalent trtexec command is printed first. An explicitly quantized
+    (Q/DQ) model is built with INT8 + FP16 (TensorRT's explicit quantization).
+    """
+    from devices import load_profile
+    from exporters.tensorrt_settings import builder_settings, onnx_input, onnx_precision
+    from exporters.trtexec import trtexec_args
+
+    profile = load_profile(device)
+    if not profile.uses_tensorrt:
+        raise UserError(f"device profile {profile.name!r} runs {profile.backend}, not TensorRT: "
+                        "nothing to build (benchmark the .onnx file directly)")
+    out = output if output is not None else default_engine_path(onnx_path, profile.name)
+    name, shape = onnx_input(onnx_path)
+    settings = builder_settings(profile, shape, input_name=name, timing_cache=timing_cache,
+                                precision=precision, model_precision=onnx_precision(onnx_path))
+    cmd = shlex.join(trtexec_args(onnx_path, settings, out))
+    if print_trtexec:
+        click.echo(cmd)
+        return
+    click.echo(f"trtexec equivalent:\n  {cmd}")
+
+    from exporters.tensorrt import build_engine, read_sidecar
+
+    click.echo(f"building {out} for {profile.name} ({settings['precision']}, batch "
+               f"{settings['shapes']['min'][0]}..{settings['shapes']['max'][0]}) ...")
+    engine = build_engine(onnx_path, profile, out, force_device=force_device, timing_cache=timing_cache,
+                          precision=precision)
+    meta = read_sidecar(engine) or {}
+    size_mb = engine.stat().st_size / 2**20
+    gpu = meta.get("gpu", {})
+    click.echo(f"wrote {engine} ({size_mb:.1f} MiB) in {meta.get('build_time_s', float('nan')):.1f} s "
+               f"on {gpu.get('name', '?')} (compute capability {gpu.get('compute_capability', '?')}), "
+               f"TensorRT {meta.get('tensorrt_version', '?')}; sidecar {engine.name}.json")
+    try:
+        from runners.tensorrt.inspect import attention_fusion_report
+
+        click.echo(attention_fusion_report(engine).summary())
+    except Exception as err:  # the build succeeded; the report is a bonus
+        click.echo(f"(attention fusion report unavailable: {err})", err=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def _parse_batch_sizes(ctx: Any, param: Any, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        sizes = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"batch sizes must be positive integers, got {value!r}")
+    return sizes
+
+
+def _backend_choices() -> list[str]:
+    from runners.registry import backend_names
+
+    return ["auto", *backend_names()]
+
+
+@click.command("bench")
+@click.argument("a")
+@click.option("--vs", "b", default=None, metavar="B", help="compare against B (interleaved A B A B ...)")
+@click.option("--device", default=None, metavar="PROFILE",
+              help="device profile (see `edgeprune devices`): its backend and bench settings apply "
+                   "[cpu; for an engine: the profile it was built for]")
+@click.option("--backend", type=click.Choice(_backend_choices()), default="auto", show_default=True,
+              help="auto: .onnx -> the profile's backend, .engine -> tensorrt, run dir / model name -> torch")
+@click.option("--provider", default=None, help="ONNX Runtime provider: cpu (default), cuda, tensorrt")
+@click.option("--batch-sizes", default=None, callback=_parse_batch_sizes, help="e.g. 1,8 [profile's]")
+@click.option("--iterations", default=None, type=click.IntRange(min=1), help="timed runs [profile's]")
+@click.option("--warmup", default=None, type=click.IntRange(min=0), help="untimed runs first [profile's]")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="intra-op threads [profile's]")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="TensorRT or torch on CUDA: replay CUDA graphs [profile's]")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "tf32", "bf16"]), default=None,
+              help="TensorRT build precision for .onnx; for ONNX Runtime, int8 checks the file is "
+                   "quantized (Q/DQ); torch on CUDA: fp32, tf32, fp16, bf16 [profile's]")
+@click.option("--random-init", is_flag=True, help="model names without weights (latency only)")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="write all results as JSON")
+@click.option("--markdown", "md_out", type=click.Path(path_type=Path), help="write the report as markdown")
+@click.option("--plot", "plot_out", type=click.Path(path_type=Path), help="plot latency vs batch size (PNG)")
+def bench_cmd(a: str, b: str | None, device: str | None, backend: str, provider: str | None,
+              batch_sizes: tuple[int, ...] | None, iterations: int | None, warmup: int | None,
+              threads: int | None, cuda_graphs: bool | None, precision: str | None, random_init: bool,
+              json_out: Path | None, md_out: Path | None, plot_out: Path | None) -> None:
+    """Latency and throughput of a model or engine, optionally against B.
+
+    A is an .onnx file (quantized or not), an engine, a run directory or a model name; it runs on
+    a device profile, per batch size, interleaved with B when given.
+
+    The profile chooses backend, threads, batch sizes, warm-up, iterations, CUDA graphs and
+    precision; options given here override it, and the report says which came from where. A
+    profile whose backend is missing here (TensorRT, CUDA) is an error, not a CPU fallback.
+    With --vs, A and B run interleaved on the same input and the table reports the per-pair
+    latency ratio A/B (median, p10-p90): > 1 means B is faster.
+    """
+    from runners.bench import resolve_config, run_bench
+    from edgeprune.atomic import atomic_write_text
+    from runners.report import plot_latency, to_json
+
+    targets = (a,) if b is None else (a, b)
+    cfg, profile = resolve_config(device, targets=targets, backend=backend, provider=provider,
+                                  threads=threads, batch_sizes=batch_sizes, warmup=warmup,
+                                  iterations=iterations, cuda_graphs=cuda_graphs, precision=precision,
+                                  random_init=random_init)
+    if plot_out is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+    report = run_bench(a, b, cfg, profile)
+    text = report.markdown()
+    click.echo(text.replace("  \n", "\n"))
+    if md_out is not None:
+        atomic_write_text(md_out, text + "\n")
+        click.echo(f"wrote {md_out}")
+    if json_out is not None:
+        to_json(report.results, json_out, extra={"command": "edgeprune bench", "argv": sys.argv[1:],
+                                                 "a": a, "b": b, **report.json_extra()})
+        click.echo(f"wrote {json_out}")
+    if plot_out is not None:
+        plot_latency(report.results, plot_out, title=f"{a}" + (f" vs {b}" if b else "")
+                     + f" ({profile.name})")
+        click.echo(f"wrote {plot_out}")
+
+
+__all__ = ["bench_cmd", "build_cmd", "default_engine_path", "devices_cmd", "format_profiles_table"]

@@ -1,0 +1,93 @@
+"""``edgeprune eval`` and ``edgeprune info``: quality and structure of a run or a dense model."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, fmt_metric, load_model,
+                                   model_options, quiet_option)
+
+
+@click.command("eval")
+@click.argument("run_dir", required=False, type=click.Path())
+@model_options()
+@eval_options
+@click.option("--json", "json_out", type=click.Path(), default=None, metavar="FILE",
+              help="Also write the metrics as JSON.")
+@device_option
+@quiet_option
+def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, eval_data, eval_size, json_out,
+             device, quiet):
+    """Evaluate a run or a dense model on held-out data.
+
+    RUN_DIR is compared against its dense base model (top-1 and agreement); a NuWa run is scored
+    over its target classes.
+    """
+    import torch
+
+    from edgeprune.atomic import atomic_write_text
+    from edgeprune.evaluate import evaluate, evaluate_target_classes
+
+    if run_dir is None and model_name is None:
+        model_name = "fmnist-vit"
+    check_readable_dir(eval_data, "evaluation data")
+    if json_out is not None:
+        from edgeprune.artifact import check_writable
+        from pathlib import Path
+
+        check_writable(Path(json_out).parent)
+    model, rec, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
+                                  model_kwargs)
+    ev = spec.eval_source(eval_data, n=eval_size)
+    if rec is not None and rec.get("head"):  # NuWa run: only its target classes count
+        with torch.no_grad():
+            m = evaluate_target_classes(model, rec["head"], ev, device=device)
+        click.echo(f"{run_dir}: {ev.description}, target classes {rec['head']['classes']} "
+                   f"({m['num_images']} images): top-1 {m['top1'] * 100:.2f}% (argmax over the target classes)")
+    else:
+        dense = None
+        if rec is not None:  # the run's dense base model, rebuilt as at prune time
+            from edgeprune.loading import load_base_model
+
+            dense = load_base_model(rec)
+        with torch.no_grad():
+            m = evaluate(spec, model, ev, dense=dense, progress=not quiet, device=device)
+        click.echo(f"{run_dir or spec.name}: {ev.description}: {fmt_metric(m, spec.output_kind)}")
+    if json_out:
+        atomic_write_text(json_out, json.dumps(m, indent=2) + "\n")
+
+
+@click.command("info")
+@click.argument("run_dir", required=False, type=click.Path())
+@model_options()
+def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs):
+    """Per-block dims, params and FLOPs of a run or a dense model."""
+    from edgeprune.anatomy import find_anatomy
+    from edgeprune.cli.options import make_spec
+    from edgeprune.flops import count_params, model_flops
+
+    if run_dir is None and model_name is None:
+        model_name = "fmnist-vit"
+    if run_dir is not None:
+        model, rec, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
+                                      model_kwargs)
+    else:  # the structure needs no weights
+        spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
+        model, rec = spec.create(pretrained=False), None
+    an = find_anatomy(model)
+    fl = model_flops(an)
+    click.echo(f"{run_dir or spec.name}: {len(an.blocks)} blocks, width {an.embed_dim}, "
+               f"{an.num_tokens} tokens ({an.num_prefix_tokens} prefix), input {spec.input_size}")
+    if rec:
+        click.echo(f"method {rec.get('method')} targets {rec.get('targets')} sparsity {rec.get('sparsity')} "
+                   f"calibration: {rec.get('calibration', {}).get('source')}")
+    click.echo("| block | heads | head_dim | qk_dim | v_dim | mlp_hidden | params | MFLOPs |")
+    click.echo("|------:|------:|---------:|-------:|------:|-----------:|-------:|-------:|")
+    for b, f in zip(an.blocks, fl["blocks"]):
+        params = sum(p.numel() for p in b.block.parameters())
+        click.echo(f"| {b.index} | {b.num_heads} | {b.head_dim} | {b.qk_dim} | {b.v_dim} | {b.mlp_hidden} | "
+                   f"{params:,} | {f['total'] / 1e6:.1f} |")
+    click.echo(f"total: {count_params(model):,} params, {fl['total'] / 1e9:.3f} GFLOPs per image "
+               f"(patch embedding {fl['patch_embed'] / 1e9:.3f}, head {fl['head'] / 1e9:.3f})")

@@ -1,0 +1,121 @@
+"""The ``edgeprune`` command group and THE error handler of the command line.
+
+:func:`main` is the only place where errors become output:
+
+* :class:`~edgeprune.errors.UserError` -> ``error: <message>`` on stderr, exit ``err.exit_code``
+  (2 for a user mistake, 1 for a :class:`~edgeprune.errors.RuntimeFault` of the environment);
+* a click usage error (unknown option, bad value) -> one ``error: ...`` line, exit 2;
+* Ctrl-C -> ``interrupted``, exit 130 (outputs are written atomically: nothing half-written);
+* an ``OSError`` while writing (disk full, read-only file system, no permission) -> ``error:
+  cannot write <path>: <reason> (free space / choose a writable -o)``, exit 1; safetensors'
+  own I/O error (``SafetensorError``) -> one line, exit 1;
+* anything else is a bug and keeps its traceback.
+
+The commands live in one module per group: :mod:`.prune`, :mod:`.evalinfo` (eval, info),
+:mod:`.heal`, :mod:`.derive`, :mod:`.deploy` (export, verify), :mod:`.device` (build, bench,
+devices), :mod:`.quantize`.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+
+import click
+
+from edgeprune.errors import UserError
+
+#: errno values that mean "the output cannot be written here" (exit 1, a fault of the environment).
+WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="edgeprune")
+def cli() -> None:
+    """edgeprune: prune, heal, derive, export, build and benchmark Vision Transformers for the edge.
+
+    \b
+    Typical flow:
+      edgeprune prune --model fmnist-vit --sparsity 0.5 -o runs/fm50
+      edgeprune heal runs/fm50 -o runs/fm50-healed
+      edgeprune export runs/fm50-healed -o fm50.onnx
+      edgeprune bench fm50.onnx --device cpu
+
+    Errors are one line: 'error: <what> (<how to fix>)'; exit status 2 for a usage mistake,
+    1 for a fault of the environment (disk full, missing backend), 130 when interrupted.
+    """
+
+
+def _register() -> None:
+    from edgeprune.cli.deploy import export_cmd, verify_cmd
+    from edgeprune.cli.derive import derive_cmd
+    from edgeprune.cli.evalinfo import eval_cmd, info_cmd
+    from edgeprune.cli.heal import heal_cmd
+    from edgeprune.cli.prune import prune_cmd
+
+    for name, cmd in (("prune", prune_cmd), ("eval", eval_cmd), ("info", info_cmd), ("heal", heal_cmd),
+                      ("derive", derive_cmd), ("export", export_cmd), ("verify", verify_cmd)):
+        cli.add_command(cmd, name=name)
+    from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
+    from edgeprune.cli.quantize import quantize_cmd
+
+    for name, cmd in (("quantize", quantize_cmd), ("build", build_cmd), ("bench", bench_cmd),
+                      ("devices", devices_cmd)):
+        cli.add_command(cmd, name=name)
+
+
+_register()
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"error: {_first_line(message)}", err=True)
+    sys.exit(code)
+
+
+def _usage_message(err: click.ClickException) -> str:
+    msg = _first_line(err.format_message())
+    ctx = getattr(err, "ctx", None)
+    if isinstance(err, click.UsageError) and ctx is not None:
+        msg += f" (see '{ctx.command_path} --help')"
+    return msg
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the ``edgeprune`` command line (``argv`` defaults to ``sys.argv[1:]``).
+
+    Exits with the status of the command: 0, 1 (environment fault or a failed check), 2 (user
+    mistake), 130 (interrupted). Every error is one ``error: ...`` line on stderr.
+    """
+    try:
+        rv = cli.main(args=argv, prog_name="edgeprune", standalone_mode=False)
+    except UserError as err:
+        _fail(str(err) or type(err).__name__, getattr(err, "exit_code", 2))
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as err:
+        sys.exit(err.exit_code)
+    except click.ClickException as err:
+        _fail(_usage_message(err), 2 if isinstance(err, click.UsageError) else err.exit_code)
+    except OSError as err:
+        path = err.filename if err.filename is not None else "the output"
+        if err.errno in WRITE_ERRNOS:
+            _fail(f"cannot write {path}: {err.strerror} (free space / choose a writable -o)", 1)
+        if isinstance(err, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+            _fail(f"{path}: {err.strerror}", 2)
+        _fail(f"{path}: {err.strerror or err}", 1)
+    except Exception as err:  # noqa: BLE001 - only safetensors' I/O error is mapped; the rest re-raised
+        if type(err).__name__ != "SafetensorError":
+            raise  # a bug: keep the traceback
+        _fail(f"safetensors file I/O failed: {_first_line(str(err))} (free space / check the file)", 1)
+    if isinstance(rv, int) and rv:
+        sys.exit(rv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Options shared by several commands, defined once so that every command spells and explains
+them the same way.
+
+* :func:`model_options` -- ``--model``, ``--checkpoint``, ``--random-init``, ``--num-classes``,
+  ``--img-size``, ``--model-kwargs`` (prune, eval, info, derive, export, verify);
+* :func:`calibration_options` -- ``--calib``, ``--calib-size``, ``--seed``, ``--batch-size``;
+* :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
+* :func:`device_option` -- ``--device cpu|cuda|cuda:N`` (checked before any work);
+* :func:`quiet_option`, :func:`out_option`.
+
+:func:`make_spec` / :func:`load_model` turn the model options into a ``ModelSpec`` / a model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Callable
+
+import click
+
+from edgeprune.errors import UserError
+
+MODEL_HELP = "fmnist-vit, dinov2-s14, or a timm ViT/DeiT name (with --checkpoint or --random-init)."
+
+
+def _apply(f: Callable, *decorators: Callable) -> Callable:
+    for d in reversed(decorators):
+        f = d(f)
+    return f
+
+
+def model_options(default: str | None = None, help: str | None = None) -> Callable:
+    """``--model NAME``, ``--checkpoint PATH``, ``--random-init``, ``--num-classes N``,
+    ``--img-size N``, ``--model-kwargs K=V,...``; the command receives ``model_name, checkpoint,
+    random_init, num_classes, img_size, model_kwargs``."""
+    model_help = help or (MODEL_HELP if default else f"Use the dense model NAME instead of a run: {MODEL_HELP}")
+
+    def deco(f: Callable) -> Callable:
+        return _apply(
+            f,
+            click.option("--model", "model_name", metavar="NAME", default=default, show_default=default is not None,
+                         help=model_help),
+            click.option("--checkpoint", type=click.Path(), default=None, metavar="PATH",
+                         help="Weights of a timm model (safetensors or timm .pth, loaded without pickle)."),
+            click.option("--random-init", is_flag=True,
+                         help="A timm model with seeded random weights (tests, latency only)."),
+            click.option("--num-classes", type=click.IntRange(min=1), default=None, metavar="N",
+                         help="Classifier outputs of a timm model [the model's own]."),
+            click.option("--img-size", type=click.IntRange(min=1), default=None, metavar="N",
+                         help="Input image size of a timm model, where the model supports it [the model's own]."),
+            click.option("--model-kwargs", default=None, metavar="K=V,...", callback=_kwargs_callback,
+                         help="Further timm.create_model keywords of a timm model (values as JSON), "
+                              "e.g. depth=6,drop_path_rate=0."),
+        )
+    return deco
+
+
+def parse_model_kwargs(text: str | None) -> dict[str, Any] | None:
+    """``"depth=6,global_pool=avg"`` -> ``{"depth": 6, "global_pool": "avg"}`` (JSON values, else
+    strings); None for None or an empty string.
+
+    Raises:
+        UserError: an item without ``=``, or an empty key.
+    """
+    import json
+
+    if not text:
+        return None
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--model-kwargs wants key=value pairs separated by commas, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _kwargs_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
+    return parse_model_kwargs(value)
+
+
+def calibration_options(size_help: str, batch_default: int = 32) -> Callable:
+    """``--calib DIR``, ``--calib-size N``, ``--seed N``, ``--batch-size N``."""
+    def deco(f: Callable) -> Callable:
+        return _apply(
+            f,
+            click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
+                         help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir "
+                              "(timm models); dinov2-s14 uses its bundled photos."),
+            click.option("--calib-size", type=int, default=None, metavar="N", help=size_help),
+            click.option("--seed", type=int, default=0, show_default=True,
+                         help="Seed of the calibration sampling (and of training, where there is one)."),
+            click.option("--batch-size", type=int, default=batch_default, show_default=True,
+                         help="Images per batch."),
+        )
+    return deco
+
+
+def eval_options(f: Callable) -> Callable:
+    """``--eval-data DIR``, ``--eval-size N``."""
+    return _apply(
+        f,
+        click.option("--eval-data", type=click.Path(), default=None, metavar="DIR",
+                     help="Evaluation data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir with "
+                          "class sub-folders (timm models); never overlapping the calibration images."),
+        click.option("--eval-size", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Evaluate on at most N images."),
+    )
+
+
+def quiet_option(f: Callable) -> Callable:
+    """``--quiet``: no progress display (bars on a terminal, a few log lines otherwise)."""
+    return click.option("--quiet", is_flag=True, help="No progress bars or progress lines.")(f)
+
+
+def out_option(default_help: str) -> Callable:
+    """``-o/--out DIR``: a new run directory (never overwritten)."""
+    return click.option("-o", "--out", type=click.Path(), default=None, metavar="DIR",
+                        help=f"New run directory (must not exist) [{default_help}].")
+
+
+def resolve_device(device: str) -> str:
+    """Check a torch device string before any work: ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        UserError: an unknown device, CUDA not available, or a CUDA index that does not exist.
+    """
+    d = str(device).strip().lower()
+    if d == "cpu":
+        return d
+    m = re.fullmatch(r"cuda(?::(\d+))?", d)
+    if m is None:
+        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("CUDA is not available (use --device cpu)")
+    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+        raise UserError(f"no CUDA device {m.group(1)}: {torch.cuda.device_count()} visible (use cuda:0)")
+    return d
+
+
+def _device_callback(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    return resolve_device(value)
+
+
+def device_option(f: Callable) -> Callable:
+    """``--device cpu|cuda|cuda:N`` for the torch commands, checked while parsing."""
+    return click.option("--device", default="cpu", show_default=True, callback=_device_callback, metavar="DEVICE",
+                        help="Torch device: cpu, cuda or cuda:N.")(f)
+
+
+def _supports(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _extra(fn: Callable, img_size: int | None, model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for name, value in (("img_size", img_size), ("model_kwargs", model_kwargs)):
+        if value is not None:
+            if not _supports(fn, name):
+                raise UserError(f"--{name.replace('_', '-')} is not supported by this edgeprune")
+            kw[name] = value
+    return kw
+
+
+def make_spec(model_name: str, checkpoint: Any = None, random_init: bool = False, num_classes: int | None = None,
+              img_size: int | None = None, model_kwargs: dict[str, Any] | None = None) -> Any:
+    """The ``ModelSpec`` of the model options (``img_size`` / ``model_kwargs`` passed on where the
+    registry takes them).
+
+    Raises:
+        UserError: unknown model, a checkpoint for a zoo model, ...
+    """
+    from edgeprune.zoo.registry import get_model_spec
+
+    kw = _extra(get_model_spec, img_size, model_kwargs)
+    return get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init, num_classes, **kw)
+
+
+def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, random_init: bool = False,
+               num_classes: int | None = None, img_size: int | None = None,
+               model_kwargs: dict[str, Any] | None = None) -> tuple[Any, dict | None, Any]:
+    """``(model, record or None, spec)`` of a run directory or the model options
+    (:func:`edgeprune.loading.load_target`).
+
+    Raises:
+        UserError: neither or both given, a missing run directory, an unknown model.
+    """
+    from edgeprune.loading import load_target
+
+    if run_dir is not None and (img_size is not None or model_kwargs):
+        raise UserError("--img-size/--model-kwargs go with --model, not a run directory (it records its own)")
+    kw = _extra(load_target, img_size, model_kwargs)
+    return load_target(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
+
+
+def check_readable_dir(path: Any, what: str) -> None:
+    """A data path given on the command line can be read (checked before work). A missing path
+    is left to the data loader, whose message says where the data is expected.
+
+    Raises:
+        UserError: the path exists but cannot be listed or read.
+    """
+    import os
+    from pathlib import Path
+
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        return
+    if p.is_dir():
+        try:
+            os.listdir(p)
+        except OSError as err:
+            raise UserError(f"cannot read {what} {p}: {err.strerror}") from None
+    elif not os.access(p, os.R_OK):
+        raise UserError(f"cannot read {what} {p}")
+
+
+def fmt_metric(m: dict | None, kind: str) -> str:
+    """One-line quality summary: top-1 / agreement (classifiers) or saliency fidelity."""
+    if not m:
+        return "-"
+    if kind == "saliency":
+        return (f"MAE {m['mae']:.4f} | Pearson {m['pearson']:.4f} | IoU@0.5 {m['iou@0.5']:.4f} | "
+                f"feat cos {m['feature_cosine']:.4f}")
+    parts = []
+    if "top1" in m:
+        parts.append(f"top-1 {m['top1'] * 100:.2f}%")
+    if "agreement" in m:
+        parts.append(f"agreement {m['agreement'] * 100:.2f}%")
+    return " | ".join(parts) or "-"

@@ -1,0 +1,126 @@
+"""``edgeprune prune``: CORP one-shot structured pruning of a model into a new run directory."""
+
+from __future__ import annotations
+
+import click
+
+from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
+                                   fmt_metric, make_spec, model_options, out_option, quiet_option)
+from edgeprune.errors import UserError
+from edgeprune.plan import TARGETS
+
+DEFAULT_CALIB_SIZE = {"fmnist-vit": 512, "dinov2-s14": 64}
+DEFAULT_CALIB_SIZE_TIMM = 256
+
+
+_TARGET_WORDS = {"mlp": "MLP hidden channels", "attn": "Q/K head dims", "v": "V/O head dims",
+                 "heads": "whole attention heads", "both": "mlp + attn", "all": "every kind"}
+
+
+def _target_help() -> str:
+    parts = [f"{t} ({_TARGET_WORDS[t]})" if t in _TARGET_WORDS else t for t in TARGETS]
+    return "Which dims to prune: " + ", ".join(parts) + "."
+
+
+def _layouts() -> tuple[str, ...]:
+    import edgeprune.corp as corp
+
+    return tuple(getattr(corp, "LAYOUTS", ("default", "fused")))
+
+
+@click.command("prune")
+@model_options(default="fmnist-vit")
+@click.option("--target", type=click.Choice(list(TARGETS)), default="both", show_default=True,
+              help=_target_help())
+@click.option("--sparsity", type=float, default=0.5, show_default=True,
+              help="Fraction of each targeted module's dims removed, in [0, 1).")
+@click.option("--mlp-sparsity", type=float, default=None, help="Override the MLP sparsity (selects the MLP).")
+@click.option("--attn-sparsity", type=float, default=None, help="Override the Q/K sparsity (selects Q/K).")
+@click.option("--v-sparsity", type=float, default=None, help="Override the V/O sparsity (selects V/O).")
+@click.option("--head-sparsity", type=float, default=None, help="Fraction of whole attention heads removed.")
+@click.option("--layout", type=click.Choice(_layouts()), default=None,
+              help="Attention weight layout of the pruned model [default].")
+@click.option("--criterion", type=click.Choice(["combined", "energy", "magnitude", "active"]), default="combined",
+              show_default=True, help="MLP channel ranking.")
+@click.option("--no-compensation", is_flag=True, help="Uncompensated baseline (same ranking, plain removal).")
+@click.option("--ridge-alpha", type=float, default=None, help="Scale-free MLP ridge strength [1e-3].")
+@click.option("--qk-ridge-alpha", type=float, default=None, help="Scale-free Q/K ridge strength [1e-3].")
+@click.option("--qk-solver", type=click.Choice(["auto", "direct", "cg"]), default="auto", show_default=True,
+              help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
+@click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
+@calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
+@eval_options
+@click.option("--no-eval", is_flag=True, help="Skip the dense/pruned evaluation.")
+@device_option
+@out_option("runs/<model>-<target>-<sparsity>")
+@quiet_option
+def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
+              attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
+              qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
+              no_eval, device, out, quiet):
+    """Prune a model with CORP into a new run directory.
+
+    Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
+    params, FLOPs and quality of both.
+    """
+    import time
+
+    import torch
+
+    from edgeprune.api import corp_config, prune, require_cpu
+    from edgeprune.artifact import check_new_dir, save_run
+    from edgeprune.evaluate import evaluate
+
+    # 1. everything that can be checked without work
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    overrides = {k: v for k, v in (("v_sparsity", v_sparsity), ("head_sparsity", head_sparsity),
+                                   ("layout", layout), ("ridge_alpha", ridge_alpha),
+                                   ("qk_ridge_alpha", qk_ridge_alpha)) if v is not None}
+    config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
+                         compensation=not no_compensation, criterion=criterion, round_to=round_to,
+                         qk_solver=qk_solver, **overrides)
+    require_cpu(device, "CORP pruning")
+    out_path = check_new_dir(out or f"runs/{model_name}-{target}-{sparsity:g}{'-nocomp' if no_compensation else ''}")
+    spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
+    check_readable_dir(calib_dir, "calibration data")
+    check_readable_dir(eval_data, "evaluation data")
+    n = calib_size if calib_size is not None else DEFAULT_CALIB_SIZE.get(spec.name, DEFAULT_CALIB_SIZE_TIMM)
+    calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
+    ev = None
+    if not no_eval:
+        ev = spec.eval_source(eval_data or (calib_dir if spec.name == "fmnist-vit" else None), n=eval_size)
+    dense = spec.create(pretrained=True)  # random-init weights: seeded by the spec (recorded)
+
+    # 2. the work
+    click.echo(f"model {spec.name}: calibration {calib.description}")
+    t0 = time.perf_counter()
+    result = prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
+                   calibration_info={"seed": seed, "size_requested": n})
+    prune_s = time.perf_counter() - t0
+    rec = result.record
+    dense_m = pruned_m = None
+    if ev is not None:
+        click.echo(f"evaluation: {ev.description}")
+        with torch.no_grad():
+            if spec.output_kind != "saliency":
+                dense_m = evaluate(spec, dense, ev, progress=not quiet, device=device)
+            pruned_m = evaluate(spec, result.model, ev, dense=dense, progress=not quiet, device=device)
+        rec["evaluation"] = {"data": ev.description, "dense": dense_m, "pruned": pruned_m, "device": device}
+    save_run(out_path, result.model, rec)
+
+    # 3. the report
+    a, sp = rec["achieved_sparsity"], rec["sparsity"]
+    click.echo("")
+    click.echo(f"| {'':8} | {'params':>10} | {'GFLOPs':>8} | quality |")
+    click.echo(f"|{'-' * 10}|{'-' * 12}|{'-' * 10}|---------|")
+    dense_q = fmt_metric(dense_m, spec.output_kind) if spec.output_kind != "saliency" else "reference"
+    click.echo(f"| {'dense':8} | {rec['dense_params']:>10,} | {rec['dense_flops'] / 1e9:>8.3f} | {dense_q} |")
+    click.echo(f"| {'pruned':8} | {rec['params']:>10,} | {rec['flops'] / 1e9:>8.3f} | "
+               f"{fmt_metric(pruned_m, spec.output_kind)} |")
+    asked = " ".join(f"{k}={v:g}" for k, v in sp.items())
+    got = " ".join(f"{k}={v:.3f}" for k, v in a.items())
+    click.echo(f"\n{rec['method']} target={rec['targets']} sparsity {asked} (achieved {got}); "
+               f"params x{rec['params'] / rec['dense_params']:.3f}, FLOPs x{rec['flops'] / rec['dense_flops']:.3f}; "
+               f"pruning took {prune_s:.1f} s")
+    click.echo(f"saved {out_path}")

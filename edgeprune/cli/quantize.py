@@ -1,0 +1,97 @@
+"""``edgeprune quantize``: int8 (ONNX Runtime static, QDQ) or fp16 copies of an exported model.
+
+The command parses options into an :class:`exporters.quant_config.QuantizeConfig`, calls
+:func:`exporters.quantize.quantize_onnx` and prints the measured top-1 / agreement. Errors are
+raised as :class:`~edgeprune.errors.UserError` and printed by the one error handler
+(:func:`edgeprune.cli.main.main`): user mistakes exit 2; a failed ``--max-drop`` gate
+(:class:`exporters.quantize.QualityGateError`) exits 1 and writes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from edgeprune.cli.options import eval_options
+from edgeprune.errors import UserError
+
+
+@click.command("quantize")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--precision", required=True, type=click.Choice(["int8", "fp16"]),
+              help="int8: ONNX Runtime static quantization (QDQ); fp16: float16 with fp32 inputs/outputs.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), metavar="FILE",
+              help="The .onnx file to write.")
+@click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
+              help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
+                   "[the model's own, as for prune].")
+@click.option("--calib-size", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Calibration images [the run's recorded size; else fmnist-vit 512, dinov2-s14 64, timm 256].")
+@click.option("--seed", type=int, default=None,
+              help="Seed of the calibration sampling [the run's recorded seed, else 0].")
+@click.option("--calib-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
+              show_default=True, help="How int8 activation ranges are calibrated.")
+@click.option("--per-tensor", is_flag=True, help="One weight scale per tensor instead of per output channel.")
+@click.option("--asymmetric-activations", is_flag=True,
+              help="Asymmetric uint8 activations (ONNX Runtime's x86 U8S8 kernels); TensorRT needs the "
+                   "symmetric int8 default.")
+@click.option("--exclude", "exclude", multiple=True, metavar="PATTERN",
+              help="Keep nodes whose name matches this fnmatch pattern in float (repeatable).")
+@click.option("--auto-exclude", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Also keep the N most quantization-sensitive nodes in float (int8).")
+@eval_options
+@click.option("--max-drop", type=float, default=None, metavar="POINTS",
+              help="Fail (exit 1, nothing written) if top-1 drops by more than POINTS on the held-out "
+                   "images (without labels: if more than POINTS percent of predictions disagree).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, metavar="N",
+              help="ONNX Runtime intra-op threads for the evaluation [ORT's default].")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write the report as JSON.")
+def quantize_cmd(model: Path, precision: str, output: Path, calib_dir: str | None, calib_size: int | None,
+                 seed: int | None, calib_method: str, per_tensor: bool, asymmetric_activations: bool,
+                 exclude: tuple[str, ...], auto_exclude: int, eval_data: str | None, eval_size: int | None,
+                 max_drop: float | None, threads: int | None, force: bool, json_out: Path | None) -> None:
+    """Quantize an ONNX model to int8 or fp16, checked by accuracy.
+
+    MODEL is an exported .onnx file or a run directory (exported first).
+
+    int8 calibrates on the run's own calibration set (as recorded in the ONNX metadata) with the
+    model's preprocessing; the report is measured on held-out images, never calibration images.
+    The output keeps the exported metadata and adds precision, calibration hash, excluded nodes
+    and the measured agreement.
+    """
+    from exporters.quantize import QuantizeConfig, quantize_onnx
+
+    cfg = QuantizeConfig(
+        precision=precision, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
+        calib_data=str(calib_dir) if calib_dir else None, per_channel=not per_tensor,
+        activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
+        eval_size=eval_size or 1000, eval_data=str(eval_data) if eval_data else None, max_drop=max_drop,
+        threads=threads,
+    ).validate()
+    if json_out is not None and json_out.exists() and not force:
+        raise UserError(f"{json_out} exists (use --force to overwrite)")
+    result = quantize_onnx(model, output, cfg, overwrite=force, log=click.echo)
+    rep = result.report
+    if rep.get("n"):
+        if rep.get("top1") is not None:
+            click.echo(f"top-1 on {rep['n']} held-out images: {rep['top1'] * 100:.2f}% "
+                       f"(float {rep['top1_float'] * 100:.2f}%, drop {rep['drop_points']:+.2f} points)")
+        click.echo(f"{rep['agreement_metric']} with the float model: {rep['agreement'] * 100:.2f}%")
+    else:
+        click.echo("no evaluation data for this model: accuracy not measured")
+    if rep.get("float_size_bytes"):
+        click.echo(f"size: {rep['size_bytes'] / 2**20:.2f} MiB ({rep['size_bytes'] / rep['float_size_bytes']:.2f}x fp32)")
+    if json_out is not None:
+        import json
+
+        from edgeprune.atomic import atomic_write_text
+
+        atomic_write_text(json_out, json.dumps({"output": str(result.path), "config": cfg.to_record(), **rep},
+                                               indent=2, default=str) + "\n")
+        click.echo(f"wrote {json_out}")
+
+
+__all__ = ["quantize_cmd"]

@@ -1,0 +1,59 @@
+"""fp16 with ONNX Runtime's transformer float16 tools, keeping fp32 inputs and outputs.
+
+``onnxruntime.transformers.float16.convert_float_to_float16`` converts initializers and ops to
+float16 and inserts ``Cast`` nodes at the borders; ``keep_io_types=True`` leaves the graph input
+and output float32, so callers feed and read fp32 exactly as for the exported model. Ops in
+``op_block_list`` (ORT's default list plus :data:`~exporters.quant_config.FP16_KEEP_OPS`:
+LayerNorm, Softmax, reductions, exponentials) and nodes in ``node_block_list`` (``--exclude``)
+stay fp32. The result is re-sorted topologically (onnx-graphsurgeon). This avoids a dependency on ``onnxconverter-common``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from edgeprune.errors import RuntimeFault, UserError
+from exporters.quant_config import FP16_KEEP_OPS
+
+
+def convert_fp16(src: Path, dst: Path, keep_nodes: Sequence[str] = ()) -> Path:
+    """Write an fp16 copy of ``src`` to ``dst`` (fp32 I/O, sensitive ops fp32).
+
+    Args:
+        keep_nodes: node names kept fp32 (besides the blocked op types).
+
+    Raises:
+        RuntimeFault: the conversion fails on a valid model.
+    """
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    model = onnx.load(str(src))
+    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(FP16_KEEP_OPS))
+    try:
+        converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block,
+                                             node_block_list=list(keep_nodes) or None)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001
+        msg = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise RuntimeFault(f"fp16 conversion failed: {msg}") from None
+    onnx.save_model(_toposorted(converted), str(dst))
+    return dst
+
+
+def _toposorted(model):
+    """The converter appends its input ``Cast`` nodes at the end of the node list; ONNX requires
+    topological order (ORT tolerates it, ``onnx.checker`` and TensorRT's parser do not):
+    onnx-graphsurgeon sorts the graph, keeping model-level fields."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    graph.toposort()
+    out = gs.export_onnx(graph, do_type_check=False)
+    out.ir_version = model.ir_version
+    del out.metadata_props[:]
+    out.metadata_props.extend(model.metadata_props)
+    out.producer_name, out.producer_version = model.producer_name, model.producer_version
+    return out

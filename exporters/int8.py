@@ -1,0 +1,180 @@
+"""int8 with ONNX Runtime static quantization (QDQ), and the per-node sensitivity pass.
+
+Quantization
+------------
+``onnxruntime.quantization.quantize_static`` in QDQ format: every quantized op gets
+``QuantizeLinear``/``DequantizeLinear`` pairs on its inputs (the explicit-quantization form that
+TensorRT and ONNX Runtime both fuse into int8 kernels). Weights are symmetric int8, per output
+channel by default (one scale per row of a ``Gemm``/``Conv`` weight, per column of a ``MatMul``
+weight stored (in, out)); activations are int8 with ranges from the calibration images (MinMax,
+Entropy or Percentile), symmetric int8 by default because TensorRT requires zero points of 0
+(``activation_symmetric=False``: asymmetric uint8 activations, the U8S8 kernels ONNX Runtime
+prefers on x86 CPUs; ONNX Runtime only). Only the
+matrix products (``MatMul``, ``Gemm``, ``Conv``) are quantized; LayerNorm, Softmax, GELU and the
+residual adds stay float between Q/DQ pairs. Activation ranges are computed once and kept in a
+calibration cache (``calibration_cache_path``), so later passes (sensitivity, the final model)
+reuse them instead of recalibrating.
+
+Sensitivity (``--auto-exclude N``)
+----------------------------------
+:func:`rank_sensitivity` quantizes *one candidate node at a time* (``nodes_to_quantize=[node]``,
+everything else float, the cached ranges) and runs each variant on ``sensitivity_images``
+calibration images (default 64). A node's cost is the loss of top-1 agreement with the float
+model, ties broken by the relative squared logit error ``||q - f||^2 / ||f||^2`` (with 64 images
+most single nodes flip no prediction, so the logit error carries the ranking). The N costliest
+nodes stay float. Isolating nodes ignores interactions between them, but costs one quantizer pass
+plus one small inference per candidate: about 40 candidates and well under a minute for
+fmnist-vit on one CPU core, versus a full calibration per candidate for exclusion-based search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import io
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from edgeprune.errors import UserError
+from exporters.quant_config import QuantizeConfig
+
+_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+
+
+def preprocess(src: Path, dst: Path) -> Path:
+    """``quant_pre_process``: symbolic shape inference and ORT's basic optimisations (constant
+    folding of shape arithmetic), as ONNX Runtime recommends before static quantization.
+
+    Returns ``dst``, or ``src`` when pre-processing fails (the model is then quantized as it is).
+    """
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    try:
+        quant_pre_process(str(src), str(dst), skip_symbolic_shape=False)
+    except Exception as err:  # noqa: BLE001 - optional step; the plain model quantizes too
+        logging.getLogger(__name__).info("quant_pre_process failed (%s); quantizing as exported", err)
+        return src
+    return dst
+
+
+def quantizable_nodes(model_path: Path, op_types: Sequence[str]) -> list[str]:
+    """Names of the nodes of ``op_types`` in graph order (unnamed nodes cannot be excluded)."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    return [n.name for n in m.graph.node if n.op_type in op_types and n.name]
+
+
+def match_patterns(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
+    """Node names matching any fnmatch pattern, in graph order.
+
+    Raises:
+        UserError: a pattern that matches no node (the message shows example names).
+    """
+    out: list[str] = []
+    for pat in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            example = ", ".join(names[:2])
+            raise UserError(f"--exclude {pat!r} matches no quantizable node (names look like {example})")
+        out.extend(h for h in hits if h not in out)
+    return [n for n in names if n in out]
+
+
+def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader: Any = None,
+                        cache: Path, nodes_to_exclude: Sequence[str] = (),
+                        nodes_to_quantize: Sequence[str] | None = None) -> Path:
+    """Run ``quantize_static`` (QDQ, symmetric int8 weights) with ``config``'s settings.
+
+    Args:
+        src, dst: float model in, QDQ model out.
+        reader: a ``CalibrationDataReader``; ``None`` to reuse the ranges in ``cache``.
+        cache: calibration cache file (written on the first call, read afterwards).
+        nodes_to_exclude: node names kept float; ``nodes_to_quantize``: only these (None = all).
+
+    Raises:
+        RuntimeFault: ONNX Runtime fails on a valid model.
+    """
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    from edgeprune.errors import RuntimeFault
+
+    extra: dict[str, Any] = {
+        "WeightSymmetric": True,
+        "ActivationSymmetric": bool(config.activation_symmetric),
+        # (no CalibMaxIntermediateOutputs: ORT 1.32 fails with "No data is collected" when the
+        # batch count is a multiple of it)
+    }
+    if config.calib_method == "percentile":
+        extra["CalibPercentile"] = 99.999
+    try:
+        # the histogram calibrators print progress with print(); keep the command's output clean
+        with contextlib.redirect_stdout(io.StringIO()):
+            quantize_static(
+                str(src), str(dst), reader, quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=list(config.op_types), per_channel=bool(config.per_channel),
+                reduce_range=False, weight_type=QuantType.QInt8,
+                activation_type=QuantType.QInt8 if config.activation_symmetric else QuantType.QUInt8,
+                nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
+                nodes_to_exclude=list(nodes_to_exclude),
+                calibrate_method=getattr(CalibrationMethod, _METHODS[config.calib_method]),
+                calibration_cache_path=str(cache), extra_options=extra,
+            )
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001 - report ORT failures in one line
+        msg = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise RuntimeFault(f"ONNX Runtime quantization failed: {msg}") from None
+    return dst
+
+
+def run_model(path: Path, x: np.ndarray, batch_size: int = 64, threads: int | None = None) -> np.ndarray:
+    """Outputs of an ONNX file on ``x`` (N, C, H, W) with ONNX Runtime CPU, float32."""
+    from exporters.verify import _run_onnx, check_input_shape
+    from runners.onnxruntime_runner import load_session
+
+    sess = load_session(path, providers=["cpu"], threads=threads)
+    fixed = check_input_shape(sess, x.shape)
+    return _run_onnx(sess, x, fixed, batch_size).astype(np.float32)
+
+
+def node_cost(quant_out: np.ndarray, float_out: np.ndarray) -> dict[str, float]:
+    """Agreement loss and relative squared error of one variant's outputs vs the float model's.
+
+    Returns:
+        ``{"agreement": fraction of images with the float model's top-1 class (logits; for other
+        outputs 1.0), "rel_err": ||q - f||^2 / ||f||^2 over all outputs}``.
+    """
+    q = quant_out.reshape(len(quant_out), -1).astype(np.float64)
+    f = float_out.reshape(len(float_out), -1).astype(np.float64)
+    agree = float(np.mean(q.argmax(1) == f.argmax(1))) if float_out.ndim == 2 else 1.0
+    rel = float(np.sum((q - f) ** 2) / max(np.sum(f ** 2), 1e-30))
+    return {"agreement": agree, "rel_err": rel}
+
+
+def rank_sensitivity(src: Path, candidates: Sequence[str], images: np.ndarray, float_out: np.ndarray,
+                     config: QuantizeConfig, cache: Path, workdir: Path) -> list[dict[str, Any]]:
+    """Quantize each candidate node alone and measure what it costs (see module docstring).
+
+    Args:
+        src: the (pre-processed) float model; ``cache``: its calibration cache (already written).
+        candidates: node names; ``images``: (n, C, H, W) calibration images; ``float_out``: the
+            float model's outputs on them.
+
+    Returns:
+        ``[{"node", "agreement", "rel_err"}]`` sorted costliest first (lowest agreement, then
+        largest relative error).
+    """
+    rows: list[dict[str, Any]] = []
+    variant = workdir / "sensitivity.onnx"
+    for name in candidates:
+        quantize_static_qdq(src, variant, config, cache=cache, nodes_to_quantize=[name])
+        out = run_model(variant, images, config.batch_size, config.threads)
+        cost = node_cost(out, float_out)
+        rows.append({"node": name, "agreement": cost["agreement"], "rel_err": cost["rel_err"]})
+    variant.unlink(missing_ok=True)
+    rows.sort(key=lambda r: (float(r["agreement"]), -float(r["rel_err"])))
+    return rows

@@ -1,0 +1,106 @@
+"""Settings of ``edgeprune quantize``: one dataclass, validated once, stored with the result.
+
+The quantized file's metadata holds :meth:`QuantizeConfig.to_record` under ``quantization``, so a
+deployed file says how it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from edgeprune.errors import UserError
+
+PRECISIONS = ("int8", "fp16")
+CALIB_METHODS = ("minmax", "entropy", "percentile")
+#: Ops that ONNX Runtime quantizes by default here: the matrix products (linear layers, attention
+#: products, patch-embedding conv, classifier). Elementwise ops stay float between Q/DQ pairs.
+DEFAULT_OP_TYPES = ("MatMul", "Gemm", "Conv")
+#: Ops kept in fp32 by the fp16 conversion (numerically sensitive reductions and exponentials),
+#: added to ``onnxruntime.transformers.float16.DEFAULT_OP_BLOCK_LIST``.
+FP16_KEEP_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                 "Softmax", "ReduceMean", "ReduceSum", "Pow", "Sqrt", "Exp", "Log")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """How to quantize an exported ONNX model.
+
+    Attributes:
+        precision: ``"int8"`` (ONNX Runtime static quantization, QDQ format) or ``"fp16"``
+            (ONNX Runtime's transformer float16 conversion, fp32 inputs/outputs).
+        calib_method: int8 activation ranges: ``"minmax"``, ``"entropy"`` (KL) or
+            ``"percentile"`` (99.999 %).
+        calib_size: calibration images; ``None`` = the run's own set size (run record), else
+            the ``prune`` default for the model (fmnist-vit 512, dinov2-s14 64, timm 256).
+        calib_seed: calibration selection seed; ``None`` = the run's recorded seed, else 0.
+        calib_data: calibration directory (Fashion-MNIST idx dir / ImageFolder); ``None`` = the
+            model's default data.
+        per_channel: per-output-channel weight scales (symmetric int8 weights always).
+        activation_symmetric: symmetric int8 activations (zero point 0) -- what TensorRT's
+            explicit-quantization path requires; ``False`` = asymmetric uint8 activations
+            (ONNX Runtime's U8S8 CPU kernels; not for TensorRT).
+        op_types: op types to quantize (int8).
+        exclude: fnmatch patterns over node names kept in float (both precisions).
+        auto_exclude: additionally keep the N most quantization-sensitive nodes in float (int8;
+            see ``exporters.sensitivity``).
+        sensitivity_images: calibration images the sensitivity pass evaluates on.
+        eval_size: held-out evaluation images for the report and the gate.
+        eval_data: evaluation directory; ``None`` = the model's default (Fashion-MNIST test split).
+        max_drop: gate in points (top-1 loss with labels, else disagreement %); ``None`` = no gate.
+        batch_size: images per ONNX Runtime call (calibration and evaluation).
+        preprocess: run ``onnxruntime.quantization.shape_inference.quant_pre_process`` (symbolic
+            shape inference + ORT's basic graph optimisations) before int8 quantization.
+        threads: ONNX Runtime intra-op threads for evaluation (``None``: ORT's default).
+    """
+
+    precision: str = "int8"
+    calib_method: str = "minmax"
+    calib_size: int | None = None
+    calib_seed: int | None = None
+    calib_data: str | None = None
+    per_channel: bool = True
+    activation_symmetric: bool = True
+    op_types: tuple[str, ...] = DEFAULT_OP_TYPES
+    exclude: tuple[str, ...] = ()
+    auto_exclude: int = 0
+    sensitivity_images: int = 64
+    eval_size: int = 1000
+    eval_data: str | None = None
+    max_drop: float | None = None
+    batch_size: int = 32
+    preprocess: bool = True
+    threads: int | None = None
+
+    def validate(self) -> "QuantizeConfig":
+        """Check every field once, before any work; returns ``self``.
+
+        Raises:
+            UserError: an unknown precision / method, a negative size, count or threshold.
+        """
+        if self.precision not in PRECISIONS:
+            raise UserError(f"unknown precision {self.precision!r} (use {' or '.join(PRECISIONS)})")
+        if self.calib_method not in CALIB_METHODS:
+            raise UserError(f"unknown calibration method {self.calib_method!r} (use {', '.join(CALIB_METHODS)})")
+        for name in ("calib_size", "eval_size", "sensitivity_images", "batch_size", "threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.auto_exclude < 0:
+            raise UserError(f"--auto-exclude must be >= 0, got {self.auto_exclude}")
+        if self.auto_exclude and self.precision != "int8":
+            raise UserError("--auto-exclude applies to int8 (fp16 keeps sensitive ops in fp32 already)")
+        if self.max_drop is not None and not self.max_drop >= 0:
+            raise UserError(f"--max-drop must be >= 0 points, got {self.max_drop}")
+        if not self.op_types:
+            raise UserError("op_types must name at least one op type to quantize")
+        if any(not p for p in self.exclude):
+            raise UserError("--exclude patterns must not be empty")
+        return self
+
+    def to_record(self) -> dict[str, Any]:
+        """JSON-ready dict of the settings (stored as ``quantization`` metadata)."""
+        rec = dataclasses.asdict(self)
+        rec["op_types"] = list(self.op_types)
+        rec["exclude"] = list(self.exclude)
+        return rec

@@ -1,0 +1,296 @@
+"""``edgeprune quantize``: int8 / fp16 copies of an exported ONNX model, verified by task metric.
+
+Pipeline of :func:`quantize_onnx` (all checks come before any expensive step)::
+
+    exported fp32 ONNX (or a run directory, exported first into a temporary file)
+      -> int8: quant_pre_process -> quantize_static (QDQ, per-channel symmetric weights,
+               calibration on the run's own calibration set)  [exporters/int8.py]
+         fp16: convert_float_to_float16 (fp32 I/O, LayerNorm/Softmax/... kept fp32) [exporters/fp16.py]
+      -> top-1 and top-1 agreement with the float model on held-out images [exporters/verify.py]
+      -> gate (--max-drop) -> metadata -> atomic move into place
+
+The output keeps every ``metadata_props`` entry of the exported model (preprocessing, model
+identity, pruning record) and adds ``precision``, ``quantization`` (the :class:`QuantizeConfig`
+plus the ONNX Runtime version), ``quant_calibration`` (source, size, seed, ``sha256``),
+``calibration_sha256``, ``excluded_nodes``, ``sensitivity`` (``--auto-exclude``: every candidate's
+isolated cost, costliest first) and ``auto_excluded_nodes``, ``quant_eval``
+(the measured metrics) and ``agreement``. Everything is written in a temporary folder next to
+the destination and moved into place with ``os.replace`` only after the gate passed; on any
+error nothing is left behind and an existing destination is untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from edgeprune.errors import UserError
+from exporters.quant_config import QuantizeConfig
+
+__all__ = ["QuantizeConfig", "QuantizeResult", "QualityGateError", "quantize_onnx"]
+
+
+class QualityGateError(UserError):
+    """The quantized model lost more than ``max_drop`` points; nothing was written (exit 1)."""
+
+    exit_code = 1
+
+
+@dataclasses.dataclass
+class QuantizeResult:
+    """Outcome of :func:`quantize_onnx`.
+
+    Attributes:
+        path: the written file.
+        report: measured metrics (see ``exporters.verify.quantized_metrics``; empty without
+            evaluation data), plus ``excluded_nodes``, ``calibration`` and ``size_bytes``.
+        config: the validated settings.
+    """
+
+    path: Path
+    report: dict[str, Any]
+    config: QuantizeConfig
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_output(out: Path, src: Path, overwrite: bool) -> None:
+    if out.suffix != ".onnx":
+        raise UserError(f"output must be a .onnx file, got {out}")
+    if out.is_dir():
+        raise UserError(f"{out} is a directory")
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} exists (use --force to overwrite)")
+    if out.exists() and src.exists() and out.resolve() == src.resolve():
+        raise UserError(f"output {out} is the input file; write the quantized model elsewhere")
+
+
+def _load_input(src: Path) -> tuple[dict[str, Any], Any]:
+    """Metadata of the input, and for a run directory the ``(model, record, spec)`` to export."""
+    from exporters.onnx import build_metadata, read_metadata
+
+    if not src.exists():
+        raise UserError(f"no such ONNX file or run directory: {src}")
+    if src.is_dir():
+        from edgeprune.loading import load_target
+
+        model, record, spec = load_target(src, None)
+        return build_metadata(record=record, spec=spec, model=model), (model, spec)
+    meta = read_metadata(src)
+    precision = meta.get("precision")
+    if precision in ("int8", "fp16"):
+        raise UserError(f"{src} is already {precision}; quantize the fp32 export")
+    return meta, None
+
+
+def _eval_arrays(eval_source: Any) -> tuple[np.ndarray, np.ndarray | None, str]:
+    from exporters.calibration_reader import source_to_array
+
+    if isinstance(eval_source, tuple):
+        x, y = eval_source
+        x = np.ascontiguousarray(np.asarray(x.numpy() if hasattr(x, "numpy") else x, dtype=np.float32))
+        y = None if y is None else np.asarray(y.numpy() if hasattr(y, "numpy") else y)
+        return x, y, f"array {tuple(x.shape)}"
+    x, y = source_to_array(eval_source)
+    return x, y, getattr(eval_source, "description", type(eval_source).__name__)
+
+
+def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: QuantizeConfig | None = None, *,
+                  calibration: np.ndarray | None = None, eval_source: Any = None, overwrite: bool = False,
+                  log: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Quantize an exported ONNX model (or a run directory) to int8 or fp16, and verify it.
+
+    Args:
+        model: an fp32 ``.onnx`` file written by ``edgeprune export`` (its metadata names the
+            model, preprocessing and calibration set), or a run directory (exported first).
+        output: the ``.onnx`` file to write.
+        config: settings (validated here); default int8, MinMax, per-channel.
+        calibration: (N, C, H, W) float32 preprocessed calibration images; default: the run's own
+            calibration set (``exporters.calibration_reader.calibration_for``).
+        eval_source: held-out images (a data source or an ``(images, labels|None)`` pair);
+            default: the model's evaluation split (Fashion-MNIST test for fmnist-vit). Without
+            any (a foreign ONNX file), no metrics are measured.
+        overwrite: replace an existing ``output``.
+        log: called with one progress line per step (the CLI passes ``click.echo``).
+
+    Returns:
+        :class:`QuantizeResult`.
+
+    Raises:
+        UserError: not an ONNX file / run directory, an existing output without ``overwrite``,
+            missing calibration or evaluation data, an ``--exclude`` pattern matching nothing,
+            bad settings (all before any quantization work).
+        QualityGateError: the measured drop exceeds ``config.max_drop`` (exit status 1); nothing
+            is written.
+        RuntimeFault: ONNX Runtime fails on a valid model.
+    """
+    import onnx
+    import onnxruntime
+
+    from exporters import int8
+    from exporters.calibration_reader import ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for
+    from exporters.onnx import encode_metadata, read_metadata
+    from exporters.verify import quantized_metrics
+
+    cfg = (config or QuantizeConfig()).validate()
+    say = log or (lambda _msg: None)
+    src, out = Path(model), Path(output)
+    _check_output(out, src, overwrite)
+    meta, to_export = _load_input(src)
+    base = meta.get("base_model")
+    fmnist = isinstance(base, dict) and base.get("name") == "fmnist-vit"
+    eval_data = cfg.eval_data or (cfg.calib_data if fmnist else None)
+
+    # --- data (cheap, and every user mistake surfaces here) ----------------------------------
+    calib_info: dict[str, Any] | None = None
+    if cfg.precision == "int8":
+        if calibration is not None:
+            calib = np.ascontiguousarray(np.asarray(calibration, dtype=np.float32))
+            if calib.ndim != 4 or not len(calib):
+                raise UserError(f"calibration must be a non-empty (N, C, H, W) array, got {calib.shape}")
+            calib_info = {"source": f"array {tuple(calib.shape)}", "num_images": len(calib), "seed": None,
+                          "sha256": calibration_sha256(calib)}
+        else:
+            calib, calib_info = calibration_for(meta, cfg.calib_size, cfg.calib_seed, cfg.calib_data, eval_data)
+        say(f"calibration: {calib_info['source']} (sha256 {calib_info['sha256'][:12]})")
+    if eval_source is None:
+        eval_source = eval_for(meta, cfg.eval_size, eval_data)
+    if eval_source is None:
+        if cfg.max_drop is not None:
+            raise UserError("--max-drop needs evaluation images, but the ONNX file names no edgeprune model")
+        x_eval = labels = None
+        eval_desc = None
+    else:
+        x_eval, labels, eval_desc = _eval_arrays(eval_source)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        float_path = src
+        if to_export is not None:
+            from exporters.onnx import export_onnx
+
+            fmodel, spec = to_export
+            float_path = export_onnx(fmodel, tmp / "float.onnx", tuple(spec.input_size), meta)
+            meta = read_metadata(float_path)
+            say(f"exported {src} to fp32 ONNX")
+        quant_path = tmp / "quantized.onnx"
+        excluded: list[str] = []
+        sensitivity: list[dict[str, Any]] = []
+        if cfg.precision == "int8":
+            pre = int8.preprocess(float_path, tmp / "pre.onnx") if cfg.preprocess else float_path
+            names = int8.quantizable_nodes(pre, cfg.op_types)
+            if not names:
+                raise UserError(f"{src} has no {'/'.join(cfg.op_types)} nodes to quantize")
+            excluded = int8.match_patterns(cfg.exclude, names)
+            in_name = _input_name(pre)
+            fixed = _fixed_batch(pre)
+            reader = ArrayCalibrationReader(calib, in_name, fixed or cfg.batch_size, fixed_batch=bool(fixed))
+            cache = tmp / "calibration.json"
+            say(f"int8: calibrating ({cfg.calib_method}) and quantizing {len(names) - len(excluded)} "
+                f"of {len(names)} {'/'.join(cfg.op_types)} nodes")
+            int8.quantize_static_qdq(pre, quant_path, cfg, reader=reader, cache=cache, nodes_to_exclude=excluded)
+            if cfg.auto_exclude:
+                cand = [n for n in names if n not in excluded]
+                imgs = calib[:cfg.sensitivity_images]
+                say(f"sensitivity: quantizing each of {len(cand)} nodes alone on {len(imgs)} calibration images")
+                ref = int8.run_model(pre, imgs, cfg.batch_size, cfg.threads)
+                sensitivity = int8.rank_sensitivity(pre, cand, imgs, ref, cfg, cache, tmp)
+                auto = [r["node"] for r in sensitivity[:cfg.auto_exclude]]
+                excluded = [n for n in names if n in excluded or n in auto]
+                say("keeping in float: " + ", ".join(auto))
+                int8.quantize_static_qdq(pre, quant_path, cfg, cache=cache, nodes_to_exclude=excluded)
+            tool = f"onnxruntime {onnxruntime.__version__} quantize_static (QDQ)"
+        else:
+            names = [n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node if n.name]
+            excluded = int8.match_patterns(cfg.exclude, names)
+            from exporters.fp16 import convert_fp16
+
+            say("fp16: converting (fp32 inputs/outputs; LayerNorm, Softmax, reductions kept fp32)")
+            convert_fp16(float_path, quant_path, excluded)
+            tool = f"onnxruntime {onnxruntime.__version__} transformers.float16.convert_float_to_float16"
+
+        report: dict[str, Any] = {}
+        if x_eval is not None:
+            f_out = int8.run_model(float_path, x_eval, cfg.batch_size, cfg.threads)
+            q_out = int8.run_model(quant_path, x_eval, cfg.batch_size, cfg.threads)
+            kind = meta.get("output_kind") if meta.get("output_kind") in ("logits", "saliency") else None
+            report = quantized_metrics(q_out, f_out, labels, kind)
+            report["eval_source"] = eval_desc
+            report["max_drop"] = cfg.max_drop
+            if cfg.max_drop is not None and report["drop_points"] > cfg.max_drop + 1e-9:
+                what = "top-1" if report["drop_metric"] == "top1_points" else "agreement"
+                raise QualityGateError(
+                    f"{cfg.precision} model loses {report['drop_points']:.2f} points of {what} on "
+                    f"{report['n']} held-out images (max {cfg.max_drop:g}); {out} not written "
+                    f"(try --auto-exclude N, --exclude PATTERN or --calib-method percentile)")
+
+        md = dict(meta)
+        md.update({
+            "precision": cfg.precision,
+            "quantization": {**cfg.to_record(), "tool": tool, "float_model": src.name,
+                             "float_sha256": _file_sha256(float_path)},
+            "excluded_nodes": excluded,
+        })
+        if calib_info is not None:
+            md["quant_calibration"] = calib_info
+            md["calibration_sha256"] = calib_info["sha256"]
+        if sensitivity:
+            md["sensitivity"] = sensitivity
+            md["auto_excluded_nodes"] = auto
+        if report:
+            md["quant_eval"] = report
+            md["agreement"] = report["agreement"]
+        proto = onnx.load(str(quant_path))
+        del proto.metadata_props[:]
+        for key, value in encode_metadata(md).items():
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = key, value
+        final = tmp / out.name
+        onnx.save_model(proto, str(final))
+        del proto
+        onnx.checker.check_model(str(final))
+        float_size = float_path.stat().st_size
+        os.replace(final, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report = dict(report)
+    report.update({"excluded_nodes": excluded, "calibration": calib_info, "size_bytes": out.stat().st_size,
+                   "float_size_bytes": float_size,
+                   "sensitivity": sensitivity})
+    say(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {cfg.precision})")
+    return QuantizeResult(path=out, report=report, config=cfg)
+
+
+def _input_name(path: Path) -> str:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in m.graph.initializer}
+    inputs = [i for i in m.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise UserError(f"{path.name}: quantize handles models with one input, found {len(inputs)}")
+    return inputs[0].name
+
+
+def _fixed_batch(path: Path) -> int | None:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    dim = m.graph.input[0].type.tensor_type.shape.dim
+    if dim and dim[0].HasField("dim_value") and dim[0].dim_value > 0:
+        return int(dim[0].dim_value)
+    return None

@@ -1,0 +1,383 @@
+"""The one bench path: a device profile's settings, interleaved A/B timing, a report that says what ran.
+
+``edgeprune bench A [--vs B] --device PROFILE`` and the tools go through here:
+
+1. :func:`resolve_config` merges the profile's settings (backend, threads, batch sizes, warm-up,
+   iterations, CUDA graphs, precision) with the options given explicitly (which win) into a
+   :class:`BenchConfig` that validates itself once and remembers where each value came from.
+2. :func:`check_available` refuses, before anything is loaded, a profile whose backend cannot
+   run here (TensorRT or CUDA missing): a one-line :class:`~edgeprune.errors.RuntimeFault`,
+   never a silent fallback to the host CPU.
+3. :func:`run_bench` builds the runners through :func:`runners.registry.make_runner` (an ONNX
+   file on a TensorRT profile is first built into a temporary engine), benchmarks A alone or A
+   and B interleaved (:func:`runners.compare.bench_pair`), and returns a :class:`BenchReport`
+   holding the profile, the config (``dataclasses.asdict``) and the results.
+
+Which backend runs a target (``backend="auto"``): an ``.onnx`` file runs on the profile's
+backend (``onnxruntime`` for ``cpu``, ``tensorrt`` for GPU profiles); an engine on ``tensorrt``;
+a run directory or model name on ``torch`` (on CUDA for a GPU profile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from edgeprune.errors import RuntimeFault, UserError
+from runners.registry import DEFAULT_BACKEND, backend_available, backend_names, make_runner, target_kind
+
+#: precisions a bench may ask for: fp32/fp16/int8 for ONNX files (TensorRT build precision, or
+#: for ONNX Runtime what the file must hold); fp32/tf32/fp16/bf16 for the torch runner (CUDA)
+PRECISIONS = ("fp32", "fp16", "int8", "tf32", "bf16")
+ONNX_PRECISIONS = ("fp32", "fp16", "int8")
+TORCH_PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+#: the settings a profile provides and an explicit option may override
+PROFILE_FIELDS = ("backend", "threads", "batch_sizes", "warmup", "iterations", "cuda_graphs", "precision")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything one benchmark run uses; validated once, recorded as-is in the report.
+
+    Attributes:
+        profile: device profile name (``cpu``, ``orin-nx``, ...; or a user profile's name).
+        backend: ``auto`` (per target, see the module doc) or a registered backend name.
+        threads: intra-op threads for CPU backends (``None``: the backend's default).
+        batch_sizes: images per inference, e.g. ``(1, 8)``.
+        warmup: untimed inferences (pairs, with B) per batch size.
+        iterations: timed inferences (pairs) per batch size.
+        cuda_graphs: TensorRT (or torch on CUDA) replays a captured CUDA graph.
+        precision: ``fp32``, ``fp16`` or ``int8``: the TensorRT build precision for an ONNX
+            file; for ONNX Runtime what the file must be (``int8``: it has Q/DQ nodes; run as-is);
+            for the torch runner (CUDA only unless fp32) ``fp32``, ``tf32``, ``fp16``, ``bf16``.
+        provider: ONNX Runtime execution provider (``cpu``, ``cuda``, ``tensorrt``).
+        random_init: model names without weights (latency only).
+        sources: setting -> ``"profile"``, ``"option"`` (given explicitly) or ``"default"``.
+
+    Raises:
+        UserError: on construction, for any invalid value.
+    """
+
+    profile: str
+    backend: str = "auto"
+    threads: int | None = None
+    batch_sizes: tuple[int, ...] = (1, 8)
+    warmup: int = 10
+    iterations: int = 50
+    cuda_graphs: bool = False
+    precision: str = "fp32"
+    provider: str = "cpu"
+    random_init: bool = False
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.backend not in backend_names():
+            raise UserError(f"unknown backend {self.backend!r} (auto, {', '.join(backend_names())})")
+        if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
+            raise UserError(f"threads must be >= 1, got {self.threads}")
+        if not self.batch_sizes or any(int(b) < 1 for b in self.batch_sizes):
+            raise UserError(f"batch sizes must be positive integers, got {list(self.batch_sizes)}")
+        if self.warmup < 0 or self.iterations < 1:
+            raise UserError(f"need iterations >= 1 and warmup >= 0, got {self.iterations}, {self.warmup}")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"unknown precision {self.precision!r} (one of {', '.join(PRECISIONS)})")
+        object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+
+    def describe(self, profile_backend: str | None = None) -> str:
+        """One line: each setting with where it came from, e.g. ``threads 1 [option]``.
+
+        ``profile_backend`` (the profile's backend) spells out what ``auto`` means for .onnx files.
+        """
+        def show(key: str, value: Any) -> str:
+            return f"{key.replace('_', ' ')} {value} [{self.sources.get(key, 'default')}]"
+
+        backend = self.backend
+        if backend == "auto" and profile_backend:
+            backend = f"auto (.onnx -> {profile_backend})"
+        parts = [show("backend", backend),
+                 show("threads", self.threads if self.threads is not None else "backend default"),
+                 show("batch_sizes", ",".join(map(str, self.batch_sizes))),
+                 show("warmup", self.warmup), show("iterations", self.iterations),
+                 show("cuda_graphs", "on" if self.cuda_graphs else "off"),
+                 show("precision", self.precision)]
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass
+class BenchReport:
+    """What :func:`run_bench` ran and measured.
+
+    Attributes:
+        profile: the device profile (:meth:`devices.DeviceProfile.to_dict`).
+        config: ``dataclasses.asdict(BenchConfig)``.
+        targets: per target (``a``, ``b``): path/name, backend that ran it, model precision.
+        results: list of :class:`runners.base.BenchResult` (A alone) or
+            :class:`runners.compare.PairResult` (with B).
+    """
+
+    profile: dict[str, Any]
+    config: dict[str, Any]
+    targets: dict[str, dict[str, Any]]
+    results: list[Any]
+
+    @property
+    def paired(self) -> bool:
+        return "b" in self.targets
+
+    def header(self) -> str:
+        """Two lines for stdout/markdown: the profile and the settings that ran."""
+        src = self.profile.get("source")
+        cfg = BenchConfig(**{**self.config, "batch_sizes": tuple(self.config["batch_sizes"])})
+        ran = ", ".join(f"{k.upper()} on {t['backend']}" + (f" ({t['model_precision']})" if t.get("model_precision") else "")
+                        for k, t in self.targets.items())
+        return (f"profile: {self.profile['name']}" + (f" ({src})" if src else "") + f"; {ran}\n"
+                f"settings: {cfg.describe(self.profile.get('backend'))}")
+
+    def markdown(self) -> str:
+        """The report as markdown: profile and settings, then the tables (pairs first)."""
+        from runners.report import markdown_table, pair_markdown_table
+
+        parts = [self.header().replace("\n", "  \n"), ""]
+        if self.paired:
+            parts += [pair_markdown_table(self.results), "",
+                      markdown_table([r for p in self.results for r in (p.a, p.b)])]
+        else:
+            parts.append(markdown_table(self.results))
+        return "\n".join(parts)
+
+    def json_extra(self) -> dict[str, Any]:
+        """Top-level JSON fields besides ``results`` (see :func:`runners.report.to_json`)."""
+        return {"profile": self.profile, "config": self.config, "targets": self.targets}
+
+
+def _profile(device: Any) -> Any:
+    from devices import load_profile
+
+    return load_profile(device)
+
+
+def resolve_config(device: Any = None, *, targets: tuple[str, ...] = (), **options: Any) -> tuple[BenchConfig, Any]:
+    """Merge a device profile with explicit options into a :class:`BenchConfig`.
+
+    Args:
+        device: profile name, ``.toml`` path or :class:`~devices.DeviceProfile`; ``None``: the
+            profile an engine target was built for (its sidecar), else ``cpu``.
+        targets: the bench targets (only used to find an engine's profile when ``device`` is None).
+        **options: ``backend``, ``threads``, ``batch_sizes``, ``warmup``, ``iterations``,
+            ``cuda_graphs``, ``precision``, ``provider``, ``random_init``; ``None`` (or
+            ``backend="auto"``) means "not given": the profile's value is used.
+
+    Returns:
+        (config, profile).
+
+    Raises:
+        UserError: unknown option, unknown profile, invalid value.
+    """
+    unknown = set(options) - set(PROFILE_FIELDS) - {"provider", "random_init"}
+    if unknown:
+        raise TypeError(f"unknown bench options: {sorted(unknown)}")
+    if device is None:
+        device = _engine_profile(targets) or "cpu"
+    prof = _profile(device)
+    from_profile: dict[str, Any] = {
+        "threads": prof.threads, "batch_sizes": tuple(prof.bench.batch_sizes),
+        "warmup": prof.bench.warmup, "iterations": prof.bench.iterations,
+        "cuda_graphs": prof.bench.cuda_graphs, "precision": prof.precision,
+    }
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {"backend": "profile"}
+    backend = options.get("backend") or "auto"
+    if backend != "auto":
+        sources["backend"] = "option"
+    for key, value in from_profile.items():
+        given = options.get(key)
+        if given is not None:
+            values[key], sources[key] = given, "option"
+        else:
+            values[key], sources[key] = value, "profile"
+    provider = options.get("provider")
+    sources["provider"] = "option" if provider is not None else "profile"
+    if provider is None:  # ONNX Runtime on a GPU profile (--backend onnxruntime) runs on its GPU
+        provider = "cuda" if prof.uses_tensorrt else "cpu"
+    cfg = BenchConfig(profile=prof.name, backend=backend, provider=provider,
+                      random_init=bool(options.get("random_init")), sources=sources,
+                      **{**values, "batch_sizes": tuple(values["batch_sizes"])})
+    return cfg, prof
+
+
+def _engine_profile(targets: tuple[str, ...]) -> Any:
+    """The profile recorded in the first engine target's sidecar (the settings it was built
+    for), or ``None`` when no target is an engine with a sidecar."""
+    from devices import BenchSettings, ProfileError, load_profile, profile_from_record
+    from exporters.tensorrt import read_sidecar
+
+    for t in targets:
+        if Path(t).suffix.lower() not in (".engine", ".plan", ".trt") or not Path(t).is_file():
+            continue
+        built = (read_sidecar(t) or {}).get("profile") or {}
+        if not built:
+            continue
+        try:
+            return profile_from_record(built)
+        except ProfileError:  # a partial record: the named profile, with the recorded bench settings
+            base = load_profile(built.get("name") or "")
+            bench = {**dataclasses.asdict(base.bench), **(built.get("bench") or {})}
+            bench["batch_sizes"] = tuple(bench["batch_sizes"])
+            return dataclasses.replace(base, bench=BenchSettings(**bench))
+    return None
+
+
+def backend_for(kind: str, cfg: BenchConfig, profile: Any) -> str:
+    """The backend that runs a target of ``kind`` under ``cfg`` (see the module doc)."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    if kind == "onnx":
+        return str(profile.backend)
+    return DEFAULT_BACKEND[kind]
+
+
+def _torch_device(profile: Any) -> str:
+    return "cuda" if profile.uses_tensorrt else "cpu"
+
+
+def check_available(cfg: BenchConfig, profile: Any, targets: tuple[str, ...]) -> None:
+    """Refuse, before any loading, what cannot run here; one line naming what is missing.
+
+    Raises:
+        RuntimeFault: the profile needs TensorRT (or a CUDA GPU for torch) and it is missing.
+        UserError: a setting the chosen backend cannot honour (CUDA graphs without TensorRT,
+            int8 on torch).
+    """
+    for t in targets:
+        kind = target_kind(t)
+        be = backend_for(kind, cfg, profile)
+        if kind == "onnx" and not Path(t).is_file():
+            raise UserError(f"ONNX file not found: {t}")
+        missing = backend_available(be)
+        if missing is not None and be == "tensorrt" and profile.uses_tensorrt:
+            # the root cause first: without TensorRT no engine can exist or run here
+            raise RuntimeFault(f"profile {profile.name} needs TensorRT, which is not installed "
+                               "(run on the device, or use --device cpu)")
+        if kind == "engine" and not Path(t).is_file():
+            raise UserError(f"TensorRT engine file not found: {t}")
+        if kind == "engine" and not profile.uses_tensorrt:
+            raise UserError(f"device profile {profile.name!r} is for {profile.backend}; {t} is a TensorRT "
+                            "engine (use the profile it was built for, e.g. --device rtx3090)")
+        if be == "tensorrt" and not profile.uses_tensorrt:
+            raise UserError(f"the tensorrt backend needs a TensorRT device profile, and {profile.name!r} "
+                            f"runs {profile.backend} (use e.g. --device rtx3090)")
+        if missing is not None:
+            raise RuntimeFault(f"profile {profile.name} needs {be}: {missing}")
+        if be == "torch" and _torch_device(profile) == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeFault(f"profile {profile.name} runs torch on a CUDA GPU, and none is visible "
+                                   "(run on the device, or use --device cpu)")
+        if cfg.cuda_graphs and be == "onnxruntime" and cfg.sources.get("cuda_graphs") == "option":
+            raise UserError(f"CUDA graphs need TensorRT or torch on CUDA; {t} runs on {be} "
+                            f"(drop --cuda-graphs, or use a TensorRT profile)")
+        if be == "torch" and cfg.precision not in TORCH_PRECISIONS:
+            raise UserError(f"the torch runner runs {', '.join(TORCH_PRECISIONS)}; for {cfg.precision} "
+                            f"export to ONNX (`edgeprune quantize`) and bench the .onnx file")
+        if be != "torch" and cfg.precision not in ONNX_PRECISIONS:
+            raise UserError(f"precision {cfg.precision} is for the torch runner; {t} runs on {be} "
+                            f"(use {', '.join(ONNX_PRECISIONS)})")
+
+
+def _model_precision(target: str, kind: str) -> str | None:
+    if kind != "onnx" or not Path(target).is_file():
+        return None
+    from exporters.tensorrt_settings import onnx_precision
+
+    return onnx_precision(target)
+
+
+def _open_runner(target: str, cfg: BenchConfig, profile: Any, workdir: Path) -> tuple[Any, dict[str, Any]]:
+    kind = target_kind(target)
+    be = backend_for(kind, cfg, profile)
+    model_precision = _model_precision(target, kind)
+    info: dict[str, Any] = {"target": target, "kind": kind, "backend": be, "model_precision": model_precision,
+                            "cuda_graphs": cfg.cuda_graphs and be != "onnxruntime"}
+    if model_precision is not None and be != "tensorrt":
+        from exporters.tensorrt_settings import require_quantized
+
+        require_quantized(target, model_precision, cfg.precision)
+    if be == "tensorrt" and kind == "onnx":
+        from exporters.tensorrt import build_engine
+
+        engine = workdir / f"{Path(target).stem}.{profile.name}.engine"
+        build_engine(target, profile, engine, precision=cfg.precision)
+        info["engine"] = "built for this run (temporary)"
+        target = str(engine)
+    if be == "tensorrt" and kind == "engine":
+        _warn_other_profile(target, profile)
+    device = "cuda" if be == "tensorrt" else _torch_device(profile)  # the profile was checked above
+    runner = make_runner(target, be, provider=cfg.provider, device=device, threads=cfg.threads,
+                         random_init=cfg.random_init, cuda_graphs=cfg.cuda_graphs,
+                         precision=cfg.precision if be == "torch" else None)
+    if be == "tensorrt":
+        from runners.tensorrt.bench import check_batch_range
+
+        check_batch_range(runner, cfg.batch_sizes)
+    return runner, info
+
+
+def _warn_other_profile(engine: str, profile: Any) -> None:
+    import sys
+
+    from exporters.tensorrt import read_sidecar
+
+    built = ((read_sidecar(engine) or {}).get("profile") or {}).get("name")
+    if built and built != profile.name:
+        print(f"warning: {Path(engine).name} was built for profile {built!r}, benchmarking with "
+              f"{profile.name!r} settings", file=sys.stderr)
+
+
+def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: Any = None) -> BenchReport:
+    """Benchmark A (and B, interleaved) with ``cfg``; see the module doc.
+
+    Args:
+        a, b: targets (``.onnx``, engine, run directory, model name); ``b`` optional.
+        cfg, profile: from :func:`resolve_config`.
+        inputs: optional real (N, C, H, W) inputs; default seeded noise.
+
+    Raises:
+        RuntimeFault: the profile's backend cannot run here (see :func:`check_available`).
+        UserError: bad targets, int8 asked of a model without Q/DQ nodes, unknown input shape, ...
+    """
+    from runners.compare import bench_pair
+
+    targets = (a,) if b is None else (a, b)
+    check_available(cfg, profile, targets)
+    runners: list[Any] = []
+    infos: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="edgeprune-bench-") as tmp:
+        try:
+            for key, t in zip("ab", targets):
+                runner, infos[key] = _open_runner(t, cfg, profile, Path(tmp))
+                runners.append(runner)
+            if runners[0].input_shape is None and (len(runners) == 1 or runners[1].input_shape is None):
+                raise UserError(f"{a}: the ONNX input has symbolic image dims; re-export with a fixed size")
+            if len(runners) == 2:
+                results: list[Any] = bench_pair(runners[0], runners[1], cfg.batch_sizes, cfg.iterations,
+                                                cfg.warmup, inputs=inputs)
+                flat = [r for p in results for r in (p.a, p.b)]
+            else:
+                results = list(runners[0].benchmark(cfg.batch_sizes, cfg.iterations, cfg.warmup,
+                                                    inputs=inputs))
+                flat = results
+        finally:
+            for r in runners:
+                r.close()
+    for r in flat:
+        r.settings["bench_profile"] = profile.name
+        r.settings["precision_requested"] = cfg.precision
+    return BenchReport(profile=profile.to_dict(), config=dataclasses.asdict(cfg), targets=infos,
+                       results=results)
+
+
+__all__ = ["BenchConfig", "BenchReport", "PROFILE_FIELDS", "backend_for", "check_available",
+           "resolve_config", "run_bench"]

@@ -1,0 +1,305 @@
+#!/usr/bin/env python
+"""Mutation check of edgeprune's core modules with mutmut (issue 17).
+
+Each core module is mutated (mutmut 3.x: operators, numbers, comparisons, arguments, ...) and run
+against its FAST relevant tests only (:data:`MODULES`). A mutant that no test kills either needs a
+new test or is equivalent; docs/mutation.md lists the survivors of the last run and why.
+
+Not part of the normal pytest run. Needs ``mutmut`` (not a project dependency):
+
+    pip install "mutmut>=3.8,<4"
+    python tools/mutation_check.py                       # the default (priority) modules
+    python tools/mutation_check.py ranking plan flops    # chosen modules
+    python tools/mutation_check.py --list                # the module -> tests map
+    python tools/mutation_check.py --budget 120 --json /tmp/mutation.json solve_mlp
+
+How it works: for every module a private copy of the repository (edgeprune/, exporters/, runners/,
+devices/, tests/) is made under ``--workdir`` with a ``setup.cfg`` ``[mutmut]`` section that mutates
+only that module's files and selects only its tests, and ``mutmut run`` is started there (so the
+working tree is never modified, and other jobs running tests meanwhile are not affected). Lines
+that raise an error (``raise UserError(...)`` etc.) are not mutated: the wording of error
+messages is not what this check is about. mutmut mutates function bodies only (not module-level
+constants or docstrings). Each module gets ``--budget`` seconds of wall time; mutants not reached
+in time are reported as "not run".
+
+Exit status: 0 when every module finished and every mutant that ran was killed or listed in
+:data:`EQUIVALENT`; 1 otherwise (survivors, or a module that ran out of time); 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COPY = ("edgeprune", "exporters", "runners", "devices", "tests", "pyproject.toml")
+
+#: module -> (files to mutate, fast tests that exercise them: paths or node ids; "-k EXPR" allowed)
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "solve_mlp": (["edgeprune/solve/mlp_ridge.py"],
+                  ["tests/test_solvers.py", "tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
+    "solve_qk": (["edgeprune/solve/qk_logit.py"],
+                 ["tests/test_solvers.py", "tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
+    "solve_cg": (["edgeprune/solve/qk_logit_cg.py"],
+                 ["tests/test_qk_cg.py::test_cg_matches_cholesky",
+                  "tests/test_qk_cg.py::test_cg_reports_non_convergence_and_rejects_bad_input",
+                  "tests/test_qk_cg.py::test_cg_zero_rhs_gives_zero_compensation",
+                  "tests/test_qk_cg.py::test_ridge_lambda_without_forming_the_system_equals_mean_diagonal"]),
+    "ranking": (["edgeprune/ranking.py"],
+                ["tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
+    "plan": (["edgeprune/plan.py"],
+             ["tests/test_known_answers.py", "tests/test_mutation_extras.py",
+              "tests/test_corp_pipeline.py::test_rounding_and_its_errors"]),
+    "flops": (["edgeprune/flops.py"],
+              ["tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
+    "runner_stats": (["runners/base.py", "runners/compare.py", "runners/report.py"],
+                     ["tests/test_known_answers.py", "tests/test_mutation_extras.py",
+                      "tests/test_runners.py::test_summarize_latencies_linear_interpolation",
+                      "tests/test_runners.py::test_ratio_stats_are_per_pair"]),
+    "calibration": (["edgeprune/calibration/mlp_stats.py", "edgeprune/calibration/qk_stats.py"],
+                    ["tests/test_solvers.py", "tests/test_known_answers.py"]),
+    "verify": (["exporters/verify.py"],
+               ["tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
+    "nuwa": (["edgeprune/nuwa/ofp_mha.py", "edgeprune/nuwa/budget.py"],
+             ["tests/test_known_answers.py", "tests/test_nuwa.py::test_rank_for_energy_floors_to_multiple_of_8",
+              "tests/test_nuwa.py::test_adaptive_rho_grid_hits_every_dim_change",
+              "tests/test_nuwa.py::test_svd_truncation_is_eckart_young_with_scale_fold"]),
+    "heal_alignment": (["edgeprune/heal/alignment.py"], ["tests/test_heal.py"]),
+    "surgery": (["edgeprune/surgery.py"],
+                ["tests/test_corp_pipeline.py::test_keeping_every_dim_through_the_full_solve_and_surgery_is_exact",
+                 "tests/test_known_answers.py"]),
+    "artifact": (["edgeprune/artifact.py"],
+                 ["tests/test_corp_pipeline.py::test_save_load_round_trip_is_bit_exact",
+                  "tests/test_corp_pipeline.py::test_interrupted_save_leaves_no_directory"]),
+}
+
+#: what runs without arguments, in this order (the issue's priorities first)
+DEFAULT = ("solve_mlp", "solve_qk", "ranking", "plan", "flops", "runner_stats")
+
+#: modules whose files hold much more than the statistics under test: mutate only the lines the
+#: selected tests execute (mutmut's ``mutate_only_covered_lines``)
+COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa"}
+
+#: mutants judged equivalent (same behaviour for every input the code can get), with the reason;
+#: keyed by the diff line that mutmut shows (``+`` side, stripped). See docs/mutation.md.
+EQUIVALENT: dict[str, str] = {
+    "order = torch.sort(scores, descending=True, stable=True).indices[..., :k]":
+        "torch.sort's default dim is -1 (the same call)",
+    "return torch.sort(order, ).values": "torch.sort's default dim is -1 (the same call)",
+    # summarize_latencies: pstdev of one value is 0.0, so the len > 1 guard only avoids the call
+    '"std": float(statistics.pstdev(arr.tolist())) if (len(arr) > 1) or True else 0.0,':
+        "pstdev([x]) == 0.0: same result for one latency",
+    '"std": float(statistics.pstdev(arr.tolist())) if len(arr) >= 1 else 0.0,':
+        "pstdev([x]) == 0.0: same result for one latency",
+    # np.asarray of latencies without dtype: ints/floats both give float64 statistics below
+    "arr = np.asarray(latencies_ms, dtype=None)": "percentile/mean/min/max are cast to float anyway",
+    "arr = np.asarray(latencies_ms, )": "percentile/mean/min/max are cast to float anyway",
+    "a = np.asarray(latencies_a, dtype=None)": "a / float array is float64 anyway",
+    "a = np.asarray(latencies_a, )": "a / float array is float64 anyway",
+    "b = np.asarray(latencies_b, dtype=None)": "np.maximum(b, 1e-12) is float64 anyway",
+    "b = np.asarray(latencies_b, )": "np.maximum(b, 1e-12) is float64 anyway",
+    # qk_logit: shapes are square / (N, d', d') as documented; float32 identity is exact
+    "r, sig, th = torch.linalg.svd(torch.eye(d, dtype=None) + m.double())":
+        "float32 identity is exact and the sum with float64 M is float64",
+    "r, sig, th = torch.linalg.svd(torch.eye(d, ) + m.double())":
+        "float32 identity is exact and the sum with float64 M is float64",
+    "tr = (torch.diagonal(gq_ss, dim1=-2, dim2=-1).sum(+1).double()":
+        "the diagonal of the documented (N, d', d') input is (N, d'): axis 1 is axis -1",
+    "* torch.diagonal(gk_ss, dim1=-2, dim2=-1).sum(+1).double()).sum()":
+        "the diagonal of the documented (N, d', d') input is (N, d'): axis 1 is axis -1",
+    "d = gq_ss.shape[+1]": "(N, d', d'): shape[1] == shape[-1]",
+    "d = gq_ss.shape[-2]": "(N, d', d'): shape[-2] == shape[-1]",
+    "d = rhs.shape[1]": "rhs is square (d', d')",
+    # exporters/verify.compare_outputs
+    "a = onnx_out.astype(None)": "numpy's astype(None) is float64",
+    "b = torch_out.astype(None)": "numpy's astype(None) is float64",
+    "flat_a = a.reshape(a.shape[0], -2)": "numpy treats any negative size as the inferred one",
+    "flat_b = b.reshape(b.shape[0], -2)": "numpy treats any negative size as the inferred one",
+    # nuwa.ofp_mha.energy_ratios / rank_for_energy: (H, d) input, 1e-9 slack on rho
+    "tot = e.sum(+1, keepdim=True)": "s is (H, d): axis 1 is axis -1",
+    "ratio = torch.where(tot > 0, e.cumsum(+1) / tot.clamp_min(1e-300), torch.ones_like(e))":
+        "s is (H, d): axis 1 is axis -1",
+    "ok = (ratios > rho - 1e-9).nonzero()":
+        "differs only when a ratio equals rho - 1e-9 exactly (the slack exists to absorb round-off)",
+    # mlp_ridge.fold_into_linear
+    "if b is not None and c is not None and len(prune) >= 0:":
+        "with no pruned channel W_P B and W_P c are empty products (zeros): same result",
+    "bias64 = torch.zeros(w.shape[0], dtype=None) if bias is None else bias.double()":
+        "float32 zeros + float64 W_P c promotes to float64; zeros are exact in any dtype",
+    "bias64 = torch.zeros(w.shape[0], ) if bias is None else bias.double()":
+        "float32 zeros + float64 W_P c promotes to float64; zeros are exact in any dtype",
+}
+
+DO_NOT_MUTATE_PATTERNS = (r"^\s*raise \w+(Error|Fault)\(",)
+
+
+def _setup_cfg(files: list[str], tests: list[str], covered_only: bool) -> str:
+    def block(key: str, values) -> str:
+        return f"{key} =\n" + "".join(f"    {v}\n" for v in values)
+
+    return ("[mutmut]\n"
+            + block("source_paths", ["edgeprune", "exporters", "runners", "devices"])
+            + block("only_mutate", files)
+            + block("pytest_add_cli_args_test_selection", tests)
+            + block("pytest_add_cli_args", ["-p", "no:cacheprovider", "-q"])
+            + block("do_not_mutate_patterns", DO_NOT_MUTATE_PATTERNS)
+            + "process_isolation = forkserver\n"
+            + "use_git_change_detection = false\n"
+            + "track_dependencies = false\n"
+            + f"mutate_only_covered_lines = {'true' if covered_only else 'false'}\n")
+
+
+def _prepare(name: str, workdir: Path) -> Path:
+    files, tests = MODULES[name]
+    d = workdir / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "mutants")
+    for item in COPY:
+        src = REPO / item
+        if src.is_dir():
+            shutil.copytree(src, d / item, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, d / item)
+    missing = [f for f in files if not (d / f).exists()]
+    if missing:
+        raise SystemExit(f"{name}: {', '.join(missing)} not found (was the module moved? update MODULES)")
+    (d / "setup.cfg").write_text(_setup_cfg(files, tests, name in COVERED_LINES_ONLY))
+    return d
+
+
+def _mutmut(d: Path, args: list[str], timeout: float | None, log) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mutmut", *args], cwd=d, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 15)  # our own process group only
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        return -1
+
+
+def _results(d: Path) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=d,
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+    res = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*(\S+__mutmut_\d+): (.+)$", line)
+        if m:
+            res[m.group(1)] = m.group(2).strip()
+    return res
+
+
+def _diff(d: Path, mutant: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=d, capture_output=True,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+    lines = [ln for ln in out.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    return "\n".join(lines)
+
+
+def check_module(name: str, workdir: Path, budget: float, max_children: int) -> dict:
+    """Run mutmut on one module; return its summary (counts, survivors with diffs)."""
+    d = _prepare(name, workdir)
+    t0 = time.perf_counter()
+    with open(d / "mutmut.log", "w") as log:
+        rc = _mutmut(d, ["run", "--max-children", str(max_children)], budget, log)
+    seconds = time.perf_counter() - t0
+    res = _results(d) if (d / "mutants").exists() else {}
+    counts: dict[str, int] = {}
+    for status in res.values():
+        counts[status] = counts.get(status, 0) + 1
+    survivors = []
+    for m, status in sorted(res.items()):
+        if status in ("survived", "suspicious"):
+            diff = _diff(d, m)
+            plus = next((ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+")), "")
+            survivors.append({"mutant": m, "status": status, "diff": diff,
+                              "equivalent": EQUIVALENT.get(plus)})
+    killed = counts.get("killed", 0) + counts.get("timeout", 0) + counts.get("segfault", 0)
+    ran = killed + counts.get("survived", 0) + counts.get("suspicious", 0)
+    not_equivalent_survivors = [s for s in survivors if not s["equivalent"]]
+    equivalent = len(survivors) - len(not_equivalent_survivors)
+    score = killed / (ran - equivalent) if ran - equivalent > 0 else None
+    no_tests = counts.get("no tests", 0)
+    # strict score: mutants that no selected test even executes count as not killed
+    strict = killed / (ran - equivalent + no_tests) if ran - equivalent + no_tests > 0 else None
+    not_run = [m for m, st in res.items() if st in ("not checked", "no tests")]
+    return {"module": name, "files": MODULES[name][0], "tests": MODULES[name][1],
+            "finished": rc == 0, "mutmut_rc": rc, "seconds": round(seconds, 1),
+            "counts": counts, "killed": killed, "ran": ran, "equivalent": equivalent,
+            "no_tests": no_tests, "score": score, "strict_score": strict, "survivors": survivors,
+            "not_run": sorted(not_run), "workdir": str(d)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("modules", nargs="*", help=f"modules to check (default: {' '.join(DEFAULT)}; 'all' = every one)")
+    ap.add_argument("--budget", type=float, default=240.0, help="wall-time seconds per module (default 240)")
+    ap.add_argument("--max-children", type=int, default=1, help="parallel mutant workers (default 1)")
+    ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "edgeprune-mutation",
+                    help="where the per-module copies go (default $TMPDIR/edgeprune-mutation)")
+    ap.add_argument("--json", type=Path, help="write the full summary (with survivor diffs) here")
+    ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, (files, tests) in MODULES.items():
+            print(f"{name}: {' '.join(files)}\n    tests: {' '.join(tests)}")
+        return 0
+    names = list(MODULES) if args.modules == ["all"] else (args.modules or list(DEFAULT))
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        print(f"unknown module(s) {', '.join(unknown)} (choose from {', '.join(MODULES)} or all)", file=sys.stderr)
+        return 2
+    try:
+        import mutmut  # noqa: F401
+    except ImportError:
+        print('mutmut is not installed: pip install "mutmut>=3.8,<4"', file=sys.stderr)
+        return 2
+    summaries = []
+    for name in names:
+        print(f"== {name}: {' '.join(MODULES[name][0])} (budget {args.budget:g} s)", flush=True)
+        s = check_module(name, args.workdir, args.budget, args.max_children)
+        summaries.append(s)
+        pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        print(f"   {'finished' if s['finished'] else 'STOPPED (budget or error)'} in {s['seconds']:.0f} s: "
+              f"{s['counts']}  score {pct(s['score'])} (killed {s['killed']} of {s['ran']} run, "
+              f"{s['equivalent']} equivalent); strict {pct(s['strict_score'])} "
+              f"(counting {s['no_tests']} mutants no selected test executes)", flush=True)
+        if s["not_run"]:
+            funcs = sorted({m.rsplit("__mutmut_", 1)[0] for m in s["not_run"]})
+            print(f"   not run / no tests in: {', '.join(funcs)}", flush=True)
+        for sv in s["survivors"]:
+            tag = f"equivalent: {sv['equivalent']}" if sv["equivalent"] else "SURVIVED"
+            print(f"   {tag}: {sv['mutant']}\n      " + sv["diff"].replace("\n", "\n      "), flush=True)
+    killed = sum(s["killed"] for s in summaries)
+    ran = sum(s["ran"] for s in summaries)
+    eq = sum(s["equivalent"] for s in summaries)
+    no_tests = sum(s["no_tests"] for s in summaries)
+    total = f"{100 * killed / (ran - eq):.1f}%" if ran - eq > 0 else "n/a"
+    strict = f"{100 * killed / (ran - eq + no_tests):.1f}%" if ran - eq + no_tests > 0 else "n/a"
+    print(f"TOTAL: killed {killed} of {ran} mutants run ({eq} equivalent): score {total} of non-equivalent; "
+          f"strict {strict} counting {no_tests} mutants without tests")
+    if args.json:
+        args.json.write_text(json.dumps({"modules": summaries, "killed": killed, "ran": ran,
+                                         "equivalent": eq}, indent=1))
+    bad = any(not s["finished"] or any(not sv["equivalent"] for sv in s["survivors"]) for s in summaries)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
