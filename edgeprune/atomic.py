@@ -10,6 +10,7 @@ permissions a plain ``open()`` / ``mkdir()`` would have given it under the curre
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -196,3 +197,17 @@ def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in ``chunk``-byte blocks (the one file hash of edgeprune:
+    checkpoints, image overlap checks, ONNX and engine provenance).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -24,11 +24,6 @@ from onnxruntime.quantization import CalibrationDataReader
 
 from edgeprune.errors import UserError
 
-#: Calibration images when neither the run record nor the user says (the ``prune`` defaults).
-DEFAULT_CALIB_SIZE = {"fmnist-vit": 512, "dinov2-s14": 64}
-DEFAULT_CALIB_SIZE_OTHER = 256
-
-
 class ArrayCalibrationReader(CalibrationDataReader):
     """Yields ``{input_name: (B, C, H, W) float32}`` batches of a calibration array.
 
@@ -149,7 +144,7 @@ def calibration_for(meta: Mapping[str, Any], size: int | None = None, seed: int 
     Args:
         meta: the exported file's decoded metadata (``exporters.onnx.read_metadata``).
         size, seed: override the recorded set size / seed (defaults: the run record's, else
-            :data:`DEFAULT_CALIB_SIZE` and seed 0).
+            the model's default size and seed 0).
         data: calibration directory (Fashion-MNIST idx dir for fmnist-vit, ImageFolder for timm
             models); ``eval_data``: the evaluation folder, checked disjoint (timm models).
 
@@ -165,7 +160,7 @@ def calibration_for(meta: Mapping[str, Any], size: int | None = None, seed: int 
         raise UserError("no calibration data: the ONNX file does not name an edgeprune model "
                         "(export it with `edgeprune export`, or quantize the run directory)")
     rec_n, rec_seed = recorded_calibration(meta)
-    n = size if size is not None else (rec_n or DEFAULT_CALIB_SIZE.get(spec.name, DEFAULT_CALIB_SIZE_OTHER))
+    n = size if size is not None else (rec_n or spec.default_calib_size)
     s = seed if seed is not None else (rec_seed if rec_seed is not None else 0)
     if n < 1:
         raise UserError(f"--calib-size must be >= 1, got {n}")

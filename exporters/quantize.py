@@ -22,7 +22,6 @@ error nothing is left behind and an existing destination is untouched.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
 from exporters.quant_config import QuantizeConfig
 
@@ -57,14 +57,6 @@ class QuantizeResult:
     path: Path
     report: dict[str, Any]
     config: QuantizeConfig
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check_output(out: Path, src: Path, overwrite: bool) -> None:
@@ -151,8 +143,10 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
     _check_output(out, src, overwrite)
     meta, to_export = _load_input(src)
     base = meta.get("base_model")
-    fmnist = isinstance(base, dict) and base.get("name") == "fmnist-vit"
-    eval_data = cfg.eval_data or (cfg.calib_data if fmnist else None)
+    from edgeprune.zoo.entries import zoo_entry
+
+    entry = zoo_entry(base.get("name", "")) if isinstance(base, dict) else None
+    eval_data = cfg.eval_data or (cfg.calib_data if entry is not None and entry.data_holds_both_splits else None)
 
     # --- data (cheap, and every user mistake surfaces here) ----------------------------------
     calib_info: dict[str, Any] | None = None
@@ -242,7 +236,7 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
         md.update({
             "precision": cfg.precision,
             "quantization": {**cfg.to_record(), "tool": tool, "float_model": src.name,
-                             "float_sha256": _file_sha256(float_path)},
+                             "float_sha256": file_sha256(float_path)},
             "excluded_nodes": excluded,
         })
         if calib_info is not None:

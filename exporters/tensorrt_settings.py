@@ -14,11 +14,11 @@ implicit (calibrator-based) INT8 here: int8 asked for on a model without Q/DQ no
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from edgeprune.atomic import file_sha256  # noqa: F401 (re-exported)
 from edgeprune.errors import UserError
 
 if TYPE_CHECKING:
@@ -102,16 +102,6 @@ def require_quantized(onnx_path: str | os.PathLike[str], model_precision: str, p
                         f"(run `edgeprune quantize {name} --precision int8 -o model.int8.onnx` first)")
 
 
-def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in ``chunk``-byte blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
 
 
 def _is_dynamic(d: int | str) -> bool:

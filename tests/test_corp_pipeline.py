@@ -155,12 +155,12 @@ def test_save_load_round_trip_is_bit_exact(fmnist_model, tmp_path):
 
 
 def test_interrupted_save_leaves_no_directory(fmnist_model, tmp_path, monkeypatch):
-    import safetensors.torch
+    import edgeprune.atomic
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(edgeprune.atomic, "write_safetensors", boom)
     with pytest.raises(KeyboardInterrupt):
         save_run(tmp_path / "run", fmnist_model, {"base_model": {}, "blocks": []})
     assert list(tmp_path.iterdir()) == []

@@ -318,6 +318,8 @@ def test_removal_error_equals_the_empirical_output_error():
     resid = x[:, prune] - x[:, keep] @ b.T - c
     assert comp == pytest.approx(float(((resid @ w[:, prune].T) ** 2).sum(1).mean()), rel=1e-8)
     assert comp < plain
+    # only one of b, c given: plain removal, as in the fold
+    assert mlp_ridge.removal_error(st.mean, st.cov, w, keep, prune, b, None) == pytest.approx(plain)
     # a biased c adds its squared output
     comp_shift = mlp_ridge.removal_error(st.mean, st.cov, w, keep, prune, b, c + 1.0)
     resid2 = resid - 1.0
@@ -359,10 +361,13 @@ def test_achieved_sparsity_known_answers():
     got = plan.achieved_sparsity(dense, pruned)
     assert got["mlp"] == pytest.approx(1 - 768 / 1024)
     assert got["attn"] == pytest.approx(1 - (4 * 32 + 2 * 64) / (8 * 64))
-    if "v" in got:
+    if "v" in getattr(plan, "SPARSITY_KEYS", ()):
+        assert set(got) == {"mlp", "attn", "v", "heads"}
         assert got["v"] == pytest.approx(1 - (4 * 64 + 2 * 16) / (8 * 64))
         assert got["heads"] == pytest.approx(1 - 6 / 8)
     assert plan.achieved_sparsity(dense, dense)["mlp"] == 0.0
+    # no blocks (nothing to prune): 0.0, not a division by zero
+    assert all(v == 0.0 for v in plan.achieved_sparsity([], []).values())
 
 
 def test_latency_std_of_two_and_sub_millisecond_ratios():
@@ -472,3 +477,34 @@ def test_nuwa_energy_ratios_small_and_zero_spectra_and_rank_edges():
     assert rank_for_energy(s12, 1.0) == 12                  # full dim, not floored to 8
     assert rank_for_energy(s12, 0.7) == 8                   # r = 9 floored to 8
     assert rank_for_energy(s12, 0.1) == 8                   # at least round_to
+
+
+def test_model_flops_counts_a_wrapper_head_and_no_linear_head():
+    from edgeprune.anatomy import find_anatomy
+    from edgeprune.flops import model_flops
+    from edgeprune.zoo.fmnist_vit import create_fmnist_vit
+
+    vit = create_fmnist_vit(pretrained=False)
+    base = model_flops(find_anatomy(vit))
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, backbone):
+            super().__init__()
+            self.backbone = backbone
+
+        def head_flops(self, img_size):
+            assert tuple(img_size) == (28, 28)
+            return 1000
+
+    wrapped = model_flops(find_anatomy(Wrapper(vit)))
+    assert wrapped["head"] == base["head"] + 1000 == 2 * 128 * 10 + 1000
+    assert wrapped["total"] == base["total"] + 1000
+    # a ViT that defines head_flops itself (not a wrapper) is not counted twice
+    vit.head_flops = lambda img_size: 10 ** 9
+    assert model_flops(find_anatomy(vit))["head"] == base["head"]
+    # no linear head: 0
+    vit.head = torch.nn.Identity()
+    nohead = model_flops(find_anatomy(vit))
+    assert nohead["head"] == 0 and nohead["total"] == base["total"] - base["head"]
+    del vit.head                       # no head attribute at all: also 0
+    assert model_flops(find_anatomy(vit))["head"] == 0

@@ -128,6 +128,13 @@ EQUIVALENT: dict[str, str] = {
         "s is (H, d): axis 1 is axis -1",
     "ok = (ratios > rho - 1e-9).nonzero()":
         "differs only when a ratio equals rho - 1e-9 exactly (the slack exists to absorb round-off)",
+    # plan.kept_heads: ``what`` is never used; sparsity 0 is a fast path of the same formula
+    'def kept_heads(num_heads: int, sparsity: float, what: str = "XXattentionXX") -> int:':
+        "the parameter `what` is unused in kept_heads",
+    'def kept_heads(num_heads: int, sparsity: float, what: str = "ATTENTION") -> int:':
+        "the parameter `what` is unused in kept_heads",
+    "if sparsity == 1:": "in kept_heads, round(H * (1 - 0)) = H: the sparsity-0 branch is a fast path "
+                         "(sparsity 1 is rejected before)",
     # mlp_ridge.fold_into_linear
     "if b is not None and c is not None and len(prune) >= 0:":
         "with no pruned channel W_P B and W_P c are empty products (zeros): same result",

@@ -19,13 +19,11 @@ import click
 from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
                                    fmt_metric, out_option, quiet_option)
 from edgeprune.errors import UserError
-from edgeprune.heal.runs import DEFAULT_CALIB_SIZE, DEFAULT_CALIB_SIZE_TIMM
 
 
 @click.command("heal")
 @click.argument("run_dir", type=click.Path())
-@calibration_options(f"Calibration images [fmnist-vit {DEFAULT_CALIB_SIZE['fmnist-vit']}, dinov2-s14 "
-                     f"{DEFAULT_CALIB_SIZE['dinov2-s14']}, timm {DEFAULT_CALIB_SIZE_TIMM}].")
+@calibration_options("Calibration images [the run's own calibration set size].")
 @eval_options
 @click.option("--epochs", type=int, default=10, show_default=True, help="Passes over the calibration set (paper: 5-10).")
 @click.option("--lr", type=float, default=1e-4, show_default=True,
@@ -90,13 +88,13 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
     spec = spec_from_record(rec["base_model"])
-    n = calib_size if calib_size is not None else default_calib_size(spec.name)
+    n = calib_size if calib_size is not None else default_calib_size(rec, spec)
     calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
     if len(calib) == 0:
         raise UserError("the calibration set is empty")
     ev = None
     if not no_eval:
-        ev = spec.eval_source(eval_data or (calib_dir if spec.name == "fmnist-vit" else None), n=eval_size)
+        ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
     pruned, rec = load_run(run_path)
     dense = load_base_model(rec)  # recorded seed / checkpoint (sha256-checked)
     if not reduced_modules(pruned, dense):

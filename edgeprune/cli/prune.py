@@ -9,8 +9,6 @@ from edgeprune.cli.options import (calibration_options, check_readable_dir, devi
 from edgeprune.errors import UserError
 from edgeprune.plan import TARGETS
 
-DEFAULT_CALIB_SIZE = {"fmnist-vit": 512, "dinov2-s14": 64}
-DEFAULT_CALIB_SIZE_TIMM = 256
 
 
 _TARGET_WORDS = {"mlp": "MLP hidden channels", "attn": "Q/K head dims", "v": "V/O head dims",
@@ -85,11 +83,11 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
-    n = calib_size if calib_size is not None else DEFAULT_CALIB_SIZE.get(spec.name, DEFAULT_CALIB_SIZE_TIMM)
+    n = calib_size if calib_size is not None else spec.default_calib_size
     calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
     ev = None
     if not no_eval:
-        ev = spec.eval_source(eval_data or (calib_dir if spec.name == "fmnist-vit" else None), n=eval_size)
+        ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
     dense = spec.create(pretrained=True)  # random-init weights: seeded by the spec (recorded)
 
     # 2. the work

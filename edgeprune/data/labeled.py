@@ -15,6 +15,21 @@ import torch
 from edgeprune.errors import UserError
 
 
+
+def _zoo_split(spec: Any, split: str, data: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A zoo model's labeled split in memory (Fashion-MNIST for ``fmnist-vit``), else None."""
+    from edgeprune.zoo.entries import zoo_entry
+
+    entry = zoo_entry(spec.name)
+    return entry.labeled_split(split, data) if entry is not None else None
+
+
+def _dataset(spec: Any) -> str:
+    from edgeprune.zoo.entries import zoo_entry
+
+    entry = zoo_entry(spec.name)
+    return (entry.dataset if entry is not None else None) or spec.name
+
 def load_labeled(spec: Any, data: str | None, train_data: str | None, classes: Sequence[int],
                  per_class: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Labeled target-class training images.
@@ -34,10 +49,9 @@ def load_labeled(spec: Any, data: str | None, train_data: str | None, classes: S
     Raises:
         UserError: not a classifier, no ``train_data`` for a timm model, unreadable data.
     """
-    if spec.name == "fmnist-vit":
-        from edgeprune.data.fashion_mnist import load_split
-
-        x, y = load_split("train", data)
+    split = _zoo_split(spec, "train", data)
+    if split is not None:
+        x, y = split
         keep = torch.isin(y, torch.as_tensor(list(classes)))
         x, y = x[keep], y[keep]
         if per_class is not None:
@@ -48,7 +62,7 @@ def load_labeled(spec: Any, data: str | None, train_data: str | None, classes: S
                 idx.append(ic[torch.randperm(len(ic), generator=g)[:per_class]])
             sel = torch.cat(idx).sort().values
             x, y = x[sel], y[sel]
-        return x, y, "Fashion-MNIST train split"
+        return x, y, f"{_dataset(spec)} train split"
     if spec.output_kind != "logits":
         raise UserError(f"{spec.name} is not a classifier; NuWa derives classifiers")
     if train_data is None:
@@ -80,13 +94,12 @@ def load_labeled_eval(spec: Any, data: str | None, eval_data: str | None, classe
     Raises:
         UserError: no evaluation image of the target classes, unreadable data.
     """
-    if spec.name == "fmnist-vit":
-        from edgeprune.data.fashion_mnist import load_split
-
-        x, y = load_split("test", eval_data or data)
+    split = _zoo_split(spec, "test", eval_data or data)
+    if split is not None:
+        x, y = split
         keep = torch.isin(y, torch.as_tensor(list(classes)))
         x, y = x[keep][:n], y[keep][:n]
-        return x, y, f"Fashion-MNIST test split, {len(x)} images of the target classes"
+        return x, y, f"{_dataset(spec)} test split, {len(x)} images of the target classes"
     if eval_data is None:
         return None
     from edgeprune.data.sources import FolderSource, list_image_folder
@@ -103,10 +116,11 @@ def load_labeled_eval(spec: Any, data: str | None, eval_data: str | None, classe
 def class_names(spec: Any, train_data: str | None = None) -> list[str] | None:
     """Names of the base model's classes where known: Fashion-MNIST's for ``fmnist-vit``, the
     sub-folder names of ``train_data`` for timm models, else None."""
-    if spec.name == "fmnist-vit":
-        from edgeprune.data.fashion_mnist import CLASSES
+    from edgeprune.zoo.entries import zoo_entry
 
-        return list(CLASSES)
+    entry = zoo_entry(spec.name)
+    if entry is not None and entry.class_names:
+        return list(entry.class_names)
     if train_data is not None:
         from edgeprune.data.sources import list_image_folder
 

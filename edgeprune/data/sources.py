@@ -11,7 +11,6 @@ refused with one line); calibration and evaluation sets are compared by content
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
@@ -156,14 +156,6 @@ def subset(files: list[Path], labels: list[int], n: int | None, seed: int) -> tu
     return [files[i] for i in idx], [labels[i] for i in idx]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size
@@ -192,7 +184,7 @@ def check_disjoint(calib_files: list[Path], eval_files: list[Path]) -> None:
         key = f.resolve()
         if key not in hashes:
             try:
-                hashes[key] = _sha256(key)
+                hashes[key] = file_sha256(key)
             except OSError as err:
                 raise UserError(f"cannot read image {f}: {err.strerror}") from None
         return hashes[key]

