@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,40 @@ def fmnist_calib():
     xte, yte = load_split("test")
     g = torch.Generator().manual_seed(0)
     return xtr[torch.randperm(len(xtr), generator=g)[:256]], xte[:256], yte[:256]
+
+
+def run_cli(argv: list) -> "types.SimpleNamespace":
+    """``edgeprune ARGV`` as a user runs it: through the CLI's one error handler
+    (``edgeprune.cli.main``), stdout and stderr captured.
+
+    Returns:
+        namespace with ``exit_code`` (int), ``stdout``, ``stderr``, ``output`` (both) and
+        ``exception`` (None: the handler turns every user error into an exit code).
+    """
+    import sys
+
+    from click.testing import CliRunner
+
+    from edgeprune.cli.main import main
+
+    code = 0
+    with CliRunner().isolation() as streams:
+        try:
+            main([str(a) for a in argv])
+        except SystemExit as err:
+            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = streams[0].getvalue().decode(), streams[1].getvalue().decode()
+    return types.SimpleNamespace(exit_code=code, stdout=stdout, stderr=stderr, output=stdout + stderr,
+                                 exception=None)
+
+
+def assert_one_line_error(result, pattern: str, code: int = 2) -> None:
+    """Exit ``code``, exactly one ``error: ...`` line on stderr containing ``pattern``, no traceback."""
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and pattern in lines[0], lines[0]
+    assert "Traceback" not in result.output

@@ -18,69 +18,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 from edgeprune.errors import RuntimeFault, UserError
 from exporters.onnx import export_onnx
 from runners.base import Runner
 from runners.bench import BenchConfig, resolve_config, run_bench
 
+from tests.conftest import assert_one_line_error, run_cli
+
 SHAPE = (1, 28, 28)
 
 
-def _cli_main() -> Any:
-    """``edgeprune.cli.main.main`` (the one error handler), if the CLI package has it."""
-    try:
-        from edgeprune.cli.main import main
-    except ImportError:
-        return None
-    return main
-
-
-def run_main(main: Any, argv: list[str]) -> Any:
-    """``main(argv)`` with stdout/stderr captured; returns exit_code, stdout, stderr, output."""
-    code = 0
-    with CliRunner().isolation() as streams:
-        try:
-            main(argv)
-        except SystemExit as err:
-            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        stdout, stderr = streams[0].getvalue().decode(), streams[1].getvalue().decode()
-    return types.SimpleNamespace(exit_code=code, stdout=stdout, stderr=stderr, output=stdout + stderr,
-                                 exception=None)
-
-
 def invoke(*args: Any) -> Any:
-    """``edgeprune bench ...`` (``args`` starts with ``"bench"``) as a user runs it: through the
-    CLI's one error handler (``edgeprune.cli.main.main``) when it exists; otherwise the command
-    alone, with a UserError mapped the way that handler maps it (``error: <message>`` on stderr,
-    exit status ``err.exit_code``)."""
-    argv = [str(a) for a in args]
-    assert argv[0] == "bench"
-    main = _cli_main()
-    if main is not None:
-        return run_main(main, argv)
-    from edgeprune.cli.device import bench_cmd
-
-    res = CliRunner().invoke(bench_cmd, argv[1:])
-    if isinstance(res.exception, UserError):
-        err = res.exception
-        return types.SimpleNamespace(exit_code=err.exit_code, stdout=res.stdout, stderr=f"error: {err}\n",
-                                     output=res.output + f"error: {err}\n", exception=None)
-    return res
+    """``edgeprune bench ...`` (``args`` starts with ``"bench"``) as a user runs it."""
+    assert str(args[0]) == "bench"
+    return run_cli(list(args))
 
 
 def assert_error(result: Any, pattern: str, code: int = 2) -> None:
     """Non-zero exit, exactly one line on stderr, no traceback."""
-    assert result.exit_code == code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and pattern in lines[0], lines[0]
-    assert "Traceback" not in result.output
+    assert_one_line_error(result, pattern, code)
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,14 @@ and its one error handler (bench: tests/test_bench_cli.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import types
 
 import pytest
 import torch
 
-from edgeprune.cli import main
 from edgeprune.errors import UserError
 from exporters.onnx import read_metadata
+from tests.conftest import assert_one_line_error, run_cli
 
 
 def _fmnist_data_available() -> bool:
@@ -31,25 +28,12 @@ needs_fmnist = pytest.mark.skipif(not _fmnist_data_available(), reason="Fashion-
 
 def invoke(*args: str):
     """``edgeprune ARGS`` through :func:`edgeprune.cli.main` (the one error handler)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as e:
-            code = e.code or 0
-    return types.SimpleNamespace(exit_code=code, stdout=out.getvalue(), stderr=err.getvalue(),
-                                 output=out.getvalue() + err.getvalue(), exception=None)
+    return run_cli(list(args))
 
 
 def assert_user_error(result, pattern: str, code: int = 2) -> None:
     """Non-zero exit, exactly one line on stderr, no traceback."""
-    assert result.exit_code == code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and pattern in lines[0], lines[0]
-    assert "Traceback" not in result.output
+    assert_one_line_error(result, pattern, code)
 
 
 @pytest.fixture(scope="module")

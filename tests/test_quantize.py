@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from click.testing import CliRunner
 from onnx import numpy_helper
 
 from edgeprune.errors import UserError
 from exporters.onnx import build_metadata, export_onnx, read_metadata
 from exporters.quantize import QualityGateError, QuantizeConfig, quantize_onnx
 
-from tests.conftest import needs_fmnist
+from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 
 pytestmark = needs_fmnist
 N_EVAL = 500
@@ -37,28 +34,8 @@ N_CALIB = 64
 
 
 def invoke(*args):
-    """``edgeprune quantize ...`` as a user runs it: through the CLI's one error handler
-    (``edgeprune.cli.main.main``), output captured."""
-    from edgeprune.cli.main import main
-
-    code = 0
-    with CliRunner().isolation() as streams:
-        try:
-            main(["quantize", *(str(a) for a in args)])
-        except SystemExit as err:
-            code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        stdout, stderr = streams[0].getvalue().decode(), streams[1].getvalue().decode()
-    return types.SimpleNamespace(exit_code=code, stdout=stdout, stderr=stderr, output=stdout + stderr)
-
-
-def assert_one_line_error(result, pattern: str, code: int = 2) -> None:
-    assert result.exit_code == code, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and pattern in lines[0], result.stderr
-    assert "Traceback" not in result.output
+    """``edgeprune quantize ...`` as a user runs it (through the CLI's one error handler)."""
+    return run_cli(["quantize", *args])
 
 
 def _ort(path: Path, x: np.ndarray) -> np.ndarray:

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from devices import load_profile
 from edgeprune.cli.device import build_cmd, default_engine_path, devices_cmd
@@ -28,6 +27,7 @@ from exporters.trtexec import trtexec_command
 from runners import gpu_info
 from runners.gpu_info import GpuInfo, check_compute_capability, parse_nvidia_smi, parse_tegra
 from runners.tensorrt import TrtRunner, bench_engine, compare_outputs, detect_attention_fusion
+from tests.conftest import run_cli
 
 RTX3090 = GpuInfo("NVIDIA GeForce RTX 3090", (8, 6), 24576.0)
 RTX3080 = GpuInfo("NVIDIA GeForce RTX 3080", (8, 6), 10240.0)
@@ -35,32 +35,8 @@ ORIN = GpuInfo("Orin (nvgpu)", (8, 7), 15656.0)
 
 
 def invoke_cmd(cmd: Any, args: list[str]) -> Any:
-    """Run ``edgeprune <cmd.name> ARGS`` as a user does: through the CLI's one error handler
-    (``edgeprune.cli.main.main``) when it is there, else the command alone with a UserError
-    mapped the way that handler maps it (``error: <message>``, exit ``err.exit_code``)."""
-    try:
-        from edgeprune.cli.main import main
-    except ImportError:
-        main = None
-    if main is not None:
-        code = 0
-        with CliRunner().isolation() as streams:
-            try:
-                main([cmd.name, *args])
-            except SystemExit as err:
-                code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            out, err_text = streams[0].getvalue().decode(), streams[1].getvalue().decode()
-        return types.SimpleNamespace(exit_code=code, stdout=out, stderr=err_text, output=out + err_text,
-                                     exception=None)
-    res = CliRunner().invoke(cmd, args)
-    if isinstance(res.exception, UserError):
-        e = res.exception
-        return types.SimpleNamespace(exit_code=e.exit_code, output=res.output + f"error: {e}\n",
-                                     stdout=res.stdout, stderr=f"error: {e}\n", exception=None)
-    return res
+    """Run ``edgeprune <cmd.name> ARGS`` as a user does (through the CLI's one error handler)."""
+    return run_cli([cmd.name, *args])
 
 
 def make_onnx(path: Path, batch: int | str = "batch", chw: tuple[int, int, int] = (3, 8, 8),
