@@ -68,7 +68,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "verify": (["exporters/verify.py"],
                ["tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
     "nuwa": (["edgeprune/nuwa/ofp_mha.py", "edgeprune/nuwa/budget.py"],
-             ["tests/test_known_answers.py", "tests/test_mutation_extras.py",
+             ["tests/test_known_answers.py", "tests/test_mutation_extras.py", "tests/test_nuwa_mutants.py",
               "tests/test_nuwa.py::test_rank_for_energy_floors_to_multiple_of_8",
               "tests/test_nuwa.py::test_adaptive_rho_grid_hits_every_dim_change",
               "tests/test_nuwa.py::test_svd_truncation_is_eckart_young_with_scale_fold"]),
@@ -91,6 +91,8 @@ COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa"}
 #: mutants judged equivalent (same behaviour for every input the code can get), with the reason;
 #: keyed by the diff line that mutmut shows (``+`` side, stripped). See docs/mutation.md.
 EQUIVALENT: dict[str, str] = {
+    # budget.rho_candidates: with len(lv) == n the evenly spaced down-sample picks 0..n-1 (all of lv)
+    "if len(lv) >= n:": "down-sampling n of n levels returns the same list",
     "order = torch.sort(scores, descending=True, stable=True).indices[..., :k]":
         "torch.sort's default dim is -1 (the same call)",
     "return torch.sort(order, ).values": "torch.sort's default dim is -1 (the same call)",
