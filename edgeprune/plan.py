@@ -73,7 +73,7 @@ def kept_dim(dim: int, sparsity: float, round_to: int = 8, what: str = "module")
     return k
 
 
-def kept_heads(num_heads: int, sparsity: float, what: str = "attention") -> int:
+def kept_heads(num_heads: int, sparsity: float) -> int:
     """Number of whole heads kept out of ``num_heads`` at ``sparsity``: ``round(H (1 - s))`` (Python's
     round, ties to even), at least 1 and at most H; sparsity 0 keeps all.
 
