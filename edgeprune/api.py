@@ -200,5 +200,6 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
                   "round_to": config.round_to, "gram_dtype": config.gram_dtype, "qk_solver": config.qk_solver,
                   "compensation": config.compensation},
         solve=info["blocks"],
+        **({"allocation": info["allocation"]} if info.get("allocation") else {}),
     )
     return PruneResult(model=model.eval(), record=record)

@@ -17,26 +17,15 @@ import torch
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.collect import CalibrationStatistics, collect_statistics
 from edgeprune.errors import UserError
-from edgeprune.plan import BlockPlan, kept_dim, pruned_indices
+from edgeprune.plan import BlockPlan, check_dims, dims_override, kept_dim, pruned_indices, pruned_modules
 from edgeprune.ranking import MLP_CRITERIA, VO_CRITERIA, mlp_scores, top_k_indices
 from edgeprune.solve import mlp_ridge, qk_logit, qk_logit_cg
+from edgeprune.solve.qk_choice import cg_is_cheaper
 from edgeprune.surgery import shrink_mlp
 from edgeprune.vo import LAYOUTS, attention_dims, attention_sparsities, plan_attention, prune_attention
 
 
 QK_SOLVERS = ("auto", "direct", "cg")
-
-
-def cg_is_cheaper(num_images: int, kept_dim: int) -> bool:
-    """``qk_solver="auto"``: whether CG beats the Cholesky route for N images and kept dim d'.
-
-    Cost model fitted to ``tools/bench_qk_solver.py`` on this project's CPU (float64, 1 thread):
-    Cholesky route ``a N d'^4 + b d'^6`` (assembly + factorisation, b/a ~ 0.23), CG
-    ``~60 iterations x c N d'^3`` (c/a ~ 2). CG wins when ``N (120 - d') < 0.23 d'^3``: e.g. for
-    64 images from d' = 32 (1.4x faster measured on DINOv2-S) and always from d' = 120, where the
-    d'^4 system alone would take 1.6 GB.
-    """
-    return num_images * (120 - kept_dim) < 0.23 * kept_dim ** 3
 
 
 # f(block, head) -> (M (d', d') float64, ridge lambda, solve info dict)
@@ -55,6 +44,17 @@ class CorpConfig:
             Q/K or V sparsity given applies to both), so every block ends with qk_dim == v_dim
             and the attention is an ordinary multi-head attention (fused/flash kernels).
         vo_criterion: V-dim ranking, "combined" (default), "energy" or "magnitude" (ranking.py).
+        dims: per-block kept dims overriding the sparsities: one dict per block with any of the
+            keys "mlp" (hidden channels), "qk" (Q/K dims per head), "v" (V dims per head),
+            "heads" (whole heads); a missing key follows the sparsity. Set by the budgeted
+            allocation (``edgeprune.allocation``) or given directly.
+        budget: ``{"kind": "flops" | "params", "value": v}`` (v a fraction of the dense model in
+            (0, 1], or an absolute count > 1): the allocator chooses ``dims`` after the
+            calibration pass so that the pruned model meets the budget (METHODS.md §5,
+            "Budgeted allocation"); the modules it may prune are those ``target`` selects.
+        sequential: sequential calibration (METHODS.md §5): statistics of block i are taken on
+            the output of the already pruned blocks 0..i-1, fits target the dense outputs
+            (``edgeprune.sequential``).
         compensation: fold the closed-form compensation (False = plain removal, same ranking).
         mlp_criterion: "combined" (default), "energy", "magnitude" or "active" (see ranking.py).
         ridge_alpha: scale-free ridge strength of the MLP and proj (V/O, heads) fits
@@ -87,6 +87,9 @@ class CorpConfig:
     head_sparsity: float = 0.0
     layout: str = "default"
     vo_criterion: str = "combined"
+    dims: list | None = None
+    budget: dict | None = None
+    sequential: bool = False
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
@@ -144,6 +147,13 @@ class CorpConfig:
             raise UserError(f"unknown Q/K solver {self.qk_solver!r} (choose from {', '.join(QK_SOLVERS)})")
         if self.qk_solver == "cg" and self.qk_ridge_alpha == 0:
             raise UserError("the cg Q/K solver needs a ridge alpha > 0 (use --qk-solver direct)")
+        check_dims(self.dims)
+        if self.budget is not None:
+            if not isinstance(self.budget, dict) or self.budget.get("kind") not in ("flops", "params"):
+                raise UserError(f"budget must be {{'kind': 'flops' | 'params', 'value': v}}, got {self.budget!r}")
+            v = self.budget.get("value")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise UserError(f"the {self.budget['kind']} budget must be > 0, got {v!r}")
 
 
 def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig) -> list[BlockPlan]:
@@ -151,11 +161,10 @@ def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig
     plans = []
     for b in anatomy.blocks:
         plan = BlockPlan(index=b.index)
-        if cfg.mlp_sparsity > 0:
-            k = kept_dim(b.mlp_hidden, cfg.mlp_sparsity, cfg.round_to, f"block {b.index} MLP")
-            if k < b.mlp_hidden:
-                scores = mlp_scores(stats.mlp[b.index], b.fc2.weight.detach(), cfg.mlp_criterion)
-                plan.mlp_keep = top_k_indices(scores, k)
+        k = mlp_kept(b, cfg)
+        if k < b.mlp_hidden:
+            scores = mlp_scores(stats.mlp[b.index], b.fc2.weight.detach(), cfg.mlp_criterion)
+            plan.mlp_keep = top_k_indices(scores, k)
         if _prunes_attention(cfg):
             vo = stats.vo[b.index] if stats.vo else None
             plan_attention(b, plan, cfg, stats.qk[b.index], vo)
@@ -164,7 +173,23 @@ def plan_corp(anatomy: ViTAnatomy, stats: CalibrationStatistics, cfg: CorpConfig
 
 
 def _prunes_attention(cfg: CorpConfig) -> bool:
-    return cfg.attn_sparsity > 0 or cfg.v_sparsity > 0 or cfg.head_sparsity > 0
+    return bool(pruned_modules(cfg) & {"qk", "v", "heads"})
+
+
+def mlp_kept(b, cfg: CorpConfig) -> int:
+    """Kept MLP hidden channels of block ``b``: ``cfg.dims`` if it says, else from the sparsity.
+
+    Raises:
+        UserError: rounding leaves no channels, or a kept count above the block's hidden dim.
+    """
+    k = dims_override(cfg, b.index, "mlp")
+    if k is not None:
+        if k > b.mlp_hidden:
+            raise UserError(f"block {b.index}: {k} MLP channels asked, the block has {b.mlp_hidden}")
+        return k
+    if cfg.mlp_sparsity > 0:
+        return kept_dim(b.mlp_hidden, cfg.mlp_sparsity, cfg.round_to, f"block {b.index} MLP")
+    return b.mlp_hidden
 
 
 def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
@@ -265,11 +290,19 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
         UserError: invalid settings, empty or mis-shaped calibration data.
     """
     cfg.validate()
+    if cfg.dims is not None and len(cfg.dims) != len(anatomy.blocks):
+        raise UserError(f"dims has {len(cfg.dims)} entries, the model has {len(anatomy.blocks)} blocks")
     for b in anatomy.blocks:  # rounding and fused-layout errors before the calibration pass
         attention_dims(b, cfg)
-    prune_mlp = cfg.mlp_sparsity > 0
-    prune_qk = attention_sparsities(cfg)[0] > 0
-    prune_vo = cfg.v_sparsity > 0 or cfg.head_sparsity > 0 or (cfg.layout == "fused" and prune_qk)
+        mlp_kept(b, cfg)
+    if cfg.sequential:
+        from edgeprune.sequential import sequential_prune
+
+        return sequential_prune(anatomy, batches, cfg, num_images=num_images, progress=progress)
+    modules = pruned_modules(cfg)
+    prune_mlp = "mlp" in modules
+    prune_qk = "qk" in modules
+    prune_vo = bool(modules & {"v", "heads"})
     two_pass = bool(prune_qk and cfg.compensation and num_images is not None
                     and _qk_gram_bytes(anatomy, num_images) > cfg.qk_memory_limit_gb * 2 ** 30)
     keep_grams = prune_qk and cfg.compensation and not two_pass
@@ -280,6 +313,12 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
                                progress=progress)
     seconds = stats.seconds
     t0 = time.perf_counter()
+    allocation = None
+    if cfg.budget is not None:
+        from edgeprune.allocation import allocate
+
+        dims, allocation = allocate(anatomy, stats, cfg)
+        cfg = dataclasses.replace(cfg, dims=dims)
     plans = plan_corp(anatomy, stats, cfg)
     passes = 1
     qk_solve = None
@@ -300,4 +339,4 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
                 return m, lam, {"solver": "direct"}
     info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
     return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
-            "passes": passes, "num_images": stats.num_images, "blocks": info}
+            "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation}

@@ -140,6 +140,62 @@ def achieved_sparsity(dense_blocks: list[dict], pruned_blocks: list[dict]) -> di
             "v": frac("v_dim", "num_heads"), "heads": frac("num_heads", None)}
 
 
+#: module keys of ``CorpConfig.dims`` / the allocator, and the sparsity each follows otherwise
+DIM_KEYS = {"mlp": "mlp_sparsity", "qk": "attn_sparsity", "v": "v_sparsity", "heads": "head_sparsity"}
+_TARGET_MODULES = {"mlp": ("mlp",), "attn": ("qk",), "both": ("mlp", "qk"), "v": ("v",),
+                   "heads": ("heads",), "all": ("mlp", "qk", "v")}
+
+
+def target_modules(target: str) -> tuple[str, ...]:
+    """The ``DIM_KEYS`` modules a target selects (``both`` -> ("mlp", "qk"))."""
+    if target not in _TARGET_MODULES:
+        raise UserError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
+    return _TARGET_MODULES[target]
+
+
+def dims_override(cfg, block: int, key: str) -> int | None:
+    """The kept count of module ``key`` ("mlp", "qk", "v", "heads") in ``block`` set by
+    ``cfg.dims`` (per-block kept dims), or None when the sparsity decides."""
+    dims = getattr(cfg, "dims", None)
+    if not dims or block >= len(dims) or dims[block] is None:
+        return None
+    v = dims[block].get(key)
+    return None if v is None else int(v)
+
+
+def pruned_modules(cfg) -> set[str]:
+    """Which modules ("mlp", "qk", "v", "heads") a :class:`~edgeprune.corp.CorpConfig` may prune:
+    those with a sparsity > 0, those named in ``cfg.dims``, and, with a budget, those the target
+    selects (the allocator decides how much)."""
+    out = {key for key, field in DIM_KEYS.items() if float(getattr(cfg, field, 0.0)) > 0}
+    for d in getattr(cfg, "dims", None) or []:
+        out |= {k for k in (d or {}) if k in DIM_KEYS}
+    if getattr(cfg, "budget", None) is not None:
+        out |= set(target_modules(cfg.target))
+    if getattr(cfg, "layout", "default") == "fused" and ("qk" in out or "v" in out):
+        out |= {"qk", "v"}
+    return out
+
+
+def check_dims(dims: list | None) -> None:
+    """Raises UserError unless ``dims`` is None or a list of per-block dicts of positive ints with
+    keys from ``DIM_KEYS``."""
+    if dims is None:
+        return
+    if not isinstance(dims, (list, tuple)):
+        raise UserError(f"dims must be a list of per-block dicts, got {type(dims).__name__}")
+    for i, d in enumerate(dims):
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise UserError(f"dims[{i}] must be a dict, got {type(d).__name__}")
+        for k, v in d.items():
+            if k not in DIM_KEYS:
+                raise UserError(f"dims[{i}]: unknown module {k!r} (choose from {', '.join(DIM_KEYS)})")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"dims[{i}][{k!r}] must be a positive int, got {v!r}")
+
+
 def pruned_indices(keep: torch.Tensor, dim: int) -> torch.Tensor:
     """The complement P of kept indices S in ``range(dim)``, ascending (int64).
 

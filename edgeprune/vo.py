@@ -33,7 +33,7 @@ import torch
 from edgeprune.anatomy import BlockAnatomy
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.errors import UserError
-from edgeprune.plan import BlockPlan, kept_dim, kept_heads, pruned_indices
+from edgeprune.plan import BlockPlan, dims_override, kept_dim, kept_heads, pruned_indices
 from edgeprune.ranking import qk_scores, top_k_indices, vo_scores
 from edgeprune.solve import mlp_ridge, qk_logit
 from edgeprune.surgery import qkv_parts, replace_attention
@@ -67,6 +67,17 @@ def attention_dims(b: BlockAnatomy, cfg) -> tuple[int, int, int]:
     heads = kept_heads(b.num_heads, cfg.head_sparsity) if cfg.head_sparsity > 0 else b.num_heads
     qk = kept_dim(b.qk_dim, s_qk, cfg.round_to, f"block {b.index} Q/K") if s_qk > 0 else b.qk_dim
     v = kept_dim(b.v_dim, s_v, cfg.round_to, f"block {b.index} V") if s_v > 0 else b.v_dim
+    given = {key: dims_override(cfg, b.index, key) for key in ("heads", "qk", "v")}
+    if cfg.layout == "fused" and given["qk"] is not None and given["v"] is None:
+        given["v"] = given["qk"]
+    if cfg.layout == "fused" and given["v"] is not None and given["qk"] is None:
+        given["qk"] = given["v"]
+    for key, dense in (("heads", b.num_heads), ("qk", b.qk_dim), ("v", b.v_dim)):
+        if given[key] is not None and given[key] > dense:
+            raise UserError(f"block {b.index}: {given[key]} kept {key} asked, the block has {dense}")
+    heads = given["heads"] if given["heads"] is not None else heads
+    qk = given["qk"] if given["qk"] is not None else qk
+    v = given["v"] if given["v"] is not None else v
     if cfg.layout == "fused" and qk != v:
         raise UserError(f"--layout fused: block {b.index} would end with qk_dim {qk} != v_dim {v} "
                         f"(this model's Q/K and V dims differ already: give --attn-sparsity/--v-sparsity "

@@ -117,6 +117,9 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
             h.remove()
     if num_images == 0:
         raise UserError("the calibration set is empty")
-    return CalibrationStatistics(mlp=mlp_stats, qk=qk_stats, num_images=num_images,
-                                 num_tokens=anatomy.num_tokens, seconds=time.perf_counter() - t0,
-                                 vo=vo_stats)
+    stats = CalibrationStatistics(mlp=mlp_stats, qk=qk_stats, num_images=num_images,
+                                  num_tokens=anatomy.num_tokens, seconds=time.perf_counter() - t0,
+                                  vo=vo_stats)
+    from edgeprune.distributed import reduce_statistics
+
+    return reduce_statistics(stats)  # identity unless under torchrun (edgeprune.distributed)
