@@ -59,9 +59,21 @@ def corp_config(target: str = "both", sparsity: float | None = 0.5, **settings: 
     """A :class:`CorpConfig` from the Python API's keyword arguments (``target=``, ``sparsity=``,
     ``mlp_sparsity=``, ``criterion=``, ``ridge_alpha=`` ...). ``None`` values mean "default".
 
+    ``flops=`` / ``params=`` (a fraction of the dense model in (0, 1], or an absolute count; a
+    number or a string such as ``"2.3G"``) set a budget (``CorpConfig.budget``) that replaces
+    ``sparsity``: the allocator chooses the kept dims of the target's modules
+    (``edgeprune.allocation``, METHODS.md §5 "Budgeted allocation").
+
     Raises:
-        UserError: unknown setting, bad target or sparsity, invalid settings.
+        UserError: unknown setting, bad target or sparsity, invalid settings, both ``flops`` and
+            ``params``, a bad budget value.
     """
+    from edgeprune.allocation.budget import make_budget
+
+    budget = make_budget(settings.pop("flops", None), settings.pop("params", None))
+    if budget is not None:
+        settings["budget"] = budget
+        sparsity = None  # the budget replaces the sparsity
     kw: dict[str, Any] = {}
     for key, value in settings.items():
         if value is None:
@@ -74,9 +86,14 @@ def calibration_batches(calibration: Any, batch_size: int) -> tuple[Callable[[],
                                                                    int | None]:
     """(callable returning fresh (B, C, H, W) batches, description, number of images or None).
 
+    Under torch.distributed (torchrun) the callable yields this rank's share of the batches
+    (:func:`edgeprune.distributed.shard_calibration`); the number of images is the whole set's.
+
     Raises:
         UserError: an empty set, or something that is not a tensor / data source / callable.
     """
+    from edgeprune.distributed import shard_calibration
+
     if isinstance(calibration, torch.Tensor):
         calibration = TensorSource(calibration, None, f"tensor {tuple(calibration.shape)}")
     if hasattr(calibration, "batches"):
@@ -84,10 +101,10 @@ def calibration_batches(calibration: Any, batch_size: int) -> tuple[Callable[[],
         num_images = len(source)
         if num_images == 0:
             raise UserError("the calibration set is empty")
-        return ((lambda: (x for x, _ in source.batches(batch_size))),
-                getattr(source, "description", type(source).__name__), num_images)
+        return (shard_calibration(lambda: (x for x, _ in source.batches(batch_size)), num_images, batch_size,
+                                  source), getattr(source, "description", type(source).__name__), num_images)
     if callable(calibration):
-        return calibration, "custom iterable", None
+        return shard_calibration(calibration, None, batch_size), "custom iterable", None
     raise UserError("calibration must be a tensor, a data source or a callable returning batches")
 
 
@@ -133,7 +150,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings
     as keywords (``target="both", sparsity=0.5, mlp_sparsity=..., attn_sparsity=...,
     compensation=, criterion=, ridge_alpha=, qk_ridge_alpha=, round_to=, gram_dtype=,
-    qk_solver=`` and any other CorpConfig field), which build one with
+    qk_solver=`` and any other CorpConfig field, or ``flops=`` / ``params=`` for a budget instead
+    of a sparsity, see :func:`corp_config`), which build one with
     :meth:`CorpConfig.from_target`; not both.
 
     Args:
@@ -146,10 +164,17 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         progress: progress display (:mod:`edgeprune.progress`: bars on a terminal).
         inplace: prune ``model`` itself.
         batch_size: calibration batch size (tensor or source input).
-        device: the torch device; CORP's statistics run on the CPU for now, so only "cpu" is
-            accepted here (recorded in the run record).
+        device: torch device of the calibration pass: "cpu", "cuda", "cuda:N" or "auto" (cuda if
+            available, else cpu). The statistics are accumulated on it (float32 products summed
+            in float64); the closed-form solves run in float64 on the CPU and the model is
+            returned on the CPU (``edgeprune.calibration.collect``). Recorded in the run record.
         calibration_info: extra calibration description for the record (seed, size requested).
         target, sparsity, **settings: the keyword form of ``config`` (see above).
+
+    Under an initialised torch.distributed group (torchrun) every rank calls this with the same
+    arguments; each streams its share of the calibration batches, the statistics are combined
+    (:mod:`edgeprune.distributed`, METHODS.md §5) and every rank returns the same pruned model;
+    the record's ``calibration`` says ``world_size`` and ``backend``.
 
     Returns:
         :class:`PruneResult` with the pruned model and its run record
@@ -157,9 +182,10 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
 
     Raises:
         UserError: bad settings, unsupported model, empty or mis-shaped calibration data, both
-            ``config`` and keyword settings given, a device other than cpu.
+            ``config`` and keyword settings given, an unknown device or CUDA not available.
     """
     from edgeprune.artifact import new_record
+    from edgeprune.distributed import distributed_info
 
     if config is None:
         config = corp_config("both" if target is _UNSET else target,
@@ -167,17 +193,25 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     elif target is not _UNSET or sparsity is not _UNSET or settings:
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
     config.validate()
-    require_cpu(device, "CORP pruning")
+    from edgeprune.calibration.collect import calibration_device
+    from edgeprune.cli.options import resolve_device
+
+    device = resolve_device(device)
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
     anatomy = find_anatomy(model)
+    if config.budget is not None:  # before the calibration pass
+        from edgeprune.allocation.greedy import check_budget
+
+        check_budget(anatomy, config)
     base_record = base_model_record(model, spec)
     dense = structure_summary(model)
     batches, description, num_images = calibration_batches(calibration, batch_size)
 
     t0 = time.perf_counter()
-    info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress)
+    with calibration_device(device):
+        info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress)
     seconds = time.perf_counter() - t0
     pruned = structure_summary(model)
     fields = dataclasses.asdict(config)
@@ -187,7 +221,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         "corp" if config.compensation else "uncompensated",
         base_record, config, dense, pruned,
         calibration={"source": description, "num_images": info["num_images"], "passes": info["passes"],
-                     "batch_size": batch_size, **(calibration_info or {})},
+                     "batch_size": batch_size, **(calibration_info or {}), **distributed_info()},
         timing={"total_s": seconds, "calibration_s": info["calibration_seconds"],
                 "solve_s": info["solve_seconds"]},
         device=str(device),

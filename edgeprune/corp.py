@@ -55,6 +55,11 @@ class CorpConfig:
         sequential: sequential calibration (METHODS.md §5): statistics of block i are taken on
             the output of the already pruned blocks 0..i-1, fits target the dense outputs
             (``edgeprune.sequential``).
+        allocation_check_images: with a budget, candidate allocations are compared by the
+            measured output error on this many calibration images (``edgeprune.allocation.select``;
+            0 = trust the allocator's proxy alone).
+        sequential_memory_gb: sequential calibration keeps its two token streams (N x n x D
+            float32 each) in memory up to this many GiB, the rest in temporary disk memmaps.
         compensation: fold the closed-form compensation (False = plain removal, same ranking).
         mlp_criterion: "combined" (default), "energy", "magnitude" or "active" (see ranking.py).
         ridge_alpha: scale-free ridge strength of the MLP and proj (V/O, heads) fits
@@ -90,6 +95,8 @@ class CorpConfig:
     dims: list | None = None
     budget: dict | None = None
     sequential: bool = False
+    sequential_memory_gb: float = 4.0
+    allocation_check_images: int = 32
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
@@ -148,6 +155,11 @@ class CorpConfig:
         if self.qk_solver == "cg" and self.qk_ridge_alpha == 0:
             raise UserError("the cg Q/K solver needs a ridge alpha > 0 (use --qk-solver direct)")
         check_dims(self.dims)
+        if isinstance(self.allocation_check_images, bool) or not isinstance(self.allocation_check_images, int) \
+                or self.allocation_check_images < 0:
+            raise UserError(f"allocation check images must be an int >= 0, got {self.allocation_check_images!r}")
+        if not self.sequential_memory_gb >= 0:
+            raise UserError(f"the sequential stream memory limit must be >= 0 GiB, got {self.sequential_memory_gb!r}")
         if self.budget is not None:
             if not isinstance(self.budget, dict) or self.budget.get("kind") not in ("flops", "params"):
                 raise UserError(f"budget must be {{'kind': 'flops' | 'params', 'value': v}}, got {self.budget!r}")
@@ -230,13 +242,17 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
     return info
 
 
-def qk_solver_from_grams(qk_stats: list, plans: list[BlockPlan], cfg: CorpConfig) -> QKSolve:
+def qk_solver_from_grams(qk_stats: list, plans: list[BlockPlan], cfg: CorpConfig,
+                         rhs_fn: Callable | None = None) -> QKSolve:
     """Per-head solver of the exact Q/K system from the stored per-image Grams.
 
     Args:
-        qk_stats: per-block :class:`~edgeprune.calibration.qk_stats.QKStatistics` with Grams.
-        plans: kept Q/K dims per block (``plan.qk_keep``, (H, d')).
+        qk_stats: per-block :class:`~edgeprune.calibration.qk_stats.QKStatistics` with Grams
+            (anything indexable by block index).
+        plans: kept Q/K dims per block (``plan.qk_keep``, (H, d')), indexable by block index.
         cfg: ``qk_solver`` ("auto" / "direct" / "cg") and ``qk_ridge_alpha``.
+        rhs_fn: ``f(block, head, keep, prune) -> (d', d') float64`` replacing the system's right
+            side (the two-stream system of ``edgeprune.solve.qk_logit_cross``); None = CORP's.
 
     Returns:
         ``f(block, head) -> (M (d', d') float64, lam, {"solver": "direct" | "cg:<iters>"})``.
@@ -256,10 +272,14 @@ def qk_solver_from_grams(qk_stats: list, plans: list[BlockPlan], cfg: CorpConfig
                                           and cg_is_cheaper(gq.shape[0], len(keep)))
         if use_cg:
             gq_ss, gk_ss, rhs = qk_logit.kept_blocks(gq[:, h], gk[:, h], keep, prune)
+            if rhs_fn is not None:
+                rhs = rhs_fn(i, h, keep, prune)
             res = qk_logit_cg.solve_logit_compensation_cg(gq_ss, gk_ss, rhs, cfg.qk_ridge_alpha)
             if res.converged:
                 return res.m, res.lam, {"solver": f"cg:{res.iterations}"}
         k_sys, rhs = qk_logit.kronecker_system(gq[:, h], gk[:, h], keep, prune)
+        if rhs_fn is not None:
+            rhs = rhs_fn(i, h, keep, prune)
         m, lam = qk_logit.solve_logit_compensation(k_sys, rhs, cfg.qk_ridge_alpha)
         return m, lam, {"solver": "direct"}
 
@@ -295,6 +315,10 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
     for b in anatomy.blocks:  # rounding and fused-layout errors before the calibration pass
         attention_dims(b, cfg)
         mlp_kept(b, cfg)
+    if cfg.budget is not None:  # an unreachable budget fails before the calibration pass
+        from edgeprune.allocation.greedy import check_budget
+
+        check_budget(anatomy, cfg)
     if cfg.sequential:
         from edgeprune.sequential import sequential_prune
 
@@ -310,14 +334,15 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
     stats = collect_statistics(anatomy, batches(), mlp=prune_mlp and (cfg.compensation or cfg.mlp_criterion != "magnitude"),
                                qk=prune_qk, qk_grams=keep_grams, gram_dtype=gram_dtype,
                                mlp_second_order=cfg.compensation, vo=prune_vo,
+                               mlp_active=cfg.mlp_criterion == "active",
                                progress=progress)
     seconds = stats.seconds
     t0 = time.perf_counter()
     allocation = None
     if cfg.budget is not None:
-        from edgeprune.allocation import allocate
+        from edgeprune.allocation.select import select_allocation
 
-        dims, allocation = allocate(anatomy, stats, cfg)
+        dims, allocation = select_allocation(anatomy, stats, cfg, batches)
         cfg = dataclasses.replace(cfg, dims=dims)
     plans = plan_corp(anatomy, stats, cfg)
     passes = 1

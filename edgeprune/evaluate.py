@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn as nn
 
@@ -88,16 +91,31 @@ def evaluate_saliency(model: nn.Module, dense: nn.Module, source, batch_size: in
 
 def evaluate(spec, model: nn.Module, source, dense: nn.Module | None = None,
              batch_size: int | None = None, progress: bool = False, device: str = "cpu") -> dict[str, float]:
-    """Dispatch on ``spec.output_kind`` ("logits" or "saliency").
+    """Dispatch on ``spec.output_kind`` ("logits" or "saliency"), on ``device`` ("cpu", "cuda",
+    "cuda:N"); the models are moved there for the evaluation and back to where they were.
 
     Raises:
         UserError: saliency fidelity without the dense model.
     """
-    if spec.output_kind == "saliency":
-        if dense is None:
-            raise UserError(f"{spec.name} quality is fidelity to the dense model: evaluate a run directory")
-        return evaluate_saliency(model, dense, source, batch_size or 8, progress, device)
-    return evaluate_classifier(model, source, batch_size or 256, dense, progress, device)
+    if spec.output_kind == "saliency" and dense is None:
+        raise UserError(f"{spec.name} quality is fidelity to the dense model: evaluate a run directory")
+    with _on_device(model, dense):
+        if spec.output_kind == "saliency":
+            return evaluate_saliency(model, dense, source, batch_size or 8, progress, device)
+        return evaluate_classifier(model, source, batch_size or 256, dense, progress, device)
+
+
+@contextlib.contextmanager
+def _on_device(*models: nn.Module | None) -> Iterator[None]:
+    """Put every model back on the device of its first parameter afterwards (an evaluation on
+    cuda must not leave the model there: it is saved or pruned on the CPU next)."""
+    homes = [(m, next(m.parameters()).device) for m in models
+             if m is not None and next(m.parameters(), None) is not None]
+    try:
+        yield
+    finally:
+        for m, dev in homes:
+            m.to(dev)
 
 
 @torch.no_grad()
@@ -125,6 +143,7 @@ def evaluate_target_classes(model: nn.Module, head: dict, source, device: str = 
         raise UserError("evaluating a NuWa run needs labeled evaluation images of its target classes")
     xs, ys = zip(*pairs)
     x, y = torch.cat(xs), torch.cat(ys)
-    model.to(device)
-    top1, _ = evaluate_targets(model, x.to(device), y.to(device), classes, sliced=head.get("mode") == "slice")
+    with _on_device(model):
+        model.to(device)
+        top1, _ = evaluate_targets(model, x.to(device), y.to(device), classes, sliced=head.get("mode") == "slice")
     return {"top1": top1, "num_images": len(y)}

@@ -155,7 +155,7 @@ def plan_attention(b: BlockAnatomy, plan: BlockPlan, cfg, qk_stats, vo_stats: ML
 
 
 def prune_attention(b: BlockAnatomy, plan: BlockPlan, cfg, vo_stats: MLPStatistics | None,
-                    qk_solve) -> dict:
+                    qk_solve, proj_fit=None) -> dict:
     """Solve and fold the Q/K and V/O compensations of one block, then rebuild its attention.
 
     Args:
@@ -165,6 +165,9 @@ def prune_attention(b: BlockAnatomy, plan: BlockPlan, cfg, vo_stats: MLPStatisti
         vo_stats: statistics of proj's input z (needed if V dims or heads are pruned with
             compensation).
         qk_solve: ``f(block, head) -> (M, lam, info)`` (``corp.qk_solver_from_grams``) or None.
+        proj_fit: optional ``f(keep, prune, W_O, b_O) -> (W_O', b_O', lam)`` replacing the ridge
+            fold of ``proj`` when compensating (the two-stream fit of ``edgeprune.sequential``);
+            ``vo_stats`` is then not used by the fold.
 
     Raises:
         ValueError: V dims or heads pruned with compensation but no ``vo_stats``.
@@ -189,12 +192,15 @@ def prune_attention(b: BlockAnatomy, plan: BlockPlan, cfg, vo_stats: MLPStatisti
     b_o = None if b.proj.bias is None else b.proj.bias.detach()
     if len(prune) > 0:
         bmat = cvec = None
-        if cfg.compensation:
+        if cfg.compensation and proj_fit is not None:
+            w_o, b_o, rec["vo_lambda"] = proj_fit(keep, prune, w_o, b_o)
+        elif cfg.compensation:
             if vo_stats is None:
                 raise ValueError(f"block {b.index}: the proj fold needs the statistics of proj's input")
             bmat, cvec, lam = mlp_ridge.ridge_affine_map(vo_stats.mean, vo_stats.cov, keep, prune, cfg.ridge_alpha)
             rec["vo_lambda"] = lam
-        w_o, b_o = mlp_ridge.fold_into_linear(w_o, b_o, keep, prune, bmat, cvec)
+        if not (cfg.compensation and proj_fit is not None):
+            w_o, b_o = mlp_ridge.fold_into_linear(w_o, b_o, keep, prune, bmat, cvec)
     wq, wk, bq, bk, lams, how = [], [], [], [], [], []
     for h in heads.tolist():
         kq = qk_keep[h]

@@ -304,9 +304,9 @@ def test_unknown_device_and_cpu_only_methods(tmp_path, capsys, monkeypatch):
     _no_prune(monkeypatch)
     code, _, err = run(["prune", "--device", "tpu", "-o", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "unknown device 'tpu'")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run(["prune", "--device", "cuda", "-o", str(tmp_path / "o")], capsys)
-    assert_one_line_error(code, err, "runs on the CPU for now")
+    assert_one_line_error(code, err, "CUDA is not available")  # refused before any work
     assert not (tmp_path / "o").exists()
 
 

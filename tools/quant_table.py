@@ -57,8 +57,9 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def build_models(work: Path, calib_size: int, seed: int, log) -> dict[tuple[str, str], Path]:
-    """Export dense + pruned fmnist-vit and their fp16 / int8 copies into ``work``."""
+def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmnist-vit",
+                 gate_size: int = 500) -> dict[tuple[str, str], Path]:
+    """Export dense + pruned ``model`` (both@0.5) and their fp16 / int8 copies into ``work``."""
     import torch
 
     import edgeprune
@@ -67,7 +68,7 @@ def build_models(work: Path, calib_size: int, seed: int, log) -> dict[tuple[str,
     from exporters.quantize import QuantizeConfig, quantize_onnx
 
     torch.set_num_threads(1)
-    spec = get_model_spec("fmnist-vit")
+    spec = get_model_spec(model)
     dense = spec.create()
     calib = spec.calibration_source(calib_size, seed=seed)
     t0 = time.perf_counter()
@@ -85,10 +86,11 @@ def build_models(work: Path, calib_size: int, seed: int, log) -> dict[tuple[str,
     for variant in ("dense", "pruned"):
         for precision in VARIANTS:
             cfg = QuantizeConfig(precision=precision[:4], activation_symmetric=precision != "int8-u8",
-                                 eval_size=500, threads=1)
+                                 eval_size=gate_size, threads=1)
             r = quantize_onnx(files[(variant, "fp32")], work / f"{variant}-{precision}.onnx", cfg)
             files[(variant, precision)] = r.path
-            log(f"{variant} {precision}: agreement with its fp32 model {r.report['agreement'] * 100:.2f}% on 500 images")
+            log(f"{variant} {precision}: agreement with its fp32 model {r.report['agreement'] * 100:.2f}% "
+                f"on {gate_size} images")
     return files
 
 
@@ -100,7 +102,8 @@ def accuracy(files: dict, x: np.ndarray, y: np.ndarray) -> dict:
     return {k: {"top1": float(np.mean(o == y)), "agree": float(np.mean(o == ref))} for k, o in outs.items()}
 
 
-def latency(files: dict, batch_sizes, iterations: int, warmup: int, seed: int = 0) -> dict:
+def latency(files: dict, batch_sizes, iterations: int, warmup: int, seed: int = 0,
+            input_size: tuple = (1, 28, 28)) -> dict:
     """p50 latency (ms) per (model, batch size), interleaved in one process, 1 thread."""
     from runners.onnxruntime_runner import load_session
 
@@ -109,7 +112,7 @@ def latency(files: dict, batch_sizes, iterations: int, warmup: int, seed: int = 
     rng = np.random.default_rng(seed)
     out: dict = {}
     for b in batch_sizes:
-        x = rng.standard_normal((b, 1, 28, 28)).astype(np.float32)
+        x = rng.standard_normal((b, *input_size)).astype(np.float32)
         times: dict = {k: [] for k in keys}
         for it in range(warmup + iterations):
             order = keys[it % len(keys):] + keys[:it % len(keys)]
@@ -168,9 +171,10 @@ def render(files, acc, lat, batch_sizes, args, machine: str, seconds: float) -> 
     return "\n".join(lines)
 
 
-def write_doc(doc: Path, block: str) -> None:
+def write_doc(doc: Path, block: str, model: str = "fmnist-vit") -> None:
     from edgeprune.atomic import atomic_write_text
 
+    START, END = _markers(model)
     text = doc.read_text() if doc.exists() else f"# Quantization\n\n{START}\n{END}\n"
     if START not in text or END not in text:
         text = text.rstrip() + f"\n\n{START}\n{END}\n"
@@ -179,10 +183,19 @@ def write_doc(doc: Path, block: str) -> None:
     atomic_write_text(doc, f"{head}{START}\n{block}\n{END}{tail}")
 
 
+def _markers(model: str) -> tuple[str, str]:
+    """The doc markers of one model's table (fmnist-vit keeps the original ones)."""
+    if model == "fmnist-vit":
+        return globals()["START"], globals()["END"]
+    return f"<!-- quant_table:{model}:start -->", f"<!-- quant_table:{model}:end -->"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="fmnist-vit", help="a labeled zoo model (fmnist-vit, dinov2-s14-fmnist)")
     p.add_argument("--eval-size", type=int, default=10000, help="Fashion-MNIST test images for top-1")
-    p.add_argument("--calib-size", type=int, default=512)
+    p.add_argument("--calib-size", type=int, default=None, help="calibration images [the model's default]")
+    p.add_argument("--gate-size", type=int, default=500, help="images of quantize's own agreement check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--iterations", type=int, default=100)
@@ -198,21 +211,28 @@ def main(argv=None) -> int:
 
     import onnxruntime
 
-    ev = get_model_spec("fmnist-vit").eval_source(n=args.eval_size)
-    x, y = ev.images.numpy(), ev.labels.numpy()
+    spec = get_model_spec(args.model)
+    if spec.output_kind != "logits":
+        p.error(f"{args.model} has no labels (choose fmnist-vit or dinov2-s14-fmnist)")
+    ev = spec.eval_source(n=args.eval_size)
+    xs, ys = zip(*ev.batches(256))
+    x, y = np.concatenate([t.numpy() for t in xs]), np.concatenate([t.numpy() for t in ys])
+    calib_size = args.calib_size or spec.default_calib_size
     with tempfile.TemporaryDirectory(prefix="quant_table.") as tmp:
-        files = build_models(Path(tmp), args.calib_size, args.seed, lambda m: print(m, flush=True))
+        files = build_models(Path(tmp), calib_size, args.seed, lambda m: print(m, flush=True),
+                             model=args.model, gate_size=args.gate_size)
         acc = accuracy(files, x, y)
         print("accuracy done", flush=True)
-        lat = latency(files, batch_sizes, args.iterations, args.warmup)
+        lat = latency(files, batch_sizes, args.iterations, args.warmup, input_size=tuple(spec.input_size))
         machine = (f"{_cpu_name()}, {os.cpu_count()} CPU cores shared with other jobs "
                    f"(load average {os.getloadavg()[0]:.1f} at the end), ONNX Runtime {onnxruntime.__version__} "
                    f"CPUExecutionProvider, 1 intra-op thread, Python {platform.python_version()}; top-1 on the "
-                   f"first {len(x)} Fashion-MNIST test images")
+                   f"first {len(x)} Fashion-MNIST test images; model {args.model}, calibration "
+                   f"{calib_size} images")
         block = render(files, acc, lat, batch_sizes, argv_used, machine, time.perf_counter() - t0)
     print(block)
     if not args.no_doc:
-        write_doc(args.doc, block)
+        write_doc(args.doc, block, args.model)
         print(f"wrote {args.doc}")
     return 0
 

@@ -8,9 +8,11 @@ for V/O and head pruning: the same :class:`MLPStatistics` class, METHODS.md §5)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -47,6 +49,55 @@ def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.
     return q, k
 
 
+_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgeprune_calibration_device", default=None)
+
+
+@contextlib.contextmanager
+def calibration_device(device: str | torch.device | None) -> Iterator[None]:
+    """Run every :func:`collect_statistics` inside the block on ``device`` ("cpu", "cuda",
+    "cuda:N"; None: the model's own device). How ``edgeprune.prune(device=...)`` reaches the
+    calibration passes of CORP, sequential calibration and NuWa without threading a device
+    through every call."""
+    token = _DEVICE.set(None if device is None else str(device))
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def _stats_to_cpu(st) -> None:
+    """Move one statistics object's tensors to host memory (in place)."""
+    if st is None:
+        return
+    for name in ("_shift", "_sum", "_gram", "_sq", "_positive", "_score", "k_sys", "rhs", "keep", "prune"):
+        t = getattr(st, name, None)
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            setattr(st, name, t.cpu())
+    for name in ("_gq", "_gk"):
+        if getattr(st, name, None):
+            setattr(st, name, [t.cpu() for t in getattr(st, name)])
+
+
+@contextlib.contextmanager
+def _exact_fp32(device: torch.device) -> Iterator[None]:
+    """No TF32 in CUDA matmuls/convolutions during a statistics pass: the float32 products must
+    be float32-exact (TF32 keeps 10 mantissa bits, ~1e-3 relative)."""
+    if device.type != "cuda":
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
+
+
 @torch.no_grad()
 def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        mlp: bool = True, qk: bool = True, qk_grams: bool = True,
@@ -54,7 +105,8 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        gram_dtype: torch.dtype = torch.float32, progress: bool = True,
                        total: int | None = None,
                        qk_keep: list[torch.Tensor | None] | None = None,
-                       vo: bool = False) -> CalibrationStatistics:
+                       vo: bool = False, mlp_active: bool = True,
+                       device: str | torch.device | None = None) -> CalibrationStatistics:
     """Run the model once over the calibration batches and accumulate statistics.
 
     Args:
@@ -69,25 +121,43 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         qk_keep: second-pass mode: per block the (H, d') kept Q/K dims (or None); the pass then
             accumulates :class:`QKSystemStatistics` into ``qk`` instead of per-image Grams.
         vo: collect mean and covariance of every ``attn.proj`` input (for V/O and head pruning).
+        mlp_active: count positive MLP activations (only the ``active`` ranking criterion reads it).
+        device: run the pass on this torch device ("cpu", "cuda", "cuda:N"); default: the one
+            set by :func:`calibration_device`, else the model's. The model is moved there for
+            the pass and back afterwards; images are moved batch by batch. Every statistic is
+            accumulated on the device (float32 products summed into float64 sums; TF32 off),
+            except the per-image Q/K Grams, which go to host memory as they are made (they grow
+            with N; GPU memory stays bounded by the model, one batch and the O(D^2) sums).
+            The finished statistics are returned in host memory: the closed-form solves run in
+            float64 on the CPU (small matrices; consumer GPUs run float64 at 1/32-1/64 rate).
 
     Returns:
-        :class:`CalibrationStatistics`.
+        :class:`CalibrationStatistics`, tensors on the CPU.
 
     Raises:
         UserError: no images, or images of the wrong shape.
     """
     model = anatomy.model
     model.eval()
+    home = _model_device(model)
+    dev = torch.device(device if device is not None else (_DEVICE.get() or home))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("CUDA is not available (use --device cpu)")
+    on_cpu = dev.type == "cpu"
+    grams_dev = None if on_cpu else torch.device("cpu")
     mlp_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order) if mlp else None for b in anatomy.blocks]
+        MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order, count_positive=mlp_active, device=dev)
+        if mlp else None for b in anatomy.blocks]
     qk_stats: list = [
-        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype) if qk else None for b in anatomy.blocks]
+        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype, device=dev,
+                     grams_device=grams_dev) if qk else None for b in anatomy.blocks]
     if qk_keep is not None:
         qk = True
-        qk_stats = [None if keep is None else QKSystemStatistics(keep, b.qk_dim)
+        qk_stats = [None if keep is None else QKSystemStatistics(keep, b.qk_dim, device=dev)
                     for b, keep in zip(anatomy.blocks, qk_keep)]
     vo_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.proj.in_features, gram_dtype, True) if vo else None for b in anatomy.blocks]
+        MLPStatistics(b.proj.in_features, gram_dtype, True, count_positive=False, device=dev) if vo else None
+        for b in anatomy.blocks]
     handles = []
     for b in anatomy.blocks:
         if vo:
@@ -106,20 +176,28 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     num_images = 0
     t0 = time.perf_counter()
     try:
-        for x in show_progress(batches, "calibration", enabled=progress, total=total, unit="batch"):
-            if x.dim() != 4 or tuple(x.shape[1:]) != expected:
-                raise UserError(f"calibration images have shape {tuple(x.shape[1:])}, "
-                                f"the model takes {expected}")
-            model(x)
-            num_images += x.shape[0]
+        if dev != home:
+            model.to(dev)
+        with _exact_fp32(dev):
+            for x in show_progress(batches, "calibration", enabled=progress, total=total, unit="batch"):
+                if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+                    raise UserError(f"calibration images have shape {tuple(x.shape[1:])}, "
+                                    f"the model takes {expected}")
+                model(x.to(dev, non_blocking=True))
+                num_images += x.shape[0]
     finally:
         for h in handles:
             h.remove()
-    if num_images == 0:
+        if dev != home:
+            model.to(home)
+    if not on_cpu:
+        for st in [*mlp_stats, *qk_stats, *vo_stats]:
+            _stats_to_cpu(st)
+    from edgeprune.distributed import is_distributed, reduce_statistics
+
+    if num_images == 0 and not is_distributed():  # a rank's empty share is fine: reduce_statistics checks the total
         raise UserError("the calibration set is empty")
     stats = CalibrationStatistics(mlp=mlp_stats, qk=qk_stats, num_images=num_images,
                                   num_tokens=anatomy.num_tokens, seconds=time.perf_counter() - t0,
                                   vo=vo_stats)
-    from edgeprune.distributed import reduce_statistics
-
     return reduce_statistics(stats)  # identity unless under torchrun (edgeprune.distributed)

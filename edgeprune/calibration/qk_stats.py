@@ -32,16 +32,23 @@ class QKStatistics:
         keep_grams: store the per-image Grams (needed for compensation); ``False`` keeps only
             the ranking score (uncompensated pruning needs nothing else).
         gram_dtype: dtype in which the per-image products are formed.
+        device: where ``_score`` accumulates (the activations' device).
+        grams_device: where the per-image Grams are stored; default: the activations' device.
+            ``collect_statistics`` stores them in host memory during a GPU pass, so that GPU
+            memory stays bounded by the model and one batch, whatever N (the Grams are the
+            statistics that grow with N; ``CorpConfig.qk_memory_limit_gb`` bounds them in RAM).
     """
 
     def __init__(self, num_heads: int, qk_dim: int, keep_grams: bool = True,
-                 gram_dtype: torch.dtype = torch.float32) -> None:
+                 gram_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 grams_device: torch.device | str | None = None) -> None:
         self.gram_dtype = gram_dtype
         self.num_heads = num_heads
         self.qk_dim = qk_dim
         self.keep_grams = keep_grams
+        self.grams_device = grams_device
         self.num_images = 0
-        self._score = torch.zeros(num_heads, qk_dim, dtype=torch.float64)
+        self._score = torch.zeros(num_heads, qk_dim, dtype=torch.float64, device=device)
         self._gq: list[torch.Tensor] = []
         self._gk: list[torch.Tensor] = []
 
@@ -55,14 +62,19 @@ class QKStatistics:
         if q.shape != k.shape or q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.qk_dim:
             raise ValueError(f"expected q, k of shape (B, {self.num_heads}, n, {self.qk_dim}), "
                              f"got {tuple(q.shape)} and {tuple(k.shape)}")
-        qd, kd = q.to(self.gram_dtype), k.to(self.gram_dtype)
-        gq = qd.transpose(-1, -2) @ qd  # (B, H, d, d)
-        gk = kd.transpose(-1, -2) @ kd
-        self._score += (torch.diagonal(gq, dim1=-2, dim2=-1).double()
-                        * torch.diagonal(gk, dim1=-2, dim2=-1).double()).sum(0)
+        h = self.num_heads
+        # one contiguous (B, 2H, n, d) copy and one batched GEMM for both Grams: q and k arrive
+        # as strided views of the fused qkv output, which batched matmul would copy twice each
+        qk = torch.cat([q, k], 1).to(self.gram_dtype)
+        g = qk.transpose(-1, -2) @ qk  # (B, 2H, d, d)
+        gq, gk = g[:, :h], g[:, h:]
+        diag = torch.diagonal(g, dim1=-2, dim2=-1).double()  # (B, 2H, d)
+        self._score += (diag[:, :h] * diag[:, h:]).sum(0)
         if self.keep_grams:
-            self._gq.append(gq.float())
-            self._gk.append(gk.float())
+            dev = q.device if self.grams_device is None else self.grams_device
+            g = g.to(device=dev, dtype=torch.float32)
+            self._gq.append(g[:, :h])
+            self._gk.append(g[:, h:])
         self.num_images += q.shape[0]
 
     @property
@@ -100,9 +112,10 @@ class QKSystemStatistics:
 
     Args:
         keep: (H, d') int64 kept dims per head; qk_dim: the current per-head dim d.
+        device: where the float64 system accumulates (the activations' device).
     """
 
-    def __init__(self, keep: torch.Tensor, qk_dim: int) -> None:
+    def __init__(self, keep: torch.Tensor, qk_dim: int, device: torch.device | str = "cpu") -> None:
         from edgeprune.solve.qk_logit import kronecker_system  # local: solve depends on nothing here
 
         self._kron = kronecker_system
@@ -110,8 +123,8 @@ class QKSystemStatistics:
         self.num_heads, self.kept = keep.shape
         self.prune = torch.stack([pruned_indices(k, qk_dim) for k in keep])
         d2 = self.kept * self.kept
-        self.k_sys = torch.zeros(self.num_heads, d2, d2, dtype=torch.float64)
-        self.rhs = torch.zeros(self.num_heads, self.kept, self.kept, dtype=torch.float64)
+        self.k_sys = torch.zeros(self.num_heads, d2, d2, dtype=torch.float64, device=device)
+        self.rhs = torch.zeros(self.num_heads, self.kept, self.kept, dtype=torch.float64, device=device)
         self.num_images = 0
         self.qk_dim = qk_dim
 
@@ -121,6 +134,8 @@ class QKSystemStatistics:
         qd, kd = q.double(), k.double()
         gq = qd.transpose(-1, -2) @ qd
         gk = kd.transpose(-1, -2) @ kd
+        if self.keep.device != gq.device:
+            self.keep, self.prune = self.keep.to(gq.device), self.prune.to(gq.device)
         for h in range(self.num_heads):
             ks, rhs = self._kron(gq[:, h], gk[:, h], self.keep[h], self.prune[h])
             self.k_sys[h] += ks

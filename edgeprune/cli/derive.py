@@ -5,6 +5,10 @@
 Labeled images of the target classes come from the train split (fmnist-vit) or ``--train-data``
 (an ImageFolder, timm models); the final evaluation uses the test split / ``--eval-data``, with the
 argmax taken over the target classes. See ``edgeprune.nuwa``.
+
+``--device`` (default ``auto``: cuda when available, else cpu) runs SKP, the calibration pass and
+the evaluations; the SVD and the least-squares re-fits run in float64 on the CPU, and the derived
+model is saved from the CPU. The device is printed and recorded (``device``, ``config.device``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from edgeprune.errors import UserError
 @click.option("--no-cache", is_flag=True, help="Do not read or write the on-disk SVD cache.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Data split, sampling and SKP seed.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [torch's default].")
-@device_option
+@device_option(default="auto")
 @out_option("runs/<model>-nuwa-<classes>-<budget>")
 @quiet_option
 def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params, slice_head, data,
@@ -107,7 +111,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     # 2. the work
     click.echo(f"model {model_name}: classes {cls}"
                + (f" ({', '.join(names[c] for c in cls)})" if names else "")
-               + f"; {metric} budget {frac:g}; labeled images: {train_desc}")
+               + f"; {metric} budget {frac:g}; labeled images: {train_desc}; device {cfg.device}")
     res = derive(base, cls, x, y, flops=flops, params=params, calibration=calibration, config=cfg,
                  class_names=names, spec=spec, progress=not quiet)
     rec = res.record
@@ -118,14 +122,14 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
             ("derived", rec["params"], rec["flops"], None)]
     if ev is not None:
         ex, ey, edesc = ev
-        m_base = evaluate_targets(base, ex, ey, cls, False)[0]
-        m_anchor = evaluate_targets(res.anchor_model, ex, ey, cls, slice_head)[0]
-        m_derived = evaluate_targets(res.model, ex, ey, cls, slice_head)[0]
+        m_base = evaluate_targets(base, ex, ey, cls, False, device=cfg.device)[0]
+        m_anchor = evaluate_targets(res.anchor_model, ex, ey, cls, slice_head, device=cfg.device)[0]
+        m_derived = evaluate_targets(res.model, ex, ey, cls, slice_head, device=cfg.device)[0]
         rec["evaluation"] = {"data": edesc, "metric": "top-1 over the target classes (argmax over them)",
                              "base": {"top1": m_base}, "anchor": {"top1": m_anchor}, "derived": {"top1": m_derived}}
         rows = [(r[0], r[1], r[2], m) for r, m in zip(rows, (m_base, m_anchor, m_derived))]
         click.echo(f"evaluation: {edesc}")
-    save_run(out_path, res.model, rec)
+    save_run(out_path, res.model.cpu(), rec)
 
     # 3. the report
     click.echo("")

@@ -83,6 +83,11 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
     if rec:
         click.echo(f"method {rec.get('method')} targets {rec.get('targets')} sparsity {rec.get('sparsity')} "
                    f"calibration: {rec.get('calibration', {}).get('source')}")
+        if rec.get("allocation"):  # budgeted run: the allocator's per-block dims and costs
+            from edgeprune.allocation.report import allocation_lines
+
+            for line in allocation_lines(rec["allocation"]):
+                click.echo(line)
     click.echo("| block | heads | head_dim | qk_dim | v_dim | mlp_hidden | params | MFLOPs |")
     click.echo("|------:|------:|---------:|-------:|------:|-----------:|-------:|-------:|")
     for b, f in zip(an.blocks, fl["blocks"]):

@@ -7,6 +7,10 @@ evaluation images), trains the reduced layers to align every block output with t
 (:func:`edgeprune.heal.heal`) and saves a normal run directory whose record is the input record
 plus a ``healing`` entry. A checkpoint is written to ``HEALED_DIR.partial/`` after every epoch;
 rerunning the same command after an interruption resumes from the last completed epoch.
+
+``--device`` (default ``auto``: cuda when available, else cpu) is where both models, the images
+and the training run; the evaluation runs there too; the healed model is saved from the CPU. The
+device is printed and recorded (``healing.device``, ``healing.config.device``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from edgeprune.errors import UserError
               help="Fraction of the calibration images held out of training; the kept epoch is the one "
                    "with the lowest alignment loss on them (early stopping).")
 @click.option("--no-eval", is_flag=True, help="Skip the before/after evaluation.")
-@device_option
+@device_option(default="auto")
 @out_option("RUN_DIR-healed")
 @quiet_option
 def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_size, epochs, lr, min_lr,
@@ -71,6 +75,9 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     from edgeprune.zoo.registry import spec_from_record
 
     # 1. everything that can be checked without work
+    from edgeprune.distributed import refuse_distributed
+
+    refuse_distributed("edgeprune heal")  # under torchrun (WORLD_SIZE > 1): one-line error, not supported yet
     config = HealConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                         loss=loss, seed=seed, warmup_steps=warmup_steps, holdout=holdout, keep_best=keep_best,
                         memory_budget_mb=memory_budget_mb, device=device)
@@ -101,7 +108,8 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
         raise UserError(f"{run_path}: nothing to heal: the run has the dense model's shapes everywhere (sparsity 0)")
 
     # 2. the work
-    click.echo(f"heal {run_path} ({rec.get('method')}, {spec.name}): calibration {calib.description}")
+    click.echo(f"heal {run_path} ({rec.get('method')}, {spec.name}) on {config.device}: "
+               f"calibration {calib.description}")
     if ckpt.is_dir() and (ckpt / "checkpoint.safetensors").is_file():
         click.echo(f"resuming from the checkpoint in {ckpt}")
     try:
@@ -122,13 +130,13 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
                 before_m = old["pruned"]
             else:
                 unhealed, _ = load_run(run_path)
-                before_m = evaluate(spec, unhealed, ev, dense=dense, progress=not quiet)
-            healed_m = evaluate(spec, result.model, ev, dense=dense, progress=not quiet)
+                before_m = evaluate(spec, unhealed, ev, dense=dense, progress=not quiet, device=config.device)
+            healed_m = evaluate(spec, result.model, ev, dense=dense, progress=not quiet, device=config.device)
         evaluation = {"data": ev.description, "dense": old.get("dense") if old.get("data") == ev.description else None,
                       "pruned": healed_m, "before_healing": before_m}
     new = healed_record(rec, result, run_path, calibration={"seed": seed, "size_requested": n},
                         evaluation=evaluation)
-    save_run(out_path, result.model, new)
+    save_run(out_path, result.model.cpu(), new)
     shutil.rmtree(ckpt, ignore_errors=True)
 
     # 3. the report

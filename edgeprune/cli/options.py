@@ -5,7 +5,7 @@ them the same way.
   ``--img-size``, ``--model-kwargs`` (prune, eval, info, derive, export, verify);
 * :func:`calibration_options` -- ``--calib``, ``--calib-size``, ``--seed``, ``--batch-size``;
 * :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
-* :func:`device_option` -- ``--device cpu|cuda|cuda:N`` (checked before any work);
+* :func:`device_option` -- ``--device cpu|cuda|cuda:N|auto`` (checked before any work);
 * :func:`quiet_option`, :func:`out_option`.
 
 :func:`make_spec` / :func:`load_model` turn the model options into a ``ModelSpec`` / a model.
@@ -123,8 +123,9 @@ def out_option(default_help: str) -> Callable:
                         help=f"New run directory (must not exist) [{default_help}].")
 
 
-def resolve_device(device: str) -> str:
-    """Check a torch device string before any work: ``cpu``, ``cuda`` or ``cuda:N``.
+def resolve_device(device: Any) -> str:
+    """Check a torch device string before any work: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``
+    (``cuda`` when ``torch.cuda.is_available()``, else ``cpu``). Returns the device to use.
 
     Raises:
         UserError: an unknown device, CUDA not available, or a CUDA index that does not exist.
@@ -132,11 +133,13 @@ def resolve_device(device: str) -> str:
     d = str(device).strip().lower()
     if d == "cpu":
         return d
-    m = re.fullmatch(r"cuda(?::(\d+))?", d)
-    if m is None:
-        raise UserError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
     import torch
 
+    if d == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    m = re.fullmatch(r"cuda(?::(\d+))?", d)
+    if m is None:
+        raise UserError(f"unknown device {device!r} (use cpu, cuda, cuda:N or auto)")
     if not torch.cuda.is_available():
         raise UserError("CUDA is not available (use --device cpu)")
     if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
@@ -148,10 +151,16 @@ def _device_callback(ctx: click.Context, param: click.Parameter, value: str) -> 
     return resolve_device(value)
 
 
-def device_option(f: Callable) -> Callable:
-    """``--device cpu|cuda|cuda:N`` for the torch commands, checked while parsing."""
-    return click.option("--device", default="cpu", show_default=True, callback=_device_callback, metavar="DEVICE",
-                        help="Torch device: cpu, cuda or cuda:N.")(f)
+def device_option(f: Callable | None = None, *, default: str = "cpu") -> Callable:
+    """``--device cpu|cuda|cuda:N|auto`` for the torch commands, checked while parsing (the command
+    receives the resolved device, never "auto"). ``@device_option`` defaults to cpu;
+    ``@device_option(default="auto")`` (prune, heal, derive) to cuda when available."""
+    help_text = "Torch device: cpu, cuda, cuda:N or auto (cuda if available, else cpu)."
+
+    def deco(fn: Callable) -> Callable:
+        return click.option("--device", default=default, show_default=True, callback=_device_callback,
+                            metavar="DEVICE", help=help_text)(fn)
+    return deco if f is None else deco(f)
 
 
 def _supports(fn: Callable, name: str) -> bool:

@@ -46,16 +46,23 @@ def _layouts() -> tuple[str, ...]:
 @click.option("--qk-solver", type=click.Choice(["auto", "direct", "cg"]), default="auto", show_default=True,
               help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
+@click.option("--flops", default=None, metavar="F",
+              help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
+                   "kept dims are allocated per block and module.")
+@click.option("--params", default=None, metavar="P",
+              help="Parameter budget instead of --sparsity: a fraction (0.5) or a count (20M).")
+@click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
+              "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
 @eval_options
 @click.option("--no-eval", is_flag=True, help="Skip the dense/pruned evaluation.")
-@device_option
+@device_option(default="auto")
 @out_option("runs/<model>-<target>-<sparsity>")
 @quiet_option
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet):
+              no_eval, device, out, quiet, flops=None, params=None, sequential=False):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -65,7 +72,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
 
     import torch
 
-    from edgeprune.api import corp_config, prune, require_cpu
+    from edgeprune.api import corp_config, prune
     from edgeprune.artifact import check_new_dir, save_run
     from edgeprune.evaluate import evaluate
 
@@ -77,25 +84,41 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("qk_ridge_alpha", qk_ridge_alpha)) if v is not None}
     config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                          compensation=not no_compensation, criterion=criterion, round_to=round_to,
-                         qk_solver=qk_solver, **overrides)
-    require_cpu(device, "CORP pruning")
-    out_path = check_new_dir(out or f"runs/{model_name}-{target}-{sparsity:g}{'-nocomp' if no_compensation else ''}")
+                         qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
+                         **overrides)
+    amount = (f"{config.budget['kind']}{float(config.budget['value']):g}" if config.budget else f"{sparsity:g}")
+    out_path = check_new_dir(out or f"runs/{model_name}-{target}-{amount}{'-nocomp' if no_compensation else ''}")
+    from edgeprune.distributed import is_main_process, process_group
+
+    # under torchrun: one process group for the command (METHODS.md §5 "Distributed statistics")
+    click.get_current_context().with_resource(process_group(device))
+    main = is_main_process()  # rank 0 (or a single process) evaluates, writes and reports
+    quiet = quiet or not main
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
     n = calib_size if calib_size is not None else spec.default_calib_size
     calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
     ev = None
-    if not no_eval:
+    if not no_eval and main:
         ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
     dense = spec.create(pretrained=True)  # random-init weights: seeded by the spec (recorded)
+    if main:
+        from edgeprune.allocation.report import rounding_warnings
+        from edgeprune.anatomy import find_anatomy
+
+        for msg in rounding_warnings(find_anatomy(dense), config):
+            click.echo(f"warning: {msg}", err=True)
 
     # 2. the work
-    click.echo(f"model {spec.name}: calibration {calib.description}")
+    if main:
+        click.echo(f"model {spec.name}: calibration {calib.description}; device {device}")
     t0 = time.perf_counter()
     result = prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
                    calibration_info={"seed": seed, "size_requested": n})
     prune_s = time.perf_counter() - t0
+    if not main:
+        return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     rec = result.record
     dense_m = pruned_m = None
     if ev is not None:
@@ -117,8 +140,14 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     click.echo(f"| {'pruned':8} | {rec['params']:>10,} | {rec['flops'] / 1e9:>8.3f} | "
                f"{fmt_metric(pruned_m, spec.output_kind)} |")
     asked = " ".join(f"{k}={v:g}" for k, v in sp.items())
+    if rec.get("allocation"):  # a budget replaced the sparsity
+        asked = f"allocated by the {rec['allocation']['budget']['kind']} budget"
     got = " ".join(f"{k}={v:.3f}" for k, v in a.items())
     click.echo(f"\n{rec['method']} target={rec['targets']} sparsity {asked} (achieved {got}); "
                f"params x{rec['params'] / rec['dense_params']:.3f}, FLOPs x{rec['flops'] / rec['dense_flops']:.3f}; "
                f"pruning took {prune_s:.1f} s")
+    if rec.get("allocation"):
+        from edgeprune.allocation.report import allocation_lines
+
+        click.echo("\n".join(allocation_lines(rec["allocation"])))
     click.echo(f"saved {out_path}")

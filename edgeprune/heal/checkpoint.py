@@ -4,7 +4,9 @@ After every epoch the trainer writes, atomically: the trainable weights (``param
 epoch's weights (``best.*``), the AdamW moments (``optim.<i>.<key>``), the shuffling generator's
 and torch's RNG states (``rng.*``), and a JSON header in the metadata (``edgeprune_heal_state``:
 version, epoch, step, history, settings, optimizer groups). Resuming restores all of it, so a
-resumed heal is bit-identical to an uninterrupted one.
+resumed heal is bit-identical to an uninterrupted one (on the same device). Tensors are saved from
+host copies (a heal on CUDA writes CPU tensors); on resume ``copy_`` and
+``Optimizer.load_state_dict`` move them to the parameters' device.
 """
 
 from __future__ import annotations
@@ -35,15 +37,16 @@ def _save_checkpoint(directory: Path, model: nn.Module, param_names: list[str], 
                      best: dict[str, torch.Tensor] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor] = {f"param.{n}": params[n].detach().clone().contiguous() for n in param_names}
+    tensors: dict[str, torch.Tensor] = {f"param.{n}": params[n].detach().cpu().clone().contiguous()
+                                        for n in param_names}
     for n, t in (best or {}).items():
-        tensors[f"best.{n}"] = t.contiguous()
+        tensors[f"best.{n}"] = t.detach().cpu().contiguous()
     sd = opt.state_dict()
     extra: dict[str, dict[str, Any]] = {}
     for i, st in sd["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                tensors[f"optim.{i}.{k}"] = v.detach().clone().contiguous()
+                tensors[f"optim.{i}.{k}"] = v.detach().cpu().clone().contiguous()
             else:
                 extra.setdefault(str(i), {})[k] = v
     tensors["rng.shuffle"] = gen.get_state().clone()

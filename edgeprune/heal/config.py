@@ -32,7 +32,10 @@ class HealConfig:
         holdout: fraction of the calibration images kept out of training to pick the epoch, [0, 1).
         keep_best: return the epoch with the lowest alignment loss (the input weights included).
         memory_budget_mb: most memory (MB) held for cached dense targets.
-        device: torch device string; healing runs on the CPU for now (recorded).
+        device: torch device the models, images and gradients live on while healing: "cpu",
+            "cuda", "cuda:N" or "auto" (cuda when ``torch.cuda.is_available()``, else cpu);
+            resolved when the config is built (the resolved name is stored and recorded, never
+            "auto"). See :func:`edgeprune.heal.heal` for what runs where.
     """
 
     epochs: int = 10
@@ -52,7 +55,8 @@ class HealConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raises UserError for an out-of-range setting (one line, naming the option)."""
+        """Raises UserError for an out-of-range setting (one line, naming the option), an unknown
+        device, or a CUDA device that is not available. Resolves ``device`` ("auto" -> cuda/cpu)."""
         if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
             raise UserError(f"--epochs must be an integer >= 1, got {self.epochs}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -72,8 +76,9 @@ class HealConfig:
             raise UserError(f"--holdout must be a fraction in [0, 1), got {self.holdout}")
         if self.memory_budget_mb is None or not self.memory_budget_mb > 0:
             raise UserError(f"--memory-budget-mb must be > 0, got {self.memory_budget_mb}")
-        if str(self.device) != "cpu":
-            raise UserError(f"healing runs on the CPU for now, got device {self.device!r} (use --device cpu)")
+        from edgeprune.cli.options import resolve_device
+
+        self.device = resolve_device(self.device)  # UserError: unknown device / no CUDA / no such index
 
     @classmethod
     def from_settings(cls, **settings) -> "HealConfig":

@@ -15,6 +15,12 @@ block's output; the pruned model is then trained towards those targets. Two prov
   training, the shards are loaded into memory only if all of them fit in the budget, otherwise the
   rows of each batch are read from disk (plain seeks and reads, no memory map) and freed after use.
 
+Devices: both run the dense model on the device its parameters are on (the trainer moves it to
+``HealConfig.device``); images are moved there batch by batch. :class:`DenseTargets` returns the
+targets on that device; :class:`DiskTargetCache` copies them to host memory as they are made and
+always returns host (CPU) tensors -- the cache, resident or not, lives on the host, never in GPU
+memory -- and the trainer moves each batch's rows to the device.
+
 :class:`CalibrationSet` gives random access to the calibration images (the trainer shuffles): an
 in-memory tensor / :class:`~edgeprune.data.sources.TensorSource`, a lazily decoded
 :class:`~edgeprune.data.sources.FolderSource`, or any source with ``batches()`` (materialised).
@@ -61,6 +67,12 @@ def state_fingerprint(model: nn.Module) -> str:
         h.update(name.encode())
         _update_tensor(h, t)
     return h.hexdigest()[:16]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of a model's first parameter (CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
 
 
 # ---- calibration images ---------------------------------------------------------------------------
@@ -129,7 +141,7 @@ class CalibrationSet:
 
 # ---- dense targets, on the fly --------------------------------------------------------------------
 class DenseTargets:
-    """Dense block outputs computed batch by batch (no cache).
+    """Dense block outputs computed batch by batch (no cache), on the dense model's device.
 
     Args:
         dense: the dense model (eval mode; its parameters are not touched).
@@ -143,9 +155,10 @@ class DenseTargets:
 
     @torch.no_grad()
     def get(self, indices: torch.Tensor, images: torch.Tensor) -> list[torch.Tensor]:
-        """The L dense block outputs (B, N, D) for ``images`` (``indices`` unused)."""
+        """The L dense block outputs (B, N, D) for ``images`` (``indices`` unused), on the dense
+        model's device (``images`` are moved there)."""
         del indices
-        return [t.detach() for t in self.capture.run(images)]
+        return [t.detach() for t in self.capture.run(images.to(model_device(self.dense)))]
 
     def close(self) -> None:
         self.capture.remove()
@@ -202,6 +215,9 @@ class DiskTargetCache:
                 progress: bool = False) -> None:
         """Make sure the cache holds the dense targets of ``calib``; compute what is missing.
 
+        The dense forward passes run on the device of ``dense``'s parameters (images moved there
+        batch by batch); the targets are copied to host memory as they are made.
+
         Raises:
             UserError: the directory holds a cache of another model / calibration set, or is not a
                 directory.
@@ -210,11 +226,12 @@ class DiskTargetCache:
             raise UserError(f"target cache {self.dir} exists and is not a directory")
         self.dir.mkdir(parents=True, exist_ok=True)
         anatomy = find_anatomy(dense)
+        dev = model_device(dense)
         fingerprint = f"{state_fingerprint(dense)}-{calib.fingerprint()}-{len(calib)}"
         n = len(calib)
         # probe one image for the token shape
         with torch.no_grad(), BlockCapture(anatomy) as cap:
-            probe = cap.run(calib.get([0]))
+            probe = cap.run(calib.get([0]).to(dev))
         num_blocks = len(probe)
         token_shape = list(probe[0].shape[1:])
         per_image = num_blocks * int(np.prod(token_shape)) * 4
@@ -254,9 +271,9 @@ class DiskTargetCache:
                 bufs = [torch.empty(s["count"], *token_shape) for _ in range(num_blocks)]
                 for j in range(0, s["count"], batch_size):
                     m = min(batch_size, s["count"] - j)
-                    outs = cap.run(calib.get(torch.arange(s["start"] + j, s["start"] + j + m)))
+                    outs = cap.run(calib.get(torch.arange(s["start"] + j, s["start"] + j + m)).to(dev))
                     for b, o in zip(bufs, outs):
-                        b[j:j + m] = o
+                        b[j:j + m] = o.to("cpu", torch.float32)
                     bar.update(m)
                 atomic_save_safetensors(
                     self.dir / s["file"], {f"block.{l}": b for l, b in enumerate(bufs)},
@@ -326,7 +343,8 @@ class DiskTargetCache:
         return out
 
     def get(self, indices: torch.Tensor, images: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The L cached dense block outputs (B, N, D) of calibration images ``indices``."""
+        """The L cached dense block outputs (B, N, D) of calibration images ``indices`` (host
+        memory, float32)."""
         del images
         if self.manifest is None:
             raise RuntimeError("DiskTargetCache.prepare() was not called")

@@ -37,6 +37,19 @@ states; a JSON header in its metadata with epoch, step, history and the settings
 atomically. A later call with the same directory resumes after the last completed epoch --
 exactly: the result is bit-identical to an uninterrupted run -- after checking that the settings,
 the input model and the calibration set are the same. No pickle is involved.
+
+Devices (``HealConfig.device``: cpu, cuda, cuda:N; ``auto`` resolves to cuda when available):
+both models are moved to the device for the heal and back to their own devices afterwards (the
+healed model is returned where ``pruned_model`` was, normally the CPU, ready to save); calibration
+images are moved there batch by batch; the dense targets are computed there
+(:class:`~edgeprune.heal.targets.DenseTargets`) or read from the host-side disk cache and moved per
+batch. The AdamW state and the best epoch's weights stay on the device; checkpoints are written
+from host copies, so a checkpoint made on one device resumes on another (bit-identical only on the
+same device). Healing has no closed-form solve. On CUDA, TF32 is switched off for the heal (float32
+matmuls and convolutions, as on the CPU), ``CUBLAS_WORKSPACE_CONFIG`` defaults to ``:4096:8`` and
+deterministic algorithms are requested with ``warn_only`` (an op without a deterministic CUDA
+kernel warns instead of stopping the heal); CUDA runs are repeatable, but not bit-identical to CPU
+runs (float32 reduction order differs; measured agreement is in ``tests/test_device_heal.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +74,7 @@ from edgeprune.heal.checkpoint import (CHECKPOINT, STATE_KEY, STATE_VERSION, loa
 from edgeprune.heal.config import HealConfig
 from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record, resolve_trainable  # noqa: F401
 from edgeprune.heal.schedule import cosine_lr, default_warmup_steps  # noqa: F401
-from edgeprune.heal.targets import CalibrationSet, iter_batches, make_targets, state_fingerprint
+from edgeprune.heal.targets import CalibrationSet, iter_batches, make_targets, model_device, state_fingerprint
 from edgeprune.progress import on_terminal, progress as progress_bar
 
 
@@ -78,7 +91,8 @@ class HealResult:
             weight_decay, seed, calibration (source, num_images), initial_loss / final_loss (the
             alignment loss over the calibration set before / after, eval pass), wall_time_s,
             trained_modules, trainable_params, frozen_params, targets, resumed_from_epoch,
-            keep_best and best_epoch (0 = the input weights were kept), config (asdict).
+            keep_best and best_epoch (0 = the input weights were kept), device (where it ran),
+            config (asdict).
         config: the :class:`HealConfig` used.
     """
 
@@ -89,14 +103,20 @@ class HealResult:
 
 
 # ---- loss over a data set -------------------------------------------------------------------------
+def _to(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Move a list of target tensors to ``device`` (no copy when they are already there)."""
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
 @torch.no_grad()
 def _measure(capture: BlockCapture, targets, calib: CalibrationSet, batch_size: int, kind: str,
-             indices: torch.Tensor | None = None) -> float:
+             indices: torch.Tensor | None = None, device: torch.device | str = "cpu") -> float:
+    dev = torch.device(device)
     order = torch.arange(len(calib)) if indices is None else indices
     total, n = 0.0, 0
     for idx in iter_batches(len(order), batch_size, order):
-        x = calib.get(idx)
-        per = per_image_alignment(capture.run(x), targets.get(idx, x), kind)
+        x = calib.get(idx).to(dev)
+        per = per_image_alignment(capture.run(x), _to(targets.get(idx, x), dev), kind)
         total += float(per.double().sum())
         n += len(idx)
     return total / max(n, 1)
@@ -104,34 +124,64 @@ def _measure(capture: BlockCapture, targets, calib: CalibrationSet, batch_size: 
 
 @torch.no_grad()
 def measure_alignment(model: nn.Module, dense: nn.Module, images: Any, *, batch_size: int = 64,
-                      loss: str = "cosine") -> float:
+                      loss: str = "cosine", device: str | None = None) -> float:
     """Mean alignment loss (eq. 1) of ``model`` to ``dense`` over ``images`` (tensor or source).
 
     Use it on held-out images to check that healing generalises.
+
+    Args:
+        device: run both models there ("cpu", "cuda", "cuda:N", "auto"; moved there and back);
+            None = ``model``'s own device (``dense`` is moved there for the pass).
+
+    Raises:
+        UserError: unknown device or CUDA not available, empty calibration set.
     """
+    from edgeprune.cli.options import resolve_device
     from edgeprune.heal.targets import DenseTargets
 
+    dev = model_device(model) if device is None else torch.device(resolve_device(device))
     calib = CalibrationSet(images)
+    homes = [(m, model_device(m)) for m in (model, dense)]
     targets = DenseTargets(dense)
     try:
+        model.to(dev)
+        dense.to(dev)
         with BlockCapture(find_anatomy(model)) as cap:
-            return _measure(cap, targets, calib, batch_size, loss)
+            return _measure(cap, targets, calib, batch_size, loss, device=dev)
     finally:
         targets.close()
+        for m, home in homes:
+            m.to(home)
 
 
 @contextlib.contextmanager
-def _deterministic(seed: int):
-    """Seed torch and enable deterministic algorithms; restore both afterwards."""
+def _deterministic(seed: int, device: torch.device | str = "cpu"):
+    """Seed torch and enable deterministic algorithms; restore both afterwards.
+
+    On CUDA also: ``CUBLAS_WORKSPACE_CONFIG`` set to ``:4096:8`` unless the user set it (cuBLAS
+    needs it for deterministic results), deterministic algorithms with ``warn_only=True``, and TF32
+    off for matmuls and cuDNN convolutions (restored afterwards), so that the float32 arithmetic is
+    the CPU's.
+    """
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     prev = torch.are_deterministic_algorithms_enabled()
     prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    with torch.random.fork_rng(devices=[]):
+    devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if cuda else []
+    if cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        prev_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=cuda)
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             yield
         finally:
             torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+            if cuda:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev_tf32
 
 
 def _holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,12 +231,15 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
         measure: measure the alignment loss over the calibration set before and after (eval
             passes) for ``info["initial_loss"]`` / ``info["final_loss"]``.
 
+    Device: ``config.device`` (or ``device=``): both models are moved there for the heal and
+    back afterwards; the result is on ``pruned_model``'s device (see the module doc, "Devices").
+
     Returns:
         :class:`HealResult`.
 
     Raises:
-        UserError: bad settings, empty calibration set, models that do not match, a checkpoint
-            made with other settings.
+        UserError: bad settings, an unknown device or CUDA not available, empty calibration set,
+            models that do not match, a checkpoint made with other settings.
     """
     t_start = time.perf_counter()
     if config is None:
@@ -194,10 +247,12 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
     elif settings:
         HealConfig.from_settings(**settings)  # unknown names -> UserError
         config = dataclasses.replace(config, **settings)
-    config.validate()
+    config.validate()  # also resolves config.device ("auto" -> cuda / cpu)
     cfg = config
+    dev = torch.device(cfg.device)
     calib = CalibrationSet(calibration)
     model = pruned_model if inplace else copy.deepcopy(pruned_model)
+    homes = [(model, model_device(model)), (dense_model, model_device(dense_model))]
     model.eval()
     dense_model.eval()
     reduced = reduced_modules(model, dense_model)  # also checks that the models match
@@ -237,10 +292,13 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
     best: dict[str, torch.Tensor] | None = None
     elapsed_before = 0.0
     try:
+        for m, _home in homes:
+            m.to(dev)
+        params = dict(model.named_parameters())  # the same objects unless torch swapped them
         for name, p in params.items():
             p.requires_grad_(name in train_set)
         targets = make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb, batch_size, progress)
-        with BlockCapture(find_anatomy(model)) as cap, _deterministic(seed):
+        with BlockCapture(find_anatomy(model)) as cap, _deterministic(seed, dev):
             gen = torch.Generator().manual_seed(seed)
             opt = None
             if param_names:
@@ -264,7 +322,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
                 elapsed_before = float(header.get("elapsed_s", 0.0))
                 resumed_from = start_epoch
             elif measure or keep_best:
-                initial_loss = _measure(cap, targets, calib, batch_size, loss, val_idx)
+                initial_loss = _measure(cap, targets, calib, batch_size, loss, val_idx, dev)
                 if keep_best:
                     best_loss = initial_loss
                     best = {pn: params[pn].detach().clone() for pn in param_names}
@@ -277,8 +335,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
                                    enabled=progress, total=steps_per_epoch, unit="step")
                 loss_sum, seen, cur_lr = 0.0, 0, lr
                 for idx in bar:
-                    x = calib.get(idx)
-                    ref = targets.get(idx, x)
+                    x = calib.get(idx).to(dev, non_blocking=True)
+                    ref = _to(targets.get(idx, x), dev)
                     cur_lr = cosine_lr(step, total_steps, lr, min_lr, warmup_steps)
                     for g in opt.param_groups:
                         g["lr"] = cur_lr
@@ -295,7 +353,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
                          "seconds": time.perf_counter() - t0}
                 if keep_best:
                     assert best_loss is not None
-                    stats["eval_loss"] = _measure(cap, targets, calib, batch_size, loss, val_idx)
+                    stats["eval_loss"] = _measure(cap, targets, calib, batch_size, loss, val_idx, dev)
                     if stats["eval_loss"] < best_loss:
                         best_loss, best_epoch = stats["eval_loss"], epoch + 1
                         best = {pn: params[pn].detach().clone() for pn in param_names}
@@ -319,13 +377,15 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
                             params[pn].copy_(best[pn])
                 final_loss = best_loss
             elif measure:
-                final_loss = (_measure(cap, targets, calib, batch_size, loss, val_idx) if opt is not None
+                final_loss = (_measure(cap, targets, calib, batch_size, loss, val_idx, dev) if opt is not None
                               else initial_loss)
     finally:
         for name, p in params.items():
             p.requires_grad_(flags[name])
         if targets is not None:
             targets.close()
+        for m, home in homes:
+            m.to(home)
     model.eval()
     n_trained = sum(params[pn].numel() for pn in param_names)
     info = {
@@ -346,6 +406,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
         "resumed_from_epoch": resumed_from,
         "keep_best": keep_best,
         "best_epoch": best_epoch if keep_best else None,
+        "device": str(dev),
         "config": dataclasses.asdict(cfg),
     }
     if not param_names:

@@ -35,7 +35,11 @@ class DeriveConfig:
         cache: use the on-disk SVD cache (the in-memory one is always used).
         batch_size: batch size of calibration and evaluation passes.
         seed: data split / sampling seed.
-        device: torch device string; derivation runs on the CPU for now (recorded).
+        device: torch device of the data passes -- SKP training, the calibration statistics and
+            every evaluation: "cpu", "cuda", "cuda:N" or "auto" (cuda when available, else cpu),
+            resolved by :meth:`validate` (the resolved name is recorded). The SVD factors, the
+            least-squares re-fits (float64) and the surgery run on the CPU, and the derived model
+            is returned on the CPU (:mod:`edgeprune.nuwa.derive`, "Devices").
     """
 
     skp: SKPConfig = dataclasses.field(default_factory=SKPConfig)
@@ -54,7 +58,8 @@ class DeriveConfig:
     device: str = "cpu"
 
     def validate(self) -> None:
-        """Raises UserError for out-of-range settings."""
+        """Raises UserError for out-of-range settings, an unknown device or CUDA not available;
+        resolves ``device`` ("auto" -> cuda / cpu)."""
         if self.head not in HEAD_MODES:
             raise UserError(f"head mode must be one of {', '.join(HEAD_MODES)}, got {self.head!r}")
         if self.key_bias not in KEY_BIAS_MODES:
@@ -73,5 +78,6 @@ class DeriveConfig:
             raise UserError("SKP steps must be >= 0, batch size and eval interval >= 1")
         if s.lr_beta < 0 or s.lr_mask < 0 or s.weight_decay < 0:
             raise UserError("SKP learning rates and weight decay must be >= 0")
-        if str(self.device) != "cpu":
-            raise UserError(f"NuWa derivation runs on the CPU for now, got device {self.device!r} (use --device cpu)")
+        from edgeprune.cli.options import resolve_device
+
+        self.device = resolve_device(self.device)

@@ -27,6 +27,16 @@ Pipeline (each stage documented in its module):
 Combination of SKP and OFP-MLP (documented choice): OFP prunes the anchor, i.e. SKP's removed
 channels are never restored, each block keeps at most its anchor size (floored to a multiple of 8),
 and the ranking / least-squares target use the anchor's own activations (``W2 H`` of the anchor).
+
+Devices (``DeriveConfig.device``: cpu, cuda, cuda:N; ``auto`` resolves to cuda when available):
+the data passes run there -- SKP training (:func:`~edgeprune.nuwa.skp.run_skp`), the calibration
+statistics (:func:`~edgeprune.calibration.collect.collect_statistics`: float32 products summed in
+float64 on the device, TF32 off, returned in host memory) and every held-out / candidate
+evaluation (models moved there and back, images batch by batch). Everything closed-form runs in
+float64 on the CPU: the SVD factors (data-free, cached), the fc2 least-squares re-fits (Cholesky)
+and the surgery that builds each candidate, so the base, anchor and derived models live on the CPU
+and the result is returned there, ready to save. The resolved device is in ``record["device"]``
+and ``record["config"]["device"]``.
 """
 
 from __future__ import annotations
@@ -135,11 +145,15 @@ def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.
         class_names: base class names (for names in ``classes`` and the record).
         anchor: reuse a previous SKP anchor (same base model and classes) instead of running SKP.
         spec: the base model's ModelSpec (recorded).
+
+    Device: ``config.device`` runs SKP, the statistics pass and the evaluations; the copies of
+    the base and anchor models stay on the CPU between passes (module doc, "Devices").
     """
     cfg = config or DeriveConfig()
-    cfg.validate()
+    cfg.validate()  # also resolves cfg.device ("auto" -> cuda / cpu)
+    dev = cfg.device
     t0 = time.perf_counter()
-    base = copy.deepcopy(model).eval()
+    base = copy.deepcopy(model).eval().cpu()  # SVD, re-fits and surgery: float64 on the CPU
     an = find_anatomy(base)
     k = num_classes(base)
     cls = resolve_classes(classes, k, class_names)
@@ -157,11 +171,12 @@ def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.
     if anchor is None:
         if cfg.skp.steps > 0:
             def ev() -> tuple[float, float]:
-                return evaluate_targets(base, val[0], val[1], cls, False, cfg.batch_size * 4)
-            anchor = run_skp(an, train[0], train[1], ev, cfg.skp, progress=progress)
+                return evaluate_targets(base, val[0], val[1], cls, False, cfg.batch_size * 4, device=dev)
+            anchor = run_skp(an, train[0], train[1], ev, cfg.skp, progress=progress, device=dev)
         else:
             anchor = Anchor.full([b.mlp_hidden for b in an.blocks])
-            anchor.val_accuracy = evaluate_targets(base, val[0], val[1], cls, False, cfg.batch_size * 4)[0]
+            anchor.val_accuracy = evaluate_targets(base, val[0], val[1], cls, False, cfg.batch_size * 4,
+                                                   device=dev)[0]
     elif list(anchor.dims) != [b.mlp_hidden for b in an.blocks]:
         raise UserError("the given anchor was derived from a model with other MLP sizes")
     timing["skp_s"] = time.perf_counter() - t
@@ -178,7 +193,7 @@ def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.
     else:
         batches, calib_desc, _ = _calibration_batches(calibration, cfg.batch_size)
     st = collect_statistics(find_anatomy(anchor_model), batches(), mlp=True, qk=False,
-                            mlp_second_order=cfg.refit, progress=progress)
+                            mlp_second_order=cfg.refit, progress=progress, device=dev)
     timing["stats_s"] = time.perf_counter() - t
 
     # 4. head
@@ -209,7 +224,10 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
 
 def derive_from(prep: Prepared, *, flops: float | None = None, params: float | None = None,
                 progress: bool = False) -> DeriveResult:
-    """Stage 6: pick dims for the budget, build and score the candidates, return the best."""
+    """Stage 6: pick dims for the budget, build and score the candidates, return the best.
+
+    Candidates are built on the CPU (float64 re-fits) and scored on ``prep.config.device``.
+    """
     from edgeprune.api import achieved_sparsity
     from edgeprune.artifact import new_record
 
@@ -229,7 +247,8 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
     best = None
     for plan in plans:
         model = build_plan(prep, plan)
-        acc, loss = evaluate_targets(model, prep.val[0], prep.val[1], prep.classes, sliced, cfg.batch_size * 4)
+        acc, loss = evaluate_targets(model, prep.val[0], prep.val[1], prep.classes, sliced, cfg.batch_size * 4,
+                                     device=cfg.device)
         candidates.append({**plan.to_record(), "val_accuracy": acc, "val_loss": loss})
         if best is None or (acc, -loss) > best[0]:
             best = ((acc, -loss), plan, model)
@@ -301,15 +320,17 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         flops, params: fraction of the base model's FLOPs (or params) to keep; exactly one.
         calibration: unlabeled calibration images (tensor or data source) or None (see
             :func:`prepare`).
-        config: :class:`DeriveConfig` (SKP steps etc.).
+        config: :class:`DeriveConfig` (SKP steps etc.; ``device`` = where the data passes run,
+            module doc "Devices").
         class_names: base class names.
         anchor: reuse an SKP anchor; spec: ModelSpec for the record.
 
     Returns:
-        :class:`DeriveResult`.
+        :class:`DeriveResult` (models on the CPU).
 
     Raises:
-        UserError: bad classes, budget, data or settings (one line).
+        UserError: bad classes, budget, data or settings, an unknown device or CUDA not
+            available (one line).
     """
     metric, frac = resolve_budget(flops, params)
     cfg = config or DeriveConfig()

@@ -100,21 +100,36 @@ def _calibration_batches(calibration, batch_size: int):
 
 @torch.no_grad()
 def evaluate_targets(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, classes: Sequence[int],
-                     sliced: bool = False, batch_size: int = 256) -> tuple[float, float]:
+                     sliced: bool = False, batch_size: int = 256,
+                     device: str | torch.device | None = None) -> tuple[float, float]:
     """(top-1, mean cross-entropy) with the argmax / softmax over the target classes only.
 
     Args:
-        labels: base-class indices (all in ``classes``).
+        images: (N, C, H, W) on any device; moved to ``device`` batch by batch.
+        labels: (N,) base-class indices (all in ``classes``).
         sliced: the model's outputs are the target classes in ``classes`` order.
+        device: run the model there (moved there for the pass and back afterwards); None = the
+            model's own device. Logits (B, K) come back to the CPU for scoring.
     """
     model.eval()
+    p = next(model.parameters(), None)
+    home = torch.device("cpu") if p is None else p.device
+    dev = home if device is None else torch.device(device)
     pos = {c: i for i, c in enumerate(classes)}
     tgt = torch.as_tensor([pos[int(y)] for y in labels], dtype=torch.long)
+    labels = torch.as_tensor(labels).cpu()
     correct, loss, n = 0, 0.0, 0
-    for i in range(0, len(images), batch_size):
-        logits = model(images[i:i + batch_size])
-        correct += (target_predictions(logits, classes, sliced) == labels[i:i + batch_size]).sum().item()
-        loss += F.cross_entropy(target_logits(logits, classes, sliced).float(), tgt[i:i + batch_size],
-                                reduction="sum").item()
-        n += len(logits)
+    if dev != home:
+        model.to(dev)
+    try:
+        for i in range(0, len(images), batch_size):
+            logits = model(images[i:i + batch_size].to(dev)).cpu()
+            correct += int((target_predictions(logits, classes, sliced) == labels[i:i + batch_size]).sum())
+            loss += F.cross_entropy(target_logits(logits, classes, sliced).float(), tgt[i:i + batch_size],
+                                    reduction="sum").item()
+            n += len(logits)
+    finally:
+        if dev != home:
+            model.to(home)
     return correct / max(n, 1), loss / max(n, 1)
+

@@ -14,6 +14,9 @@ labeled images of the target classes; AdamW (lr(beta) 1e-1, lr(m) 1e-3, weight d
 constant schedule, batch 1 by default -- suppl. Tab. 9). Periodically the masked model is evaluated
 on held-out target-class images (a slice of the *train* split), and the best (accuracy, then pruning
 rate) mask set is kept: the anchor (eq. 5-6), returned as kept channel indices per block.
+
+Devices: :func:`run_skp` trains on ``device`` (the model and the masks are moved there, images
+and labels batch by batch; the model goes back afterwards); the anchor's indices are CPU tensors.
 """
 
 from __future__ import annotations
@@ -85,14 +88,15 @@ class MLPMasks(nn.Module):
     @torch.no_grad()
     def keep_indices(self) -> list[torch.Tensor]:
         """Sorted kept channel indices per block (the anchor's structure, eq. 5-6)."""
-        return [hard_mask(m, b).nonzero().flatten().sort().values for m, b in zip(self.m, self.beta)]
+        return [hard_mask(m, b).nonzero().flatten().sort().values.cpu() for m, b in zip(self.m, self.beta)]
 
     def install(self, anatomy: ViTAnatomy) -> list:
         """Multiply every fc2 input by its mask (forward pre-hooks); returns the hook handles."""
         handles = []
         for i, b in enumerate(anatomy.blocks):
             handles.append(b.fc2.register_forward_pre_hook(
-                lambda _mod, args, i=i: (args[0] * self.mask(i).to(args[0].dtype),) + tuple(args[1:])))
+                lambda _mod, args, i=i: (args[0] * self.mask(i).to(args[0].device, args[0].dtype),)
+                + tuple(args[1:])))
         return handles
 
 
@@ -103,7 +107,7 @@ def install_fixed_masks(anatomy: ViTAnatomy, keep: list[torch.Tensor]) -> list:
         mask = torch.zeros(b.mlp_hidden)
         mask[k] = 1
         handles.append(b.fc2.register_forward_pre_hook(
-            lambda _mod, args, mask=mask: (args[0] * mask.to(args[0].dtype),) + tuple(args[1:])))
+            lambda _mod, args, mask=mask: (args[0] * mask.to(args[0].device, args[0].dtype),) + tuple(args[1:])))
     return handles
 
 
@@ -171,7 +175,7 @@ class Anchor:
 
 def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
             evaluate: Callable[[], tuple[float, float]], config: SKPConfig,
-            progress: bool = False) -> Anchor:
+            progress: bool = False, device: str | torch.device | None = None) -> Anchor:
     """Learn the SKP masks on labeled target-class images and return the best anchor.
 
     Args:
@@ -180,6 +184,9 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
         evaluate: ``() -> (accuracy, loss)`` on the held-out target-class images, called with the
             masks installed (under no_grad).
         config: :class:`SKPConfig`.
+        device: train there ("cpu", "cuda", "cuda:N"; None = the model's own device): the model
+            and the masks are moved there, images and labels batch by batch; the model is moved
+            back afterwards. ``evaluate`` is called while the model is there.
 
     Returns:
         :class:`Anchor` -- the evaluated mask set with the highest held-out accuracy, ties broken
@@ -188,7 +195,10 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
     model = anatomy.model
     dims = [b.mlp_hidden for b in anatomy.blocks]
     t0 = time.perf_counter()
-    masks = MLPMasks(dims, beta_init=config.beta_init)
+    p0 = next(model.parameters(), None)
+    home = torch.device("cpu") if p0 is None else p0.device
+    dev = home if device is None else torch.device(device)
+    masks = MLPMasks(dims, beta_init=config.beta_init).to(dev)
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -204,6 +214,8 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
     history: list[dict] = []
     best: tuple | None = None
     best_keep: list[torch.Tensor] | None = None
+    if dev != home:
+        model.to(dev)
     handles = masks.install(anatomy)
 
     def checkpoint(step: int) -> None:
@@ -228,7 +240,7 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
                 perm, pos = torch.randperm(n, generator=gen), 0
             idx = perm[pos:pos + bs]
             pos += bs
-            loss = F.cross_entropy(model(images[idx]), labels[idx])
+            loss = F.cross_entropy(model(images[idx].to(dev)), labels[idx].to(dev))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -243,6 +255,8 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
             h.remove()
         for p, fl in zip(model.parameters(), flags):
             p.requires_grad_(fl)
+        if dev != home:
+            model.to(home)
     assert best is not None and best_keep is not None
     return Anchor(keep=best_keep, dims=dims, val_accuracy=best[0], step=-best[2], history=history,
                   seconds=time.perf_counter() - t0)

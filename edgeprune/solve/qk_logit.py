@@ -43,8 +43,8 @@ def kept_blocks(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, prune: t
         ``Gq_i[S,S]`` (N, d', d'), ``Gk_i[S,S]`` (N, d', d') and
         rhs (d', d') = sum_i Gq_i[S,P] Gk_i[P,S] (corp-v1 eq. 29), all float64.
     """
-    gq, gk = gq.double(), gk.double()
-    gq_s, gk_s = gq[:, keep], gk[:, :, keep]  # rows S of Gq; columns S of Gk
+    # index first, then widen: only the S rows / S columns are converted to float64 (exact)
+    gq_s, gk_s = gq[:, keep].double(), gk[:, :, keep].double()  # rows S of Gq; columns S of Gk
     rhs = (gq_s[:, :, prune] @ gk_s[:, prune]).sum(0)
     return gq_s[:, :, keep], gk_s[:, keep], rhs
 

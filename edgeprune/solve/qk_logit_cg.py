@@ -70,6 +70,10 @@ def solve_logit_compensation_cg(gq_ss: torch.Tensor, gk_ss: torch.Tensor, rhs: t
     Returns:
         :class:`CGResult`; callers fall back to the direct solver when ``converged`` is False.
 
+    On the CPU the iteration runs on one intra-op thread (restored afterwards): its small GEMMs
+    do not speed up with threads and lose badly to thread synchronisation on a busy machine
+    (``edgeprune.solve.qk_choice`` models CG as thread-independent).
+
     Raises:
         ValueError: alpha <= 0 (without a ridge the system can be singular; use the direct solver)
             or shapes that disagree.
@@ -79,6 +83,20 @@ def solve_logit_compensation_cg(gq_ss: torch.Tensor, gk_ss: torch.Tensor, rhs: t
     if gq_ss.shape != gk_ss.shape or gq_ss.dim() != 3 or gq_ss.shape[1:] != rhs.shape:
         raise ValueError(f"expected (N, d', d') Gram blocks and a (d', d') rhs, got "
                          f"{tuple(gq_ss.shape)}, {tuple(gk_ss.shape)}, {tuple(rhs.shape)}")
+    threads = torch.get_num_threads()
+    pin = gq_ss.device.type == "cpu" and threads > 1
+    if pin:
+        torch.set_num_threads(1)
+    try:
+        return _solve_cg(gq_ss, gk_ss, rhs, alpha, tol, max_iter)
+    finally:
+        if pin:
+            torch.set_num_threads(threads)
+
+
+def _solve_cg(gq_ss: torch.Tensor, gk_ss: torch.Tensor, rhs: torch.Tensor, alpha: float, tol: float,
+              max_iter: int | None) -> CGResult:
+    """The body of :func:`solve_logit_compensation_cg` (checked arguments)."""
     gq, gk, b = gq_ss.double(), gk_ss.double(), rhs.double()
     n, d, _ = gq.shape
     lam = ridge_lambda(gq, gk, alpha)
@@ -110,7 +128,10 @@ def solve_logit_compensation_cg(gq_ss: torch.Tensor, gk_ss: torch.Tensor, rhs: t
     it = 0
     while rel > tol and it < max_iter:
         ap = apply_a(p)
-        step = rz / float((p * ap).sum())
+        pap = float((p * ap).sum())
+        if pap <= 0.0 or rz == 0.0:  # residual exactly zero (tol below float64 precision): done
+            break
+        step = rz / pap
         x = x + step * p
         r = r - step * ap
         z = apply_pinv(r)

@@ -1,0 +1,208 @@
+"""Pruning cost: whole ``edgeprune.prune`` (CORP) next to one dense forward pass over the same images.
+
+    python tools/bench_prune_cost.py --models deit_small --sizes 256 --threads 1,2
+    python tools/bench_prune_cost.py --models deit_small,deit_base --sizes 64,256,1024 --devices cpu,cuda
+
+For each model (timm, seeded random init, as ``--random-init``), calibration size (seeded random
+images, 224 x 224), thread count and device: a dense forward pass over the calibration images
+and ``edgeprune.prune`` (target ``both`` at ``--sparsity``, CORP compensation, ``qk_solver`` as
+given) are run interleaved in one process (``--repeats`` times: dense, prune, dense, prune, ...),
+so that load from other processes hits both alike. Printed per row: the median dense-pass
+seconds, the median prune seconds and its phases -- statistics (the calibration pass), ranking
+(``plan_corp``), solve (MLP / proj ridge fits and Q/K systems), surgery (folding and shrinking
+the modules), other (copying the model, structure summaries, the record) -- the median of the
+per-repeat ratios prune / dense (the issue's yardstick: <= 1.5), the same ratio of process CPU
+time (less sensitive to other processes on a shared machine; at 1 thread it is the wall ratio of
+an idle machine), and the peak memory of the
+prune (host RSS; on a GPU also ``torch.cuda.max_memory_allocated``). The Q/K solver each head
+used is summarised ("direct" / "cg" counts).
+
+The ``edgeprune prune`` CLI adds model creation, calibration-image loading and evaluation, which
+are not pruning cost; ``spec=`` is passed so that ``prune`` does not rebuild the model to
+recognise it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import edgeprune.corp as corp  # noqa: E402
+from edgeprune.api import prune  # noqa: E402
+from edgeprune.solve import mlp_ridge  # noqa: E402
+from edgeprune.zoo.registry import get_model_spec  # noqa: E402
+from runners.base import peak_rss_mb, reset_peak_rss  # noqa: E402
+
+MODELS = {"deit_small": "deit_small_patch16_224", "deit_base": "deit_base_patch16_224",
+          "deit_tiny": "deit_tiny_patch16_224"}
+
+
+class PhaseTimer:
+    """Wraps CORP's phase functions (module attributes) with wall-clock timers for one prune."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.t = {"ranking": 0.0, "solve": 0.0, "apply": 0.0}
+        self.solvers: dict[str, int] = {}
+        self._orig: list[tuple[object, str, object]] = []
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _wrap(self, owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._sync()
+                self.t[key] += time.perf_counter() - t0
+
+        self._orig.append((owner, name, fn))
+        setattr(owner, name, timed)
+
+    def __enter__(self) -> "PhaseTimer":
+        self._wrap(corp, "plan_corp", "ranking")
+        self._wrap(corp, "apply_corp", "apply")
+        self._wrap(mlp_ridge, "ridge_affine_map", "solve")
+        make = corp.qk_solver_from_grams
+
+        def solver_from_grams(*a, **kw):
+            solve = make(*a, **kw)
+
+            def timed(i, h):
+                t0 = time.perf_counter()
+                m, lam, info = solve(i, h)
+                self.t["solve"] += time.perf_counter() - t0
+                kind = info["solver"].split(":")[0]
+                self.solvers[kind] = self.solvers.get(kind, 0) + 1
+                return m, lam, info
+            return timed
+
+        self._orig.append((corp, "qk_solver_from_grams", make))
+        corp.qk_solver_from_grams = solver_from_grams
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._orig):
+            setattr(owner, name, fn)
+
+
+@torch.no_grad()
+def dense_pass(model, images: torch.Tensor, batch_size: int, device: torch.device) -> float:
+    """Seconds of one forward pass over ``images`` in batches (images moved batch by batch)."""
+    model.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(0, len(images), batch_size):
+        model(images[i:i + batch_size].to(device, non_blocking=True))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    model.to("cpu")
+    return seconds, cpu
+
+
+def one_prune(model, spec, images, args, device: torch.device) -> dict:
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with PhaseTimer(device) as pt:
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = prune(model, images, target="both", sparsity=args.sparsity, qk_solver=args.qk_solver,
+                    spec=spec, batch_size=args.batch_size, device=str(device))
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    stats_s = res.record["timing"]["calibration_s"]
+    row = {"prune_s": total, "prune_cpu_s": cpu, "statistics_s": stats_s, "ranking_s": pt.t["ranking"], "solve_s": pt.t["solve"],
+           "surgery_s": pt.t["apply"] - pt.t["solve"],
+           "other_s": total - stats_s - pt.t["ranking"] - pt.t["apply"],
+           "peak_rss_mb": peak_rss_mb(), "qk_solvers": dict(pt.solvers)}
+    if device.type == "cuda":
+        row["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return row
+
+
+def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -> dict:
+    torch.set_num_threads(threads)
+    spec = get_model_spec(MODELS[model_key], None, True)
+    model = spec.create(pretrained=True).eval()
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(n, 3, 224, 224, generator=g)
+    dense, dense_cpu, prunes = [], [], []
+    for _ in range(args.repeats):
+        wall, cpu = dense_pass(model, images, args.batch_size, device)
+        dense.append(wall)
+        dense_cpu.append(cpu)
+        prunes.append(one_prune(model, spec, images, args, device))
+    med = {k: statistics.median(p[k] for p in prunes)
+           for k in prunes[0] if k.endswith("_s") or k.endswith("_mb")}
+    ratios = [p["prune_s"] / d for p, d in zip(prunes, dense)]
+    cpu_ratios = [p["prune_cpu_s"] / d for p, d in zip(prunes, dense_cpu)]
+    return {"model": model_key, "images": n, "threads": threads, "device": str(device),
+            "dense_s": statistics.median(dense), **med, "ratio": statistics.median(ratios),
+            "cpu_ratio": statistics.median(cpu_ratios), "dense_cpu_s": statistics.median(dense_cpu),
+            "ratios": ratios, "dense_runs": dense, "prune_runs": [p["prune_s"] for p in prunes],
+            "qk_solvers": prunes[-1]["qk_solvers"]}
+
+
+def fmt(r: dict) -> str:
+    gpu = f"{r['peak_gpu_mb']:.0f}" if "peak_gpu_mb" in r else "-"
+    solvers = " ".join(f"{k}:{v}" for k, v in sorted(r["qk_solvers"].items()))
+    return (f"| {r['model']} | {r['images']} | {r['device']} | {r['threads']} | {r['dense_s']:.1f} | "
+            f"{r['prune_s']:.1f} | {r['statistics_s']:.1f} | {r['ranking_s']:.2f} | {r['solve_s']:.2f} | "
+            f"{r['surgery_s']:.2f} | {r['other_s']:.2f} | **{r['ratio']:.2f}** | {r['cpu_ratio']:.2f} | {r['peak_rss_mb']:.0f} | {gpu} | "
+            f"{solvers} |")
+
+
+HEADER = ("| model | images | device | threads | dense s | prune s | statistics s | ranking s | solve s | "
+          "surgery s | other s | ratio | CPU-time ratio | peak RSS MiB | peak GPU MiB | Q/K solvers |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="deit_small", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--sizes", default="256", help="calibration sizes, e.g. 64,256,1024")
+    ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts (CPU rows)")
+    ap.add_argument("--devices", default="cpu", help="cpu, cuda (cuda rows are skipped without CUDA)")
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--qk-solver", default="auto", choices=["auto", "direct", "cg"])
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    print(HEADER, flush=True)
+    for dev_name in args.devices.split(","):
+        device = torch.device(dev_name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print(f"(skipping {dev_name}: CUDA is not available)", file=sys.stderr)
+            continue
+        thread_list = [int(t) for t in args.threads.split(",")] if device.type == "cpu" else [torch.get_num_threads()]
+        for model_key in args.models.split(","):
+            for n in (int(s) for s in args.sizes.split(",")):
+                for t in thread_list:
+                    r = run_case(model_key, n, t, device, args)
+                    rows.append(r)
+                    print(fmt(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
