@@ -46,17 +46,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without reinstalling
     sys.path.insert(0, str(REPO))
 
+from tools.quant_table import _cpu_name  # noqa: E402  (the one CPU-name helper of the tools)
+
 METHODS = ("nocomp", "uniform", "budgeted", "sequential")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def uniform_flops(anatomy, sparsity: float, round_to: int) -> int:

@@ -177,16 +177,20 @@ def mlp_curve(b: BlockAnatomy, st, cfg) -> Curve:
     w = _effective_weight(b.fc2, b.ls2)
     order = torch.sort(mlp_scores(st, b.fc2.weight.detach(), cfg.mlp_criterion), descending=True,
                        stable=True).indices
-    if cfg.compensation and st.second_order:
-        cov = st.cov
-        raw = prefix_errors(cov, w, order, ks, _module_lambda(cov, cfg.ridge_alpha))
-        scale = prefix_errors(cov, w, order, [0], 0.0)[0]
-        kind = "compensated"
-    else:
-        raw = diagonal_errors(st.energy, w, order, ks)
-        scale = diagonal_errors(st.energy, w, order, [0])[0]
-        kind = "uncompensated"
+    raw, scale, kind = _fold_errors(st, w, order, ks, cfg, cfg.compensation and st.second_order)
     return Curve(b.index, ("mlp",), ks, raw, scale, kind)
+
+
+def _fold_errors(st, w: torch.Tensor, order: torch.Tensor, lengths: list[int], cfg,
+                 compensated: bool) -> tuple[list[float], float, str]:
+    """(E(k) for every prefix length, E(0) without ridge, kind) of one linear layer's input
+    channels: the compensated prefix errors, or the diagonal removal errors without compensation."""
+    if compensated:
+        cov = st.cov
+        raw = prefix_errors(cov, w, order, lengths, _module_lambda(cov, cfg.ridge_alpha))
+        return raw, prefix_errors(cov, w, order, [0], 0.0)[0], "compensated"
+    raw = diagonal_errors(st.energy, w, order, lengths)
+    return raw, diagonal_errors(st.energy, w, order, [0])[0], "uncompensated"
 
 
 def v_order(st, proj_weight: torch.Tensor, num_heads: int, criterion: str) -> torch.Tensor:
@@ -204,15 +208,7 @@ def v_curve(b: BlockAnatomy, st, cfg, ks: list[int] | None = None) -> Curve:
     w = _effective_weight(b.proj, b.ls1)
     order = v_order(st, b.proj.weight.detach(), b.num_heads, cfg.vo_criterion)
     lengths = [k * b.num_heads for k in ks]
-    if cfg.compensation:
-        cov = st.cov
-        raw = prefix_errors(cov, w, order, lengths, _module_lambda(cov, cfg.ridge_alpha))
-        scale = prefix_errors(cov, w, order, [0], 0.0)[0]
-        kind = "compensated"
-    else:
-        raw = diagonal_errors(st.energy, w, order, lengths)
-        scale = diagonal_errors(st.energy, w, order, [0])[0]
-        kind = "uncompensated"
+    raw, scale, kind = _fold_errors(st, w, order, lengths, cfg, cfg.compensation)
     return Curve(b.index, ("v",), ks, raw, scale, kind)
 
 
