@@ -355,12 +355,16 @@ def test_python_api_takes_a_corp_config_and_records_it():
         prune(model, x, target="both", sparsity=0.5, no_such_setting=1)
 
 
-def test_cli_writes_the_config_into_the_record(tmp_path, capsys):
+def _prune_record(tmp_path, capsys, *args) -> tuple[dict, str]:
+    """Run a fast ``prune`` with ``args`` into tmp_path/run; (its run record, stdout)."""
     out = tmp_path / "run"
-    code, stdout, err = run(_fast_prune(tmp_path, "--target", "mlp", "--sparsity", "0.25", "--ridge-alpha", "0.01",
-                                        "-o", str(out)), capsys)
+    code, stdout, err = run(_fast_prune(tmp_path, *args, "-o", str(out)), capsys)
     assert code == 0, err
-    rec = json.loads((out / "run.json").read_text())
+    return json.loads((out / "run.json").read_text()), stdout
+
+
+def test_cli_writes_the_config_into_the_record(tmp_path, capsys):
+    rec, stdout = _prune_record(tmp_path, capsys, "--target", "mlp", "--sparsity", "0.25", "--ridge-alpha", "0.01")
     cfg = rec["config"]
     assert cfg["mlp_sparsity"] == 0.25 and cfg["attn_sparsity"] == 0.0 and cfg["ridge_alpha"] == 0.01
     assert cfg["target"] == "mlp" and cfg["round_to"] == 8 and cfg["compensation"] is True
@@ -414,11 +418,7 @@ def test_random_init_run_is_evaluated_against_its_own_dense_model(tmp_path, caps
 
 
 def test_v_and_head_options_reach_the_config(tmp_path, capsys):
-    out = tmp_path / "run"
-    code, _, err = run(_fast_prune(tmp_path, "--target", "mlp", "--sparsity", "0.25", "--head-sparsity", "0.5",
-                                   "-o", str(out)), capsys)
-    assert code == 0, err
-    rec = json.loads((out / "run.json").read_text())
+    rec, _ = _prune_record(tmp_path, capsys, "--target", "mlp", "--sparsity", "0.25", "--head-sparsity", "0.5")
     assert rec["config"]["head_sparsity"] == 0.5 and rec["sparsity"] == {"mlp": 0.25, "attn": 0.0, "heads": 0.5}
     assert all(b["num_heads"] == 1 for b in rec["blocks"]) and rec["achieved_sparsity"]["heads"] == 0.5
 

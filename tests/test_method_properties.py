@@ -161,20 +161,13 @@ def test_pipeline_keeps_the_top_scores_and_equals_the_external_plan(setup):
 
 
 # ---- with the kept set fixed from outside: compensation beats plain removal --------------------
-def test_compensation_helps_for_a_fixed_external_mlp_keep_set(setup):
+@pytest.mark.parametrize("module, max_ratio", [("mlp", 0.5), ("qk", 0.1)])
+def test_compensation_helps_for_a_fixed_external_keep_set(setup, module, max_ratio):
     s = setup
-    keep = _mlp_sets(s, "random", seed=3)
-    e_comp = _logit_err(_prune_with_keep(s, mlp_keep=keep, compensation=True), s)
-    e_plain = _logit_err(_prune_with_keep(s, mlp_keep=keep, compensation=False), s)
-    assert e_comp < 0.5 * e_plain, (e_comp, e_plain)
-
-
-def test_compensation_helps_for_a_fixed_external_qk_keep_set(setup):
-    s = setup
-    keep = _qk_sets(s, "random", seed=3)
-    e_comp = _logit_err(_prune_with_keep(s, qk_keep=keep, compensation=True), s)
-    e_plain = _logit_err(_prune_with_keep(s, qk_keep=keep, compensation=False), s)
-    assert e_comp < 0.1 * e_plain, (e_comp, e_plain)
+    keep = (_mlp_sets if module == "mlp" else _qk_sets)(s, "random", seed=3)
+    e_comp = _logit_err(_prune_with_keep(s, **{f"{module}_keep": keep}, compensation=True), s)
+    e_plain = _logit_err(_prune_with_keep(s, **{f"{module}_keep": keep}, compensation=False), s)
+    assert e_comp < max_ratio * e_plain, (e_comp, e_plain)
 
 
 def test_compensation_helps_for_the_chosen_plan_both_targets(setup):
