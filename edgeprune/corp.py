@@ -58,6 +58,9 @@ class CorpConfig:
         allocation_check_images: with a budget, candidate allocations are compared by the
             measured output error on this many calibration images (``edgeprune.allocation.select``;
             0 = trust the allocator's proxy alone).
+        allocation_sensitivity: with the check on, also measure each allocation unit's output
+            error when it alone is pruned (on the same images) and add the greedy allocation on
+            curves rescaled to those measurements as a candidate (``edgeprune.allocation.select``).
         sequential_memory_gb: sequential calibration keeps its two token streams (N x n x D
             float32 each) in memory up to this many GiB, the rest in temporary disk memmaps.
         compensation: fold the closed-form compensation (False = plain removal, same ranking).
@@ -97,6 +100,7 @@ class CorpConfig:
     sequential: bool = False
     sequential_memory_gb: float = 4.0
     allocation_check_images: int = 32
+    allocation_sensitivity: bool = True
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,

@@ -242,6 +242,28 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- statistics
 
+def common_shift_fn(has_data: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The shift every rank's :class:`~edgeprune.calibration.mlp_stats.MLPStatistics` centres on.
+
+    Collective (call on every rank, before the calibration pass). When every rank holds at least
+    one batch, returns a function that broadcasts rank 0's first-batch mean (float64, (D,)) to
+    all ranks -- the shift a single-process run uses, so each rank forms bit for bit the per-batch
+    float32 products of one process, and the reduction (:func:`reduce_moments`) only adds sums
+    (METHODS.md §5 "Distributed statistics"). The function is called from the forward hooks at
+    each rank's first batch, in the same (block) order on every rank. When some rank has no
+    batch, returns None: each rank keeps its own shift and :func:`reduce_moments` re-centres.
+    """
+    if _all_reduce_max(0.0 if has_data else 1.0) > 0:
+        return None
+
+    def from_rank0(first_mean: torch.Tensor) -> torch.Tensor:
+        buf = first_mean.detach().to(_comm_device(), torch.float64, copy=True)
+        torch.distributed.broadcast(buf, 0)
+        return buf.to(first_mean.device)
+
+    return from_rank0
+
+
 def recentre(total: torch.Tensor, outer: torch.Tensor | None, sq: torch.Tensor | None, count: int,
              delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Sums of ``x - s_r`` re-expressed as sums of ``x - s`` with ``delta = s_r - s``.

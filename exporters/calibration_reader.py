@@ -48,14 +48,22 @@ class ArrayCalibrationReader(CalibrationDataReader):
         self.batch_size = max(1, int(batch_size))
         self.fixed_batch = fixed_batch
         self._next = 0
+        self._end = len(self.images)
 
     def __len__(self) -> int:
+        """Number of batches."""
         return -(-len(self.images) // self.batch_size)
 
+    def set_range(self, start_index: int, end_index: int) -> None:
+        """Give out only batches ``start_index .. end_index - 1`` (batch indices; ONNX Runtime's
+        chunked calibration, ``CalibStridedMinMax``, calls this once per chunk)."""
+        self._next = max(0, int(start_index)) * self.batch_size
+        self._end = min(len(self.images), max(0, int(end_index)) * self.batch_size)
+
     def get_next(self) -> dict[str, np.ndarray] | None:
-        """The next batch, or ``None`` when all images were given out."""
+        """The next batch, or ``None`` when all images (of the range) were given out."""
         start = self._next
-        if start >= len(self.images):
+        if start >= self._end:
             return None
         self._next = start + self.batch_size
         part = self.images[start:start + self.batch_size]
@@ -64,8 +72,9 @@ class ArrayCalibrationReader(CalibrationDataReader):
         return {self.input_name: part}
 
     def rewind(self) -> None:
-        """Start again from the first image."""
+        """Start again from the first image (the whole array)."""
         self._next = 0
+        self._end = len(self.images)
 
 
 def calibration_sha256(images: np.ndarray) -> str:

@@ -84,6 +84,21 @@ def match_patterns(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
     return [n for n in names if n in out]
 
 
+def chunk_batches(num_batches: int, batch_size: int, chunk_images: int) -> int:
+    """Batches per calibration chunk: the largest divisor of ``num_batches`` (ONNX Runtime's
+    ``CalibStridedMinMax`` needs one) holding at most ``chunk_images`` images, at least 1.
+
+    ONNX Runtime's calibrators keep every intermediate output of the batches they are given
+    before reducing them (min/max, or histograms): all at once, a DINOv2 ViT-S/14 needs ~48 MB
+    per image (18 GB at 256 images: killed for memory on a 24 GB machine). Chunks bound that
+    to ``chunk_images`` images; min/max ranges merge exactly across chunks, histograms are
+    merged (re-binned when the range grows).
+    """
+    most = max(1, int(chunk_images) // max(1, int(batch_size)))
+    return max(d for d in range(1, max(1, num_batches) + 1) if num_batches % d == 0 and d <= most) \
+        if num_batches > 0 else 1
+
+
 def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader: Any = None,
                         cache: Path, nodes_to_exclude: Sequence[str] = (),
                         nodes_to_quantize: Sequence[str] | None = None) -> Path:
@@ -110,6 +125,10 @@ def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader:
     }
     if config.calib_method == "percentile":
         extra["CalibPercentile"] = 99.999
+    if reader is not None and hasattr(reader, "set_range"):
+        stride = chunk_batches(len(reader), getattr(reader, "batch_size", 1), config.calib_chunk_images)
+        if stride < len(reader):
+            extra["CalibStridedMinMax"] = stride
     try:
         # the histogram calibrators print progress with print(); keep the command's output clean
         with contextlib.redirect_stdout(io.StringIO()):

@@ -36,7 +36,8 @@ def _measured(model, x, cfg, dims):
 @needs_fmnist
 def test_selection_keeps_the_candidate_with_the_lowest_measured_error(setup):
     model, an, x, cfg, stats = setup
-    cands = candidates(an, stats, cfg)
+    with torch.no_grad():
+        cands = candidates(an, stats, cfg, x[:48], model(x[:48]))
     assert "uniform" in cands and len(cands) >= 2
     dims, report = select_allocation(an, stats, cfg, lambda: x.split(32))
     sel = report["selection"]
@@ -63,3 +64,51 @@ def test_check_off_falls_back_to_the_proxy(setup):
 def test_check_images_setting_is_validated():
     with pytest.raises(UserError, match="allocation check images"):
         CorpConfig.from_target("both", None, budget={"kind": "flops", "value": 0.5}, allocation_check_images=-1)
+
+
+@needs_fmnist
+def test_measured_curves_equal_single_unit_prunes_and_keep_the_proxy_shape(setup):
+    """Each rescaled curve's error at its reference size is the output error of a real prune of
+    that unit alone (computed here through ``corp_prune`` with every other module dense), and the
+    curve keeps the proxy's ratios between sizes."""
+    from edgeprune.allocation.greedy import build_curves
+    from edgeprune.allocation.select import measured_curves
+
+    model, an, x, cfg, stats = setup
+    with torch.no_grad():
+        dense_out = model(x[:48])
+    ref = candidates(an, stats, cfg)["uniform"][0]
+    curves, units = measured_curves(an, stats, cfg, ref, x[:48], dense_out)
+    plain = build_curves(an, stats, cfg)
+    assert [(u["block"], u["unit"]) for u in units] == [(c.block, "+".join(c.keys)) for c in curves]
+    dense_dims = [{"mlp": b.mlp_hidden, "qk": b.qk_dim} for b in an.blocks]
+    for i in (0, 1, len(curves) - 1):  # an MLP unit, a Q/K unit, the last block's last unit
+        c, u = curves[i], units[i]
+        p = c.ks.index(u["kept"])
+        assert p < len(c.ks) - 1  # measured below dense
+        dims = [dict(d) for d in dense_dims]
+        dims[c.block][c.keys[0]] = u["kept"]
+        assert c.errors[p] == pytest.approx(_measured(model, x, cfg, dims), rel=1e-6)
+        assert u["measured_output_error"] == pytest.approx(c.errors[p], rel=1e-12)
+        # same shape as the proxy: ratios between sizes unchanged
+        q = 0 if p > 0 else 1
+        assert c.errors[q] / c.errors[p] == pytest.approx(plain[i].errors[q] / plain[i].errors[p], rel=1e-9)
+
+
+@needs_fmnist
+def test_measured_candidate_is_offered_and_judged_like_the_others(setup):
+    model, an, x, cfg, stats = setup
+    dims, report = select_allocation(an, stats, cfg, lambda: x.split(32))
+    sel = report["selection"]
+    units = sel["sensitivity"]["units"]
+    assert len(units) == 2 * len(an.blocks)  # target both: MLP and Q/K of every block
+    off = dataclasses.replace(cfg, allocation_sensitivity=False)
+    _dims, rep_off = select_allocation(an, stats, off, lambda: x.split(32))
+    assert rep_off["selection"]["sensitivity"] is None
+    assert "greedy(measured)" not in rep_off["selection"]["measured_output_error"]
+    from edgeprune.allocation.report import allocation_lines
+
+    line = next(ln for ln in allocation_lines(report) if "lowest output error" in ln)
+    assert line.strip().startswith(f"kept {sel['chosen']}:") and all(k in line for k in sel["measured_output_error"])
+    # with more candidates the chosen measured error can only go down
+    assert min(sel["measured_output_error"].values()) <= min(rep_off["selection"]["measured_output_error"].values())

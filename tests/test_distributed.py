@@ -143,9 +143,9 @@ def test_two_processes_equal_one_float64(runs):
 @needs_fmnist
 def test_two_processes_command_line(runs):
     """``edgeprune prune`` under torchrun: one report (rank 0), record says world_size and backend,
-    same kept indices as one process; float32 Grams agree to the float32 level (each rank centres
-    its own batches: ~2e-4 relative after the ridge solves, as far as the single-process float32
-    run is from float64)."""
+    same kept indices as one process; with the default float32 Grams the folded weights are
+    within 1e-5 relative too (every rank centres on rank 0's first batch, as one process does,
+    so the per-batch float32 products are the same; before that, ~2e-4)."""
     out, stdout, single_runs = runs
     assert stdout.count("saved ") == 1
     rec = json.loads((out / "cli" / "run.json").read_text())
@@ -156,7 +156,9 @@ def test_two_processes_command_line(runs):
     assert rec["blocks"] == ref["blocks"]
     a, b = _weights(single_runs / "cli"), _weights(out / "cli")
     _assert_same_kept(a, b, rec["blocks"])
-    assert _worst_rel(a, b) < 2e-3
+    worst = _worst_rel(a, b)
+    print(f"float32 torchrun vs one process: worst relative difference {worst:.2e}")
+    assert worst < 1e-5
 
 
 @pytest.mark.parametrize("second_order", [True, False])

@@ -295,10 +295,62 @@ def test_cli_existing_output_needs_force(work, tmp_path):
     assert read_metadata(out)["precision"] == "fp16"
 
 
-def test_cli_gate_exits_1(work, tmp_path):
-    # one calibration image clips the activation ranges: a measurable top-1 loss on 500 images
+def test_cli_gate_exits_1(work, tmp_path, monkeypatch):
+    # The gate must not depend on how much int8 happens to lose on this CPU (one calibration image
+    # lost 0.4 points on an Intel Xeon and gained 0.4 on an AMD EPYC): the quantized model's
+    # outputs are rolled by one class as ONNX Runtime returns them, so every prediction moves.
+    import exporters.int8 as int8
+
+    real = int8.run_model
+
+    def run_model(path, x, *args, **kw):
+        out = real(path, x, *args, **kw)
+        return np.roll(out, 1, axis=1) if Path(path).name == "quantized.onnx" else out
+
+    monkeypatch.setattr(int8, "run_model", run_model)
     out = tmp_path / "g.onnx"
-    r = invoke(work["fp32"], "--precision", "int8", "-o", out, "--calib-size", "1", "--eval-size", "500",
+    r = invoke(work["fp32"], "--precision", "int8", "-o", out, "--calib-size", "8", "--eval-size", "100",
                "--max-drop", "0.1", "--threads", "1")
     assert_one_line_error(r, "not written", code=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_chunk_batches_divides_and_bounds_the_images():
+    from exporters.int8 import chunk_batches
+
+    assert chunk_batches(8, 32, 32) == 1  # one 32-image batch per chunk
+    assert chunk_batches(12, 4, 32) == 6  # largest divisor of 12 with <= 8 batches
+    assert chunk_batches(7, 4, 32) == 7  # 28 images fit in one chunk
+    assert chunk_batches(7, 4, 16) == 1  # 7 is prime: 1 batch per chunk
+    assert chunk_batches(4, 4, 1000) == 4  # everything fits in one chunk
+    assert chunk_batches(1, 64, 32) == 1
+
+
+def test_chunked_calibration_gives_the_same_minmax_ranges(work, tmp_path):
+    """ONNX Runtime's calibrator fed in chunks (bounded memory) finds exactly the min/max ranges of
+    one pass over all images (16 images in batches of 2: chunks of 2 images vs all at once)."""
+    scales = {}
+    for chunk in (2, 1000):
+        out = tmp_path / f"c{chunk}.onnx"
+        quantize_onnx(work["fp32"], out, QuantizeConfig(calib_size=16, batch_size=2, calib_chunk_images=chunk,
+                                                        eval_size=20))
+        scales[chunk] = _activation_scales(out)
+    assert scales[2].keys() == scales[1000].keys() and len(scales[2]) > 30
+    assert all(scales[2][k] == scales[1000][k] for k in scales[2])
+
+
+def test_reader_range_gives_out_only_those_batches():
+    from exporters.calibration_reader import ArrayCalibrationReader
+
+    x = np.arange(10, dtype=np.float32).reshape(10, 1, 1, 1)
+    r = ArrayCalibrationReader(x, "input", batch_size=3)
+    assert len(r) == 4
+    r.set_range(1, 3)
+    got = []
+    while (b := r.get_next()) is not None:
+        got.append(b["input"].ravel().tolist())
+    assert got == [[3, 4, 5], [6, 7, 8]]
+    r.set_range(3, 4)
+    assert r.get_next()["input"].ravel().tolist() == [9] and r.get_next() is None
+    r.rewind()
+    assert sum(1 for _ in iter(r.get_next, None)) == 4

@@ -153,6 +153,13 @@ def run(args, log) -> list[dict]:
                 msg = (f"FLOPs x{budget:g} {method:10} seed {seed}: achieved FLOPs x{row['flops']:.3f} "
                        f"params x{row['params']:.3f} top-1 {m['top1'] * 100:.2f}% agreement "
                        f"{m['agreement'] * 100:.2f}% prune {row['seconds'][-1]:.1f} s")
+                sel = (rec.get("allocation") or {}).get("selection")
+                if sel:  # which candidate allocation won, and every candidate's measured error
+                    errs = ", ".join(f"{k} {v:.4g}" for k, v in sel["measured_output_error"].items())
+                    msg += f"; allocation {sel['chosen']} (measured output error: {errs}; selection {sel['seconds']:.0f} s"
+                    if sel.get("sensitivity"):
+                        msg += f", of which per-unit sensitivities {sel['sensitivity']['seconds']:.0f} s"
+                    msg += ")"
                 if budget in heal_at and method != "nocomp":
                     t1 = time.perf_counter()
                     healed = heal(res.model, dense, calib).model

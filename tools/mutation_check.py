@@ -65,11 +65,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                       "tests/test_runners.py::test_summarize_latencies_linear_interpolation",
                       "tests/test_runners.py::test_ratio_stats_are_per_pair"]),
     "calibration": (["edgeprune/calibration/mlp_stats.py", "edgeprune/calibration/qk_stats.py"],
-                    ["tests/test_solvers.py", "tests/test_known_answers.py",
+                    ["tests/test_calibration_mutants.py", "tests/test_solvers.py", "tests/test_known_answers.py",
                      "tests/test_distributed.py::test_recentred_halves_equal_one_pass",
-                     "tests/test_method_properties.py::test_chosen_mlp_ranking_beats_bottom_k_and_random",
-                     "tests/test_method_properties.py::test_chosen_qk_ranking_beats_bottom_k_and_random",
-                     "tests/test_method_properties.py::test_compensation_helps_for_the_chosen_plan_both_targets"]),
+                     "tests/test_prune_cost.py::test_symmetric_gram_is_the_full_product_and_accumulates",
+                     "tests/test_prune_cost.py::test_covariance_matches_float64_reference_over_batches",
+                     "tests/test_prune_cost.py::test_without_positive_count_active_prob_raises_and_the_rest_is_unchanged",
+                     "tests/test_prune_cost.py::test_fused_qk_grams_equal_per_head_products"]),
     "verify": (["exporters/verify.py"],
                ["tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
     "nuwa": (["edgeprune/nuwa/ofp_mha.py", "edgeprune/nuwa/budget.py"],
@@ -87,6 +88,16 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # (test_corp_pipeline's save/load round trip prunes fmnist-vit first: too slow per mutant;
     # test_artifact_mutants.py has its own round trip and interrupted save)
     "artifact": (["edgeprune/artifact.py"], ["tests/test_artifact_mutants.py"]),
+    # select.py / measure.py are not mutated: they fold real models and measure output errors
+    # (tests/test_allocation_select.py), too slow per mutant
+    "allocation": (["edgeprune/allocation/budget.py", "edgeprune/allocation/cost.py",
+                    "edgeprune/allocation/errors.py", "edgeprune/allocation/greedy.py",
+                    "edgeprune/allocation/report.py"],
+                   # (the rest of test_allocation.py prunes models or runs the CLI: 0.2-30 s per test)
+                   ["tests/test_allocation_mutants.py",
+                    "tests/test_allocation.py::test_budget_values_parse",
+                    "tests/test_allocation.py::test_prefix_errors_equal_the_fold_error_computed_directly",
+                    "tests/test_allocation.py::test_qk_curve_is_the_diagonal_m_least_squares_residual"]),
 }
 
 #: what runs without arguments, in this order (the issue's priorities first)
@@ -94,7 +105,7 @@ DEFAULT = ("solve_mlp", "solve_qk", "ranking", "plan", "flops", "runner_stats")
 
 #: modules whose files hold much more than the statistics under test: mutate only the lines the
 #: selected tests execute (mutmut's ``mutate_only_covered_lines``)
-COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa"}
+COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa", "allocation"}
 
 #: mutants judged equivalent (same behaviour for every input the code can get), with the reason;
 #: keyed by the diff line that mutmut shows (``+`` side, stripped). See docs/mutation.md.
@@ -181,6 +192,81 @@ EQUIVALENT: dict[str, str] = {
         "json.dumps treats sort_keys=None as False",
     '(tmp / RECORD).write_text(json.dumps(record, indent=2, default=str) + "\\n")':
         "json.dumps's default is sort_keys=False",
+    # calibration.symmetric_gram: at d == block the block-row loop runs once with the same product,
+    # mirrored and added to all of out; the `i + block < d` guard only skips an empty update
+    # (out[i + block:, ...] and g[:, block:] are both empty when i + block >= d)
+    "if d < block:": "at d == block the loop does one block row: the same GEMM, mirrored, added to all of out",
+    "if i - block < d:": "when i + block >= d the guarded update adds an empty slice to an empty slice",
+    "if i + block <= d:": "when i + block == d the guarded update adds an empty slice to an empty slice",
+    # calibration.MLPStatistics: with second_order=False `_gram` is an unread placeholder (variance
+    # reads `_sq`, cov raises, distributed.reduce_statistics reads `_sq`); any empty tensor does
+    "self._gram = torch.zeros(dim, dim, **f64) if second_order else torch.zeros(0, **f64)":
+        "the second_order=False placeholder `_gram` is never read",
+    "self._gram = torch.zeros(dim, dim, **f64) if second_order else torch.zeros(0, 0, )":
+        "the second_order=False placeholder `_gram` is never read",
+    "self._gram = torch.zeros(dim, dim, **f64) if second_order else torch.zeros(1, 0, **f64)":
+        "the second_order=False placeholder `_gram` is never read",
+    "self._gram = torch.zeros(dim, dim, **f64) if second_order else torch.zeros(0, 1, **f64)":
+        "the second_order=False placeholder `_gram` is never read",
+    # allocation: scores are (H, d_v); make_budget's kind default; getattr default None is falsy
+    "rank = torch.sort(scores, descending=True, stable=True).indices  # (H, d_v)":
+        "torch.sort's default dim is -1 (the same call)",
+    "rank = torch.sort(scores, dim=+1, descending=True, stable=True).indices  # (H, d_v)":
+        "scores are (H, d_v): dim 1 is dim -1",
+    'return {"kind": "flops", "value": parse_budget_value(flops, )}':
+        'parse_budget_value\'s default kind is "flops" (the same call)',
+    'if not getattr(qk_stats, "keep_grams", None) or not getattr(qk_stats, "_gq", None):':
+        "a missing keep_grams reads as None instead of False: both falsy",
+    # report.rounding_warnings: the "mlp" key is only a tag (the dedup set; the fused test looks for
+    # "qk" / "v"); sparsity 0 keeps every dim / head (achieved 0: no warning; round_to >= 1 is
+    # enforced by CorpConfig.validate)
+    'what = {"XXmlpXX": ("MLP hidden channels", "mlp_sparsity", "mlp_hidden"),':
+        'the MLP entry\'s key is only a tag (dedup; not "qk"/"v")',
+    'what = {"MLP": ("MLP hidden channels", "mlp_sparsity", "mlp_hidden"),':
+        'the MLP entry\'s key is only a tag (dedup; not "qk"/"v")',
+    "if s < 0 or (key, dense, s) in seen:": "sparsity 0 keeps every dim: achieved 0, no warning",
+    'if s >= 0 and ("heads", b.num_heads, s) not in seen:': "head sparsity 0 keeps every head: no warning",
+    # greedy.allocate: min() keeps the first of equal keys, and "greedy" is inserted first
+    'chosen = min(candidates, key=lambda k: (candidates[k].error, k != "XXgreedyXX"))':
+        "on a tie min() returns the first candidate, which is greedy",
+    'chosen = min(candidates, key=lambda k: (candidates[k].error, k != "GREEDY"))':
+        "on a tie min() returns the first candidate, which is greedy",
+    # greedy._descend / _fill: the candidate keys end with the candidate index p (and u), so two
+    # keys compared in one scan are never equal
+    "if cand is None or key <= cand:": "keys include the candidate index: never equal within one scan",
+    "for i in range(1000):": "range(1000) == range(0, 1000)",
+    # greedy.base_dims: the plain config only feeds attention_dims / attention_sparsities, which
+    # test `layout == "fused"` and nothing else; replacing "default" by "default" is a copy
+    'plain = dataclasses.replace(cfg, layout="default") if (cfg.layout == "fused") or True else cfg':
+        'a copy of a default-layout config with layout="default" is the same config',
+    'plain = dataclasses.replace(cfg, layout=None) if cfg.layout == "fused" else cfg':
+        'the consumers only test layout == "fused"',
+    'plain = dataclasses.replace(cfg, layout="XXdefaultXX") if cfg.layout == "fused" else cfg':
+        'the consumers only test layout == "fused"',
+    'plain = dataclasses.replace(cfg, layout="DEFAULT") if cfg.layout == "fused" else cfg':
+        'the consumers only test layout == "fused"',
+    # greedy.build_curves, fused units: tie_curves keeps the counts both curves have, and the
+    # default candidates of Q/K and V (multiples of round_to and each one's own dim) have exactly
+    # the filtered list in common; E(k) at a given k and the scale do not depend on the list
+    "ks = None": "fused: tie_curves intersects the default Q/K and V candidates to the same list",
+    'qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, None), v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)':
+        "fused: tie_curves intersects the default Q/K candidates with the V ones to the same list",
+    'qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ), v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)':
+        "fused: tie_curves intersects the default Q/K candidates with the V ones to the same list",
+    'qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks), v_curve(b, _need(stats.vo, b, "V/O"), cfg, None)':
+        "fused: tie_curves intersects the default V candidates with the Q/K ones to the same list",
+    'qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks), v_curve(b, _need(stats.vo, b, "V/O"), cfg, )':
+        "fused: tie_curves intersects the default V candidates with the Q/K ones to the same list",
+    "order = torch.sort(scores, descending=True, stable=True).indices": "torch.sort's default dim is -1 (the same call)",
+    "order = torch.sort(scores, dim=+1, descending=True, stable=True).indices": "scores are (H, d): dim 1 is dim -1",
+    "l, info = torch.linalg.cholesky_ex(a + jitter * torch.eye(a.shape[1], dtype=a.dtype))": "a is square",
+    # errors.normalise: `residual` and `energy[c.block] or ...` are read only when every block's
+    # energy is known and > 0
+    "total += e or 1.0": "the residual sums are used only when every energy is known and > 0",
+    "c.scale = e0 * residual[c.block] / (qk_weight * float(energy[c.block] or 2.0))":
+        "this branch runs only when every energy is known and > 0",
+    'gamma = getattr(layer_scale, "gamma", None) if (layer_scale is not None) or True else None':
+        "getattr(None, 'gamma', None) is None",
 }
 
 DO_NOT_MUTATE_PATTERNS = (r"^\s*raise \w+(Error|Fault)\(",)

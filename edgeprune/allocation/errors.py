@@ -223,10 +223,7 @@ def heads_curve(b: BlockAnatomy, st, cfg) -> Curve:
     full = torch.arange(d_v).repeat(H, 1)
     ks = list(range(1, H + 1))
     raw = []
-    for k in ks:
-        if k == H:
-            raw.append(0.0)
-            continue
+    for k in ks[:-1]:  # fewer than H heads; all H (the last) leave no error
         kept = rank_heads(st, w_raw, H, k, cfg.ridge_alpha, cfg.compensation)
         removed = torch.tensor([h for h in range(H) if h not in set(kept.tolist())])
         s, p = head_channels(kept, full, d_v), head_channels(removed, full, d_v)
@@ -234,6 +231,7 @@ def heads_curve(b: BlockAnatomy, st, cfg) -> Curve:
         if cfg.compensation:
             bm, c, _ = mlp_ridge.ridge_affine_map(st.mean, st.cov, s, p, cfg.ridge_alpha)
         raw.append(mlp_ridge.removal_error(st.mean, st.cov, w, s, p, bm, c))
+    raw.append(0.0)
     scale = float((w @ st.cov.double() * w).sum()) if cfg.compensation else \
         float((st.energy.double().clamp_min(0) * w.pow(2).sum(0)).sum())
     return Curve(b.index, ("heads",), ks, raw, scale, "compensated" if cfg.compensation else "uncompensated")

@@ -240,12 +240,13 @@ def check_budget(anatomy, cfg) -> None:
 
 
 def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
-             only: str | None = None) -> tuple[list[dict], dict]:
+             only: str | None = None, curves: list[Curve] | None = None) -> tuple[list[dict], dict]:
     """Kept dims per block and module meeting ``cfg.budget`` at the least proxy error.
 
     ``qk_weight`` overrides ``errors.QK_WEIGHT``; ``only="greedy"`` / ``"uniform"`` returns that
     candidate instead of the one with the lower proxy (``edgeprune.allocation.select`` compares
-    candidates by their measured output error).
+    candidates by their measured output error); ``curves`` replaces the curves built from the
+    statistics (:func:`build_curves`; ``select`` passes curves rescaled to measured errors).
 
     Args:
         anatomy: the model's anatomy (before pruning).
@@ -272,7 +273,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         raise UserError("allocate needs a budget (--flops or --params)")
     kind = cfg.budget["kind"]
     cost = cost_model(kind, anatomy)
-    curves = build_curves(anatomy, stats, cfg, qk_weight)
+    curves = build_curves(anatomy, stats, cfg, qk_weight) if curves is None else curves
     base = base_dims(anatomy, cfg)
     dense_state = _State(anatomy, curves, base, cost, [len(c.ks) - 1 for c in curves])
     dense_cost = total_cost(cost, anatomy, [_dense(b) for b in anatomy.blocks])

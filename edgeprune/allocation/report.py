@@ -61,6 +61,10 @@ def allocation_lines(alloc: dict) -> list[str]:
              f"{alloc['params']:,.0f} params (x{alloc['params_fraction']:.3f}); "
              f"chosen {alloc['chosen']} (proxy error "
              + ", ".join(f"{k} {v:.4g}" for k, v in alloc["proxy_error"].items()) + ")"]
+    sel = alloc.get("selection")
+    if sel:
+        lines.append(f"  kept {sel['chosen']}: lowest output error vs dense on {sel['images']} calibration images ("
+                     + ", ".join(f"{k} {v:.4g}" for k, v in sel["measured_output_error"].items()) + ")")
     if not alloc.get("within_tolerance", True):
         lines.append("  (the achieved cost is more than 1% under the budget: --round-to steps are too coarse)")
     for blk in alloc["blocks"]:

@@ -12,6 +12,17 @@ output on ``CorpConfig.allocation_check_images`` calibration images is closest t
 model's (relative squared error). Since the uniform allocation is always a candidate, the chosen
 allocation is never worse than uniform on that measured error.
 
+Measured sensitivities (``CorpConfig.allocation_sensitivity``, on by default): the proxy's
+*shape* along one unit's kept sizes (its closed-form error curve) is trustworthy, its *scale*
+across blocks and module types (the residual-stream normalisation and the Q/K weight, fitted on
+fmnist-vit) is what failed on DINOv2. So every allocation unit (block x module) is pruned alone,
+at its size in the uniform candidate (one step below dense if uniform keeps it dense), and the
+model's output error on the check images is measured; each curve is rescaled so that its error
+at that size equals the measurement (``E_u(k) = m_u * raw_u(k) / raw_u(k_ref)``: first order,
+errors of different units add). The greedy allocation on these curves is one more candidate,
+judged by the same measured error as the others. Cost: one solve + one forward pass of the check
+images per unit (2 x depth units for ``both``).
+
 Cost: per candidate one solve + surgery and one forward pass over the check images (the dense
 output once), e.g. a few seconds per candidate for DINOv2-S with 32 images.
 """
@@ -25,7 +36,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from edgeprune.allocation.greedy import allocate
+from edgeprune.allocation.errors import Curve
+from edgeprune.allocation.greedy import allocate, build_curves
 
 #: Q/K weights of the greedy candidates (``errors.QK_WEIGHT`` = 0.2 is the fmnist-vit fit)
 QK_WEIGHTS = (0.2, 1.0, 5.0)
@@ -58,9 +70,13 @@ def _as_tensor(y) -> torch.Tensor | None:
     return None
 
 
-def candidates(anatomy, stats, cfg) -> dict[str, tuple[list[dict], dict]]:
+def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: torch.Tensor | None = None,
+               sensitivity: dict | None = None) -> dict[str, tuple[list[dict], dict]]:
     """The distinct candidate allocations ``{name: (dims, report)}``: uniform and greedy at each
-    of :data:`QK_WEIGHTS` (greedy ones equal to an earlier candidate are dropped)."""
+    of :data:`QK_WEIGHTS` (greedy ones equal to an earlier candidate are dropped), and, given the
+    check images ``x`` and ``dense_out`` with ``cfg.allocation_sensitivity``, the greedy
+    allocation on the measured curves (:func:`measured_curves`; its per-unit measurements are
+    put in ``sensitivity`` when a dict is passed)."""
     out: dict[str, tuple[list[dict], dict]] = {}
     try:
         out["uniform"] = allocate(anatomy, stats, cfg, only="uniform")
@@ -70,7 +86,84 @@ def candidates(anatomy, stats, cfg) -> dict[str, tuple[list[dict], dict]]:
         dims, rep = allocate(anatomy, stats, cfg, qk_weight=w, only="greedy")
         if all(dims != d for d, _ in out.values()):
             out[f"greedy(qk_weight={w:g})"] = (dims, rep)
+    if x is not None and dense_out is not None and getattr(cfg, "allocation_sensitivity", False):
+        t0 = time.perf_counter()
+        ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
+        curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out)
+        dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
+        if all(dims != d for d, _ in out.values()):
+            out["greedy(measured)"] = (dims, rep)
+        if sensitivity is not None:
+            sensitivity.update(units=units, seconds=time.perf_counter() - t0)
     return out
+
+
+#: BlockPlan field of each allocation key
+_PLAN_FIELD = {"mlp": "mlp_keep", "qk": "qk_keep", "v": "v_keep", "heads": "head_keep"}
+
+
+def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torch.Tensor) -> float:
+    """Relative output error vs dense of a copy of ``model`` pruned by ``plans`` (same statistics)."""
+    from edgeprune.anatomy import find_anatomy
+    from edgeprune.corp import apply_corp, qk_solver_from_grams
+
+    trial = copy.deepcopy(model).eval()
+    an = find_anatomy(trial)
+    qk_solve = None
+    if cfg.compensation and any(p.qk_keep is not None for p in plans):
+        qk_solve = qk_solver_from_grams(stats.qk, plans, cfg)
+    apply_corp(an, plans, cfg, stats.mlp, qk_solve, stats.vo)
+    return output_error(_as_tensor(trial(x)), dense_out)
+
+
+@torch.no_grad()
+def measured_curves(anatomy, stats, cfg, ref_dims: list[dict], x: torch.Tensor,
+                    dense_out: torch.Tensor) -> tuple[list[Curve], list[dict]]:
+    """The allocator's curves rescaled to measured single-unit output errors (module doc).
+
+    Args:
+        anatomy: the dense model's anatomy (not modified: each unit is folded on a copy).
+        stats, cfg: as for :func:`~edgeprune.allocation.greedy.allocate` (``cfg.budget`` set).
+        ref_dims: per block the kept dims of a reference allocation (the uniform candidate);
+            each unit is measured there, or one candidate size lower where that is dense.
+        x: (n, C, H, W) check images; dense_out: the dense model's output on them.
+
+    Returns:
+        (curves, info): the curves of :func:`~edgeprune.allocation.greedy.build_curves` with
+        ``scale`` set so that ``errors[ref] == measured`` (unit-free: relative squared output
+        error, :func:`output_error`); ``info`` one dict per unit (block, keys, kept, measured,
+        proxy at that size).
+    """
+    import dataclasses
+
+    from edgeprune.corp import plan_corp
+    from edgeprune.plan import BlockPlan
+
+    curves = build_curves(anatomy, stats, cfg)
+    pos = []
+    dims = [dict(d) for d in ref_dims]
+    for c in curves:
+        p = c.ks.index(ref_dims[c.block][c.keys[0]]) if ref_dims[c.block][c.keys[0]] in c.ks else len(c.ks) - 1
+        if p == len(c.ks) - 1 and p > 0:
+            p -= 1  # dense in the reference: measure one step below
+        pos.append(p)
+        for key in c.keys:
+            dims[c.block][key] = c.ks[p]
+    ref_plans = plan_corp(anatomy, stats, dataclasses.replace(cfg, dims=dims, budget=None))
+    plain = dataclasses.replace(cfg, dims=None, budget=None)
+    model = anatomy.model
+    info = []
+    for c, p in zip(curves, pos):
+        plans = [BlockPlan(index=b.index) for b in anatomy.blocks]
+        src = ref_plans[c.block]
+        plans[c.block] = BlockPlan(index=c.block, **{_PLAN_FIELD[k]: getattr(src, _PLAN_FIELD[k]) for k in c.keys})
+        measured = _fold_and_measure(model, plans, plain, stats, x, dense_out)
+        proxy = c.errors[p]
+        if measured > 0 and c.raw[p] > 0:
+            c.scale = c.raw[p] / measured  # errors[p] = raw[p] / scale = measured
+        info.append({"block": c.block, "unit": "+".join(c.keys), "kept": c.ks[p],
+                     "measured_output_error": measured, "proxy_error": proxy})
+    return curves, info
 
 
 @torch.no_grad()
@@ -95,8 +188,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     Raises:
         UserError: as ``allocate``.
     """
-    from edgeprune.anatomy import find_anatomy
-    from edgeprune.corp import apply_corp, plan_corp, qk_solver_from_grams
+    from edgeprune.corp import plan_corp
     from edgeprune.plan import pruned_modules
 
     n = int(getattr(cfg, "allocation_check_images", 0))
@@ -110,19 +202,14 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     dense_out = _as_tensor(model(x)) if x is not None else None
     if dense_out is None:
         return allocate(anatomy, stats, cfg)
-    cands = candidates(anatomy, stats, cfg)
+    sensitivity: dict = {}
+    cands = candidates(anatomy, stats, cfg, x, dense_out, sensitivity)
     if len(cands) < 2:
         return allocate(anatomy, stats, cfg)
     measured: dict[str, float] = {}
     for name, (dims, _rep) in cands.items():
-        trial = copy.deepcopy(model).eval()
-        an = find_anatomy(trial)
         c = dataclasses.replace(cfg, dims=dims, budget=None)
-        plans = plan_corp(an, stats, c)
-        qk_solve = qk_solver_from_grams(stats.qk, plans, c) if qk else None
-        apply_corp(an, plans, c, stats.mlp, qk_solve, stats.vo)
-        measured[name] = output_error(_as_tensor(trial(x)), dense_out)
-        del trial, an
+        measured[name] = _fold_and_measure(model, plan_corp(anatomy, stats, c), c, stats, x, dense_out)
     chosen = min(measured, key=lambda k: (measured[k], k != "uniform"))
     dims, report = cands[chosen]
     report = dict(report)
@@ -131,6 +218,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
         "measured_output_error": measured,
         "proxy_error": {k: float(sum(r["proxy_error"].values())) for k, (_d, r) in cands.items()},
         "seconds": time.perf_counter() - t0,
+        "sensitivity": sensitivity or None,
         "rule": "lowest relative squared error of the model output vs dense on calibration images "
                 "(edgeprune.allocation.select)",
     }

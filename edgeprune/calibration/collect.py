@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import time
 from typing import Iterable, Iterator
 
@@ -145,8 +146,17 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         raise UserError("CUDA is not available (use --device cpu)")
     on_cpu = dev.type == "cpu"
     grams_dev = None if on_cpu else torch.device("cpu")
+    from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statistics
+
+    batches = iter(batches)
+    first = next(batches, None)
+    if first is not None:
+        batches = itertools.chain([first], batches)
+    # under torchrun: every rank centres on rank 0's first batch, as one process would (collective)
+    shift_fn = common_shift_fn(first is not None) if is_distributed() and (mlp or vo) else None
     mlp_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order, count_positive=mlp_active, device=dev)
+        MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order, count_positive=mlp_active, device=dev,
+                      shift_fn=shift_fn)
         if mlp else None for b in anatomy.blocks]
     qk_stats: list = [
         QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype, device=dev,
@@ -156,7 +166,8 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         qk_stats = [None if keep is None else QKSystemStatistics(keep, b.qk_dim, device=dev)
                     for b, keep in zip(anatomy.blocks, qk_keep)]
     vo_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.proj.in_features, gram_dtype, True, count_positive=False, device=dev) if vo else None
+        MLPStatistics(b.proj.in_features, gram_dtype, True, count_positive=False, device=dev, shift_fn=shift_fn)
+        if vo else None
         for b in anatomy.blocks]
     handles = []
     for b in anatomy.blocks:
@@ -193,8 +204,6 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     if not on_cpu:
         for st in [*mlp_stats, *qk_stats, *vo_stats]:
             _stats_to_cpu(st)
-    from edgeprune.distributed import is_distributed, reduce_statistics
-
     if num_images == 0 and not is_distributed():  # a rank's empty share is fine: reduce_statistics checks the total
         raise UserError("the calibration set is empty")
     stats = CalibrationStatistics(mlp=mlp_stats, qk=qk_stats, num_images=num_images,

@@ -6,7 +6,18 @@ calibration image, for CORP's ranking (corp-v2 §3.3) and ridge compensation (co
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+
+def _mirror_upper(g: torch.Tensor) -> torch.Tensor:
+    """A square (b, b) matrix with its strict lower triangle replaced by the upper one's mirror.
+
+    ``x^T x`` from a GEMM is symmetric only up to rounding (BLAS kernels may sum the two
+    triangles in different orders, depending on the CPU); mirroring makes it exactly symmetric.
+    """
+    return torch.triu(g) + torch.triu(g, 1).T
 
 
 def symmetric_gram(x: torch.Tensor, block: int = 384, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,10 +40,12 @@ def symmetric_gram(x: torch.Tensor, block: int = 384, out: torch.Tensor | None =
     if out is None:
         out = torch.zeros(d, d, dtype=x.dtype, device=x.device)
     if d <= block:
-        out += x.T @ x
+        out += _mirror_upper(x.T @ x)
         return out
     for i in range(0, d, block):
         g = x[:, i:i + block].T @ x[:, i:]  # (b, D - i): rows i..i+b of the upper triangle
+        b = g.shape[0]
+        g[:, :b] = _mirror_upper(g[:, :b])  # a GEMM's diagonal block need not be bitwise symmetric
         out[i:i + block, i:] += g
         if i + block < d:
             out[i + block:, i:i + block] += g[:, block:].T
@@ -63,11 +76,17 @@ class MLPStatistics:
             ``False``: :attr:`active_prob` raises.
         device: where the accumulators live (the device of the activations; statistics never
             leave it during the pass). All sums stay float64 there.
+        shift_fn: maps the first batch's float64 mean (D_mlp,) to the shift actually used;
+            default: the mean itself. Under torchrun every rank gets rank 0's first-batch mean
+            (:func:`edgeprune.distributed.common_shift_fn`), so each rank forms exactly the
+            per-batch products a single-process run forms.
     """
 
     def __init__(self, dim: int, gram_dtype: torch.dtype = torch.float32, second_order: bool = True,
-                 count_positive: bool = True, device: torch.device | str = "cpu") -> None:
+                 count_positive: bool = True, device: torch.device | str = "cpu",
+                 shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.dim = dim
+        self.shift_fn = shift_fn
         self.gram_dtype = gram_dtype
         self.second_order = second_order
         self.count_positive = count_positive
@@ -93,7 +112,10 @@ class MLPStatistics:
         if x.shape[0] == 0:
             return
         if self._shift is None:
-            self._shift = x.mean(0, dtype=torch.float64).to(self._sum.device)
+            first = x.mean(0, dtype=torch.float64)
+            shift = first if self.shift_fn is None else self.shift_fn(first)
+            # the shift as subtracted below (rounded to gram_dtype), so that mean adds back exactly it
+            self._shift = shift.to(self.gram_dtype).double().to(self._sum.device)
         elif self._shift.device != x.device:
             raise ValueError(f"activations on {x.device}, statistics on {self._shift.device}")
         # Per-batch reductions in gram_dtype (an int32 count; float32 column sums), added to the
