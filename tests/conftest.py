@@ -78,3 +78,15 @@ def assert_one_line_error(result, pattern: str, code: int = 2) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and pattern in lines[0], lines[0]
     assert "Traceback" not in result.output
+
+
+def tiny_vit():
+    """A seeded 2-block timm ViT: width 32, 2 heads of 16, MLP 128, 16 px / patch 4 (17 tokens), 5 classes."""
+    from edgeprune._compat import import_timm
+
+    import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=32, depth=2,
+                             num_heads=2, mlp_ratio=4.0).eval()

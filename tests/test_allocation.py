@@ -17,20 +17,13 @@ from edgeprune.corp import CorpConfig
 from edgeprune.errors import UserError
 from edgeprune.plan import kept_dim
 from edgeprune.solve import mlp_ridge
-from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
+from tests.conftest import assert_one_line_error, needs_fmnist, run_cli, tiny_vit
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """A 2-block timm ViT (width 32, 2 heads of 16, MLP 128, 17 tokens) and 24 random images."""
-    from edgeprune._compat import import_timm
-
-    import_timm()
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    model = VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=32, depth=2,
-                              num_heads=2, mlp_ratio=4.0).eval()
+    model = tiny_vit()
     x = torch.randn(24, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     return model, x
 

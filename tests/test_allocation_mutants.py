@@ -29,16 +29,10 @@ from edgeprune.errors import UserError
 @pytest.fixture(scope="module")
 def tiny_anatomy():
     """2 blocks, D = 32, 2 heads of 16, MLP 128, 16 px / patch 4 -> 17 tokens."""
-    from edgeprune._compat import import_timm
     from edgeprune.anatomy import find_anatomy
+    from tests.conftest import tiny_vit
 
-    import_timm()
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    model = VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=32, depth=2,
-                              num_heads=2, mlp_ratio=4.0).eval()
-    return find_anatomy(model)
+    return find_anatomy(tiny_vit())
 
 
 # ---- budget -----------------------------------------------------------------------------------
