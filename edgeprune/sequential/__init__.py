@@ -90,7 +90,9 @@ class CrossStatistics:
         if xd.shape[0] == 0:
             return
         if self._shift_d is None:
-            self._shift_d, self._shift_p = xd.double().mean(0), xp.double().mean(0)
+            # stored as subtracted below (rounded to gram_dtype), so the means add back exactly it
+            self._shift_d = xd.double().mean(0).to(self.gram_dtype).double()
+            self._shift_p = xp.double().mean(0).to(self.gram_dtype).double()
         cd = xd.to(self.gram_dtype) - self._shift_d.to(self.gram_dtype)
         cp = xp.to(self.gram_dtype) - self._shift_p.to(self.gram_dtype)
         self._sum_d += cd.sum(0)
