@@ -68,6 +68,19 @@ def quantizable_nodes(model_path: Path, op_types: Sequence[str]) -> list[str]:
     return [n.name for n in m.graph.node if n.op_type in op_types and n.name]
 
 
+def activation_matmuls(model_path: Path, names: Sequence[str]) -> list[str]:
+    """The ``MatMul`` nodes among ``names`` whose two operands are both computed at run time (no
+    initializer or ``Constant`` operand): attention's ``Q K^T`` and ``softmax V`` in a ViT."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    const = {t.name for t in m.graph.initializer}
+    const.update(o for n in m.graph.node if n.op_type == "Constant" for o in n.output)
+    wanted = set(names)
+    return [n.name for n in m.graph.node
+            if n.op_type == "MatMul" and n.name in wanted and not any(i in const for i in n.input[:2])]
+
+
 def match_patterns(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
     """Node names matching any fnmatch pattern, in graph order.
 

@@ -183,19 +183,34 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
             say(f"exported {src} to fp32 ONNX")
         quant_path = tmp / "quantized.onnx"
         excluded: list[str] = []
+        attention: list[str] = []
+        smoothing: list[dict[str, Any]] = []
         sensitivity: list[dict[str, Any]] = []
         if cfg.precision == "int8":
-            pre = int8.preprocess(float_path, tmp / "pre.onnx") if cfg.preprocess else float_path
+            to_quantize = float_path
+            if cfg.smooth_alpha is not None:
+                from exporters.smooth import smooth_onnx
+
+                smoothing = smooth_onnx(float_path, tmp / "smooth.onnx", calib, cfg.smooth_alpha,
+                                        cfg.batch_size, cfg.threads)
+                to_quantize = tmp / "smooth.onnx"
+                say(f"smoothing (alpha {cfg.smooth_alpha:g}): {len(smoothing)} LayerNorm -> MatMul sites")
+            pre = int8.preprocess(to_quantize, tmp / "pre.onnx") if cfg.preprocess else to_quantize
             names = int8.quantizable_nodes(pre, cfg.op_types)
             if not names:
                 raise UserError(f"{src} has no {'/'.join(cfg.op_types)} nodes to quantize")
             excluded = int8.match_patterns(cfg.exclude, names)
+            if not cfg.quantize_attention:
+                attention = int8.activation_matmuls(pre, names)
+                excluded = [n for n in names if n in excluded or n in attention]
             in_name = _input_name(pre)
             fixed = _fixed_batch(pre)
             reader = ArrayCalibrationReader(calib, in_name, fixed or cfg.batch_size, fixed_batch=bool(fixed))
             cache = tmp / "calibration.json"
             say(f"int8: calibrating ({cfg.calib_method}) and quantizing {len(names) - len(excluded)} "
-                f"of {len(names)} {'/'.join(cfg.op_types)} nodes")
+                f"of {len(names)} {'/'.join(cfg.op_types)} nodes"
+                + (f" ({len(attention)} attention products kept float; --quantize-attention to include them)"
+                   if attention else ""))
             int8.quantize_static_qdq(pre, quant_path, cfg, reader=reader, cache=cache, nodes_to_exclude=excluded)
             if cfg.auto_exclude:
                 cand = [n for n in names if n not in excluded]
@@ -239,6 +254,10 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
                              "float_sha256": file_sha256(float_path)},
             "excluded_nodes": excluded,
         })
+        if attention:
+            md["float_attention_nodes"] = attention
+        if smoothing:
+            md["smoothing"] = smoothing
         if calib_info is not None:
             md["quant_calibration"] = calib_info
             md["calibration_sha256"] = calib_info["sha256"]
@@ -262,7 +281,8 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report = dict(report)
-    report.update({"excluded_nodes": excluded, "calibration": calib_info, "size_bytes": out.stat().st_size,
+    report.update({"excluded_nodes": excluded, "float_attention_nodes": attention, "smoothing": smoothing,
+                   "calibration": calib_info, "size_bytes": out.stat().st_size,
                    "float_size_bytes": float_size,
                    "sensitivity": sensitivity})
     say(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {cfg.precision})")

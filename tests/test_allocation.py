@@ -251,10 +251,12 @@ def test_rounding_warning_shows_the_achieved_sparsity(tmp_path):
 
 def test_cli_flops_budget_and_info_show_the_dims_per_block(tmp_path):
     out = tmp_path / "run"
-    r = run_cli(_fast("--target", "mlp", "--flops", "0.7", "-o", out))
+    r = run_cli(_fast("--flops", "0.7", "-o", out))
     assert r.exit_code == 0, r.output
     rec = json.loads((out / "run.json").read_text())
     alloc = rec["allocation"]
+    # no --target with a budget: MLP, Q/K and V dims are allocated (fmnist-vit head_dim 64)
+    assert rec["config"]["target"] == "all" and any(b["dims"]["v"] < 64 for b in alloc["blocks"])
     assert 0.693 <= alloc["flops_fraction"] <= 0.7
     assert f"FLOPs (x{alloc['flops_fraction']:.3f})" in r.stdout and "params (x" in r.stdout
     info = run_cli(["info", out])
@@ -263,3 +265,16 @@ def test_cli_flops_budget_and_info_show_the_dims_per_block(tmp_path):
         assert f"block {blk['index']}: mlp={blk['dims']['mlp']}" in info.stdout
         row = [ln for ln in info.stdout.splitlines() if ln.startswith(f"| {blk['index']} |")][0]
         assert f"| {blk['dims']['mlp']} |" in row  # the model's own mlp_hidden column agrees
+
+
+def test_a_budget_without_target_allocates_v_dims_too():
+    """Default target: MLP + Q/K with a sparsity (CORP), MLP + Q/K + V with a budget (issue 14:
+    the allocator spends the budget on every prunable dim); an explicit target is kept."""
+    from edgeprune.api import corp_config
+
+    assert corp_config(sparsity=0.5).target == "both"
+    cfg = corp_config(flops=0.5)
+    assert cfg.target == "all" and cfg.budget == {"kind": "flops", "value": 0.5}
+    assert corp_config(params="20M").target == "all"
+    assert corp_config("both", flops=0.5).target == "both"
+

@@ -113,7 +113,10 @@ def test_int8_metadata_keeps_export_and_records_quantization(work, spec):
     md = read_metadata(work["int8"].path)
     for key, value in before.items():
         assert md[key] == value, key
-    assert md["precision"] == "int8" and md["excluded_nodes"] == []
+    # by default only attention's activation x activation products stay float: 2 per block
+    assert md["precision"] == "int8" and md["excluded_nodes"] == md["float_attention_nodes"]
+    assert len(md["excluded_nodes"]) == 12
+    assert all(n.endswith(("/attn/MatMul", "/attn/MatMul_1")) for n in md["excluded_nodes"])
     assert md["quantization"]["per_channel"] is True and md["quantization"]["calib_method"] == "minmax"
     # the calibration set is prune's: Fashion-MNIST train, seed 0 by default, hashed over its bytes
     calib = spec.calibration_source(N_CALIB, seed=0).images.numpy().astype("<f4")
@@ -170,7 +173,8 @@ def test_calibration_methods_are_selectable(work, tmp_path):
 
 def test_exclude_patterns_keep_nodes_float(work, tmp_path):
     out = tmp_path / "ex.onnx"
-    r = quantize_onnx(work["fp32"], out, QuantizeConfig(calib_size=16, eval_size=50, exclude=("/blocks/blocks.0/*",)))
+    r = quantize_onnx(work["fp32"], out, QuantizeConfig(calib_size=16, eval_size=50, exclude=("/blocks/blocks.0/*",),
+                                                        quantize_attention=True))
     m = onnx.load(str(out))
     excluded = read_metadata(out)["excluded_nodes"]
     assert excluded == r.report["excluded_nodes"] and len(excluded) == 6  # qkv, 2 attn products, proj, fc1, fc2
@@ -191,8 +195,9 @@ def test_auto_exclude_keeps_the_most_sensitive_nodes_float(work, tmp_path):
     r = quantize_onnx(work["fp32"], out, QuantizeConfig(auto_exclude=2, **cfg))
     md = read_metadata(out)
     ranking = [s["node"] for s in md["sensitivity"]]
-    assert len(ranking) == 38 and md["auto_excluded_nodes"] == ranking[:2]
-    assert set(r.report["excluded_nodes"]) == set(ranking[:2])
+    # 38 quantizable nodes less the 12 attention products, which stay float by default
+    assert len(ranking) == 26 and md["auto_excluded_nodes"] == ranking[:2]
+    assert set(r.report["excluded_nodes"]) == set(ranking[:2]) | set(md["float_attention_nodes"])
     m = onnx.load(str(out))
     dq_outputs = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear"}
     for n in m.graph.node:
@@ -207,6 +212,31 @@ def test_auto_exclude_keeps_the_most_sensitive_nodes_float(work, tmp_path):
     err_top = int8.node_cost(_ort(out, x), ref)["rel_err"]
     err_least = int8.node_cost(_ort(least, x), ref)["rel_err"]
     assert err_top < err_least
+
+
+def _quantized_inputs(path: Path) -> dict[str, bool]:
+    """MatMul node name -> whether any of its inputs comes out of a DequantizeLinear."""
+    m = onnx.load(str(path))
+    dq = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear"}
+    return {n.name: bool(set(n.input) & dq) for n in m.graph.node if n.op_type == "MatMul"}
+
+
+def test_attention_products_stay_float_unless_asked(work, tmp_path):
+    default = _quantized_inputs(work["int8"].path)
+    attn = [n for n in default if n.endswith(("/attn/MatMul", "/attn/MatMul_1"))]
+    linear = [n for n in default if n not in attn]
+    assert len(attn) == 12 and len(linear) == 24  # per block: qkv, proj, fc1, fc2
+    assert not any(default[n] for n in attn) and all(default[n] for n in linear)
+    out = tmp_path / "attn8.onnx"
+    r = quantize_onnx(work["fp32"], out, QuantizeConfig(calib_size=N_CALIB, eval_size=50, quantize_attention=True,
+                                                        threads=1))
+    assert r.report["float_attention_nodes"] == [] and "float_attention_nodes" not in read_metadata(out)
+    assert all(_quantized_inputs(out).values())
+    # fewer quantized tensors, less error on held-out images
+    from exporters import int8
+
+    x, ref = work["x"][:200], work["ref"][:200]
+    assert int8.node_cost(_ort(work["int8"].path, x), ref)["rel_err"] < int8.node_cost(_ort(out, x), ref)["rel_err"]
 
 
 def test_verify_quantized(work):

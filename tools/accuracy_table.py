@@ -16,7 +16,9 @@ model's held-out split, disjoint from calibration, the same for every row). The 
 the largest-FLOPs uniform sparsity whose rounded dims stay within the budget (their achieved FLOPs
 are printed: multiples of ``--round-to`` cannot meet every budget exactly). With ``--heal B,...``
 the pruned models at those budgets are also healed (STARFISH, ``edgeprune.heal``, default
-HealConfig, on the run's own calibration set).
+HealConfig, on the run's own calibration set). The budgeted methods allocate MLP, Q/K and V dims
+(``--target all``, what ``edgeprune prune --flops`` does without ``--target``; ``--target both``:
+MLP + Q/K only); the uniform and no-compensation rows stay on MLP + Q/K (CORP's setting).
 
 Columns: achieved FLOPs and params (fraction of dense), top-1 (%) mean and spread (min-max over
 seeds), top-1 agreement with the dense model (%), prune seconds (mean). The markdown table is
@@ -131,14 +133,15 @@ def run(args, log) -> list[dict]:
     for budget in [float(b) for b in args.budgets.split(",")]:
         s_uni = uniform_sparsity_for(anatomy, budget, args.round_to)
         for method in args.methods.split(","):
-            row = {"budget": budget, "method": method, "top1": [], "agreement": [], "seconds": [], "healed": [],
+            label = method if method in ("nocomp", "uniform") else f"{method} [{args.target}]"
+            row = {"budget": budget, "method": label, "top1": [], "agreement": [], "seconds": [], "healed": [],
                    "sparsity": s_uni if method in ("nocomp", "uniform") else None}
             for seed in [int(s) for s in args.seeds.split(",")]:
                 if method in ("nocomp", "uniform"):
                     cfg = CorpConfig.from_target("both", s_uni, compensation=method == "uniform",
                                                  round_to=args.round_to)
                 else:
-                    cfg = CorpConfig.from_target("both", None, budget={"kind": "flops", "value": budget},
+                    cfg = CorpConfig.from_target(args.target, None, budget={"kind": "flops", "value": budget},
                                                  sequential=method == "sequential", round_to=args.round_to)
                 calib = spec.calibration_source(args.calib_size or spec.default_calib_size, seed=seed)
                 t0 = time.perf_counter()
@@ -150,7 +153,7 @@ def run(args, log) -> list[dict]:
                 m = evaluate_cached(res.model, batches, d["preds"])
                 row["top1"].append(m["top1"])
                 row["agreement"].append(m["agreement"])
-                msg = (f"FLOPs x{budget:g} {method:10} seed {seed}: achieved FLOPs x{row['flops']:.3f} "
+                msg = (f"FLOPs x{budget:g} {label:10} seed {seed}: achieved FLOPs x{row['flops']:.3f} "
                        f"params x{row['params']:.3f} top-1 {m['top1'] * 100:.2f}% agreement "
                        f"{m['agreement'] * 100:.2f}% prune {row['seconds'][-1]:.1f} s")
                 sel = (rec.get("allocation") or {}).get("selection")
@@ -222,6 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-batch", type=int, default=100)
     p.add_argument("--heal", default="", help="budgets at which pruned models are also healed, e.g. 0.5,0.4")
     p.add_argument("--round-to", type=int, default=8)
+    p.add_argument("--target", choices=("both", "all"), default="all",
+                   help="modules the budgeted methods allocate: all = MLP + Q/K + V dims (what --flops "
+                        "does by default), both = MLP + Q/K")
     p.add_argument("--threads", type=int, default=0, help="torch threads [torch's default]")
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "accuracy.md")
     p.add_argument("--no-doc", action="store_true", help="print only")

@@ -28,8 +28,8 @@ def _layouts() -> tuple[str, ...]:
 
 @click.command("prune")
 @model_options(default="fmnist-vit")
-@click.option("--target", type=click.Choice(list(TARGETS)), default="both", show_default=True,
-              help=_target_help())
+@click.option("--target", type=click.Choice(list(TARGETS)), default=None,
+              help=_target_help() + " [both; all with --flops/--params]")
 @click.option("--sparsity", type=float, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
 @click.option("--mlp-sparsity", type=float, default=None, help="Override the MLP sparsity (selects the MLP).")
@@ -87,6 +87,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                          qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
                          **overrides)
     amount = (f"{config.budget['kind']}{float(config.budget['value']):g}" if config.budget else f"{sparsity:g}")
+    target = config.target
     out_path = check_new_dir(out or f"runs/{model_name}-{target}-{amount}{'-nocomp' if no_compensation else ''}")
     from edgeprune.distributed import is_main_process, process_group
 

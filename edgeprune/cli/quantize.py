@@ -38,6 +38,12 @@ from edgeprune.errors import UserError
                    "symmetric int8 default.")
 @click.option("--exclude", "exclude", multiple=True, metavar="PATTERN",
               help="Keep nodes whose name matches this fnmatch pattern in float (repeatable).")
+@click.option("--quantize-attention", is_flag=True,
+              help="Also quantize attention's activation x activation MatMuls (Q K^T, softmax V); by default "
+                   "they stay float (they hold no weights; int8 there costs most of the accuracy).")
+@click.option("--smooth-alpha", type=float, default=None, metavar="A",
+              help="SmoothQuant: move this share (0-1, paper: 0.5) of LayerNorm outputs' per-channel range "
+                   "into the next MatMul weights before int8 calibration [off].")
 @click.option("--auto-exclude", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Also keep the N most quantization-sensitive nodes in float (int8).")
 @eval_options
@@ -51,7 +57,8 @@ from edgeprune.errors import UserError
               help="Also write the report as JSON.")
 def quantize_cmd(model: Path, precision: str, output: Path, calib_dir: str | None, calib_size: int | None,
                  seed: int | None, calib_method: str, per_tensor: bool, asymmetric_activations: bool,
-                 exclude: tuple[str, ...], auto_exclude: int, eval_data: str | None, eval_size: int | None,
+                 exclude: tuple[str, ...], quantize_attention: bool, smooth_alpha: float | None,
+                 auto_exclude: int, eval_data: str | None, eval_size: int | None,
                  max_drop: float | None, threads: int | None, force: bool, json_out: Path | None) -> None:
     """Quantize an ONNX model to int8 or fp16, checked by accuracy.
 
@@ -68,6 +75,7 @@ def quantize_cmd(model: Path, precision: str, output: Path, calib_dir: str | Non
         precision=precision, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
         calib_data=str(calib_dir) if calib_dir else None, per_channel=not per_tensor,
         activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
+        quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
         eval_size=eval_size or 1000, eval_data=str(eval_data) if eval_data else None, max_drop=max_drop,
         threads=threads,
     ).validate()
