@@ -128,15 +128,22 @@ def test_smoothing_makes_int8_more_accurate_on_an_outlier_channel(tmp_path):
     assert errs["smooth"] < 0.5 * errs["plain"], errs
 
 
-@needs_fmnist
-def test_vit_sites_and_exactness(tmp_path):
+@pytest.fixture(scope="module")
+def fmnist_onnx(tmp_path_factory):
+    """(spec, the dense fmnist-vit exported as `edgeprune export --model fmnist-vit` does)."""
     from edgeprune.zoo.registry import get_model_spec
     from exporters.onnx import build_metadata, export_onnx
 
     spec = get_model_spec("fmnist-vit")
     model = spec.create()
     md = build_metadata(spec=spec, model=model, model_name=spec.name)
-    src = export_onnx(model, tmp_path / "dense.onnx", spec.input_size, md)
+    md["base_model"] = spec.to_record()
+    return spec, export_onnx(model, tmp_path_factory.mktemp("smooth") / "dense.onnx", spec.input_size, md)
+
+
+@needs_fmnist
+def test_vit_sites_and_exactness(tmp_path, fmnist_onnx):
+    spec, src = fmnist_onnx
     sites = find_sites(onnx.load(str(src)))
     assert [s.norm.rsplit("/", 2)[-2] for s in sites] == ["norm1", "norm2"] * 6  # qkv and fc1 inputs
     assert all(len(s.weights) == 1 for s in sites)
@@ -150,15 +157,10 @@ def test_vit_sites_and_exactness(tmp_path):
 
 
 @needs_fmnist
-def test_cli_smooth_alpha(tmp_path):
-    from edgeprune.zoo.registry import get_model_spec
-    from exporters.onnx import build_metadata, export_onnx, read_metadata
+def test_cli_smooth_alpha(tmp_path, fmnist_onnx):
+    from exporters.onnx import read_metadata
 
-    spec = get_model_spec("fmnist-vit")
-    model = spec.create()
-    md = build_metadata(spec=spec, model=model, model_name=spec.name)
-    md["base_model"] = spec.to_record()
-    src = export_onnx(model, tmp_path / "dense.onnx", spec.input_size, md)
+    _, src = fmnist_onnx
     out = tmp_path / "sq.onnx"
     r = run_cli(["quantize", str(src), "--precision", "int8", "--smooth-alpha", "0.5", "--calib-size", "16",
                  "--eval-size", "50", "--threads", "1", "-o", str(out)])
