@@ -207,13 +207,6 @@ def test_shards_cover_the_batches_once_in_order():
             assert got == list(range(nb)), (nb, w)
 
 
-def test_heal_under_torchrun_is_refused(monkeypatch, tmp_path):
-    """heal has no multi-process support yet: one line, exit 2."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    result = run_cli(["heal", str(tmp_path / "run"), "-o", str(tmp_path / "healed")])
-    assert_one_line_error(result, "does not support torchrun")
-
-
 def test_prune_with_world_size_but_no_torchrun_env(monkeypatch, tmp_path):
     """WORLD_SIZE > 1 without torchrun's other variables: one line naming the launcher."""
     monkeypatch.setenv("WORLD_SIZE", "2")

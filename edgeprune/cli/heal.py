@@ -11,6 +11,10 @@ rerunning the same command after an interruption resumes from the last completed
 ``--device`` (default ``auto``: cuda when available, else cpu) is where both models, the images
 and the training run; the evaluation runs there too; the healed model is saved from the CPU. The
 device is printed and recorded (``healing.device``, ``healing.config.device``).
+
+Under ``torchrun --nproc-per-node W --no-python edgeprune heal ...`` the W processes heal data
+parallel (:mod:`edgeprune.heal.data_parallel`; gloo on the CPU, nccl with ``--device cuda``);
+rank 0 evaluates, writes the run and reports (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -75,9 +79,8 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     from edgeprune.zoo.registry import spec_from_record
 
     # 1. everything that can be checked without work
-    from edgeprune.distributed import refuse_distributed
+    from edgeprune.distributed import is_main_process, process_group
 
-    refuse_distributed("edgeprune heal")  # under torchrun (WORLD_SIZE > 1): one-line error, not supported yet
     config = HealConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                         loss=loss, seed=seed, warmup_steps=warmup_steps, holdout=holdout, keep_best=keep_best,
                         memory_budget_mb=memory_budget_mb, device=device)
@@ -88,6 +91,11 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     rec = check_healable(run_path)
     out_path = check_new_dir(out_path)
     ckpt = partial_dir(out_path)
+    # under torchrun: one process group for the command; every rank trains on its slice of each
+    # batch (edgeprune.heal.data_parallel), rank 0 evaluates, writes and reports
+    click.get_current_context().with_resource(process_group(config.device))
+    main = is_main_process()
+    quiet = quiet or not main
     if cache_targets is not None:
         from edgeprune.artifact import check_writable
 
@@ -100,7 +108,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     if len(calib) == 0:
         raise UserError("the calibration set is empty")
     ev = None
-    if not no_eval:
+    if not no_eval and main:
         ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
     pruned, rec = load_run(run_path)
     dense = load_base_model(rec)  # recorded seed / checkpoint (sha256-checked)
@@ -108,17 +116,23 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
         raise UserError(f"{run_path}: nothing to heal: the run has the dense model's shapes everywhere (sparsity 0)")
 
     # 2. the work
-    click.echo(f"heal {run_path} ({rec.get('method')}, {spec.name}) on {config.device}: "
-               f"calibration {calib.description}")
-    if ckpt.is_dir() and (ckpt / "checkpoint.safetensors").is_file():
-        click.echo(f"resuming from the checkpoint in {ckpt}")
+    if main:
+        from edgeprune.distributed import world_size
+
+        procs = f" x {world_size()} processes" if world_size() > 1 else ""
+        click.echo(f"heal {run_path} ({rec.get('method')}, {spec.name}) on {config.device}{procs}: "
+                   f"calibration {calib.description}")
+        if ckpt.is_dir() and (ckpt / "checkpoint.safetensors").is_file():
+            click.echo(f"resuming from the checkpoint in {ckpt}")
     try:
         result = heal(pruned, dense, calib, config, progress=not quiet, checkpoint_dir=ckpt,
                       target_cache=cache_targets, inplace=True)
     except KeyboardInterrupt:
-        if (ckpt / "checkpoint.safetensors").is_file():
+        if main and (ckpt / "checkpoint.safetensors").is_file():
             click.echo(f"checkpoint kept in {ckpt}; rerun the same command to resume", err=True)
         raise
+    if not main:
+        return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     info = result.info
     healed_m = before_m = None
     evaluation = None

@@ -50,6 +50,11 @@ matmuls and convolutions, as on the CPU), ``CUBLAS_WORKSPACE_CONFIG`` defaults t
 deterministic algorithms are requested with ``warn_only`` (an op without a deterministic CUDA
 kernel warns instead of stopping the heal); CUDA runs are repeatable, but not bit-identical to CPU
 runs (float32 reduction order differs; measured agreement is in ``tests/test_device_heal.py``).
+
+Multiple processes (torchrun, an initialised process group with more than one rank): every rank
+calls :func:`heal` with the same arguments; each takes a slice of every batch and the gradients
+are summed over the ranks before the same AdamW step everywhere
+(:mod:`edgeprune.heal.data_parallel`); rank 0 writes the checkpoints.
 """
 
 from __future__ import annotations
@@ -67,11 +72,12 @@ import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import find_anatomy
-from edgeprune.errors import UserError
+from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.heal.alignment import BlockCapture, alignment_loss, per_image_alignment
 from edgeprune.heal.checkpoint import (CHECKPOINT, STATE_KEY, STATE_VERSION, load_checkpoint,  # noqa: F401
                                        restore_optimizer, save_checkpoint, settings_diff)
 from edgeprune.heal.config import HealConfig
+from edgeprune.heal import data_parallel as dp
 from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record, resolve_trainable  # noqa: F401
 from edgeprune.heal.schedule import cosine_lr, default_warmup_steps  # noqa: F401
 from edgeprune.heal.targets import CalibrationSet, iter_batches, make_targets, model_device, state_fingerprint
@@ -108,17 +114,40 @@ def _to(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]
     return [t.to(device, non_blocking=True) for t in tensors]
 
 
+def _data_parallel_backward(cap: BlockCapture, calib: CalibrationSet, targets, idx: torch.Tensor, kind: str,
+                            dev: torch.device, trained: list[torch.nn.Parameter]) -> float:
+    """One data-parallel backward pass (:mod:`edgeprune.heal.data_parallel`): this rank's slice of
+    the global batch ``idx`` contributes ``sum(per-image loss) / len(idx)``; the gradients of
+    ``trained`` are then summed over the ranks, so they equal the gradient of the batch mean.
+
+    Returns:
+        the batch-mean alignment loss (all ranks' slices).
+    """
+    sub = dp.share(idx)
+    local = 0.0
+    if len(sub):
+        x = calib.get(sub).to(dev, non_blocking=True)
+        per = per_image_alignment(cap.run(x), _to(targets.get(sub, x), dev), kind)
+        value = per.sum() / len(idx)
+        value.backward()
+        local = float(value.detach())
+    (total,) = dp.all_reduce_gradients(trained, [local])
+    return total
+
+
 @torch.no_grad()
 def _measure(capture: BlockCapture, targets, calib: CalibrationSet, batch_size: int, kind: str,
              indices: torch.Tensor | None = None, device: torch.device | str = "cpu") -> float:
     dev = torch.device(device)
     order = torch.arange(len(calib)) if indices is None else indices
+    order = dp.share(order)  # under torchrun: this rank's slice, the sums all-reduced below
     total, n = 0.0, 0
     for idx in iter_batches(len(order), batch_size, order):
         x = calib.get(idx).to(dev)
         per = per_image_alignment(capture.run(x), _to(targets.get(idx, x), dev), kind)
         total += float(per.double().sum())
         n += len(idx)
+    total, n = dp.all_reduce_sums([total, n])
     return total / max(n, 1)
 
 
@@ -242,6 +271,8 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
             models that do not match, a checkpoint made with other settings.
     """
     t_start = time.perf_counter()
+    main = dp.dist.is_main_process()  # under torchrun: rank 0 shows progress and writes checkpoints
+    distributed = dp.dist.is_distributed()
     if config is None:
         config = HealConfig.from_settings(**settings)
     elif settings:
@@ -297,13 +328,20 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
         params = dict(model.named_parameters())  # the same objects unless torch swapped them
         for name, p in params.items():
             p.requires_grad_(name in train_set)
-        targets = make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb, batch_size, progress)
+        targets = dp.prepare_targets(lambda: make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb,
+                                                          batch_size, progress and main))
         with BlockCapture(find_anatomy(model)) as cap, _deterministic(seed, dev):
             gen = torch.Generator().manual_seed(seed)
             opt = None
             if param_names:
                 opt = torch.optim.AdamW([params[n] for n in param_names], lr=lr, weight_decay=cfg.weight_decay)
             start_epoch, step = 0, 0
+            if distributed:  # every rank must resume from the same epoch (rank 0 wrote the file)
+                done = int(loaded[1]["epochs_done"]) if loaded is not None else 0
+                total, squares = dp.all_reduce_sums([done, done ** 2])
+                if total ** 2 != squares * dp.dist.world_size():  # equality in Cauchy-Schwarz: all equal
+                    raise RuntimeFault(f"the ranks found different healing checkpoints in {ckpt_dir} "
+                                       f"(rank {dp.dist.rank()}: epoch {done}); is the directory shared?")
             if loaded is not None:
                 tensors, header = loaded
                 with torch.no_grad():
@@ -332,20 +370,25 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
                 t0 = time.perf_counter()
                 order = train_idx[torch.randperm(n_train, generator=gen)]
                 bar = progress_bar(iter_batches(n_train, batch_size, order), f"heal epoch {epoch + 1}/{epochs}",
-                                   enabled=progress, total=steps_per_epoch, unit="step")
+                                   enabled=progress and main, total=steps_per_epoch, unit="step")
                 loss_sum, seen, cur_lr = 0.0, 0, lr
                 for idx in bar:
-                    x = calib.get(idx).to(dev, non_blocking=True)
-                    ref = _to(targets.get(idx, x), dev)
                     cur_lr = cosine_lr(step, total_steps, lr, min_lr, warmup_steps)
                     for g in opt.param_groups:
                         g["lr"] = cur_lr
-                    value = alignment_loss(cap.run(x), ref, loss)
                     opt.zero_grad(set_to_none=True)
-                    value.backward()
+                    if distributed:  # this rank's slice; the gradients summed over the ranks
+                        batch_loss = _data_parallel_backward(cap, calib, targets, idx, loss, dev,
+                                                             [params[pn] for pn in param_names])
+                    else:
+                        x = calib.get(idx).to(dev, non_blocking=True)
+                        ref = _to(targets.get(idx, x), dev)
+                        value = alignment_loss(cap.run(x), ref, loss)
+                        value.backward()
+                        batch_loss = float(value.detach())
                     opt.step()
                     step += 1
-                    loss_sum += float(value.detach()) * len(idx)
+                    loss_sum += batch_loss * len(idx)
                     seen += len(idx)
                     bar.set_postfix(loss=f"{loss_sum / seen:.5f}", lr=f"{cur_lr:.2e}")
                 bar.close()
@@ -358,15 +401,17 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
                         best_loss, best_epoch = stats["eval_loss"], epoch + 1
                         best = {pn: params[pn].detach().clone() for pn in param_names}
                 history.append(stats)
-                if progress and on_terminal():  # the bar vanishes: keep one line per epoch
+                if progress and main and on_terminal():  # the bar vanishes: keep one line per epoch
                     bar.write(f"heal epoch {epoch + 1}/{epochs}: loss {stats['loss']:.5f} "
                               f"({stats['seconds']:.1f} s)")
-                if ckpt_dir is not None:
+                if ckpt_dir is not None and main:
                     save_checkpoint(ckpt_dir, model, param_names, opt, gen, {
                         "version": STATE_VERSION, "epochs_done": epoch + 1, "step": step,
                         "settings": settings, "history": history, "initial_loss": initial_loss,
                         "best_loss": best_loss, "best_epoch": best_epoch,
                         "elapsed_s": elapsed_before + time.perf_counter() - t_start}, best)
+                if ckpt_dir is not None and distributed:
+                    torch.distributed.barrier()  # the checkpoint is on disk before any rank goes on
                 if callback is not None:
                     callback(epoch + 1, stats)
             if keep_best and opt is not None:
@@ -407,6 +452,7 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
         "keep_best": keep_best,
         "best_epoch": best_epoch if keep_best else None,
         "device": str(dev),
+        **dp.info(),
         "config": dataclasses.asdict(cfg),
     }
     if not param_names:
