@@ -70,6 +70,13 @@ class CorpConfig:
         qk_ridge_alpha: scale-free ridge strength of the Q/K fit (lam = alpha * mean diag of K).
         round_to: kept dims are multiples of this.
         gram_dtype: dtype of the per-batch Gram products ("float32" default, or "float64").
+        gram_tokens: MLP statistics (ranking energy, mean and covariance for the ridge fit) from
+            this many tokens per image instead of all n (0 = all, the default). The
+            MLP Gram is the largest cost of the calibration pass (~0.75 of a dense forward pass
+            on deit_small); k tokens cost k/n of it. An estimator, not the exact all-token
+            statistics (a random subset per image, seeded by the image's index:
+            ``edgeprune.calibration.mlp_stats.token_positions``): docs/prune_cost.md measures
+            speed and accuracy. Not with ``sequential``.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams: "direct" (float64
@@ -88,6 +95,7 @@ class CorpConfig:
     qk_ridge_alpha: float = qk_logit.DEFAULT_ALPHA
     round_to: int = 8
     gram_dtype: str = "float32"
+    gram_tokens: int = 0
     qk_memory_limit_gb: float = 4.0
     qk_solver: str = "auto"
     target: str = "custom"
@@ -154,6 +162,10 @@ class CorpConfig:
             raise UserError(f"--round-to must be >= 1, got {self.round_to}")
         if self.gram_dtype not in ("float64", "float32"):
             raise UserError("gram dtype must be float64 or float32")
+        if isinstance(self.gram_tokens, bool) or not isinstance(self.gram_tokens, int) or self.gram_tokens < 0:
+            raise UserError(f"gram tokens must be an int >= 0 (0 = every token), got {self.gram_tokens!r}")
+        if self.gram_tokens and self.sequential:
+            raise UserError("--gram-tokens does not apply to --sequential calibration (it uses every token)")
         if self.qk_solver not in QK_SOLVERS:
             raise UserError(f"unknown Q/K solver {self.qk_solver!r} (choose from {', '.join(QK_SOLVERS)})")
         if self.qk_solver == "cg" and self.qk_ridge_alpha == 0:
@@ -339,7 +351,8 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
                                qk=prune_qk, qk_grams=keep_grams, gram_dtype=gram_dtype,
                                mlp_second_order=cfg.compensation, vo=prune_vo,
                                mlp_active=cfg.mlp_criterion == "active",
-                               progress=progress)
+                               progress=progress, mlp_tokens=cfg.gram_tokens,
+                               first_image=getattr(batches, "first_image", 0))
     seconds = stats.seconds
     t0 = time.perf_counter()
     allocation = None

@@ -184,7 +184,9 @@ def shard_calibration(batches: Callable[[], Iterable[torch.Tensor]], num_images:
 
     Returns:
         callable returning this rank's batches: a contiguous run of whole batches, the same
-        batches (same boundaries) as in a single-process run.
+        batches (same boundaries) as in a single-process run. For a sized set the callable has
+        an attribute ``first_image``: the index of its first image in the whole set (read by
+        statistics that depend on the image index, e.g. ``CorpConfig.gram_tokens``).
     """
     if not is_distributed():
         return batches
@@ -196,8 +198,14 @@ def shard_calibration(batches: Callable[[], Iterable[torch.Tensor]], num_images:
         part = type(source)(source.files[lo * batch_size:hi * batch_size],
                             source.label_list[lo * batch_size:hi * batch_size], source.transform,
                             getattr(source, "description", "folder"))
-        return lambda: (x for x, _ in part.batches(batch_size))
-    return lambda: itertools.islice(batches(), lo, hi)
+
+        def share():
+            return (x for x, _ in part.batches(batch_size))
+    else:
+        def share():
+            return itertools.islice(batches(), lo, hi)
+    share.first_image = lo * batch_size  # type: ignore[attr-defined]
+    return share
 
 
 # --------------------------------------------------------------------------------------------- collectives

@@ -99,3 +99,24 @@ def test_evaluate_on_cuda_leaves_the_model_on_cpu(fmnist_model):
     with _on_device(model):
         evaluate_classifier(model, TensorSource(_images(8), torch.zeros(8, dtype=torch.long), "t"), device="cuda")
     assert next(model.parameters()).device.type == "cpu"
+
+
+def test_verify_takes_a_device(tmp_path):
+    """``edgeprune verify --device cpu`` runs (the PyTorch side on the device); --device cuda
+    without CUDA and an unknown device are one-line errors before any work."""
+    onnx = tmp_path / "m.onnx"
+    r = run_cli(["export", "--model", "deit_tiny_patch16_224", "--random-init", "--model-kwargs", "depth=1",
+                 "-o", onnx])
+    assert r.exit_code == 0, r.output
+    common = ["verify", onnx, "--model", "deit_tiny_patch16_224", "--random-init", "--model-kwargs", "depth=1",
+              "--n", "2"]
+    r = run_cli([*common, "--device", "cpu", "--json", tmp_path / "rep.json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    assert json.loads((tmp_path / "rep.json").read_text())["torch_device"] == "cpu"
+    r = run_cli([*common, "--device", "tpu"])
+    assert_one_line_error(r, "unknown device")
+    if not torch.cuda.is_available():
+        r = run_cli([*common, "--device", "cuda"])
+        assert_one_line_error(r, "CUDA is not available")

@@ -31,7 +31,8 @@ API_KW = dict(target="all", sparsity=0.5, attn_sparsity=0.75, gram_dtype="float6
 MLP_KW = dict(target="mlp", sparsity=0.5, gram_dtype="float64", batch_size=12)  # one batch: rank 1 gets none
 TWO_PASS_KW = dict(target="attn", sparsity=0.75, gram_dtype="float64", batch_size=4,
                    qk_memory_limit_gb=1e-9)  # Q/K system accumulated in a second pass (QKSystemStatistics)
-RUNS = {"api": API_KW, "mlp": MLP_KW, "twopass": TWO_PASS_KW}
+TOKENS_KW = dict(target="mlp", sparsity=0.5, gram_dtype="float64", batch_size=4, gram_tokens=16)  # per-image subsets
+RUNS = {"api": API_KW, "mlp": MLP_KW, "twopass": TWO_PASS_KW, "tokens": TOKENS_KW}
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -126,7 +127,8 @@ def runs(tmp_path_factory):
 @needs_fmnist
 def test_two_processes_equal_one_float64(runs):
     """float64 Grams: folded weights within 1e-5 relative (observed ~1e-10), same kept indices,
-    with an empty share on rank 1 (MLP-only run), and with the two-pass Q/K system."""
+    with an empty share on rank 1 (MLP-only run), with the two-pass Q/K system, and with
+    ``gram_tokens`` (each rank draws the subsets of its images by their index in the whole set)."""
     out, _, single_runs = runs
     for name in RUNS:
         rec = json.loads((out / name / "run.json").read_text())

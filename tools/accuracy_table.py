@@ -139,10 +139,11 @@ def run(args, log) -> list[dict]:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 if method in ("nocomp", "uniform"):
                     cfg = CorpConfig.from_target("both", s_uni, compensation=method == "uniform",
-                                                 round_to=args.round_to)
+                                                 round_to=args.round_to, gram_tokens=args.gram_tokens)
                 else:
                     cfg = CorpConfig.from_target(args.target, None, budget={"kind": "flops", "value": budget},
-                                                 sequential=method == "sequential", round_to=args.round_to)
+                                                 sequential=method == "sequential", round_to=args.round_to,
+                                                 gram_tokens=args.gram_tokens)
                 calib = spec.calibration_source(args.calib_size or spec.default_calib_size, seed=seed)
                 t0 = time.perf_counter()
                 res = edgeprune.prune(dense, calib, cfg, spec=spec)
@@ -222,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="calibration seeds")
     p.add_argument("--calib-size", type=int, default=None, help="calibration images [the model's default]")
     p.add_argument("--eval-size", type=int, default=None, help="held-out images [all]")
+    p.add_argument("--gram-tokens", type=int, default=0,
+                   help="MLP statistics from this many random tokens per image (CorpConfig.gram_tokens) [0: all]")
     p.add_argument("--eval-batch", type=int, default=100)
     p.add_argument("--heal", default="", help="budgets at which pruned models are also healed, e.g. 0.5,0.4")
     p.add_argument("--round-to", type=int, default=8)

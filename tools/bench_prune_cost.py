@@ -124,7 +124,7 @@ def one_prune(model, spec, images, args, device: torch.device) -> dict:
     with PhaseTimer(device) as pt:
         t0, c0 = time.perf_counter(), time.process_time()
         res = prune(model, images, target="both", sparsity=args.sparsity, qk_solver=args.qk_solver,
-                    spec=spec, batch_size=args.batch_size, device=str(device))
+                    spec=spec, batch_size=args.batch_size, device=str(device), gram_tokens=args.gram_tokens_now)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
     stats_s = res.record["timing"]["calibration_s"]
     row = {"prune_s": total, "prune_cpu_s": cpu, "statistics_s": stats_s, "ranking_s": pt.t["ranking"], "solve_s": pt.t["solve"],
@@ -153,6 +153,7 @@ def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -
     ratios = [p["prune_s"] / d for p, d in zip(prunes, dense)]
     cpu_ratios = [p["prune_cpu_s"] / d for p, d in zip(prunes, dense_cpu)]
     return {"model": model_key, "images": n, "threads": threads, "device": str(device),
+            "gram_tokens": args.gram_tokens_now,
             "dense_s": statistics.median(dense), **med, "ratio": statistics.median(ratios),
             "cpu_ratio": statistics.median(cpu_ratios), "dense_cpu_s": statistics.median(dense_cpu),
             "ratios": ratios, "dense_runs": dense, "prune_runs": [p["prune_s"] for p in prunes],
@@ -162,15 +163,16 @@ def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -
 def fmt(r: dict) -> str:
     gpu = f"{r['peak_gpu_mb']:.0f}" if "peak_gpu_mb" in r else "-"
     solvers = " ".join(f"{k}:{v}" for k, v in sorted(r["qk_solvers"].items()))
-    return (f"| {r['model']} | {r['images']} | {r['device']} | {r['threads']} | {r['dense_s']:.1f} | "
+    return (f"| {r['model']} | {r['images']} | {r['gram_tokens'] or 'all'} | {r['device']} | {r['threads']} | "
+            f"{r['dense_s']:.1f} | "
             f"{r['prune_s']:.1f} | {r['statistics_s']:.1f} | {r['ranking_s']:.2f} | {r['solve_s']:.2f} | "
             f"{r['surgery_s']:.2f} | {r['other_s']:.2f} | **{r['ratio']:.2f}** | {r['cpu_ratio']:.2f} | {r['peak_rss_mb']:.0f} | {gpu} | "
             f"{solvers} |")
 
 
-HEADER = ("| model | images | device | threads | dense s | prune s | statistics s | ranking s | solve s | "
-          "surgery s | other s | ratio | CPU-time ratio | peak RSS MiB | peak GPU MiB | Q/K solvers |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| model | images | MLP tokens / image | device | threads | dense s | prune s | statistics s | ranking s | "
+          "solve s | surgery s | other s | ratio | CPU-time ratio | peak RSS MiB | peak GPU MiB | Q/K solvers |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--qk-solver", default="auto", choices=["auto", "direct", "cg"])
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--gram-tokens", default="0",
+                    help="comma list of MLP tokens per image for the statistics (CorpConfig.gram_tokens; 0 = all)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
@@ -196,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         for model_key in args.models.split(","):
             for n in (int(s) for s in args.sizes.split(",")):
                 for t in thread_list:
-                    r = run_case(model_key, n, t, device, args)
-                    rows.append(r)
-                    print(fmt(r), flush=True)
+                    for k in (int(v) for v in args.gram_tokens.split(",")):
+                        args.gram_tokens_now = k
+                        r = run_case(model_key, n, t, device, args)
+                        rows.append(r)
+                        print(fmt(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, indent=1))
     return 0

@@ -80,9 +80,10 @@ def _stats_to_cpu(st) -> None:
 
 
 @contextlib.contextmanager
-def _exact_fp32(device: torch.device) -> Iterator[None]:
-    """No TF32 in CUDA matmuls/convolutions during a statistics pass: the float32 products must
-    be float32-exact (TF32 keeps 10 mantissa bits, ~1e-3 relative)."""
+def exact_fp32(device: torch.device) -> Iterator[None]:
+    """No TF32 in CUDA matmuls/convolutions inside the context (a statistics pass, ``verify``): the
+    float32 products must be float32-exact (TF32 keeps 10 mantissa bits, ~1e-3 relative). A no-op
+    on other devices."""
     if device.type != "cuda":
         yield
         return
@@ -107,7 +108,8 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        total: int | None = None,
                        qk_keep: list[torch.Tensor | None] | None = None,
                        vo: bool = False, mlp_active: bool = True,
-                       device: str | torch.device | None = None) -> CalibrationStatistics:
+                       device: str | torch.device | None = None, mlp_tokens: int = 0,
+                       first_image: int = 0) -> CalibrationStatistics:
     """Run the model once over the calibration batches and accumulate statistics.
 
     Args:
@@ -123,6 +125,11 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
             accumulates :class:`QKSystemStatistics` into ``qk`` instead of per-image Grams.
         vo: collect mean and covariance of every ``attn.proj`` input (for V/O and head pruning).
         mlp_active: count positive MLP activations (only the ``active`` ranking criterion reads it).
+        mlp_tokens: MLP statistics from this many evenly spaced tokens per image (0 = all;
+            :func:`~edgeprune.calibration.mlp_stats.token_positions`). Q/K and V/O statistics
+            always use every token.
+        first_image: index in the calibration set of the first image of ``batches`` (under
+            torchrun: of this rank's share), for the per-image token subsets of ``mlp_tokens``.
         device: run the pass on this torch device ("cpu", "cuda", "cuda:N"); default: the one
             set by :func:`calibration_device`, else the model's. The model is moved there for
             the pass and back afterwards; images are moved batch by batch. Every statistic is
@@ -156,7 +163,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     shift_fn = common_shift_fn(first is not None) if is_distributed() and (mlp or vo) else None
     mlp_stats: list[MLPStatistics | None] = [
         MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order, count_positive=mlp_active, device=dev,
-                      shift_fn=shift_fn)
+                      shift_fn=shift_fn, tokens=mlp_tokens, first_image=first_image)
         if mlp else None for b in anatomy.blocks]
     qk_stats: list = [
         QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype, device=dev,
@@ -189,7 +196,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     try:
         if dev != home:
             model.to(dev)
-        with _exact_fp32(dev):
+        with exact_fp32(dev):
             for x in show_progress(batches, "calibration", enabled=progress, total=total, unit="batch"):
                 if x.dim() != 4 or tuple(x.shape[1:]) != expected:
                     raise UserError(f"calibration images have shape {tuple(x.shape[1:])}, "

@@ -52,6 +52,34 @@ def symmetric_gram(x: torch.Tensor, block: int = 384, out: torch.Tensor | None =
     return out
 
 
+#: base of the per-image seeds of :func:`token_positions` (image j uses TOKEN_SEED + j)
+TOKEN_SEED = 0x5EED0000
+
+
+def token_positions(num_tokens: int, tokens: int, image_index: int) -> torch.Tensor | None:
+    """The ``tokens`` token positions used for calibration image ``image_index``: a uniformly random
+    subset of ``range(num_tokens)`` (sorted int64), drawn by a generator seeded with
+    ``TOKEN_SEED + image_index``; None when every token is used (``tokens`` <= 0 or >= n).
+
+    Each image gets its own subset, so every position is equally likely and the statistics are
+    unbiased estimates of the all-token ones; a fixed subset shared by all images is biased
+    (tokens at other positions are never seen, however many images): on fmnist-vit (49 tokens,
+    MLP 0.5, 512 images) 12 fixed evenly spaced positions left 2.5x the all-token output error,
+    12 random positions per image 1.04x (docs/prune_cost.md). Seeded by the image's index in the
+    calibration set, not by a stream: deterministic, and the same under torchrun (where each rank
+    knows its first image's index) as in one process.
+
+    Raises:
+        ValueError: num_tokens < 1 or image_index < 0.
+    """
+    if num_tokens < 1 or image_index < 0:
+        raise ValueError(f"need num_tokens >= 1 and image_index >= 0, got {num_tokens}, {image_index}")
+    if tokens <= 0 or tokens >= num_tokens:
+        return None
+    gen = torch.Generator().manual_seed(TOKEN_SEED + int(image_index))
+    return torch.randperm(num_tokens, generator=gen)[:tokens].sort().values
+
+
 class MLPStatistics:
     """Accumulates mean, centred covariance, energy and active probability of hidden activations.
 
@@ -80,12 +108,24 @@ class MLPStatistics:
             default: the mean itself. Under torchrun every rank gets rank 0's first-batch mean
             (:func:`edgeprune.distributed.common_shift_fn`), so each rank forms exactly the
             per-batch products a single-process run forms.
+        tokens: use only this many tokens per image, at the random positions
+            :func:`token_positions` draws for that image (0 = all). Every statistic (mean,
+            covariance, energy, positive count) is then that of the selected tokens: an unbiased
+            estimator of the all-token statistics whose Gram costs k/n of the all-token Gram
+            (docs/prune_cost.md measures its cost and accuracy). Applies to activations shaped
+            (B, n, D); 2-D input is used as given.
+        first_image: index in the calibration set of the first image this object will see (the
+            images then follow in order); under torchrun, the first image of this rank's share.
     """
 
     def __init__(self, dim: int, gram_dtype: torch.dtype = torch.float32, second_order: bool = True,
                  count_positive: bool = True, device: torch.device | str = "cpu",
-                 shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 shift_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, tokens: int = 0,
+                 first_image: int = 0) -> None:
         self.dim = dim
+        self.tokens = int(tokens)
+        self.images_seen = 0
+        self.first_image = int(first_image)
         self.shift_fn = shift_fn
         self.gram_dtype = gram_dtype
         self.second_order = second_order
@@ -108,6 +148,13 @@ class MLPStatistics:
         """
         if h.shape[-1] != self.dim:
             raise ValueError(f"expected hidden dim {self.dim}, got {tuple(h.shape)}")
+        if self.tokens > 0 and h.dim() == 3 and 0 < self.tokens < h.shape[1]:
+            b, n, _ = h.shape
+            first = self.first_image + self.images_seen
+            idx = torch.stack([token_positions(n, self.tokens, first + j) for j in range(b)]).to(h.device)
+            h = h.gather(1, idx.unsqueeze(-1).expand(b, self.tokens, self.dim))
+        if h.dim() == 3:
+            self.images_seen += h.shape[0]
         x = h.reshape(-1, self.dim)
         if x.shape[0] == 0:
             return

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from edgeprune.cli.options import load_model, model_options
+from edgeprune.cli.options import device_option, load_model, model_options
 from edgeprune.errors import UserError
 
 
@@ -93,18 +93,26 @@ def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | 
               help="Quantized files: fail (exit 1) if top-1 (or top-1 agreement) drops by more than POINTS.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), metavar="FILE",
               help="Also write the report as JSON.")
+@device_option
 def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, checkpoint: Path | None,
                random_init: bool, num_classes: int | None, img_size: int | None, model_kwargs: dict | None,
                n: int, data: Path | None,
-               atol: float, rtol: float, batch_size: int, max_drop: float | None, json_out: Path | None) -> None:
+               atol: float, rtol: float, batch_size: int, max_drop: float | None, json_out: Path | None,
+               device: str = "cpu") -> None:
     """Check an ONNX file against its PyTorch model.
 
     Runs ONNX_FILE and the model of --against RUN_DIR (or --model NAME) on real inputs. A float file
     must match within --atol/--rtol; a quantized one (int8/fp16) is judged by metric: top-1 and
     top-1 agreement with the float model on held-out images, gated by --max-drop.
 
+    The PyTorch side runs on --device (TF32 off on CUDA, so the comparison is with float32
+    arithmetic); ONNX Runtime runs on the CPU.
+
     Exits 1 when the check fails.
     """
+    import torch
+
+    from edgeprune.calibration.collect import exact_fp32
     from exporters.onnx import read_metadata
     from exporters.verify import format_report, verify_onnx
 
@@ -119,6 +127,8 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
     onnx_base = base.get("name") if isinstance(base, dict) else None
     if onnx_base and onnx_base != spec.name:
         click.echo(f"warning: {onnx_file} was exported from {onnx_base}, comparing against {spec.name}", err=True)
+    model.to(device)
+    click.get_current_context().with_resource(exact_fp32(torch.device(device)))  # TF32 off until exit
     if meta.get("precision") in ("int8", "fp16"):
         from exporters.verify import format_quantized_report, verify_quantized
 
@@ -134,6 +144,9 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
         report = verify_onnx(onnx_file, model, inputs, atol=atol, rtol=rtol,
                              output_kind=getattr(spec, "output_kind", None), batch_size=batch_size)
         click.echo(format_report(report))
+    report["torch_device"] = device
+    if device != "cpu":
+        click.echo(f"PyTorch side on {device}")
     if json_out is not None:
         from runners.report import to_json
 

@@ -46,6 +46,9 @@ def _layouts() -> tuple[str, ...]:
 @click.option("--qk-solver", type=click.Choice(["auto", "direct", "cg"]), default="auto", show_default=True,
               help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
+@click.option("--gram-tokens", type=int, default=None, metavar="K",
+              help="MLP statistics from K random tokens per image instead of all (the MLP covariance "
+                   "is the largest cost of the calibration pass; an estimator, docs/prune_cost.md) [all].")
 @click.option("--flops", default=None, metavar="F",
               help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
                    "kept dims are allocated per block and module.")
@@ -62,7 +65,7 @@ def _layouts() -> tuple[str, ...]:
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet, flops=None, params=None, sequential=False):
+              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -81,7 +84,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     overrides = {k: v for k, v in (("v_sparsity", v_sparsity), ("head_sparsity", head_sparsity),
                                    ("layout", layout), ("ridge_alpha", ridge_alpha),
-                                   ("qk_ridge_alpha", qk_ridge_alpha)) if v is not None}
+                                   ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens))
+                 if v is not None}
     config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                          compensation=not no_compensation, criterion=criterion, round_to=round_to,
                          qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
