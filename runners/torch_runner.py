@@ -83,6 +83,8 @@ class TorchRunner(Runner):
         self.input_shape = tuple(int(s) for s in input_shape) if input_shape is not None else None
         self.model = model.to(device=dev, dtype=self.dtype).eval()
         self._x_key: tuple | None = None
+        #: SDPA backend -> calls per forward pass, measured at the first :meth:`prepare`
+        self.attention: dict[str, int] | None = None
         self._x: torch.Tensor | None = None
         self._apply_threads()
 
@@ -136,6 +138,10 @@ class TorchRunner(Runner):
     # -- Runner API ------------------------------------------------------------------------
     def prepare(self, x: np.ndarray) -> None:
         t = self._tensor(x)
+        if self.attention is None:  # which SDPA kernel the model runs (one eager pass, first batch size)
+            from runners.attention_kernels import attention_kernels
+
+            self.attention = attention_kernels(self.model, t)
         if self.want_graphs:
             self._graph(t)
         self._sync()
@@ -190,6 +196,10 @@ class TorchRunner(Runner):
             "cuda_graphs": self.want_graphs,
             "timing": "cuda events" if self.torch_device.type == "cuda" else "perf_counter",
         }
+        if self.attention is not None:
+            from runners.attention_kernels import describe
+
+            s["attention_kernel"] = describe(self.attention)
         if self.torch_device.type == "cuda":
             s["gpu"] = torch.cuda.get_device_name(self.torch_device)
         else:
