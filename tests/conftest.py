@@ -90,3 +90,32 @@ def tiny_vit():
     torch.manual_seed(0)
     return VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=32, depth=2,
                              num_heads=2, mlp_ratio=4.0).eval()
+
+
+def torchrun_beside(args: list, work, nproc: int = 2, timeout: float = 300) -> tuple:
+    """Launch ``torchrun --standalone --nproc-per-node NPROC ARGS`` (gloo, one thread per process,
+    collectives time out after 120 s), call ``work()`` in this process meanwhile, then wait.
+
+    Returns:
+        (work's result, torchrun's stdout); asserts that torchrun exited 0 (its output in the
+        message). On any failure torchrun and its workers are killed (their own session).
+    """
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EDGEPRUNE_DIST_TIMEOUT_S": "120"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           *[str(a) for a in args]]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+    try:
+        result = work()
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        print(stdout[-2000:], stderr[-2000:])
+        raise
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return result, stdout

@@ -13,17 +13,13 @@ docs/distributed.md).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import HAS_FMNIST, assert_one_line_error, needs_fmnist, run_cli
+from tests.conftest import HAS_FMNIST, assert_one_line_error, needs_fmnist, run_cli, torchrun_beside
 
 PRUNE_ARGS = ["--model", "fmnist-vit", "--target", "all", "--sparsity", "0.5", "--attn-sparsity", "0.75",
               "--calib-size", "12", "--batch-size", "4", "--no-eval", "--quiet"]
@@ -107,20 +103,8 @@ def runs(tmp_path_factory):
     single = tmp_path_factory.mktemp("single")
     script = out / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EDGEPRUNE_DIST_TIMEOUT_S": "120"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), str(out), json.dumps(PRUNE_ARGS), json.dumps(RUNS)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
-    try:
-        _single_runs(single)
-        stdout, stderr = proc.communicate(timeout=240)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: their own session
-        stdout, stderr = proc.communicate()
-        print(stdout[-2000:], stderr[-2000:])
-        raise
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    _, stdout = torchrun_beside([script, out, json.dumps(PRUNE_ARGS), json.dumps(RUNS)],
+                                lambda: _single_runs(single), timeout=240)
     return out, stdout, single
 
 

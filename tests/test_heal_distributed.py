@@ -11,17 +11,13 @@ The same heals run single-process in the test process, one thread as under torch
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import HAS_FMNIST, assert_one_line_error, needs_fmnist, run_cli
+from tests.conftest import HAS_FMNIST, assert_one_line_error, needs_fmnist, run_cli, torchrun_beside
 
 HEAL_ARGS = ["--calib-size", "12", "--batch-size", "6", "--epochs", "2", "--lr", "3e-4", "--keep-last", "--no-eval",
              "--quiet"]
@@ -115,32 +111,23 @@ def heals(tmp_path_factory):
     out.mkdir()
     script = base / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EDGEPRUNE_DIST_TIMEOUT_S": "120"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), str(run), str(out), json.dumps(HEAL_ARGS), json.dumps(API_KW)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
     single: dict = {}
-    threads = torch.get_num_threads()
-    try:
+
+    def one_process() -> None:
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        r = run_cli(["heal", run, *HEAL_ARGS, "-o", base / "single-cli"])
-        assert r.exit_code == 0, r.output
-        pruned, rec = load_run(run)
-        dense = load_base_model(rec)
-        spec = edgeprune.get_model_spec("fmnist-vit")
-        res = heal(pruned, dense, spec.calibration_source(13, seed=1), **API_KW)
-        single.update(api=res, start=dict(pruned.state_dict()))
-        torch.set_num_threads(threads)
-        stdout, stderr = proc.communicate(timeout=300)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: their own session
-        stdout, stderr = proc.communicate()
-        print(stdout[-2000:], stderr[-2000:])
-        raise
-    finally:
-        torch.set_num_threads(threads)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        try:
+            r = run_cli(["heal", run, *HEAL_ARGS, "-o", base / "single-cli"])
+            assert r.exit_code == 0, r.output
+            pruned, rec = load_run(run)
+            dense = load_base_model(rec)
+            spec = edgeprune.get_model_spec("fmnist-vit")
+            res = heal(pruned, dense, spec.calibration_source(13, seed=1), **API_KW)
+            single.update(api=res, start=dict(pruned.state_dict()))
+        finally:
+            torch.set_num_threads(threads)
+
+    _, stdout = torchrun_beside([script, run, out, json.dumps(HEAL_ARGS), json.dumps(API_KW)], one_process)
     return base, out, stdout, single
 
 

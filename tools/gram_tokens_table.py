@@ -22,20 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import edgeprune  # noqa: E402
-
-
-def _top1(model, batches, ref=None):
-    correct = agree = n = 0
-    preds = []
-    with torch.no_grad():
-        for i, (x, y) in enumerate(batches):
-            p = model(x).argmax(-1)
-            preds.append(p)
-            correct += int((p == y).sum())
-            n += len(y)
-            if ref is not None:
-                agree += int((p == ref[i]).sum())
-    return correct / n, agree / n, preds
+from accuracy_table import evaluate_cached  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = edgeprune.get_model_spec(args.model)
     batches = list(spec.eval_source(None, n=args.eval_size).batches(250))
     dense = spec.create(pretrained=True).eval()
-    d, _, dense_preds = _top1(dense, batches)
+    dense_eval = evaluate_cached(dense, batches)
+    d, dense_preds = dense_eval["top1"], dense_eval["preds"]
     n_eval = sum(len(y) for _, y in batches)
     n_calib = args.calib_size or spec.default_calib_size
     print(f"{args.model}: dense top-1 {d * 100:.2f}% on {n_eval} held-out images; {n_calib} calibration images")
@@ -68,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = edgeprune.prune(spec.create(pretrained=True), calib, spec=spec, target=target,
                                       sparsity=float(sp), gram_tokens=k, progress=False)
                 secs.append(time.perf_counter() - t0)
-                top, agree, _ = _top1(res.model.eval(), batches, dense_preds)
+                m = evaluate_cached(res.model.eval(), batches, dense_preds)
+                top, agree = m["top1"], m["agreement"]
                 tops.append(top)
                 agrees.append(agree)
             m = len(tops)
