@@ -97,18 +97,6 @@ def distributed_info() -> dict[str, Any]:
     return {"world_size": world_size(), "backend": str(torch.distributed.get_backend())}
 
 
-def refuse_distributed(command: str) -> None:
-    """For commands without multi-process support: fail under torchrun with WORLD_SIZE > 1.
-
-    Raises:
-        UserError: ``WORLD_SIZE`` > 1 in the environment (one line: run it as one process).
-    """
-    ws = env_world_size()
-    if ws > 1:
-        raise UserError(f"{command} does not support torchrun / multiple processes yet (WORLD_SIZE={ws}); "
-                        f"run it as a single process")
-
-
 def _timeout_s() -> float:
     raw = os.environ.get("EDGEPRUNE_DIST_TIMEOUT_S")
     if raw is None:
