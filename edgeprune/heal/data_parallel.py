@@ -80,10 +80,7 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], extra: Sequence[f
                                                                          device=ref.device)).to(ref.dtype)
              for p in params]
     flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=ref.dtype, device=ref.device)
-    tail = torch.tensor([float(v) for v in extra], dtype=torch.float64)
-    flat = dist.all_reduce_sum(torch.cat(parts + [flags]))
-    tail = dist.all_reduce_sum(tail).cpu()
-    flat = flat.to(ref.device)
+    flat = dist.all_reduce_sum(torch.cat(parts + [flags]))  # on ref's device
     offset = 0
     for i, p in enumerate(params):
         n = p.numel()
@@ -96,7 +93,7 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], extra: Sequence[f
         else:
             p.grad = None
         offset += n
-    return [float(v) for v in tail]
+    return all_reduce_sums(extra)
 
 
 def prepare_targets(make: Callable[[], Any]) -> Any:
