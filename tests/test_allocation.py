@@ -234,6 +234,7 @@ def _fast(*extra):
     (["--params", "garbage"], "--params must be a fraction"),
     (["--flops", "0.5", "--params", "0.5"], "either --flops or --params"),
     (["--flops", "0.01"], "below the cheapest allocation"),
+    (["--flops", "0.5", "--check-images", "-1"], "allocation check images must be an int >= 0"),
 ])
 def test_cli_budget_errors_are_one_line(tmp_path, argv, pattern):
     assert_one_line_error(run_cli(_fast(*argv, "-o", tmp_path / "r")), pattern)
@@ -265,6 +266,16 @@ def test_cli_flops_budget_and_info_show_the_dims_per_block(tmp_path):
         assert f"block {blk['index']}: mlp={blk['dims']['mlp']}" in info.stdout
         row = [ln for ln in info.stdout.splitlines() if ln.startswith(f"| {blk['index']} |")][0]
         assert f"| {blk['dims']['mlp']} |" in row  # the model's own mlp_hidden column agrees
+
+
+def test_cli_check_images_sets_the_images_the_candidates_are_measured_on(tmp_path):
+    r = run_cli(_fast("--flops", "0.7", "--check-images", "5", "-o", tmp_path / "a"))
+    assert r.exit_code == 0, r.output
+    rec = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert rec["config"]["allocation_check_images"] == 5 and rec["allocation"]["selection"]["images"] == 5
+    r = run_cli(_fast("--flops", "0.7", "--check-images", "0", "-o", tmp_path / "b"))
+    assert r.exit_code == 0, r.output
+    assert "selection" not in json.loads((tmp_path / "b" / "run.json").read_text())["allocation"]
 
 
 def test_a_budget_without_target_allocates_v_dims_too():

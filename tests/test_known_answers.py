@@ -211,6 +211,26 @@ def test_kronecker_system_is_float64_and_matches_the_definition():
     torch.testing.assert_close(rhs, exp_rhs, rtol=1e-12, atol=1e-9)
 
 
+def test_kronecker_system_uses_the_symmetrised_grams_and_is_exactly_symmetric():
+    """The packed assembly (upper triangles only) equals the full-product definition on the
+    symmetrised Grams, also when the inputs are not bitwise symmetric, and K == K^T bitwise."""
+    from edgeprune.solve.qk_logit import kronecker_system
+
+    g = torch.Generator().manual_seed(5)
+    n_img, d_h, d = 40, 16, 10
+    q = torch.randn(n_img, 30, d_h, generator=g)
+    gq = q.transpose(1, 2) @ q
+    gk = gq.flip(0) + 1e-3 * torch.randn(n_img, d_h, d_h, generator=g)   # not symmetric
+    keep = torch.randperm(d_h, generator=g)[:d].sort().values
+    prune = torch.tensor(sorted(set(range(d_h)) - set(keep.tolist())))
+    k_sys, _ = kronecker_system(gq, gk, keep, prune)
+    assert torch.equal(k_sys, k_sys.T)
+    sym = lambda t: 0.5 * (t + t.transpose(1, 2))  # noqa: E731
+    gq64, gk64 = sym(gq.double()[:, keep][:, :, keep]), sym(gk.double()[:, keep][:, :, keep])
+    exp_k = sum(torch.kron(gq64[i], gk64[i]) for i in range(n_img))
+    torch.testing.assert_close(k_sys, exp_k, rtol=1e-12, atol=1e-9)
+
+
 # ---- verify: agreement between two models, rtol on the reference side --------------------------
 def _compare_outputs():
     from exporters.verify import compare_outputs

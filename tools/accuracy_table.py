@@ -35,6 +35,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shlex
@@ -225,6 +226,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-size", type=int, default=None, help="held-out images [all]")
     p.add_argument("--gram-tokens", type=int, default=0,
                    help="MLP statistics from this many random tokens per image (CorpConfig.gram_tokens) [0: all]")
+    p.add_argument("--check-images", type=int, default=None,
+                   help="calibration images on which budgeted candidates and per-unit sensitivities are "
+                        "measured (CorpConfig.allocation_check_images) [32]")
     p.add_argument("--eval-batch", type=int, default=100)
     p.add_argument("--heal", default="", help="budgets at which pruned models are also healed, e.g. 0.5,0.4")
     p.add_argument("--round-to", type=int, default=8)

@@ -21,7 +21,8 @@ model's output error on the check images is measured; each curve is rescaled so 
 at that size equals the measurement (``E_u(k) = m_u * raw_u(k) / raw_u(k_ref)``: first order,
 errors of different units add). The greedy allocation on these curves is one more candidate,
 judged by the same measured error as the others. Cost: one solve + one forward pass of the check
-images per unit (2 x depth units for ``both``).
+images per unit (2 x depth units for ``both``), from the unit's block on (the dense stream before
+it is cached once, :mod:`edgeprune.allocation.suffix`): about half a pass per unit on average.
 
 Cost: per candidate one solve + surgery and one forward pass over the check images (the dense
 output once), e.g. a few seconds per candidate for DINOv2-S with 32 images.
@@ -38,6 +39,7 @@ import torch
 
 from edgeprune.allocation.errors import Curve
 from edgeprune.allocation.greedy import allocate, build_curves
+from edgeprune.allocation.suffix import BlockInputs
 
 #: Q/K weights of the greedy candidates (``errors.QK_WEIGHT`` = 0.2 is the fmnist-vit fit)
 QK_WEIGHTS = (0.2, 1.0, 5.0)
@@ -102,8 +104,12 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
 _PLAN_FIELD = {"mlp": "mlp_keep", "qk": "qk_keep", "v": "v_keep", "heads": "head_keep"}
 
 
-def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torch.Tensor) -> float:
-    """Relative output error vs dense of a copy of ``model`` pruned by ``plans`` (same statistics)."""
+def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torch.Tensor,
+                      cache: BlockInputs | None = None) -> float:
+    """Relative output error vs dense of a copy of ``model`` pruned by ``plans`` (same statistics).
+
+    With ``cache`` (the dense block inputs on ``x``) only the blocks from the first pruned one on
+    are run (:mod:`edgeprune.allocation.suffix`; bitwise the full forward's output)."""
     from edgeprune.anatomy import find_anatomy
     from edgeprune.corp import apply_corp, qk_solver_from_grams
 
@@ -113,7 +119,11 @@ def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torc
     if cfg.compensation and any(p.qk_keep is not None for p in plans):
         qk_solve = qk_solver_from_grams(stats.qk, plans, cfg)
     apply_corp(an, plans, cfg, stats.mlp, qk_solve, stats.vo)
-    return output_error(_as_tensor(trial(x)), dense_out)
+    if cache is None:
+        return output_error(_as_tensor(trial(x)), dense_out)
+    first = min((p.index for p in plans if any(getattr(p, f) is not None for f in _PLAN_FIELD.values())),
+                default=0)
+    return output_error(cache.forward_from(trial, [a.block for a in an.blocks], first), dense_out)
 
 
 @torch.no_grad()
@@ -152,12 +162,13 @@ def measured_curves(anatomy, stats, cfg, ref_dims: list[dict], x: torch.Tensor,
     ref_plans = plan_corp(anatomy, stats, dataclasses.replace(cfg, dims=dims, budget=None))
     plain = dataclasses.replace(cfg, dims=None, budget=None)
     model = anatomy.model
+    cache = BlockInputs(model, [a.block for a in anatomy.blocks], x, _as_tensor)
     info = []
     for c, p in zip(curves, pos):
         plans = [BlockPlan(index=b.index) for b in anatomy.blocks]
         src = ref_plans[c.block]
         plans[c.block] = BlockPlan(index=c.block, **{_PLAN_FIELD[k]: getattr(src, _PLAN_FIELD[k]) for k in c.keys})
-        measured = _fold_and_measure(model, plans, plain, stats, x, dense_out)
+        measured = _fold_and_measure(model, plans, plain, stats, x, dense_out, cache)
         proxy = c.errors[p]
         if measured > 0 and c.raw[p] > 0:
             c.scale = c.raw[p] / measured  # errors[p] = raw[p] / scale = measured

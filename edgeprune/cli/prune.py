@@ -54,6 +54,9 @@ def _layouts() -> tuple[str, ...]:
                    "kept dims are allocated per block and module.")
 @click.option("--params", default=None, metavar="P",
               help="Parameter budget instead of --sparsity: a fraction (0.5) or a count (20M).")
+@click.option("--check-images", type=int, default=None, metavar="N",
+              help="With --flops/--params: the candidate allocations and the per-unit sensitivities are "
+                   "measured on the first N calibration images (0: the proxy alone) [32].")
 @click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
               "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
@@ -65,7 +68,7 @@ def _layouts() -> tuple[str, ...]:
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None):
+              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -84,7 +87,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     overrides = {k: v for k, v in (("v_sparsity", v_sparsity), ("head_sparsity", head_sparsity),
                                    ("layout", layout), ("ridge_alpha", ridge_alpha),
-                                   ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens))
+                                   ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
+                                   ("allocation_check_images", check_images))
                  if v is not None}
     config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                          compensation=not no_compensation, criterion=criterion, round_to=round_to,

@@ -13,7 +13,8 @@ equation is ``sum_i Gq_i M Gk_i + lam M = sum_i Cq_i Ck_i``. Row-major vectorise
     (sum_i Gq_i (x) Gk_i + lam I) vec(M) = vec(sum_i Cq_i Ck_i)          (d'^2 x d'^2)
 
 solved exactly (float64 Cholesky) -- not the pooled-Gram Sylvester approximation, which mixes tokens
-of different images. ``sum_i Gq_i (x) Gk_i`` is one GEMM of the flattened per-image Grams.
+of different images. ``sum_i Gq_i (x) Gk_i`` is one GEMM of the packed upper triangles of the
+per-image Grams (they are symmetric), unpacked by a gather.
 Ridge lambda is scale-free: ``lam = alpha * tr(K) / d'^2`` (alpha times the system's mean diagonal).
 
 Fold (METHODS.md §1): SVD ``I + M = R Sigma T^T``; ``W_Q,S <- (R Sigma^1/2)^T W_Q,S``,
@@ -24,6 +25,7 @@ query weights and bias by ``sqrt(d'/d_h)`` (attention then uses its default 1/sq
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,7 +47,9 @@ def kept_blocks(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, prune: t
     """
     # index first, then widen: only the S rows / S columns are converted to float64 (exact)
     gq_s, gk_s = gq[:, keep].double(), gk[:, :, keep].double()  # rows S of Gq; columns S of Gk
-    rhs = (gq_s[:, :, prune] @ gk_s[:, prune]).sum(0)
+    # sum_i Gq_i[S,P] Gk_i[P,S] as one GEMM over the stacked (image, pruned dim) index
+    d, np_ = len(keep), gq.shape[0] * len(prune)
+    rhs = gq_s[:, :, prune].permute(1, 0, 2).reshape(d, np_) @ gk_s[:, prune].reshape(np_, d)
     return gq_s[:, :, keep], gk_s[:, keep], rhs
 
 
@@ -67,9 +71,39 @@ def ridge_lambda(gq_ss: torch.Tensor, gk_ss: torch.Tensor, alpha: float) -> floa
     return float(alpha * tr.clamp_min(0) / (d * d))
 
 
+@functools.lru_cache(maxsize=8)
+def _packed_layout(d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Upper-triangle pairs of a d x d symmetric matrix and the gather that unpacks the system.
+
+    Returns (rows, cols, flat): ``rows, cols`` (p,) with p = d(d+1)/2 the pairs a <= b;
+    ``flat`` (d^2 * d^2,) int64 such that ``K.flatten() = P.flatten()[flat]`` for the packed
+    ``P[u, v] = sum_i Gq_i[pair u] Gk_i[pair v]``: entry ((a,c),(b,e)) of K reads
+    ``P[pos(a,b), pos(c,e)]`` with ``pos`` the pair index of an unordered pair.
+    """
+    rows, cols = torch.triu_indices(d, d)
+    p = rows.numel()
+    pos = torch.empty(d, d, dtype=torch.int64)
+    pos[rows, cols] = torch.arange(p)
+    pos[cols, rows] = torch.arange(p)
+    # axes (a, c, b, e) of K4 -> row index pos(a,b), column index pos(c,e)
+    flat = pos[:, None, :, None] * p + pos[None, :, None, :]
+    return rows, cols, flat.reshape(-1)
+
+
+def _packed(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(N, d, d) -> (N, p): the upper triangle of each symmetrised matrix ``(G + G^T) / 2``."""
+    return 0.5 * (g[:, rows, cols] + g[:, cols, rows])
+
+
 def kronecker_system(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, prune: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Assemble the exact normal equations for one head.
+
+    ``sum_i Gq_i (x) Gk_i`` has d'^4 entries but, the Grams being symmetric, only
+    ``p^2 = (d'(d'+1)/2)^2`` distinct ones: they are formed by one GEMM of the packed upper
+    triangles ((N, p)^T (N, p): ~4x fewer multiply-adds than the full (N, d'^2)^T (N, d'^2)) and
+    unpacked by a gather, so K is exactly symmetric. Each Gram is symmetrised first
+    (``(G + G^T) / 2``: float32 GEMMs need not return a bitwise symmetric ``X^T X``).
 
     Args:
         gq, gk: per-image Grams (N, d_h, d_h) of Q and K (any float dtype).
@@ -80,10 +114,13 @@ def kronecker_system(gq: torch.Tensor, gk: torch.Tensor, keep: torch.Tensor, pru
         rhs (d', d') float64 = sum_i Gq_i[S,P] Gk_i[P,S].
     """
     gq_ss, gk_ss, rhs = kept_blocks(gq, gk, keep, prune)
-    n, d = gq_ss.shape[0], len(keep)
-    # sum_i Gq[a,b] Gk[c,e] -> kron index ((a,c),(b,e))
-    k4 = (gq_ss.reshape(n, d * d).T @ gk_ss.reshape(n, d * d)).reshape(d, d, d, d)
-    k_sys = k4.permute(0, 2, 1, 3).reshape(d * d, d * d)
+    d = len(keep)
+    rows, cols, flat = _packed_layout(d)
+    dev = gq_ss.device
+    if rows.device != dev:
+        rows, cols, flat = rows.to(dev), cols.to(dev), flat.to(dev)
+    packed = _packed(gq_ss, rows, cols).T @ _packed(gk_ss, rows, cols)   # (p, p)
+    k_sys = torch.take(packed, flat).reshape(d * d, d * d)
     return k_sys, rhs
 
 
@@ -99,7 +136,8 @@ def solve_logit_compensation(k_sys: torch.Tensor, rhs: torch.Tensor, alpha: floa
         raise ValueError(f"ridge alpha must be >= 0, got {alpha}")
     d = rhs.shape[0]
     lam = float(alpha * torch.diagonal(k_sys).mean().clamp_min(0))
-    a = k_sys + lam * torch.eye(d * d, dtype=torch.float64)
+    a = k_sys.clone()
+    a.diagonal().add_(lam)
     chol = torch.linalg.cholesky(a)
     m = torch.cholesky_solve(rhs.reshape(d * d, 1).double(), chol).reshape(d, d)
     return m, lam
