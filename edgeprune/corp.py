@@ -61,6 +61,9 @@ class CorpConfig:
         allocation_sensitivity: with the check on, also measure each allocation unit's output
             error when it alone is pruned (on the same images) and add the greedy allocation on
             curves rescaled to those measurements as a candidate (``edgeprune.allocation.select``).
+        allocation_anchors: 1 = each unit's curve is rescaled to one measurement (at the uniform
+            candidate's size); 2 = also measured where the first measured allocation puts the
+            unit, the curve through both, and that greedy allocation is one more candidate.
         sequential_memory_gb: sequential calibration keeps its two token streams (N x n x D
             float32 each) in memory up to this many GiB, the rest in temporary disk memmaps.
         compensation: fold the closed-form compensation (False = plain removal, same ranking).
@@ -109,6 +112,7 @@ class CorpConfig:
     sequential_memory_gb: float = 4.0
     allocation_check_images: int = 32
     allocation_sensitivity: bool = True
+    allocation_anchors: int = 1
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
@@ -171,6 +175,8 @@ class CorpConfig:
         if self.qk_solver == "cg" and self.qk_ridge_alpha == 0:
             raise UserError("the cg Q/K solver needs a ridge alpha > 0 (use --qk-solver direct)")
         check_dims(self.dims)
+        if self.allocation_anchors not in (1, 2) or isinstance(self.allocation_anchors, bool):
+            raise UserError(f"allocation anchors must be 1 or 2, got {self.allocation_anchors!r}")
         if isinstance(self.allocation_check_images, bool) or not isinstance(self.allocation_check_images, int) \
                 or self.allocation_check_images < 0:
             raise UserError(f"allocation check images must be an int >= 0, got {self.allocation_check_images!r}")

@@ -112,3 +112,63 @@ def test_measured_candidate_is_offered_and_judged_like_the_others(setup):
     assert line.strip().startswith(f"kept {sel['chosen']}:") and all(k in line for k in sel["measured_output_error"])
     # with more candidates the chosen measured error can only go down
     assert min(sel["measured_output_error"].values()) <= min(rep_off["selection"]["measured_output_error"].values())
+
+
+def test_two_anchor_rescaling_goes_through_both_measurements():
+    from edgeprune.allocation.errors import Curve
+    from edgeprune.allocation.select import _anchor
+
+    raw = [8.0, 4.0, 2.0, 1.0, 0.5, 0.0]
+    c = Curve(block=0, keys=("mlp",), ks=[8, 16, 24, 32, 40, 48], raw=list(raw), scale=1.0, kind="compensated")
+    _anchor(c, [(1, 2.0), (4, 1.0)])    # factor 0.5 at index 1, 2 at index 4
+    e = c.errors
+    assert e[1] == pytest.approx(2.0) and e[4] == pytest.approx(1.0)
+    assert e[0] == pytest.approx(8.0 * 0.5) and e[5] == 0.0       # constant factor beyond the anchors
+    assert e[2] == pytest.approx(2.0 * 0.5 * 4 ** (1 / 3))           # log-linear in the size index
+    assert e[3] == pytest.approx(1.0 * 0.5 * 4 ** (2 / 3))
+    lifted = Curve(block=0, keys=("mlp",), ks=c.ks, raw=list(raw), scale=1.0, kind="compensated")
+    _anchor(lifted, [(1, 2.0), (3, 4.0)])
+    assert lifted.errors[2] == pytest.approx(4.0)                    # 2 sqrt(2) lifted to e[3] = 4
+    assert all(a >= b for a, b in zip(lifted.errors, lifted.errors[1:]))   # more kept dims never cost more
+    one = Curve(block=0, keys=("mlp",), ks=c.ks, raw=list(raw), scale=1.0, kind="compensated")
+    _anchor(one, [(2, 3.0), (None, None)])        # one anchor: a plain rescale
+    assert one.errors[2] == pytest.approx(3.0) and one.errors[0] / one.errors[1] == pytest.approx(2.0)
+
+
+@needs_fmnist
+def test_second_anchor_measures_each_unit_where_the_first_allocation_put_it(setup):
+    from edgeprune.allocation.select import measured_curves
+
+    model, an, x, cfg, stats = setup
+    with torch.no_grad():
+        dense_out = model(x[:48])
+    cands = candidates(an, stats, cfg)
+    ref = cands["uniform"][0]
+    _c1, units1 = measured_curves(an, stats, cfg, ref, x[:48], dense_out)
+    other = next(d for k, (d, _r) in cands.items() if k != "uniform")
+    curves, units = measured_curves(an, stats, cfg, ref, x[:48], dense_out, also_at=other, known=units1)
+    assert [u["measured_output_error"] for u in units] == [u["measured_output_error"] for u in units1]
+    second = [(c, u) for c, u in zip(curves, units) if "kept_2" in u]
+    assert second, "the other allocation differs from uniform somewhere"
+    dense_dims = [{"mlp": b.mlp_hidden, "qk": b.qk_dim} for b in an.blocks]
+    for c, u in second[:2]:
+        assert u["kept_2"] == other[c.block][c.keys[0]] and u["kept_2"] < c.ks[-1]
+        dims = [dict(d) for d in dense_dims]
+        dims[c.block][c.keys[0]] = u["kept_2"]
+        assert u["measured_output_error_2"] == pytest.approx(_measured(model, x, cfg, dims), rel=1e-6)
+        for k, m in ((u["kept"], u["measured_output_error"]), (u["kept_2"], u["measured_output_error_2"])):
+            i = c.ks.index(k)
+            if i == len(c.ks) - 1 or c.errors[i] > c.errors[i + 1] * (1 + 1e-9):  # not lifted by monotonicity
+                assert c.errors[i] == pytest.approx(m, rel=1e-9)
+
+
+@needs_fmnist
+def test_two_anchors_offer_one_more_candidate_and_never_choose_worse(setup):
+    _model, an, x, cfg, stats = setup
+    _d1, rep1 = select_allocation(an, stats, cfg, lambda: x.split(32))
+    _d2, rep2 = select_allocation(an, stats, dataclasses.replace(cfg, allocation_anchors=2), lambda: x.split(32))
+    e1, e2 = rep1["selection"]["measured_output_error"], rep2["selection"]["measured_output_error"]
+    assert set(e1) <= set(e2)
+    assert min(e2.values()) <= min(e1.values())
+    with pytest.raises(UserError, match="allocation anchors must be 1 or 2"):
+        CorpConfig.from_target("both", None, budget={"kind": "flops", "value": 0.5}, allocation_anchors=3)

@@ -229,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-images", type=int, default=None,
                    help="calibration images on which budgeted candidates and per-unit sensitivities are "
                         "measured (CorpConfig.allocation_check_images) [32]")
+    p.add_argument("--anchors", type=int, default=1, choices=(1, 2),
+                   help="measurements per allocation unit (CorpConfig.allocation_anchors) [1]")
     p.add_argument("--eval-batch", type=int, default=100)
     p.add_argument("--heal", default="", help="budgets at which pruned models are also healed, e.g. 0.5,0.4")
     p.add_argument("--round-to", type=int, default=8)

@@ -91,10 +91,17 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
     if x is not None and dense_out is not None and getattr(cfg, "allocation_sensitivity", False):
         t0 = time.perf_counter()
         ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
-        curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out)
+        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, _as_tensor)
+        curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, cache=cache)
         dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
         if all(dims != d for d, _ in out.values()):
             out["greedy(measured)"] = (dims, rep)
+        if getattr(cfg, "allocation_anchors", 1) >= 2:  # measure again where that allocation put each unit
+            curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, also_at=dims, known=units,
+                                            cache=cache)
+            dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
+            if all(dims != d for d, _ in out.values()):
+                out["greedy(measured x2)"] = (dims, rep)
         if sensitivity is not None:
             sensitivity.update(units=units, seconds=time.perf_counter() - t0)
     return out
@@ -126,9 +133,81 @@ def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torc
     return output_error(cache.forward_from(trial, [a.block for a in an.blocks], first), dense_out)
 
 
+def _position(c: Curve, dims: list[dict], step_down: bool) -> int | None:
+    """Index in ``c.ks`` of the unit's kept size in ``dims``; a dense size is moved one step
+    down (``step_down``) or gives None."""
+    k = dims[c.block][c.keys[0]]
+    p = c.ks.index(k) if k in c.ks else len(c.ks) - 1
+    if p == len(c.ks) - 1:
+        if not step_down or p == 0:
+            return None
+        p -= 1
+    return p
+
+
+def _anchor(c: Curve, anchors: list[tuple[int, float]]) -> None:
+    """Rescale curve ``c`` in place to measured errors at one or more sizes (module doc).
+
+    One anchor ``(p, m)``: ``errors = raw * m / raw[p]`` (``scale = raw[p] / m``). Several: the
+    log of the factor ``m / raw[p]`` is interpolated linearly in the size index between anchors
+    and held constant beyond them; the result is made non-increasing in the kept size (more kept
+    dims never cost more) and stored as ``raw`` with ``scale = 1``.
+    """
+    import math
+
+    anchors = [(p, m) for p, m in anchors if p is not None and m is not None and m > 0 and c.raw[p] > 0]
+    if not anchors:
+        return
+    if len(anchors) == 1:
+        p, m = anchors[0]
+        c.scale = c.raw[p] / m  # errors[p] = raw[p] / scale = m
+        return
+    pts = sorted((p, math.log(m / c.raw[p])) for p, m in anchors)
+    out = []
+    for i, r in enumerate(c.raw):
+        if i <= pts[0][0]:
+            lf = pts[0][1]
+        elif i >= pts[-1][0]:
+            lf = pts[-1][1]
+        else:
+            j = next(j for j in range(1, len(pts)) if i <= pts[j][0])
+            (p0, f0), (p1, f1) = pts[j - 1], pts[j]
+            lf = f0 + (f1 - f0) * (i - p0) / (p1 - p0)
+        out.append(max(r, 0.0) * math.exp(lf))
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = max(out[i], out[i + 1])
+    c.raw, c.scale = out, 1.0
+
+
+def _measure_units(anatomy, stats, cfg, curves: list[Curve], positions: list[int | None], x: torch.Tensor,
+                   dense_out: torch.Tensor, cache: BlockInputs | None) -> list[float | None]:
+    """Output error of each unit pruned alone at ``c.ks[position]`` (None where no position)."""
+    from edgeprune.corp import plan_corp
+    from edgeprune.plan import BlockPlan
+
+    dims = [{} for _ in anatomy.blocks]
+    for c, p in zip(curves, positions):
+        for key in c.keys:
+            dims[c.block][key] = c.ks[p if p is not None else len(c.ks) - 1]
+    ref_plans = plan_corp(anatomy, stats, dataclasses.replace(cfg, dims=dims, budget=None))
+    plain = dataclasses.replace(cfg, dims=None, budget=None)
+    out: list[float | None] = []
+    for c, p in zip(curves, positions):
+        if p is None:
+            out.append(None)
+            continue
+        plans = [BlockPlan(index=b.index) for b in anatomy.blocks]
+        src = ref_plans[c.block]
+        plans[c.block] = BlockPlan(index=c.block, **{_PLAN_FIELD[k]: getattr(src, _PLAN_FIELD[k]) for k in c.keys})
+        out.append(_fold_and_measure(anatomy.model, plans, plain, stats, x, dense_out, cache))
+    return out
+
+
 @torch.no_grad()
 def measured_curves(anatomy, stats, cfg, ref_dims: list[dict], x: torch.Tensor,
-                    dense_out: torch.Tensor) -> tuple[list[Curve], list[dict]]:
+                    dense_out: torch.Tensor, also_at: list[dict] | None = None,
+                    known: list[dict] | None = None, cache: BlockInputs | None = None
+                    ) -> tuple[list[Curve], list[dict]]:
     """The allocator's curves rescaled to measured single-unit output errors (module doc).
 
     Args:
@@ -137,43 +216,42 @@ def measured_curves(anatomy, stats, cfg, ref_dims: list[dict], x: torch.Tensor,
         ref_dims: per block the kept dims of a reference allocation (the uniform candidate);
             each unit is measured there, or one candidate size lower where that is dense.
         x: (n, C, H, W) check images; dense_out: the dense model's output on them.
+        also_at: a second allocation (the greedy one on the once-measured curves): each unit is
+            measured at its size there too (where it differs from the first size and is not
+            dense) and the curve goes through both measurements (:func:`_anchor`).
+        known: the ``info`` of an earlier call with the same ``ref_dims`` (its measurements are
+            reused instead of measured again).
+        cache: the dense block inputs on ``x`` (:class:`~edgeprune.allocation.suffix.BlockInputs`);
+            built here when None.
 
     Returns:
-        (curves, info): the curves of :func:`~edgeprune.allocation.greedy.build_curves` with
-        ``scale`` set so that ``errors[ref] == measured`` (unit-free: relative squared output
-        error, :func:`output_error`); ``info`` one dict per unit (block, keys, kept, measured,
-        proxy at that size).
+        (curves, info): the curves of :func:`~edgeprune.allocation.greedy.build_curves` rescaled
+        so that their errors equal the measurements at the measured sizes (unit-free: relative
+        squared output error, :func:`output_error`); ``info`` one dict per unit (block, unit,
+        kept, measured, proxy at that size; ``kept_2`` / ``measured_2`` for the second size).
     """
-    import dataclasses
-
-    from edgeprune.corp import plan_corp
-    from edgeprune.plan import BlockPlan
-
     curves = build_curves(anatomy, stats, cfg)
-    pos = []
-    dims = [dict(d) for d in ref_dims]
-    for c in curves:
-        p = c.ks.index(ref_dims[c.block][c.keys[0]]) if ref_dims[c.block][c.keys[0]] in c.ks else len(c.ks) - 1
-        if p == len(c.ks) - 1 and p > 0:
-            p -= 1  # dense in the reference: measure one step below
-        pos.append(p)
-        for key in c.keys:
-            dims[c.block][key] = c.ks[p]
-    ref_plans = plan_corp(anatomy, stats, dataclasses.replace(cfg, dims=dims, budget=None))
-    plain = dataclasses.replace(cfg, dims=None, budget=None)
-    model = anatomy.model
-    cache = BlockInputs(model, [a.block for a in anatomy.blocks], x, _as_tensor)
+    if cache is None:
+        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, _as_tensor)
+    pos = [_position(c, ref_dims, step_down=True) for c in curves]
+    if known is not None and [u["kept"] for u in known] == [None if p is None else c.ks[p] for c, p in zip(curves, pos)]:
+        first = [u["measured_output_error"] for u in known]
+    else:
+        first = _measure_units(anatomy, stats, cfg, curves, pos, x, dense_out, cache)
+    second: list = [None] * len(curves)
+    pos2: list = [None] * len(curves)
+    if also_at is not None:
+        pos2 = [None if (q := _position(c, also_at, step_down=False)) == p else q for c, p in zip(curves, pos)]
+        second = _measure_units(anatomy, stats, cfg, curves, pos2, x, dense_out, cache)
     info = []
-    for c, p in zip(curves, pos):
-        plans = [BlockPlan(index=b.index) for b in anatomy.blocks]
-        src = ref_plans[c.block]
-        plans[c.block] = BlockPlan(index=c.block, **{_PLAN_FIELD[k]: getattr(src, _PLAN_FIELD[k]) for k in c.keys})
-        measured = _fold_and_measure(model, plans, plain, stats, x, dense_out, cache)
-        proxy = c.errors[p]
-        if measured > 0 and c.raw[p] > 0:
-            c.scale = c.raw[p] / measured  # errors[p] = raw[p] / scale = measured
-        info.append({"block": c.block, "unit": "+".join(c.keys), "kept": c.ks[p],
-                     "measured_output_error": measured, "proxy_error": proxy})
+    for c, p, m, q, m2 in zip(curves, pos, first, pos2, second):
+        proxy = None if p is None else c.errors[p]
+        _anchor(c, [(p, m), (q, m2)])
+        u = {"block": c.block, "unit": "+".join(c.keys), "kept": None if p is None else c.ks[p],
+             "measured_output_error": m, "proxy_error": proxy}
+        if q is not None:
+            u.update(kept_2=c.ks[q], measured_output_error_2=m2)
+        info.append(u)
     return curves, info
 
 
