@@ -244,7 +244,9 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
                   "ridge_alpha": config.ridge_alpha, "qk_ridge_alpha": config.qk_ridge_alpha,
                   "ridge_lambda_rule": "lam = alpha * mean diag of the normal matrix (scale-free)",
                   "round_to": config.round_to, "gram_dtype": config.gram_dtype, "qk_solver": config.qk_solver,
-                  "compensation": config.compensation, "gram_tokens": config.gram_tokens},
+                  "compensation": config.compensation,
+                  "gram_tokens": "auto" if config.gram_tokens is None else config.gram_tokens,
+                  "gram_tokens_used": info.get("gram_tokens_used", 0)},
         solve=info["blocks"],
         **({"allocation": info["allocation"]} if info.get("allocation") else {}),
     )

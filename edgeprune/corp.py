@@ -74,12 +74,15 @@ class CorpConfig:
         round_to: kept dims are multiples of this.
         gram_dtype: dtype of the per-batch Gram products ("float32" default, or "float64").
         gram_tokens: MLP statistics (ranking energy, mean and covariance for the ridge fit) from
-            this many tokens per image instead of all n (0 = all, the default). The
-            MLP Gram is the largest cost of the calibration pass (~0.75 of a dense forward pass
-            on deit_small); k tokens cost k/n of it. An estimator, not the exact all-token
+            this many tokens per image instead of all n (0 = all tokens, exact). The MLP Gram is
+            the largest cost of the calibration pass (~0.75 of a dense forward pass on
+            deit_small); k tokens cost k/n of it. An estimator, not the exact all-token
             statistics (a random subset per image, seeded by the image's index:
-            ``edgeprune.calibration.mlp_stats.token_positions``): docs/prune_cost.md measures
-            speed and accuracy. Not with ``sequential``.
+            ``edgeprune.calibration.mlp_stats.token_positions``). ``None`` (default) = auto:
+            ``mlp_stats.auto_gram_tokens`` (64 tokens per image and >= 8 samples per hidden
+            channel; all tokens for models with <= 64 tokens, for an unknown calibration size
+            and with ``sequential``). docs/prune_cost.md measures speed and accuracy. An
+            explicit K > 0 is refused with ``sequential``.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams: "direct" (float64
@@ -98,7 +101,7 @@ class CorpConfig:
     qk_ridge_alpha: float = qk_logit.DEFAULT_ALPHA
     round_to: int = 8
     gram_dtype: str = "float32"
-    gram_tokens: int = 0
+    gram_tokens: int | None = None
     qk_memory_limit_gb: float = 4.0
     qk_solver: str = "auto"
     target: str = "custom"
@@ -166,7 +169,8 @@ class CorpConfig:
             raise UserError(f"--round-to must be >= 1, got {self.round_to}")
         if self.gram_dtype not in ("float64", "float32"):
             raise UserError("gram dtype must be float64 or float32")
-        if isinstance(self.gram_tokens, bool) or not isinstance(self.gram_tokens, int) or self.gram_tokens < 0:
+        if self.gram_tokens is not None and (isinstance(self.gram_tokens, bool) or not isinstance(self.gram_tokens, int)
+                                             or self.gram_tokens < 0):
             raise UserError(f"gram tokens must be an int >= 0 (0 = every token), got {self.gram_tokens!r}")
         if self.gram_tokens and self.sequential:
             raise UserError("--gram-tokens does not apply to --sequential calibration (it uses every token)")
@@ -312,6 +316,19 @@ def _qk_gram_bytes(anatomy: ViTAnatomy, num_images: int) -> int:
     return num_images * sum(b.num_heads * 2 * b.qk_dim ** 2 * 4 for b in anatomy.blocks)
 
 
+def gram_tokens_used(cfg: CorpConfig, anatomy: ViTAnatomy, num_images: int | None) -> int:
+    """Tokens per image of the MLP statistics (0 = all): ``cfg.gram_tokens``, or for ``None``
+    :func:`~edgeprune.calibration.mlp_stats.auto_gram_tokens` (all tokens with ``sequential``)."""
+    from edgeprune.calibration.mlp_stats import auto_gram_tokens
+
+    if cfg.gram_tokens is not None:
+        return cfg.gram_tokens
+    if cfg.sequential:
+        return 0
+    tokens = anatomy.num_patches + anatomy.num_prefix_tokens
+    return auto_gram_tokens(num_images, max(b.mlp_hidden for b in anatomy.blocks), tokens)
+
+
 def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]], cfg: CorpConfig,
                num_images: int | None = None, progress: bool = True) -> dict:
     """Prune the model of ``anatomy`` in place with CORP.
@@ -352,12 +369,13 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
     two_pass = bool(prune_qk and cfg.compensation and num_images is not None
                     and _qk_gram_bytes(anatomy, num_images) > cfg.qk_memory_limit_gb * 2 ** 30)
     keep_grams = prune_qk and cfg.compensation and not two_pass
+    mlp_tokens = gram_tokens_used(cfg, anatomy, num_images)
     gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
     stats = collect_statistics(anatomy, batches(), mlp=prune_mlp and (cfg.compensation or cfg.mlp_criterion != "magnitude"),
                                qk=prune_qk, qk_grams=keep_grams, gram_dtype=gram_dtype,
                                mlp_second_order=cfg.compensation, vo=prune_vo,
                                mlp_active=cfg.mlp_criterion == "active",
-                               progress=progress, mlp_tokens=cfg.gram_tokens,
+                               progress=progress, mlp_tokens=mlp_tokens,
                                first_image=getattr(batches, "first_image", 0))
     seconds = stats.seconds
     t0 = time.perf_counter()
@@ -387,4 +405,5 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
                 return m, lam, {"solver": "direct"}
     info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
     return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
-            "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation}
+            "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation,
+            "gram_tokens_used": mlp_tokens}

@@ -6,6 +6,7 @@ calibration image, for CORP's ranking (corp-v2 §3.3) and ridge compensation (co
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -54,6 +55,31 @@ def symmetric_gram(x: torch.Tensor, block: int = 384, out: torch.Tensor | None =
 
 #: base of the per-image seeds of :func:`token_positions` (image j uses TOKEN_SEED + j)
 TOKEN_SEED = 0x5EED0000
+
+
+#: ``gram_tokens=None`` (auto): at least this many tokens per image ...
+AUTO_MIN_TOKENS = 64
+#: ... and at least this many sampled tokens per MLP hidden channel over the calibration set
+AUTO_SAMPLES_PER_CHANNEL = 8
+
+
+def auto_gram_tokens(num_images: int | None, mlp_hidden: int, num_tokens: int) -> int:
+    """Tokens per image of the default (``gram_tokens=None``) MLP statistics; 0 = all tokens.
+
+    ``K = max(64, ceil(8 D / N))`` for N calibration images and D MLP hidden channels: at least
+    64 tokens per image and at least 8 sampled tokens per hidden channel in all (so that the
+    D x D covariance of the ridge fit is estimated from >= 8 D samples); all tokens when K >= n
+    (every model with <= 64 tokens, e.g. fmnist-vit's 49) or when N is unknown. deit_small /
+    DINOv2-S (D = 1536) with 256 images: 64 of 197 / 257 tokens; with 64 images: 192 of 197.
+    Measured cost and accuracy: docs/prune_cost.md.
+
+    Args:
+        num_images: N (None = unknown); mlp_hidden: D (the largest block's); num_tokens: n.
+    """
+    if num_images is None or num_images < 1:
+        return 0
+    k = max(AUTO_MIN_TOKENS, math.ceil(AUTO_SAMPLES_PER_CHANNEL * mlp_hidden / num_images))
+    return 0 if k >= num_tokens else k
 
 
 def token_positions(num_tokens: int, tokens: int, image_index: int) -> torch.Tensor | None:

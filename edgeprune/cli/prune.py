@@ -47,8 +47,9 @@ def _layouts() -> tuple[str, ...]:
               help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
 @click.option("--gram-tokens", type=int, default=None, metavar="K",
-              help="MLP statistics from K random tokens per image instead of all (the MLP covariance "
-                   "is the largest cost of the calibration pass; an estimator, docs/prune_cost.md) [all].")
+              help="MLP statistics from K random tokens per image (the MLP covariance is the largest cost "
+                   "of the calibration pass; an estimator, docs/prune_cost.md); 0 = all tokens (exact) "
+                   "[auto: max(64, 8 x MLP hidden / images) when fewer than all; all with --sequential].")
 @click.option("--flops", default=None, metavar="F",
               help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
                    "kept dims are allocated per block and module.")
@@ -155,6 +156,9 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     click.echo(f"\n{rec['method']} target={rec['targets']} sparsity {asked} (achieved {got}); "
                f"params x{rec['params'] / rec['dense_params']:.3f}, FLOPs x{rec['flops'] / rec['dense_flops']:.3f}; "
                f"pruning took {prune_s:.1f} s")
+    used = rec["settings"].get("gram_tokens_used", 0)
+    if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
+        click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
     if rec.get("allocation"):
         from edgeprune.allocation.report import allocation_lines
 
