@@ -131,6 +131,7 @@ def run(args, log) -> list[dict]:
     rows = [{"budget": 1.0, "method": "dense", "flops": 1.0, "params": 1.0, "top1": [d["top1"]],
              "agreement": [1.0], "seconds": [0.0], "healed": []}]
     heal_at = {float(b) for b in args.heal.split(",")} if args.heal else set()
+    gt = None if args.gram_tokens < 0 else args.gram_tokens
     for budget in [float(b) for b in args.budgets.split(",")]:
         s_uni = uniform_sparsity_for(anatomy, budget, args.round_to)
         for method in args.methods.split(","):
@@ -140,11 +141,11 @@ def run(args, log) -> list[dict]:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 if method in ("nocomp", "uniform"):
                     cfg = CorpConfig.from_target("both", s_uni, compensation=method == "uniform",
-                                                 round_to=args.round_to, gram_tokens=args.gram_tokens)
+                                                 round_to=args.round_to, gram_tokens=gt)
                 else:
                     cfg = CorpConfig.from_target(args.target, None, budget={"kind": "flops", "value": budget},
                                                  sequential=method == "sequential", round_to=args.round_to,
-                                                 gram_tokens=args.gram_tokens)
+                                                 gram_tokens=gt)
                 calib = spec.calibration_source(args.calib_size or spec.default_calib_size, seed=seed)
                 t0 = time.perf_counter()
                 res = edgeprune.prune(dense, calib, cfg, spec=spec)
@@ -225,7 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--calib-size", type=int, default=None, help="calibration images [the model's default]")
     p.add_argument("--eval-size", type=int, default=None, help="held-out images [all]")
     p.add_argument("--gram-tokens", type=int, default=0,
-                   help="MLP statistics from this many random tokens per image (CorpConfig.gram_tokens) [0: all]")
+                   help="MLP statistics from this many random tokens per image (CorpConfig.gram_tokens; -1 = "
+                        "the library default, auto) [0: all tokens, as every table in docs/accuracy.md]")
     p.add_argument("--check-images", type=int, default=None,
                    help="calibration images on which budgeted candidates and per-unit sensitivities are "
                         "measured (CorpConfig.allocation_check_images) [32]")

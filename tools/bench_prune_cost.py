@@ -127,7 +127,7 @@ def one_prune(model, spec, images, args, device: torch.device) -> dict:
                     spec=spec, batch_size=args.batch_size, device=str(device), gram_tokens=args.gram_tokens_now)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
     stats_s = res.record["timing"]["calibration_s"]
-    row = {"prune_s": total, "prune_cpu_s": cpu, "statistics_s": stats_s, "ranking_s": pt.t["ranking"], "solve_s": pt.t["solve"],
+    row = {"gram_tokens_used": res.record["settings"].get("gram_tokens_used", 0), "prune_s": total, "prune_cpu_s": cpu, "statistics_s": stats_s, "ranking_s": pt.t["ranking"], "solve_s": pt.t["solve"],
            "surgery_s": pt.t["apply"] - pt.t["solve"],
            "other_s": total - stats_s - pt.t["ranking"] - pt.t["apply"],
            "peak_rss_mb": peak_rss_mb(), "qk_solvers": dict(pt.solvers)}
@@ -153,7 +153,7 @@ def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -
     ratios = [p["prune_s"] / d for p, d in zip(prunes, dense)]
     cpu_ratios = [p["prune_cpu_s"] / d for p, d in zip(prunes, dense_cpu)]
     return {"model": model_key, "images": n, "threads": threads, "device": str(device),
-            "gram_tokens": args.gram_tokens_now,
+            "gram_tokens": args.gram_tokens_now, "gram_tokens_used": prunes[-1]["gram_tokens_used"],
             "dense_s": statistics.median(dense), **med, "ratio": statistics.median(ratios),
             "cpu_ratio": statistics.median(cpu_ratios), "dense_cpu_s": statistics.median(dense_cpu),
             "ratios": ratios, "dense_runs": dense, "prune_runs": [p["prune_s"] for p in prunes],
@@ -163,7 +163,9 @@ def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -
 def fmt(r: dict) -> str:
     gpu = f"{r['peak_gpu_mb']:.0f}" if "peak_gpu_mb" in r else "-"
     solvers = " ".join(f"{k}:{v}" for k, v in sorted(r["qk_solvers"].items()))
-    return (f"| {r['model']} | {r['images']} | {r['gram_tokens'] or 'all'} | {r['device']} | {r['threads']} | "
+    used = r.get("gram_tokens_used") or "all"
+    tokens = f"auto ({used})" if r["gram_tokens"] is None else (r["gram_tokens"] or "all")
+    return (f"| {r['model']} | {r['images']} | {tokens} | {r['device']} | {r['threads']} | "
             f"{r['dense_s']:.1f} | "
             f"{r['prune_s']:.1f} | {r['statistics_s']:.1f} | {r['ranking_s']:.2f} | {r['solve_s']:.2f} | "
             f"{r['surgery_s']:.2f} | {r['other_s']:.2f} | **{r['ratio']:.2f}** | {r['cpu_ratio']:.2f} | {r['peak_rss_mb']:.0f} | {gpu} | "
@@ -184,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--qk-solver", default="auto", choices=["auto", "direct", "cg"])
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--gram-tokens", default="0",
-                    help="comma list of MLP tokens per image for the statistics (CorpConfig.gram_tokens; 0 = all)")
+    ap.add_argument("--gram-tokens", default="auto",
+                    help="comma list of MLP tokens per image for the statistics (CorpConfig.gram_tokens; 0 = all, "
+                         "auto = the default rule) [auto]")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         for model_key in args.models.split(","):
             for n in (int(s) for s in args.sizes.split(",")):
                 for t in thread_list:
-                    for k in (int(v) for v in args.gram_tokens.split(",")):
+                    for k in (None if v == "auto" else int(v) for v in args.gram_tokens.split(",")):
                         args.gram_tokens_now = k
                         r = run_case(model_key, n, t, device, args)
                         rows.append(r)
