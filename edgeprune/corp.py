@@ -79,9 +79,9 @@ class CorpConfig:
             deit_small); k tokens cost k/n of it. An estimator, not the exact all-token
             statistics (a random subset per image, seeded by the image's index:
             ``edgeprune.calibration.mlp_stats.token_positions``). ``None`` (default) = auto:
-            ``mlp_stats.auto_gram_tokens`` (64 tokens per image and >= 8 samples per hidden
-            channel; all tokens for models with <= 64 tokens, for an unknown calibration size
-            and with ``sequential``). docs/prune_cost.md measures speed and accuracy. An
+            ``mlp_stats.auto_gram_tokens`` (>= 64 tokens per image and >= 32 samples per hidden
+            channel, else all tokens: large calibration sets only; all tokens for an unknown
+            calibration size and with ``sequential``). docs/prune_cost.md measures speed and accuracy. An
             explicit K > 0 is refused with ``sequential``.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).

@@ -119,12 +119,13 @@ def test_bad_gram_tokens_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.parametrize("n_img,hidden,tokens,expected", [
-    (256, 1536, 197, 64),     # deit_small / DINOv2-S at 256 images: 64 tokens per image
-    (256, 1536, 257, 64),
-    (1024, 3072, 197, 64),    # deit_base at 1024 images
-    (256, 3072, 197, 96),     # deit_base at 256: >= 8 samples per hidden channel -> 96
-    (64, 1536, 197, 192),
-    (32, 1536, 197, 0),       # K would reach n: all tokens
+    (256, 1536, 197, 0),      # deit_small / DINOv2-S at 256 images: 192 > half the tokens -> all
+    (256, 1536, 257, 0),
+    (512, 1536, 197, 96),     # 32 samples per hidden channel
+    (512, 1536, 257, 96),
+    (1024, 1536, 257, 64),    # floor of 64 tokens per image
+    (1024, 3072, 197, 96),    # deit_base at 1024 images
+    (4096, 3072, 197, 64),
     (512, 512, 49, 0),        # fmnist-vit (49 tokens): always all tokens
     (None, 1536, 197, 0),     # unknown calibration size: all tokens
 ])
@@ -134,14 +135,14 @@ def test_auto_tokens_rule(n_img, hidden, tokens, expected):
     k = auto_gram_tokens(n_img, hidden, tokens)
     assert k == expected
     if k:
-        assert k >= 64 and k * n_img >= 8 * hidden and k < tokens
+        assert k >= 64 and k * n_img >= 32 * hidden and k <= 0.5 * tokens
 
 
 def test_default_is_auto_and_resolves_per_model_and_setting():
     """gram_tokens=None: the auto rule for one-shot CORP, all tokens with --sequential; explicit
-    values are used as given; a random-init deit_tiny (197 tokens, MLP 768) pruned with 64 images
+    values are used as given; a random-init deit_tiny (197 tokens, MLP 768) pruned with 256 images
     by default uses 96 tokens and is the same model, bit for bit, as an explicit --gram-tokens 96,
-    and the record says so."""
+    and the record says so; with 64 images it uses all tokens."""
     import timm
 
     import edgeprune
@@ -152,11 +153,12 @@ def test_default_is_auto_and_resolves_per_model_and_setting():
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
     an = find_anatomy(model)
     assert CorpConfig().gram_tokens is None
-    assert gram_tokens_used(CorpConfig.from_target("both", 0.5), an, 64) == 96
-    assert gram_tokens_used(CorpConfig.from_target("both", 0.5, sequential=True), an, 64) == 0
-    assert gram_tokens_used(CorpConfig.from_target("both", 0.5, gram_tokens=0), an, 64) == 0
+    assert gram_tokens_used(CorpConfig.from_target("both", 0.5), an, 256) == 96
+    assert gram_tokens_used(CorpConfig.from_target("both", 0.5), an, 64) == 0
+    assert gram_tokens_used(CorpConfig.from_target("both", 0.5, sequential=True), an, 256) == 0
+    assert gram_tokens_used(CorpConfig.from_target("both", 0.5, gram_tokens=0), an, 256) == 0
     assert gram_tokens_used(CorpConfig.from_target("both", 0.5, gram_tokens=40), an, 64) == 40
-    x = torch.randn(64, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(256, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     auto = edgeprune.prune(model, x, target="mlp", sparsity=0.5, progress=False)
     explicit = edgeprune.prune(model, x, target="mlp", sparsity=0.5, progress=False, gram_tokens=96)
     exact = edgeprune.prune(model, x, target="mlp", sparsity=0.5, progress=False, gram_tokens=0)

@@ -59,19 +59,25 @@ TOKEN_SEED = 0x5EED0000
 
 #: ``gram_tokens=None`` (auto): at least this many tokens per image ...
 AUTO_MIN_TOKENS = 64
-#: ... and at least this many sampled tokens per MLP hidden channel over the calibration set
-AUTO_SAMPLES_PER_CHANNEL = 8
+#: ... and at least this many sampled tokens per MLP hidden channel over the calibration set ...
+AUTO_SAMPLES_PER_CHANNEL = 32
+#: ... and all tokens unless the sample is at most this fraction of them (a small saving is not
+#: worth an estimator)
+AUTO_MAX_FRACTION = 0.5
 
 
 def auto_gram_tokens(num_images: int | None, mlp_hidden: int, num_tokens: int) -> int:
     """Tokens per image of the default (``gram_tokens=None``) MLP statistics; 0 = all tokens.
 
-    ``K = max(64, ceil(8 D / N))`` for N calibration images and D MLP hidden channels: at least
-    64 tokens per image and at least 8 sampled tokens per hidden channel in all (so that the
-    D x D covariance of the ridge fit is estimated from >= 8 D samples); all tokens when K >= n
-    (every model with <= 64 tokens, e.g. fmnist-vit's 49) or when N is unknown. deit_small /
-    DINOv2-S (D = 1536) with 256 images: 64 of 197 / 257 tokens; with 64 images: 192 of 197.
-    Measured cost and accuracy: docs/prune_cost.md.
+    ``K = max(64, ceil(32 D / N))`` for N calibration images and D MLP hidden channels: at least
+    64 tokens per image and at least 32 sampled tokens per hidden channel in all; all tokens when
+    ``K > n / 2`` (the sample would not halve the covariance's cost), when N is unknown, and so
+    for every model with < 128 tokens (fmnist-vit's 49).
+    Why 32 per channel: on DINOv2-S (D = 1536) 256 images x 64 tokens (10.7 per channel) cost
+    1.0-1.6 top-1 points per seed against all tokens (uniform CORP at FLOPs x0.5), while 1024
+    images x 64 tokens (43 per channel) beat 256 images with all tokens (docs/prune_cost.md). So
+    the default samples only where the calibration set is large: deit_small / DINOv2-S at 256
+    images use all tokens, at 512 images 96, from 768 images 64.
 
     Args:
         num_images: N (None = unknown); mlp_hidden: D (the largest block's); num_tokens: n.
@@ -79,7 +85,7 @@ def auto_gram_tokens(num_images: int | None, mlp_hidden: int, num_tokens: int) -
     if num_images is None or num_images < 1:
         return 0
     k = max(AUTO_MIN_TOKENS, math.ceil(AUTO_SAMPLES_PER_CHANNEL * mlp_hidden / num_images))
-    return 0 if k >= num_tokens else k
+    return 0 if k > AUTO_MAX_FRACTION * num_tokens else k
 
 
 def token_positions(num_tokens: int, tokens: int, image_index: int) -> torch.Tensor | None:

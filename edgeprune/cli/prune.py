@@ -49,7 +49,8 @@ def _layouts() -> tuple[str, ...]:
 @click.option("--gram-tokens", type=int, default=None, metavar="K",
               help="MLP statistics from K random tokens per image (the MLP covariance is the largest cost "
                    "of the calibration pass; an estimator, docs/prune_cost.md); 0 = all tokens (exact) "
-                   "[auto: max(64, 8 x MLP hidden / images) when fewer than all; all with --sequential].")
+                   "[auto: max(64, 32 x MLP hidden / images) when at most half of the tokens, else all; all "
+                   "with --sequential].")
 @click.option("--flops", default=None, metavar="F",
               help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
                    "kept dims are allocated per block and module.")
