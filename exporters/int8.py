@@ -15,6 +15,19 @@ residual adds stay float between Q/DQ pairs. Activation ranges are computed once
 calibration cache (``calibration_cache_path``), so later passes (sensitivity, the final model)
 reuse them instead of recalibrating.
 
+Dynamic quantization (``--mode dynamic``)
+-----------------------------------------
+:func:`quantize_dynamic_int8`: ``onnxruntime.quantization.quantize_dynamic``. Weights of the
+``MatMul`` nodes are stored symmetric int8 (per output channel by default); each quantized
+MatMul's input is quantized at run time by ``DynamicQuantizeLinear`` (asymmetric uint8, one range
+per tensor, i.e. per batch), then ``MatMulInteger``; ONNX Runtime's CPU provider fuses the chain
+into ``DynamicQuantizeMatMul``. No calibration set and no range mismatch between calibration and
+deployment images -- but an image's result depends slightly on the other images in its batch, and
+TensorRT cannot build it (no Q/DQ nodes: ``exporters.tensorrt_settings.onnx_precision`` refuses it
+for builds). ``MatMul`` and ``Gemm`` nodes are quantized (ONNX Runtime rewrites each ``Gemm`` as
+``<name>_MatMul`` + ``<name>_Add`` first; exclusions by the ``Gemm``'s name follow it); ``Conv``
+(``ConvInteger``, the patch embedding) stays float.
+
 Sensitivity (``--auto-exclude N``)
 ----------------------------------
 :func:`rank_sensitivity` quantizes *one candidate node at a time* (``nodes_to_quantize=[node]``,
@@ -34,7 +47,7 @@ import fnmatch
 import io
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -112,6 +125,21 @@ def chunk_batches(num_batches: int, batch_size: int, chunk_images: int) -> int:
         if num_batches > 0 else 1
 
 
+@contextlib.contextmanager
+def ort_errors() -> Iterator[None]:
+    """Turn an ONNX Runtime quantizer failure into one :class:`RuntimeFault` line (user errors and
+    Ctrl-C pass through)."""
+    from edgeprune.errors import RuntimeFault
+
+    try:
+        yield
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001 - report ORT failures in one line
+        msg = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise RuntimeFault(f"ONNX Runtime quantization failed: {msg}") from None
+
+
 def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader: Any = None,
                         cache: Path, nodes_to_exclude: Sequence[str] = (),
                         nodes_to_quantize: Sequence[str] | None = None) -> Path:
@@ -128,8 +156,6 @@ def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader:
     """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    from edgeprune.errors import RuntimeFault
-
     extra: dict[str, Any] = {
         "WeightSymmetric": True,
         "ActivationSymmetric": bool(config.activation_symmetric),
@@ -142,7 +168,7 @@ def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader:
         stride = chunk_batches(len(reader), getattr(reader, "batch_size", 1), config.calib_chunk_images)
         if stride < len(reader):
             extra["CalibStridedMinMax"] = stride
-    try:
+    with ort_errors():
         # the histogram calibrators print progress with print(); keep the command's output clean
         with contextlib.redirect_stdout(io.StringIO()):
             quantize_static(
@@ -155,12 +181,67 @@ def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader:
                 calibrate_method=getattr(CalibrationMethod, _METHODS[config.calib_method]),
                 calibration_cache_path=str(cache), extra_options=extra,
             )
-    except (UserError, KeyboardInterrupt):
-        raise
-    except Exception as err:  # noqa: BLE001 - report ORT failures in one line
-        msg = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise RuntimeFault(f"ONNX Runtime quantization failed: {msg}") from None
     return dst
+
+
+#: op types ``quantize_dynamic`` quantizes here (see the module docstring).
+DYNAMIC_OP_TYPES = ("MatMul", "Gemm")
+
+
+def quantize_dynamic_int8(src: Path, dst: Path, config: QuantizeConfig, *, reader: Any = None,
+                          cache: Path | None = None, nodes_to_exclude: Sequence[str] = (),
+                          nodes_to_quantize: Sequence[str] | None = None) -> Path:
+    """Run ``quantize_dynamic`` (MatMul weights int8, activations quantized at run time).
+
+    Same signature as :func:`quantize_static_qdq` (``reader`` and ``cache`` are unused: dynamic
+    quantization needs no calibration), so :func:`quantize_int8` can pick either by mode.
+
+    Raises:
+        RuntimeFault: ONNX Runtime fails on a valid model.
+    """
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    gemms = {n.name for n in onnx.load(str(src), load_external_data=False).graph.node
+             if n.op_type == "Gemm" and n.name}
+
+    def follow(names: Sequence[str]) -> list[str]:  # a Gemm is quantized as "<name>_MatMul"
+        return [m for n in names for m in ((n, f"{n}_MatMul") if n in gemms else (n,))]
+
+    ops = ["MatMul"] if any(op in config.op_types for op in DYNAMIC_OP_TYPES) else []
+    if "Gemm" not in config.op_types:
+        nodes_to_exclude = [*nodes_to_exclude, *sorted(gemms)]
+    if "MatMul" not in config.op_types:  # Gemms only
+        nodes_to_quantize = sorted(gemms) if nodes_to_quantize is None else \
+            [n for n in nodes_to_quantize if n in gemms]
+    with ort_errors():
+        quantize_dynamic(
+            str(src), str(dst), per_channel=bool(config.per_channel), reduce_range=False,
+            weight_type=QuantType.QInt8, op_types_to_quantize=ops,
+            nodes_to_quantize=follow(nodes_to_quantize) if nodes_to_quantize is not None else None,
+            nodes_to_exclude=follow(nodes_to_exclude),
+            # attention's activation x activation MatMuls are excluded by name unless asked for
+            extra_options={"MatMulConstBOnly": not config.quantize_attention},
+        )
+    return dst
+
+
+#: int8 quantizers by ``QuantizeConfig.mode``; each takes ``(src, dst, config, *, reader, cache,
+#: nodes_to_exclude, nodes_to_quantize)``.
+QUANTIZERS = {"static": quantize_static_qdq, "dynamic": quantize_dynamic_int8}
+
+
+def quantize_int8(src: Path, dst: Path, config: QuantizeConfig, **kwargs: Any) -> Path:
+    """Quantize with the quantizer of ``config.mode`` (:data:`QUANTIZERS`)."""
+    return QUANTIZERS[config.mode](src, dst, config, **kwargs)
+
+
+def quantizable_op_types(config: QuantizeConfig) -> tuple[str, ...]:
+    """The op types the chosen mode quantizes: ``config.op_types`` (static), their ``MatMul`` /
+    ``Gemm`` part (dynamic, :data:`DYNAMIC_OP_TYPES`)."""
+    if config.mode == "dynamic":
+        return tuple(op for op in config.op_types if op in DYNAMIC_OP_TYPES)
+    return tuple(config.op_types)
 
 
 def run_model(path: Path, x: np.ndarray, batch_size: int = 64, threads: int | None = None) -> np.ndarray:
@@ -203,7 +284,7 @@ def rank_sensitivity(src: Path, candidates: Sequence[str], images: np.ndarray, f
     rows: list[dict[str, Any]] = []
     variant = workdir / "sensitivity.onnx"
     for name in candidates:
-        quantize_static_qdq(src, variant, config, cache=cache, nodes_to_quantize=[name])
+        quantize_int8(src, variant, config, cache=cache, nodes_to_quantize=[name])
         out = run_model(variant, images, config.batch_size, config.threads)
         cost = node_cost(out, float_out)
         rows.append({"node": name, "agreement": cost["agreement"], "rel_err": cost["rel_err"]})

@@ -5,6 +5,8 @@ Pipeline of :func:`quantize_onnx` (all checks come before any expensive step)::
     exported fp32 ONNX (or a run directory, exported first into a temporary file)
       -> int8: quant_pre_process -> quantize_static (QDQ, per-channel symmetric weights,
                calibration on the run's own calibration set)  [exporters/int8.py]
+               or, --mode dynamic, quantize_dynamic (MatMul weights int8, activation ranges at
+               run time; ONNX Runtime CPU only, no calibration set)
          fp16: convert_float_to_float16 (fp32 I/O, LayerNorm/Softmax/... kept fp32) [exporters/fp16.py]
       -> top-1 and top-1 agreement with the float model on held-out images [exporters/verify.py]
       -> gate (--max-drop) -> metadata -> atomic move into place
@@ -110,7 +112,8 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
             model, preprocessing and calibration set), or a run directory (exported first).
         output: the ``.onnx`` file to write.
         config: settings (validated here); default int8, MinMax, per-channel.
-        calibration: (N, C, H, W) float32 preprocessed calibration images; default: the run's own
+        calibration: (N, C, H, W) float32 preprocessed calibration images (static int8, smoothing,
+            the sensitivity pass; dynamic int8 alone reads none); default: the run's own
             calibration set (``exporters.calibration_reader.calibration_for``).
         eval_source: held-out images (a data source or an ``(images, labels|None)`` pair);
             default: the model's evaluation split (Fashion-MNIST test for fmnist-vit). Without
@@ -150,7 +153,11 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
 
     # --- data (cheap, and every user mistake surfaces here) ----------------------------------
     calib_info: dict[str, Any] | None = None
-    if cfg.precision == "int8":
+    # dynamic int8 computes activation ranges at run time: calibration images only for smoothing
+    # and the sensitivity pass
+    needs_calib = cfg.precision == "int8" and (cfg.mode == "static" or cfg.smooth_alpha is not None
+                                               or cfg.auto_exclude > 0)
+    if needs_calib:
         if calibration is not None:
             calib = np.ascontiguousarray(np.asarray(calibration, dtype=np.float32))
             if calib.ndim != 4 or not len(calib):
@@ -196,22 +203,27 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
                 to_quantize = tmp / "smooth.onnx"
                 say(f"smoothing (alpha {cfg.smooth_alpha:g}): {len(smoothing)} LayerNorm -> MatMul sites")
             pre = int8.preprocess(to_quantize, tmp / "pre.onnx") if cfg.preprocess else to_quantize
-            names = int8.quantizable_nodes(pre, cfg.op_types)
+            op_types = int8.quantizable_op_types(cfg)
+            names = int8.quantizable_nodes(pre, op_types)
             if not names:
-                raise UserError(f"{src} has no {'/'.join(cfg.op_types)} nodes to quantize")
+                raise UserError(f"{src} has no {'/'.join(op_types) or '/'.join(cfg.op_types)} nodes to "
+                                f"quantize{' in --mode dynamic (MatMul only)' if cfg.mode == 'dynamic' else ''}")
             excluded = int8.match_patterns(cfg.exclude, names)
             if not cfg.quantize_attention:
                 attention = int8.activation_matmuls(pre, names)
                 excluded = [n for n in names if n in excluded or n in attention]
-            in_name = _input_name(pre)
-            fixed = _fixed_batch(pre)
-            reader = ArrayCalibrationReader(calib, in_name, fixed or cfg.batch_size, fixed_batch=bool(fixed))
             cache = tmp / "calibration.json"
-            say(f"int8: calibrating ({cfg.calib_method}) and quantizing {len(names) - len(excluded)} "
-                f"of {len(names)} {'/'.join(cfg.op_types)} nodes"
+            reader = None
+            if cfg.mode == "static":
+                in_name = _input_name(pre)
+                fixed = _fixed_batch(pre)
+                reader = ArrayCalibrationReader(calib, in_name, fixed or cfg.batch_size, fixed_batch=bool(fixed))
+            doing = (f"calibrating ({cfg.calib_method}) and quantizing" if cfg.mode == "static"
+                     else "quantizing (dynamic: activation ranges at run time)")
+            say(f"int8: {doing} {len(names) - len(excluded)} of {len(names)} {'/'.join(op_types)} nodes"
                 + (f" ({len(attention)} attention products kept float; --quantize-attention to include them)"
                    if attention else ""))
-            int8.quantize_static_qdq(pre, quant_path, cfg, reader=reader, cache=cache, nodes_to_exclude=excluded)
+            int8.quantize_int8(pre, quant_path, cfg, reader=reader, cache=cache, nodes_to_exclude=excluded)
             if cfg.auto_exclude:
                 cand = [n for n in names if n not in excluded]
                 imgs = calib[:cfg.sensitivity_images]
@@ -221,8 +233,9 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
                 auto = [r["node"] for r in sensitivity[:cfg.auto_exclude]]
                 excluded = [n for n in names if n in excluded or n in auto]
                 say("keeping in float: " + ", ".join(auto))
-                int8.quantize_static_qdq(pre, quant_path, cfg, cache=cache, nodes_to_exclude=excluded)
-            tool = f"onnxruntime {onnxruntime.__version__} quantize_static (QDQ)"
+                int8.quantize_int8(pre, quant_path, cfg, cache=cache, nodes_to_exclude=excluded)
+            tool = (f"onnxruntime {onnxruntime.__version__} quantize_static (QDQ)" if cfg.mode == "static"
+                    else f"onnxruntime {onnxruntime.__version__} quantize_dynamic (DynamicQuantizeLinear + MatMulInteger)")
         else:
             names = [n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node if n.name]
             excluded = int8.match_patterns(cfg.exclude, names)

@@ -30,6 +30,8 @@ Shape = tuple[int | str, ...]
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 QOPERATOR_OPS = frozenset({"QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul",
                            "MatMulInteger", "ConvInteger", "DynamicQuantizeLinear"})
+#: ops of ONNX Runtime *dynamic* quantization (``edgeprune quantize --mode dynamic``)
+DYNAMIC_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "MatMulIntegerToFloat"})
 BUILD_PRECISIONS = ("fp16", "fp32", "int8")
 
 
@@ -68,16 +70,23 @@ def onnx_input(onnx_path: str | os.PathLike[str]) -> tuple[str, Shape]:
     return inp.name, tuple(dims)
 
 
-def onnx_precision(onnx_path: str | os.PathLike[str]) -> str:
+def onnx_precision(onnx_path: str | os.PathLike[str], *, for_tensorrt: bool = True) -> str:
     """The numeric format of an ONNX model, from its nodes and initializers.
 
+    Args:
+        onnx_path: the model.
+        for_tensorrt: the caller builds a TensorRT engine from it; ``False`` for ONNX Runtime,
+            which also runs dynamically quantized models (``edgeprune quantize --mode dynamic``).
+
     Returns:
-        ``"int8"`` when it has QuantizeLinear/DequantizeLinear nodes (explicit quantization),
-        ``"fp16"`` when its initializers are float16, else ``"fp32"``.
+        ``"int8"`` when it has QuantizeLinear/DequantizeLinear nodes (explicit quantization), or,
+        with ``for_tensorrt=False``, dynamic-quantization nodes; ``"fp16"`` when its initializers
+        are float16, else ``"fp32"``.
 
     Raises:
-        UserError: missing or unreadable file; a QOperator-format model (QLinearMatMul, ...),
-            which TensorRT cannot build (re-quantize in QDQ format).
+        UserError: missing or unreadable file; for TensorRT, a dynamically quantized model or a
+            QOperator-format model (QLinearMatMul, ...), which it cannot build (re-quantize
+            statically in QDQ format).
     """
     from onnx import TensorProto
 
@@ -85,6 +94,12 @@ def onnx_precision(onnx_path: str | os.PathLike[str]) -> str:
     ops = {n.op_type for n in model.graph.node}
     if ops & QDQ_OPS:
         return "int8"
+    if ops & DYNAMIC_OPS:
+        if not for_tensorrt:
+            return "int8"
+        raise UserError(f"{Path(onnx_path).name} is dynamically quantized (DynamicQuantizeLinear: ONNX Runtime "
+                        "CPU only); for TensorRT quantize the fp32 export with --mode static "
+                        "(edgeprune quantize MODEL.onnx --precision int8 --mode static)")
     qop = sorted(ops & QOPERATOR_OPS)
     if qop:
         raise UserError(f"{Path(onnx_path).name} is quantized in QOperator format ({', '.join(qop)}); "

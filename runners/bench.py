@@ -287,18 +287,18 @@ def check_available(cfg: BenchConfig, profile: Any, targets: tuple[str, ...]) ->
                             f"(use {', '.join(ONNX_PRECISIONS)})")
 
 
-def _model_precision(target: str, kind: str) -> str | None:
+def _model_precision(target: str, kind: str, backend: str) -> str | None:
     if kind != "onnx" or not Path(target).is_file():
         return None
     from exporters.tensorrt_settings import onnx_precision
 
-    return onnx_precision(target)
+    return onnx_precision(target, for_tensorrt=backend == "tensorrt")
 
 
 def _open_runner(target: str, cfg: BenchConfig, profile: Any, workdir: Path) -> tuple[Any, dict[str, Any]]:
     kind = target_kind(target)
     be = backend_for(kind, cfg, profile)
-    model_precision = _model_precision(target, kind)
+    model_precision = _model_precision(target, kind, be)
     info: dict[str, Any] = {"target": target, "kind": kind, "backend": be, "model_precision": model_precision,
                             "cuda_graphs": cfg.cuda_graphs and be != "onnxruntime"}
     if model_precision is not None and be != "tensorrt":

@@ -71,6 +71,7 @@ def test_worked_example_runs(tmp_path):
         assert "Traceback" not in res.stderr, line
     assert (tmp_path / "runs" / "fm50" / "run.json").is_file()
     assert (tmp_path / "runs" / "fm50-int8.onnx").is_file()
+    assert (tmp_path / "runs" / "fm50-int8-cpu.onnx").is_file()
 
 
 def _have_tensorrt() -> bool:

@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """fp32 / fp16 / int8 x dense / pruned: top-1, agreement, file size, ONNX Runtime CPU latency.
 
-For ``fmnist-vit`` (the shipped trained model): prune it with CORP (``edgeprune.prune``, target
-``both``, sparsity 0.5, calibration = 512 Fashion-MNIST train images, seed 0), export dense and
-pruned to fp32 ONNX, and quantize each with ``exporters.quantize.quantize_onnx`` to fp16 and int8
-(int8: QDQ, per-channel symmetric weights, MinMax, symmetric activations, calibrated on the run's
-own calibration set; and int8-u8 with asymmetric uint8 activations). Then, for the eight files:
+For a labeled zoo model (``fmnist-vit``, ``dinov2-s14-fmnist``): prune it with CORP
+(``edgeprune.prune``; ``--prune both@0.5`` = target both at sparsity 0.5, the default, or
+``flops@0.5`` = the budgeted ``--flops 0.5``; calibration = the model's default number of train
+images, seed 0), export dense and pruned to fp32 ONNX, and quantize each with
+``exporters.quantize.quantize_onnx`` to fp16 and int8 (int8: static QDQ, per-channel symmetric
+weights, MinMax, symmetric activations, calibrated on the run's own calibration set; int8-u8 the
+same with asymmetric uint8 activations; int8-dyn = ``--mode dynamic``, activation ranges at run
+time). Then, for every file:
 
 * top-1 on the Fashion-MNIST test split (``--eval-size`` images, default all 10,000) and top-1
   agreement with the fp32 dense model, ONNX Runtime CPU;
@@ -14,14 +17,15 @@ own calibration set; and int8-u8 with asymmetric uint8 activations). Then, for t
   interleaved (every iteration times each model once, in rotating order) so that load from other
   jobs hits all of them alike; p50 over ``--iterations`` after ``--warmup``.
 
-The table and the targets of issue 16 (int8 pruned loses <= 0.5 points vs fp32 pruned; int8 file
-<= 0.3x fp32; int8 pruned batch-8 latency <= 0.35x dense fp32) are written between markers into
+The table and the targets of issue 16 for each int8 variant (int8 pruned loses <= 0.5 points vs
+fp32 pruned; int8 file <= 0.3x fp32; int8 pruned batch-8 latency <= 0.35x dense fp32) are written between markers into
 ``docs/quantization.md`` (``--doc``), with the command and the machine.
 
 Example::
 
     python tools/quant_table.py                       # ~3-4 minutes on a 2-core box
     python tools/quant_table.py --eval-size 2000 --iterations 30 --no-doc
+    python tools/quant_table.py --model dinov2-s14-fmnist --prune flops@0.5 --eval-size 1000 --threads 2 --iterations 20 --warmup 3
 """
 
 from __future__ import annotations
@@ -41,9 +45,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without reinstalling
     sys.path.insert(0, str(REPO))
 
-#: int8 = symmetric int8 activations (TensorRT-ready, the default); int8-u8 = asymmetric uint8
-#: activations (``--asymmetric-activations``, ONNX Runtime's x86 U8S8 kernels).
-VARIANTS = ("fp16", "int8", "int8-u8")
+#: int8 = static, symmetric int8 activations (TensorRT-ready, the default); int8-u8 = static,
+#: asymmetric uint8 activations (``--asymmetric-activations``, ONNX Runtime's x86 U8S8 kernels);
+#: int8-dyn = dynamic quantization (``--mode dynamic``: activation ranges at run time, ONNX Runtime
+#: CPU only).
+VARIANTS = ("fp16", "int8", "int8-u8", "int8-dyn")
+#: QuantizeConfig settings of each variant
+VARIANT_CONFIG = {"fp16": {"precision": "fp16"}, "int8": {"precision": "int8"},
+                  "int8-u8": {"precision": "int8", "activation_symmetric": False},
+                  "int8-dyn": {"precision": "int8", "mode": "dynamic"}}
 START, END = "<!-- quant_table:start -->", "<!-- quant_table:end -->"
 
 
@@ -57,9 +67,20 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def parse_prune(text: str) -> dict:
+    """``both@0.5`` (uniform CORP, target both) or ``flops@0.5`` (budgeted: ``--flops 0.5``)."""
+    kind, _, value = text.partition("@")
+    if kind not in ("both", "flops") or not value:
+        raise argparse.ArgumentTypeError(f"--prune takes both@S or flops@F, got {text!r}")
+    v = float(value)
+    return {"target": "both", "sparsity": v} if kind == "both" else {"flops": v}
+
+
 def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmnist-vit",
-                 gate_size: int = 500) -> dict[tuple[str, str], Path]:
-    """Export dense + pruned ``model`` (both@0.5) and their fp16 / int8 copies into ``work``."""
+                 gate_size: int = 500, prune: str = "both@0.5",
+                 variants: tuple[str, ...] = VARIANTS, threads: int = 1) -> dict[tuple[str, str], Path]:
+    """Export dense + pruned ``model`` (``prune``: both@S or flops@F) and their fp16 / int8 copies
+    into ``work``."""
     import torch
 
     import edgeprune
@@ -67,14 +88,14 @@ def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmni
     from exporters.onnx import build_metadata, export_onnx
     from exporters.quantize import QuantizeConfig, quantize_onnx
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     spec = get_model_spec(model)
     dense = spec.create()
     calib = spec.calibration_source(calib_size, seed=seed)
     t0 = time.perf_counter()
-    res = edgeprune.prune(dense, calib, target="both", sparsity=0.5, spec=spec,
+    res = edgeprune.prune(dense, calib, **parse_prune(prune), spec=spec,
                           calibration_info={"seed": seed, "size_requested": calib_size})
-    log(f"pruned both@0.5 in {time.perf_counter() - t0:.1f} s: FLOPs x{res.record['flops'] / res.record['dense_flops']:.3f}")
+    log(f"pruned {prune} in {time.perf_counter() - t0:.1f} s: FLOPs x{res.record['flops'] / res.record['dense_flops']:.3f}")
     md_dense = build_metadata(spec=spec, model=dense, model_name=spec.name)
     md_dense["base_model"] = spec.to_record()
     md_dense["calibration"] = {"num_images": calib_size, "seed": seed}
@@ -84,9 +105,8 @@ def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmni
                                         build_metadata(record=res.record, spec=spec, model=res.model)),
     }
     for variant in ("dense", "pruned"):
-        for precision in VARIANTS:
-            cfg = QuantizeConfig(precision=precision[:4], activation_symmetric=precision != "int8-u8",
-                                 eval_size=gate_size, threads=1)
+        for precision in variants:
+            cfg = QuantizeConfig(**VARIANT_CONFIG[precision], eval_size=gate_size, threads=1)
             r = quantize_onnx(files[(variant, "fp32")], work / f"{variant}-{precision}.onnx", cfg)
             files[(variant, precision)] = r.path
             log(f"{variant} {precision}: agreement with its fp32 model {r.report['agreement'] * 100:.2f}% "
@@ -94,10 +114,10 @@ def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmni
     return files
 
 
-def accuracy(files: dict, x: np.ndarray, y: np.ndarray) -> dict:
+def accuracy(files: dict, x: np.ndarray, y: np.ndarray, threads: int = 1) -> dict:
     from exporters.int8 import run_model
 
-    outs = {k: run_model(p, x, batch_size=250, threads=1).argmax(1) for k, p in files.items()}
+    outs = {k: run_model(p, x, batch_size=250, threads=threads).argmax(1) for k, p in files.items()}
     ref = outs[("dense", "fp32")]
     return {k: {"top1": float(np.mean(o == y)), "agree": float(np.mean(o == ref))} for k, o in outs.items()}
 
@@ -147,27 +167,21 @@ def render(files, acc, lat, batch_sizes, args, machine: str, seconds: float) -> 
             p50 = lat[((variant, precision), b)]
             cells += [f"{p50:.3f}", f"{p50 / dense_fp32[b]:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    drop = (acc[("pruned", "fp32")]["top1"] - acc[("pruned", "int8")]["top1"]) * 100
-    size_ratio = files[("pruned", "int8")].stat().st_size / fp32_size["pruned"]
-    size_ratio_d = files[("dense", "int8")].stat().st_size / fp32_size["dense"]
     b8 = max(batch_sizes)
-    lat_ratio = lat[(("pruned", "int8"), b8)] / dense_fp32[b8]
-    lat_ratio_u8 = lat[(("pruned", "int8-u8"), b8)] / dense_fp32[b8]
-    drop_u8 = (acc[("pruned", "fp32")]["top1"] - acc[("pruned", "int8-u8")]["top1"]) * 100
+    int8s = [p for p in VARIANTS if p.startswith("int8") and ("pruned", p) in files]
 
     def ok(flag: bool) -> str:
         return "**met**" if flag else "**not met**"
 
-    lines += [
-        "",
-        "Targets (issue 16):",
-        f"- int8 pruned loses <= 0.5 points of top-1 vs fp32 pruned: {drop:+.2f} points -> {ok(drop <= 0.5)} "
-        f"(int8-u8: {drop_u8:+.2f} points)",
-        f"- int8 file size <= 0.3x fp32: dense {size_ratio_d:.2f}x, pruned {size_ratio:.2f}x -> "
-        f"{ok(max(size_ratio, size_ratio_d) <= 0.3)}",
-        f"- ONNX Runtime CPU batch-{b8} latency of int8 pruned <= 0.35x dense fp32: {lat_ratio:.2f}x -> "
-        f"{ok(lat_ratio <= 0.35)} (int8-u8: {lat_ratio_u8:.2f}x)",
-    ]
+    lines += ["", "Targets (issue 16), per int8 variant:"]
+    for prec in int8s:
+        drop = (acc[("pruned", "fp32")]["top1"] - acc[("pruned", prec)]["top1"]) * 100
+        size_p = files[("pruned", prec)].stat().st_size / fp32_size["pruned"]
+        size_d = files[("dense", prec)].stat().st_size / fp32_size["dense"] if ("dense", prec) in files else size_p
+        lat_ratio = lat[(("pruned", prec), b8)] / dense_fp32[b8]
+        lines.append(f"- {prec}: top-1 drop vs fp32 pruned {drop:+.2f} points (<= 0.5: {ok(drop <= 0.5)}); "
+                     f"file size dense {size_d:.2f}x, pruned {size_p:.2f}x fp32 (<= 0.3: {ok(max(size_p, size_d) <= 0.3)}); "
+                     f"batch-{b8} latency {lat_ratio:.2f}x dense fp32 (<= 0.35: {ok(lat_ratio <= 0.35)})")
     return "\n".join(lines)
 
 
@@ -197,6 +211,10 @@ def main(argv=None) -> int:
     p.add_argument("--calib-size", type=int, default=None, help="calibration images [the model's default]")
     p.add_argument("--gate-size", type=int, default=500, help="images of quantize's own agreement check")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prune", default="both@0.5", help="both@S (uniform CORP) or flops@F (budgeted) [both@0.5]")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"quantized variants [{','.join(VARIANTS)}]")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the prune and ONNX Runtime "
+                   "threads of the accuracy pass (latency always runs 1 thread)")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
@@ -219,16 +237,22 @@ def main(argv=None) -> int:
     x, y = np.concatenate([t.numpy() for t in xs]), np.concatenate([t.numpy() for t in ys])
     calib_size = args.calib_size or spec.default_calib_size
     with tempfile.TemporaryDirectory(prefix="quant_table.") as tmp:
+        variants = tuple(v for v in args.variants.split(",") if v)
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            p.error(f"unknown variants {unknown} (choose from {', '.join(VARIANTS)})")
+        parse_prune(args.prune)
         files = build_models(Path(tmp), calib_size, args.seed, lambda m: print(m, flush=True),
-                             model=args.model, gate_size=args.gate_size)
-        acc = accuracy(files, x, y)
+                             model=args.model, gate_size=args.gate_size, prune=args.prune, variants=variants,
+                             threads=args.threads)
+        acc = accuracy(files, x, y, args.threads)
         print("accuracy done", flush=True)
         lat = latency(files, batch_sizes, args.iterations, args.warmup, input_size=tuple(spec.input_size))
-        machine = (f"{_cpu_name()}, {os.cpu_count()} CPU cores shared with other jobs "
+        machine = (f"{_cpu_name()}, {os.cpu_count()} CPU cores "
                    f"(load average {os.getloadavg()[0]:.1f} at the end), ONNX Runtime {onnxruntime.__version__} "
-                   f"CPUExecutionProvider, 1 intra-op thread, Python {platform.python_version()}; top-1 on the "
-                   f"first {len(x)} Fashion-MNIST test images; model {args.model}, calibration "
-                   f"{calib_size} images")
+                   f"CPUExecutionProvider, 1 intra-op thread, Python {platform.python_version()}; top-1 on "
+                   f"{ev.description}; model {args.model}, pruned {args.prune}, "
+                   f"calibration {calib_size} images")
         block = render(files, acc, lat, batch_sizes, argv_used, machine, time.perf_counter() - t0)
     print(block)
     if not args.no_doc:

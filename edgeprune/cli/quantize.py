@@ -1,4 +1,4 @@
-"""``edgeprune quantize``: int8 (ONNX Runtime static, QDQ) or fp16 copies of an exported model.
+"""``edgeprune quantize``: int8 (ONNX Runtime static QDQ, or dynamic for CPUs) or fp16 copies of an exported model.
 
 The command parses options into an :class:`exporters.quant_config.QuantizeConfig`, calls
 :func:`exporters.quantize.quantize_onnx` and prints the measured top-1 / agreement. Errors are
@@ -20,9 +20,13 @@ from edgeprune.errors import UserError
 @click.command("quantize")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--precision", required=True, type=click.Choice(["int8", "fp16"]),
-              help="int8: ONNX Runtime static quantization (QDQ); fp16: float16 with fp32 inputs/outputs.")
+              help="int8: ONNX Runtime quantization (--mode); fp16: float16 with fp32 inputs/outputs.")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), metavar="FILE",
               help="The .onnx file to write.")
+@click.option("--mode", type=click.Choice(["static", "dynamic"]), default="static", show_default=True,
+              help="int8: static = QDQ with activation ranges calibrated offline (TensorRT and ONNX Runtime); "
+                   "dynamic = activation ranges computed at run time (ONNX Runtime CPU only, no calibration "
+                   "set; the more accurate and faster choice for x86 CPUs).")
 @click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
               help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
                    "[the model's own, as for prune].")
@@ -55,7 +59,7 @@ from edgeprune.errors import UserError
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), metavar="FILE",
               help="Also write the report as JSON.")
-def quantize_cmd(model: Path, precision: str, output: Path, calib_dir: str | None, calib_size: int | None,
+def quantize_cmd(model: Path, precision: str, mode: str, output: Path, calib_dir: str | None, calib_size: int | None,
                  seed: int | None, calib_method: str, per_tensor: bool, asymmetric_activations: bool,
                  exclude: tuple[str, ...], quantize_attention: bool, smooth_alpha: float | None,
                  auto_exclude: int, eval_data: str | None, eval_size: int | None,
@@ -72,7 +76,7 @@ def quantize_cmd(model: Path, precision: str, output: Path, calib_dir: str | Non
     from exporters.quantize import QuantizeConfig, quantize_onnx
 
     cfg = QuantizeConfig(
-        precision=precision, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
+        precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
         calib_data=str(calib_dir) if calib_dir else None, per_channel=not per_tensor,
         activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
         quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
