@@ -222,8 +222,12 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     batches, description, num_images = calibration_batches(calibration, batch_size)
 
     t0 = time.perf_counter()
+    from edgeprune.corp import bias_correction_used
+
+    correction = _BiasCorrection(model, batches, bias_correction_used(config), config.sequential)
     with calibration_device(device):
         info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress)
+    bias_record = correction.fold(model, info.get("output_sums"))
     seconds = time.perf_counter() - t0
     pruned = structure_summary(model)
     fields = dataclasses.asdict(config)
@@ -246,8 +250,49 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
                   "round_to": config.round_to, "gram_dtype": config.gram_dtype, "qk_solver": config.qk_solver,
                   "compensation": config.compensation,
                   "gram_tokens": "auto" if config.gram_tokens is None else config.gram_tokens,
-                  "gram_tokens_used": info.get("gram_tokens_used", 0)},
+                  "gram_tokens_used": info.get("gram_tokens_used", 0),
+                  "bias_correction": "auto" if config.bias_correction_images is None else config.bias_correction_images},
         solve=info["blocks"],
         **({"allocation": info["allocation"]} if info.get("allocation") else {}),
+        **({"bias_correction": bias_record} if bias_record else {}),
     )
     return PruneResult(model=model.eval(), record=record)
+
+
+class _BiasCorrection:
+    """Output bias correction around a prune (``edgeprune.solve.output_bias``). The dense model's
+    output sums over the first ``k`` calibration images come from CORP's calibration pass
+    (``corp_prune``'s ``output_sums``, no extra cost) or, for sequential calibration, from a pass
+    made here before the model is pruned in place; :meth:`fold` sums the pruned model's outputs
+    over the same images and folds the mean shift into the classifier bias. A no-op for
+    ``k = 0``; recorded as skipped for a model without an affine classifier."""
+
+    def __init__(self, model: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], k: int,
+                 separate_pass: bool) -> None:
+        from edgeprune.solve.output_bias import classifier_head, output_sums
+
+        self.batches, self.k = batches, int(k)
+        self.head = classifier_head(model) if self.k > 0 else None
+        self.skipped = self.k > 0 and self.head is None
+        self.dense: tuple[torch.Tensor, int] | None = None
+        if self.head is not None and separate_pass:
+            self.dense = output_sums(model, batches(), self.k, getattr(batches, "first_image", 0))
+
+    def fold(self, model: nn.Module, from_pass: tuple[torch.Tensor, int] | None) -> dict[str, Any] | None:
+        from edgeprune.solve.output_bias import classifier_head, fold_output_bias, output_sums
+
+        if self.skipped:
+            return {"images": 0, "skipped": "the model has no affine classifier head"}
+        if self.head is None:
+            return None
+        dense = self.dense or from_pass
+        if dense is None:
+            raise RuntimeError("output bias correction: the calibration pass returned no output sums")
+        t0 = time.perf_counter()
+        head = classifier_head(model)
+        pruned, count = output_sums(model, self.batches(), self.k, getattr(self.batches, "first_image", 0))
+        if head is None or count != dense[1]:
+            raise RuntimeError("output bias correction: the pruned model's classifier or image count changed")
+        shift = fold_output_bias(head, dense[0], pruned, count)
+        return {"images": count, "shift_norm": float(shift.norm()), "shift": [float(v) for v in shift],
+                "seconds": time.perf_counter() - t0}

@@ -374,6 +374,9 @@ def _reduce_all(stats):
     for st in stats.qk:
         if st is not None:
             _reduce_qk(st)
+    if stats.output_sum is not None:  # the dense side of the output bias correction
+        stats.output_sum = all_reduce_sum(stats.output_sum)
+        stats.output_count = int(all_reduce_sum(torch.tensor([stats.output_count], dtype=torch.float64)).item())
     stats.num_images = total
     stats.seconds = _all_reduce_max(stats.seconds)
     return stats

@@ -22,7 +22,8 @@ import torch
 from tests.conftest import HAS_FMNIST, assert_one_line_error, needs_fmnist, run_cli, torchrun_beside
 
 PRUNE_ARGS = ["--model", "fmnist-vit", "--target", "all", "--sparsity", "0.5", "--attn-sparsity", "0.75",
-              "--calib-size", "12", "--batch-size", "4", "--no-eval", "--quiet"]
+              "--calib-size", "12", "--batch-size", "4", "--no-eval", "--quiet",
+              "--bias-correction", "6"]  # images 0-3 on rank 0, 4-5 on rank 1: the sums are all-reduced
 API_KW = dict(target="all", sparsity=0.5, attn_sparsity=0.75, gram_dtype="float64", batch_size=4)
 MLP_KW = dict(target="mlp", sparsity=0.5, gram_dtype="float64", batch_size=12)  # one batch: rank 1 gets none
 TWO_PASS_KW = dict(target="attn", sparsity=0.75, gram_dtype="float64", batch_size=4,
@@ -140,6 +141,8 @@ def test_two_processes_command_line(runs):
     assert "world_size" not in ref["calibration"]
     assert rec["calibration"]["num_images"] == ref["calibration"]["num_images"] == 12
     assert rec["blocks"] == ref["blocks"]
+    assert rec["bias_correction"]["images"] == ref["bias_correction"]["images"] == 6
+    assert rec["bias_correction"]["shift_norm"] == pytest.approx(ref["bias_correction"]["shift_norm"], rel=1e-5)
     a, b = _weights(single_runs / "cli"), _weights(out / "cli")
     _assert_same_kept(a, b, rec["blocks"])
     worst = _worst_rel(a, b)

@@ -108,12 +108,28 @@ def evaluate_cached(model, batches, dense_preds=None) -> dict:
     return {"top1": correct / n, "agreement": agree / n if dense_preds is not None else 1.0, "preds": preds}
 
 
+def config_for(args, method: str, budget: float, s_uni: float):
+    """The CorpConfig of one row: uniform / nocomp at the uniform sparsity ``s_uni`` meeting the
+    budget, or budgeted / sequential at the FLOPs budget, with every setting of the command line
+    (``--round-to``, ``--gram-tokens``, ``--check-images``, ``--anchors``, ``--bias-correction``)."""
+    from edgeprune.corp import CorpConfig
+
+    common = {"round_to": args.round_to, "gram_tokens": None if args.gram_tokens < 0 else args.gram_tokens,
+              "bias_correction_images": None if args.bias_correction < 0 else args.bias_correction}
+    if method in ("nocomp", "uniform"):
+        return CorpConfig.from_target("both", s_uni, compensation=method == "uniform", **common)
+    budgeted = {"allocation_anchors": args.anchors}
+    if args.check_images is not None:
+        budgeted["allocation_check_images"] = args.check_images
+    return CorpConfig.from_target(args.target, None, budget={"kind": "flops", "value": budget},
+                                  sequential=method == "sequential", **common, **budgeted)
+
+
 def run(args, log) -> list[dict]:
     import torch
 
     import edgeprune
     from edgeprune.anatomy import find_anatomy
-    from edgeprune.corp import CorpConfig
     from edgeprune.heal.trainer import heal
     from edgeprune.zoo.registry import get_model_spec
 
@@ -131,7 +147,6 @@ def run(args, log) -> list[dict]:
     rows = [{"budget": 1.0, "method": "dense", "flops": 1.0, "params": 1.0, "top1": [d["top1"]],
              "agreement": [1.0], "seconds": [0.0], "healed": []}]
     heal_at = {float(b) for b in args.heal.split(",")} if args.heal else set()
-    gt = None if args.gram_tokens < 0 else args.gram_tokens
     for budget in [float(b) for b in args.budgets.split(",")]:
         s_uni = uniform_sparsity_for(anatomy, budget, args.round_to)
         for method in args.methods.split(","):
@@ -139,13 +154,7 @@ def run(args, log) -> list[dict]:
             row = {"budget": budget, "method": label, "top1": [], "agreement": [], "seconds": [], "healed": [],
                    "sparsity": s_uni if method in ("nocomp", "uniform") else None}
             for seed in [int(s) for s in args.seeds.split(",")]:
-                if method in ("nocomp", "uniform"):
-                    cfg = CorpConfig.from_target("both", s_uni, compensation=method == "uniform",
-                                                 round_to=args.round_to, gram_tokens=gt)
-                else:
-                    cfg = CorpConfig.from_target(args.target, None, budget={"kind": "flops", "value": budget},
-                                                 sequential=method == "sequential", round_to=args.round_to,
-                                                 gram_tokens=gt)
+                cfg = config_for(args, method, budget, s_uni)
                 calib = spec.calibration_source(args.calib_size or spec.default_calib_size, seed=seed)
                 t0 = time.perf_counter()
                 res = edgeprune.prune(dense, calib, cfg, spec=spec)
@@ -233,6 +242,10 @@ def main(argv=None) -> int:
                         "measured (CorpConfig.allocation_check_images) [32]")
     p.add_argument("--anchors", type=int, default=1, choices=(1, 2),
                    help="measurements per allocation unit (CorpConfig.allocation_anchors) [1]")
+    p.add_argument("--bias-correction", type=int, default=-1, metavar="N",
+                   help="output bias correction on the first N calibration images "
+                        "(CorpConfig.bias_correction_images; 0 = off) [-1: the library default, all "
+                        "calibration images for budgeted rows, off for uniform ones]")
     p.add_argument("--eval-batch", type=int, default=100)
     p.add_argument("--heal", default="", help="budgets at which pruned models are also healed, e.g. 0.5,0.4")
     p.add_argument("--round-to", type=int, default=8)

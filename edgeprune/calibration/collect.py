@@ -39,6 +39,10 @@ class CalibrationStatistics:
     num_tokens: int
     seconds: float
     vo: list = dataclasses.field(default_factory=list)
+    #: float64 (num_outputs,) sum of the model's outputs over the calibration images with index
+    #: < ``output_images`` (the output bias correction's dense side), and how many were summed
+    output_sum: torch.Tensor | None = None
+    output_count: int = 0
 
 
 def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +104,28 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
+class _OutputSums:
+    """Forward hook on the whole model: sums its outputs over the images with index < ``k``
+    (float64, host memory). ``total`` starts as zeros of the classifier's width, so a rank that
+    holds none of those images still takes part in the reduction."""
+
+    def __init__(self, model: torch.nn.Module, k: int, first_image: int) -> None:
+        from edgeprune.solve.output_bias import classifier_head
+
+        head = classifier_head(model)
+        if head is None:
+            raise UserError("output bias correction needs a model with a linear classifier head")
+        self.k, self.index, self.count = int(k), int(first_image), 0
+        self.total = torch.zeros(head.out_features, dtype=torch.float64)
+
+    def hook(self, _module, _args, out) -> None:
+        take = min(out.shape[0], max(0, self.k - self.index))
+        if take > 0:
+            self.total += out[:take].detach().double().sum(0).cpu()
+            self.count += take
+        self.index += out.shape[0]
+
+
 @torch.no_grad()
 def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        mlp: bool = True, qk: bool = True, qk_grams: bool = True,
@@ -109,7 +135,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        qk_keep: list[torch.Tensor | None] | None = None,
                        vo: bool = False, mlp_active: bool = True,
                        device: str | torch.device | None = None, mlp_tokens: int = 0,
-                       first_image: int = 0) -> CalibrationStatistics:
+                       first_image: int = 0, output_images: int = 0) -> CalibrationStatistics:
     """Run the model once over the calibration batches and accumulate statistics.
 
     Args:
@@ -129,7 +155,12 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
             :func:`~edgeprune.calibration.mlp_stats.token_positions`). Q/K and V/O statistics
             always use every token.
         first_image: index in the calibration set of the first image of ``batches`` (under
-            torchrun: of this rank's share), for the per-image token subsets of ``mlp_tokens``.
+            torchrun: of this rank's share), for the per-image token subsets of ``mlp_tokens``
+            and for ``output_images``.
+        output_images: also sum the model's outputs over the calibration images with index <
+            this (``output_sum`` / ``output_count``; the dense side of the output bias
+            correction, ``edgeprune.solve.output_bias``, taken from this pass at no extra cost).
+            Needs a model with an affine classifier head.
         device: run the pass on this torch device ("cpu", "cuda", "cuda:N"); default: the one
             set by :func:`calibration_device`, else the model's. The model is moved there for
             the pass and back afterwards; images are moved batch by batch. Every statistic is
@@ -190,6 +221,9 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
             st_qk = qk_stats[b.index]
             handles.append(b.qkv.register_forward_hook(
                 lambda _m, _args, out, st=st_qk, b=b: st.add_batch(*split_qk(out, b.num_heads, b.qk_dim))))
+    outputs = _OutputSums(model, output_images, first_image) if output_images > 0 else None
+    if outputs is not None:
+        handles.append(model.register_forward_hook(outputs.hook))
     expected = (anatomy.in_chans, *anatomy.img_size)
     num_images = 0
     t0 = time.perf_counter()
@@ -215,5 +249,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         raise UserError("the calibration set is empty")
     stats = CalibrationStatistics(mlp=mlp_stats, qk=qk_stats, num_images=num_images,
                                   num_tokens=anatomy.num_tokens, seconds=time.perf_counter() - t0,
-                                  vo=vo_stats)
+                                  vo=vo_stats,
+                                  output_sum=None if outputs is None else outputs.total,
+                                  output_count=0 if outputs is None else outputs.count)
     return reduce_statistics(stats)  # identity unless under torchrun (edgeprune.distributed)

@@ -59,6 +59,10 @@ def _layouts() -> tuple[str, ...]:
 @click.option("--check-images", type=int, default=None, metavar="N",
               help="With --flops/--params: the candidate allocations and the per-unit sensitivities are "
                    "measured on the first N calibration images (0: the proxy alone) [32].")
+@click.option("--bias-correction", "bias_correction", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Fold the pruned model's mean output shift against the dense model, measured on the "
+                   "first N calibration images, into the classifier bias (models with a linear head; "
+                   "0 = off) [all calibration images with --flops/--params, else 0].")
 @click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
               "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
@@ -70,7 +74,8 @@ def _layouts() -> tuple[str, ...]:
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None):
+              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None,
+              bias_correction=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -90,7 +95,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     overrides = {k: v for k, v in (("v_sparsity", v_sparsity), ("head_sparsity", head_sparsity),
                                    ("layout", layout), ("ridge_alpha", ridge_alpha),
                                    ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
-                                   ("allocation_check_images", check_images))
+                                   ("allocation_check_images", check_images),
+                                   ("bias_correction_images", bias_correction))
                  if v is not None}
     config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                          compensation=not no_compensation, criterion=criterion, round_to=round_to,
@@ -160,6 +166,11 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     used = rec["settings"].get("gram_tokens_used", 0)
     if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
+    bc = rec.get("bias_correction")
+    if bc:
+        click.echo(f"output bias correction: {bc['skipped']}" if bc.get("skipped") else
+                   f"output bias correction: mean output shift |c| = {bc['shift_norm']:.4g} over {bc['images']} "
+                   f"calibration images folded into the classifier bias (--bias-correction 0: off)")
     if rec.get("allocation"):
         from edgeprune.allocation.report import allocation_lines
 

@@ -1,0 +1,108 @@
+"""Output bias correction: fold the mean output shift of the pruned model into the classifier bias.
+
+After CORP every block is compensated for its own removal, but the errors of all blocks add up,
+and the model's output moves by a systematic shift as well as by noise. For a model whose output
+is an affine classifier ``y = W f + b`` (timm's ``head``), the constant ``c`` that minimises the
+squared output error against the dense model on the calibration images,
+
+    c* = argmin_c  sum_i || y_dense(x_i) - (y_pruned(x_i) + c) ||^2  =  mean_i (y_dense(x_i) - y_pruned(x_i)),
+
+is folded as ``b' = b + c*``: after the fold the pruned model's mean output over those images equals
+the dense model's exactly, and their summed squared error drops by ``k ||c*||^2`` (k images).
+This is the empirical bias correction of Nagel et al. 2019 (data-free quantization, sec. 4.2),
+applied to the model's output after pruning (our addition; docs/methods.md, "Output bias correction").
+
+Cost: one forward pass of the dense and one of the pruned model over the first ``k`` calibration
+images. Under torchrun each rank sums the outputs of its share's images whose index in the whole
+calibration set is below ``k`` and the sums are all-reduced, so every rank folds the same ``c*``
+as one process would.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["classifier_head", "output_sums", "fold_output_bias"]
+
+
+def classifier_head(model: nn.Module) -> nn.Linear | None:
+    """The affine classifier that produces ``model``'s output, or None.
+
+    timm models expose it as ``get_classifier()`` (``head``); it must be an ``nn.Linear`` with a
+    bias whose output is the model's output (not ``Identity``: a headless backbone has no
+    classifier to correct).
+    """
+    get = getattr(model, "get_classifier", None)
+    head = get() if callable(get) else getattr(model, "head", None)
+    if isinstance(head, nn.Linear) and head.bias is not None:
+        return head
+    return None
+
+
+@torch.no_grad()
+def output_sums(model: nn.Module, batches: Iterable[torch.Tensor], num_images: int,
+                first_image: int = 0) -> tuple[torch.Tensor, int]:
+    """Sum of the model's outputs over the calibration images with index < ``num_images``.
+
+    Args:
+        model: evaluated as it is (eval mode, its own device).
+        batches: (B, C, H, W) calibration batches in calibration-set order (under torchrun this
+            rank's share, starting at image ``first_image`` of the whole set).
+        num_images: k, the images whose outputs are summed.
+
+    Returns:
+        ``(sums, count)``: float64 (num_outputs,) on the CPU and the number of images summed
+        (all-reduced over the ranks under torchrun).
+    """
+    from edgeprune.distributed import all_reduce_sum, is_distributed
+
+    model.eval()
+    dev = next(model.parameters()).device
+    total: torch.Tensor | None = None
+    count = 0
+    index = int(first_image)
+    for x in batches:
+        take = min(len(x), max(0, num_images - index))
+        if take <= 0:
+            break
+        out = model(x[:take].to(dev)).double().sum(0).cpu()
+        total = out if total is None else total + out
+        count += take
+        index += len(x)
+    if is_distributed():
+        if total is None:  # this rank holds none of the first k images: it still joins the reduction
+            classes = classifier_head(model)
+            total = torch.zeros(classes.out_features if classes is not None else 0, dtype=torch.float64)
+        total = all_reduce_sum(total)
+        count = int(all_reduce_sum(torch.tensor([count], dtype=torch.float64)).item())
+    if total is None:
+        total = torch.zeros(0, dtype=torch.float64)
+    return total, count
+
+
+@torch.no_grad()
+def fold_output_bias(head: nn.Linear, dense_sums: torch.Tensor, pruned_sums: torch.Tensor,
+                     count: int) -> torch.Tensor:
+    """Add the mean output shift ``c* = (dense_sums - pruned_sums) / count`` to ``head.bias``.
+
+    Args:
+        head: the classifier (modified in place); dense_sums, pruned_sums: float64
+            (out_features,) output sums over the same ``count`` images.
+
+    Returns:
+        ``c*`` (float64, (out_features,)).
+
+    Raises:
+        ValueError: no images, or sums whose length is not ``head.out_features``.
+    """
+    if count < 1:
+        raise ValueError("output bias correction needs at least one image")
+    if dense_sums.shape != (head.out_features,) or pruned_sums.shape != (head.out_features,):
+        raise ValueError(f"output sums {tuple(dense_sums.shape)} / {tuple(pruned_sums.shape)} do not match "
+                         f"the classifier's {head.out_features} outputs")
+    shift = (dense_sums - pruned_sums) / count
+    head.bias.add_(shift.to(head.bias.dtype))
+    return shift
