@@ -213,7 +213,8 @@ ALL_IMAGES = 2 ** 62
 def bias_correction_used(cfg: CorpConfig) -> int:
     """Calibration images of the output bias correction: ``cfg.bias_correction_images``, or for
     ``None`` (auto) :data:`ALL_IMAGES` with a budget and 0 without. Measured on the pretrained
-    DINOv2 of ``dinov2-s14-fmnist`` at FLOPs x0.5: +0.3 to +0.8 points of top-1 (docs/accuracy.md);
+    DINOv2 of ``dinov2-s14-fmnist`` at FLOPs x0.5 with 256 calibration images: +0.7 to +1.2 points
+    of top-1 over 3 seeds, none measurable with 1024 images (docs/accuracy.md);
     with a budget the allocation's measured selection already costs several forward passes, so
     the one extra pass of the pruned model is small there; plain CORP (sparsities) stays as the
     paper defines it unless asked."""
