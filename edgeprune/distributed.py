@@ -211,6 +211,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return buf.to(t.device)
 
 
+def all_reduce_total(total: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+    """A sum and how many items it holds, summed over the ranks (unchanged when not distributed)."""
+    if not is_distributed():
+        return total, count
+    return all_reduce_sum(total), int(all_reduce_sum(torch.tensor([count], dtype=torch.float64)).item())
+
+
 def _all_reduce_max(value: float) -> float:
     buf = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device())
     torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
@@ -375,8 +382,7 @@ def _reduce_all(stats):
         if st is not None:
             _reduce_qk(st)
     if stats.output_sum is not None:  # the dense side of the output bias correction
-        stats.output_sum = all_reduce_sum(stats.output_sum)
-        stats.output_count = int(all_reduce_sum(torch.tensor([stats.output_count], dtype=torch.float64)).item())
+        stats.output_sum, stats.output_count = all_reduce_total(stats.output_sum, stats.output_count)
     stats.num_images = total
     stats.seconds = _all_reduce_max(stats.seconds)
     return stats

@@ -191,7 +191,7 @@ DYNAMIC_OP_TYPES = ("MatMul", "Gemm")
 def quantize_dynamic_int8(src: Path, dst: Path, config: QuantizeConfig, *, reader: Any = None,
                           cache: Path | None = None, nodes_to_exclude: Sequence[str] = (),
                           nodes_to_quantize: Sequence[str] | None = None) -> Path:
-    """Run ``quantize_dynamic`` (MatMul weights int8, activations quantized at run time).
+    """Run ``quantize_dynamic`` (MatMul/Gemm weights int8, activations quantized at run time).
 
     Same signature as :func:`quantize_static_qdq` (``reader`` and ``cache`` are unused: dynamic
     quantization needs no calibration), so :func:`quantize_int8` can pick either by mode.

@@ -5,7 +5,7 @@ Pipeline of :func:`quantize_onnx` (all checks come before any expensive step)::
     exported fp32 ONNX (or a run directory, exported first into a temporary file)
       -> int8: quant_pre_process -> quantize_static (QDQ, per-channel symmetric weights,
                calibration on the run's own calibration set)  [exporters/int8.py]
-               or, --mode dynamic, quantize_dynamic (MatMul weights int8, activation ranges at
+               or, --mode dynamic, quantize_dynamic (MatMul/Gemm weights int8, activation ranges at
                run time; ONNX Runtime CPU only, no calibration set)
          fp16: convert_float_to_float16 (fp32 I/O, LayerNorm/Softmax/... kept fp32) [exporters/fp16.py]
       -> top-1 and top-1 agreement with the float model on held-out images [exporters/verify.py]
@@ -207,7 +207,7 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
             names = int8.quantizable_nodes(pre, op_types)
             if not names:
                 raise UserError(f"{src} has no {'/'.join(op_types) or '/'.join(cfg.op_types)} nodes to "
-                                f"quantize{' in --mode dynamic (MatMul only)' if cfg.mode == 'dynamic' else ''}")
+                                f"quantize{' in --mode dynamic (MatMul/Gemm only)' if cfg.mode == 'dynamic' else ''}")
             excluded = int8.match_patterns(cfg.exclude, names)
             if not cfg.quantize_attention:
                 attention = int8.activation_matmuls(pre, names)

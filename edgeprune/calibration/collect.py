@@ -104,28 +104,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
-class _OutputSums:
-    """Forward hook on the whole model: sums its outputs over the images with index < ``k``
-    (float64, host memory). ``total`` starts as zeros of the classifier's width, so a rank that
-    holds none of those images still takes part in the reduction."""
-
-    def __init__(self, model: torch.nn.Module, k: int, first_image: int) -> None:
-        from edgeprune.solve.output_bias import classifier_head
-
-        head = classifier_head(model)
-        if head is None:
-            raise UserError("output bias correction needs a model with a linear classifier head")
-        self.k, self.index, self.count = int(k), int(first_image), 0
-        self.total = torch.zeros(head.out_features, dtype=torch.float64)
-
-    def hook(self, _module, _args, out) -> None:
-        take = min(out.shape[0], max(0, self.k - self.index))
-        if take > 0:
-            self.total += out[:take].detach().double().sum(0).cpu()
-            self.count += take
-        self.index += out.shape[0]
-
-
 @torch.no_grad()
 def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                        mlp: bool = True, qk: bool = True, qk_grams: bool = True,
@@ -221,9 +199,15 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
             st_qk = qk_stats[b.index]
             handles.append(b.qkv.register_forward_hook(
                 lambda _m, _args, out, st=st_qk, b=b: st.add_batch(*split_qk(out, b.num_heads, b.qk_dim))))
-    outputs = _OutputSums(model, output_images, first_image) if output_images > 0 else None
-    if outputs is not None:
-        handles.append(model.register_forward_hook(outputs.hook))
+    outputs = None
+    if output_images > 0:
+        from edgeprune.solve.output_bias import OutputSums, classifier_head
+
+        head = classifier_head(model)
+        if head is None:
+            raise UserError("output bias correction needs a model with a linear classifier head")
+        outputs = OutputSums(head.out_features, output_images, first_image)
+        handles.append(model.register_forward_hook(lambda _m, _args, out, acc=outputs: acc.add(out)))
     expected = (anatomy.in_chans, *anatomy.img_size)
     num_images = 0
     t0 = time.perf_counter()

@@ -12,8 +12,9 @@ the dense model's exactly, and their summed squared error drops by ``k ||c*||^2`
 This is the empirical bias correction of Nagel et al. 2019 (data-free quantization, sec. 4.2),
 applied to the model's output after pruning (our addition; docs/methods.md, "Output bias correction").
 
-Cost: one forward pass of the dense and one of the pruned model over the first ``k`` calibration
-images. Under torchrun each rank sums the outputs of its share's images whose index in the whole
+Cost: the dense model's outputs are summed during CORP's calibration pass (a hook feeding
+:class:`OutputSums`; a separate pass only for sequential calibration), the pruned model's in one
+forward pass over the first ``k`` calibration images. Under torchrun each rank sums the outputs of its share's images whose index in the whole
 calibration set is below ``k`` and the sums are all-reduced, so every rank folds the same ``c*``
 as one process would.
 """
@@ -25,7 +26,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-__all__ = ["classifier_head", "output_sums", "fold_output_bias"]
+__all__ = ["classifier_head", "OutputSums", "output_sums", "fold_output_bias"]
 
 
 def classifier_head(model: nn.Module) -> nn.Linear | None:
@@ -42,45 +43,67 @@ def classifier_head(model: nn.Module) -> nn.Linear | None:
     return None
 
 
+class OutputSums:
+    """Running float64 sum of a model's outputs over the calibration images with index < ``k``.
+
+    Fed batch by batch in calibration-set order (under torchrun: this rank's share, starting at
+    image ``first_image`` of the whole set); ``total`` starts as zeros of the output width, so a
+    rank that holds none of the first ``k`` images still takes part in the reduction
+    (:func:`edgeprune.distributed.all_reduce_total`). Used by the calibration pass (a hook on
+    the dense model's output) and by :func:`output_sums` (the pruned model).
+    """
+
+    def __init__(self, width: int, k: int, first_image: int = 0) -> None:
+        self.k, self.index, self.count = int(k), int(first_image), 0
+        self.total = torch.zeros(int(width), dtype=torch.float64)
+
+    def wanted(self, batch_size: int) -> int:
+        """How many of the next ``batch_size`` images have an index < k."""
+        return min(int(batch_size), max(0, self.k - self.index))
+
+    def add(self, out: torch.Tensor, batch_size: int | None = None) -> None:
+        """Add the outputs (B', width) of the next batch of ``batch_size`` images (default B');
+        only its first :meth:`wanted` rows count."""
+        n = out.shape[0] if batch_size is None else int(batch_size)
+        take = min(out.shape[0], self.wanted(n))
+        if take > 0:
+            self.total += out[:take].detach().double().sum(0).cpu()
+            self.count += take
+        self.index += n
+
+
 @torch.no_grad()
 def output_sums(model: nn.Module, batches: Iterable[torch.Tensor], num_images: int,
                 first_image: int = 0) -> tuple[torch.Tensor, int]:
     """Sum of the model's outputs over the calibration images with index < ``num_images``.
 
     Args:
-        model: evaluated as it is (eval mode, its own device).
+        model: evaluated as it is (eval mode, its own device); must have an affine classifier.
         batches: (B, C, H, W) calibration batches in calibration-set order (under torchrun this
             rank's share, starting at image ``first_image`` of the whole set).
-        num_images: k, the images whose outputs are summed.
+        num_images: k, the images whose outputs are summed (only those are run).
 
     Returns:
         ``(sums, count)``: float64 (num_outputs,) on the CPU and the number of images summed
         (all-reduced over the ranks under torchrun).
-    """
-    from edgeprune.distributed import all_reduce_sum, is_distributed
 
+    Raises:
+        ValueError: the model has no affine classifier head.
+    """
+    from edgeprune.distributed import all_reduce_total
+
+    head = classifier_head(model)
+    if head is None:
+        raise ValueError("output sums need a model with an affine classifier head")
     model.eval()
     dev = next(model.parameters()).device
-    total: torch.Tensor | None = None
-    count = 0
-    index = int(first_image)
+    acc = OutputSums(head.out_features, num_images, first_image)
     for x in batches:
-        take = min(len(x), max(0, num_images - index))
-        if take <= 0:
+        take = acc.wanted(len(x))
+        if take == 0:
             break
-        out = model(x[:take].to(dev)).double().sum(0).cpu()
-        total = out if total is None else total + out
-        count += take
-        index += len(x)
-    if is_distributed():
-        if total is None:  # this rank holds none of the first k images: it still joins the reduction
-            classes = classifier_head(model)
-            total = torch.zeros(classes.out_features if classes is not None else 0, dtype=torch.float64)
-        total = all_reduce_sum(total)
-        count = int(all_reduce_sum(torch.tensor([count], dtype=torch.float64)).item())
-    if total is None:
-        total = torch.zeros(0, dtype=torch.float64)
-    return total, count
+        acc.add(model(x[:take].to(dev)), len(x))
+    return all_reduce_total(acc.total, acc.count)
 
 
 @torch.no_grad()
