@@ -24,6 +24,7 @@ from typing import Optional
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from edgeprune.layers.class_token_block import ClassTokenBlock
 from edgeprune.layers.pruned_attention import PrunedAttention
 
 
@@ -48,6 +49,9 @@ class BlockAnatomy:
         mlp: the MLP module; fc1: Linear(D, D_mlp); act: activation; fc2: Linear(D_mlp, D).
         mlp_hidden: current D_mlp.
         ls1, ls2: LayerScale modules or ``None`` (Identity).
+        query_tokens: ``None`` for a full block; T for a block that computes only its first T
+            tokens' outputs (:class:`~edgeprune.layers.class_token_block.ClassTokenBlock`, the last
+            block of a class-token classifier).
     """
 
     index: int
@@ -66,6 +70,7 @@ class BlockAnatomy:
     mlp_hidden: int
     ls1: Optional[nn.Module]
     ls2: Optional[nn.Module]
+    query_tokens: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -112,7 +117,7 @@ def _timm_classes() -> dict[str, tuple[type, ...]]:
     from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import Block, VisionTransformer
 
-    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block,),
+    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block, ClassTokenBlock),
             "attn": (Attention, PrunedAttention), "mlp": (Mlp,), "patch_embed": (PatchEmbed,)}
 
 
@@ -234,6 +239,8 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
     blocks = []
     for i, blk in enumerate(vit.blocks):
         where = f"{name} block {i}"
+        if isinstance(blk, ClassTokenBlock) and i != len(vit.blocks) - 1:
+            raise UnsupportedModelError(f"{where} computes only the class token but is not the last block")
         attn = getattr(blk, "attn", None)
         mlp = getattr(blk, "mlp", None)
         if attn is None:
@@ -281,6 +288,7 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
             fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features,
             ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
             ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
+            query_tokens=blk.query_tokens if isinstance(blk, ClassTokenBlock) else None,
         ))
     if not blocks:
         raise UnsupportedModelError(f"{name} has no transformer blocks")

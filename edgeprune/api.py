@@ -213,6 +213,9 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         model = copy.deepcopy(model)
     model.eval()
     anatomy = find_anatomy(model)
+    from edgeprune.last_block import class_token_plan
+
+    last_block = class_token_plan(config, anatomy)  # raises for --last-block cls on another model
     if config.budget is not None:  # before the calibration pass
         from edgeprune.allocation.greedy import check_budget
 
@@ -224,10 +227,15 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     t0 = time.perf_counter()
     from edgeprune.corp import bias_correction_used
 
-    correction = _BiasCorrection(model, batches, bias_correction_used(config), config.sequential)
+    correction = _BiasCorrection(model, batches, bias_correction_used(config), config.sequential,
+                                 refit=config.head_refit is not False)
     with calibration_device(device):
         info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress)
-    bias_record = correction.fold(model, info.get("output_sums"))
+    if last_block:  # exact: the output's tokens are computed as before, the others not at all
+        from edgeprune.layers.class_token_block import to_class_token_block
+
+        to_class_token_block(anatomy.vit, next(iter(last_block.values())))
+    bias_record = correction.fold(model, info.get("output_sums"), info.get("output_rows"))
     seconds = time.perf_counter() - t0
     pruned = structure_summary(model)
     fields = dataclasses.asdict(config)
@@ -251,7 +259,10 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
                   "compensation": config.compensation,
                   "gram_tokens": "auto" if config.gram_tokens is None else config.gram_tokens,
                   "gram_tokens_used": info.get("gram_tokens_used", 0),
-                  "bias_correction": "auto" if config.bias_correction_images is None else config.bias_correction_images},
+                  "bias_correction": "auto" if config.bias_correction_images is None else config.bias_correction_images,
+                  "head_refit": "auto" if config.head_refit is None else config.head_refit,
+                  "last_block": config.last_block,
+                  "class_token_blocks": {str(i): t for i, t in last_block.items()}},
         solve=info["blocks"],
         **({"allocation": info["allocation"]} if info.get("allocation") else {}),
         **({"bias_correction": bias_record} if bias_record else {}),
@@ -260,25 +271,32 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
 
 
 class _BiasCorrection:
-    """Output bias correction around a prune (``edgeprune.solve.output_bias``). The dense model's
-    output sums over the first ``k`` calibration images come from CORP's calibration pass
-    (``corp_prune``'s ``output_sums``, no extra cost) or, for sequential calibration, from a pass
-    made here before the model is pruned in place; :meth:`fold` sums the pruned model's outputs
-    over the same images and folds the mean shift into the classifier bias. A no-op for
+    """Output correction around a prune: the classifier refit (``edgeprune.solve.head_refit``,
+    default) or the bias correction alone (``edgeprune.solve.output_bias``). The dense model's
+    outputs over the first ``k`` calibration images come from CORP's calibration pass
+    (``corp_prune``'s ``output_sums`` / ``output_rows``, no extra cost) or, for sequential
+    calibration, from a pass made here before the model is pruned in place; :meth:`fold` runs the
+    pruned model over the same images and folds the fit into the classifier. A no-op for
     ``k = 0``; recorded as skipped for a model without an affine classifier."""
 
     def __init__(self, model: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], k: int,
-                 separate_pass: bool) -> None:
+                 separate_pass: bool, refit: bool = True) -> None:
         from edgeprune.solve.output_bias import classifier_head, output_sums
 
-        self.batches, self.k = batches, int(k)
+        self.batches, self.k, self.refit = batches, int(k), bool(refit)
         self.head = classifier_head(model) if self.k > 0 else None
         self.skipped = self.k > 0 and self.head is None
         self.dense: tuple[torch.Tensor, int] | None = None
+        self.rows: torch.Tensor | None = None
         if self.head is not None and separate_pass:
-            self.dense = output_sums(model, batches(), self.k, getattr(batches, "first_image", 0))
+            rows: list[torch.Tensor] = []
+            self.dense = output_sums(model, batches(), self.k, getattr(batches, "first_image", 0), rows=rows)
+            self.rows = rows[0]
 
-    def fold(self, model: nn.Module, from_pass: tuple[torch.Tensor, int] | None) -> dict[str, Any] | None:
+    def fold(self, model: nn.Module, from_pass: tuple[torch.Tensor, int] | None,
+             rows: torch.Tensor | None = None) -> dict[str, Any] | None:
+        from edgeprune.distributed import all_reduce_sum, all_reduce_total, is_distributed
+        from edgeprune.solve.head_refit import fit_head, refit_statistics
         from edgeprune.solve.output_bias import classifier_head, fold_output_bias, output_sums
 
         if self.skipped:
@@ -286,13 +304,39 @@ class _BiasCorrection:
         if self.head is None:
             return None
         dense = self.dense or from_pass
-        if dense is None:
-            raise RuntimeError("output bias correction: the calibration pass returned no output sums")
+        rows = self.rows if self.rows is not None else rows
+        if dense is None or (self.refit and rows is None):
+            raise RuntimeError("output correction: the calibration pass returned no dense outputs")
         t0 = time.perf_counter()
         head = classifier_head(model)
-        pruned, count = output_sums(model, self.batches(), self.k, getattr(self.batches, "first_image", 0))
-        if head is None or count != dense[1]:
-            raise RuntimeError("output bias correction: the pruned model's classifier or image count changed")
-        shift = fold_output_bias(head, dense[0], pruned, count)
-        return {"images": count, "shift_norm": float(shift.norm()), "shift": [float(v) for v in shift],
-                "seconds": time.perf_counter() - t0}
+        if head is None:
+            raise RuntimeError("output correction: the pruned model lost its classifier")
+        first = getattr(self.batches, "first_image", 0)
+        if not self.refit or dense[1] < 2:  # the bias alone (a refit needs images in 2 folds)
+            pruned, count = output_sums(model, self.batches(), self.k, first)
+            fit = None
+        else:
+            stats, pruned, count = refit_statistics(model, self.batches(), rows, self.k, first)
+            pruned, count = all_reduce_total(pruned, count)
+            if is_distributed():
+                for t in stats.tensors:
+                    t.copy_(all_reduce_sum(t))
+            fit = fit_head(stats, head.weight)
+        if count != dense[1]:
+            raise RuntimeError("output correction: the pruned pass saw another number of images than the dense one")
+        shift = fold_output_bias(head, dense[0], pruned, count) if fit is None else (dense[0] - pruned) / count
+        record: dict[str, Any] = {"images": count, "kind": "bias", "shift_norm": float(shift.norm()),
+                                  "shift": [float(v) for v in shift]}
+        if fit is not None:
+            w0 = head.weight.detach().double().cpu()
+            with torch.no_grad():
+                head.weight.copy_(fit["weight"].to(head.weight.dtype))
+                head.bias.copy_(fit["bias"].to(head.bias.dtype))
+            alpha = fit["alpha"]
+            finite = alpha != float("inf")
+            record.update(kind="head refit" if finite else "bias (chosen by the refit's cross-validation)",
+                          alpha=alpha if finite else None,
+                          cv_error={(f"{a:g}" if a != float("inf") else "bias only"): e for a, e in fit["cv_error"].items()},
+                          weight_change=float((fit["weight"] - w0).norm() / w0.norm().clamp_min(1e-300)))
+        record["seconds"] = time.perf_counter() - t0
+        return record

@@ -35,13 +35,20 @@ def count_params(model: nn.Module) -> int:
 
 
 def block_flops(b: BlockAnatomy, n: int) -> dict[str, int]:
-    """FLOPs of one block for one image of n tokens: keys qkv, attn, proj, mlp, total."""
+    """FLOPs of one block for one image of n tokens: keys qkv, attn, proj, mlp, total.
+
+    A block that computes only its first T tokens (``b.query_tokens``, the class-token last block,
+    ``edgeprune.layers.class_token_block``) projects queries, attention rows, ``proj`` and the MLP
+    for T tokens and keys/values for all n: ``qkv 2 n D H (d_qk + d_v) + 2 T D H d_qk``, ``attn
+    2 T n H (d_qk + d_v)``, ``proj 2 T H d_v D``, ``mlp 4 T D D_mlp`` (T = n: the formulas above).
+    """
     D, H = b.qkv.in_features, b.num_heads
+    m = n if getattr(b, "query_tokens", None) is None else min(int(b.query_tokens), n)
     out = {
-        "qkv": 2 * n * D * H * (2 * b.qk_dim + b.v_dim),
-        "attn": 2 * n * n * H * (b.qk_dim + b.v_dim),
-        "proj": 2 * n * H * b.v_dim * D,
-        "mlp": 2 * 2 * n * D * b.mlp_hidden,
+        "qkv": 2 * n * D * H * (b.qk_dim + b.v_dim) + 2 * m * D * H * b.qk_dim,
+        "attn": 2 * m * n * H * (b.qk_dim + b.v_dim),
+        "proj": 2 * m * H * b.v_dim * D,
+        "mlp": 2 * 2 * m * D * b.mlp_hidden,
     }
     out["total"] = sum(out.values())
     return out

@@ -103,9 +103,12 @@ def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | 
 
 def block_dims(anatomy: ViTAnatomy) -> list[dict[str, int]]:
     """Per-block dims for the run record: index, num_heads (the current, i.e. kept, heads), head_dim
-    (the dense model's), qk_dim, v_dim, mlp_hidden."""
+    (the dense model's), qk_dim, v_dim, mlp_hidden, and ``query_tokens`` for a block that
+    computes only its first T tokens (the class-token last block)."""
     return [dict(index=b.index, num_heads=b.num_heads, head_dim=b.head_dim, qk_dim=b.qk_dim,
-                 v_dim=b.v_dim, mlp_hidden=b.mlp_hidden) for b in anatomy.blocks]
+                 v_dim=b.v_dim, mlp_hidden=b.mlp_hidden,
+                 **({} if b.query_tokens is None else {"query_tokens": int(b.query_tokens)}))
+            for b in anatomy.blocks]
 
 
 def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Module:
@@ -135,4 +138,9 @@ def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Modu
                                            qkv_bias=b.qkv.bias is not None,
                                            proj_bias=b.proj.bias is not None,
                                            dense_head_dim=int(d.get("head_dim", b.head_dim)))
+    t = dims[-1].get("query_tokens")
+    if t is not None and anatomy.blocks[-1].query_tokens is None:
+        from edgeprune.layers.class_token_block import to_class_token_block
+
+        to_class_token_block(anatomy.vit, int(t))
     return model

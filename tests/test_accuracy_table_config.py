@@ -35,8 +35,9 @@ def _args(*argv: str):
 
 def test_budgeted_rows_get_check_images_anchors_tokens_and_bias_correction():
     args = _args("--check-images", "128", "--anchors", "2", "--gram-tokens", "64", "--bias-correction", "32",
-                 "--round-to", "16", "--target", "both")
+                 "--round-to", "16", "--target", "both", "--head-refit", "off", "--last-block", "full")
     cfg = accuracy_table.config_for(args, "budgeted", 0.5, 0.6)
+    assert cfg.head_refit is False and cfg.last_block == "full"
     assert cfg.allocation_check_images == 128 and cfg.allocation_anchors == 2
     assert cfg.gram_tokens == 64 and cfg.bias_correction_images == 32 and cfg.round_to == 16
     assert cfg.budget == {"kind": "flops", "value": 0.5} and cfg.target == "both" and not cfg.sequential
@@ -51,6 +52,8 @@ def test_defaults_and_uniform_rows():
 
     assert cfg.allocation_check_images == CorpConfig().allocation_check_images
     assert cfg.allocation_anchors == 1 and cfg.bias_correction_images is None and cfg.gram_tokens == 0
+    assert cfg.head_refit is None and cfg.last_block == "auto"
+    assert accuracy_table.config_for(_args("--head-refit", "on"), "budgeted", 0.5, 0.6).head_refit is True
     uni = accuracy_table.config_for(_args("--gram-tokens", "-1", "--bias-correction", "8"), "uniform", 0.5, 0.6)
     assert uni.mlp_sparsity == 0.6 and uni.attn_sparsity == 0.6 and uni.compensation
     assert uni.gram_tokens is None and uni.bias_correction_images == 8 and uni.budget is None

@@ -54,6 +54,22 @@ def _random_cov(d, n=400, seed=0):
     return mu, (h - mu).T @ (h - mu) / n
 
 
+def test_prefix_errors_try_the_largest_jitter_whatever_the_rounding():
+    """The last jitter try (1e-4 x mean diag) is made even where 1e-12 m 100^4 rounds above
+    1e-4 m (this mean diagonal, from a covariance of 4 calibration images that raised
+    LinAlgError before): a symmetric matrix with eigenvalue -1e-3 x its jitter step is factored."""
+    m = 0.0001990007272647266
+    jitter = 1e-12 * m
+    for _ in range(4):
+        jitter *= 100
+    assert jitter > 1e-4 * m  # the rounding that skipped the last try
+    b = m + 5e-9  # eigenvalues 2m + 5e-9 and -5e-9: the 1e-6 m jitter (2e-10) is too small
+    a = torch.tensor([[m, b], [b, m]], dtype=torch.float64)
+    assert float(torch.diagonal(a).abs().mean()) == m
+    got = E.prefix_errors(a, torch.eye(2, dtype=torch.float64), torch.arange(2), [0], 0.0)
+    assert got[0] == pytest.approx(2 * m + 2 * jitter, rel=1e-9)  # tr(A + jitter I)
+
+
 def test_prefix_errors_equal_the_fold_error_computed_directly():
     """E(k) from one Cholesky = the output error left after the ridge fold (alpha = 0: exact)."""
     mu, cov = _random_cov(12)
@@ -181,7 +197,10 @@ def test_allocation_is_never_worse_than_uniform_on_its_proxy(tiny, which, reques
         x = request.getfixturevalue("fmnist_calib")[0][:64]
     an = find_anatomy(model)
     stats = collect_statistics(an, [x], progress=False)
-    cfg = CorpConfig.from_target("both", None, round_to=4, budget={"kind": "flops", "value": 1.0})
+    # the full last block: the cost model here prices every block as it is (the class-token last
+    # block's pricing is tested in tests/test_class_token_block.py)
+    cfg = CorpConfig.from_target("both", None, round_to=4, budget={"kind": "flops", "value": 1.0},
+                                 last_block="full")
     curves = greedy.build_curves(an, stats, cfg)
     uni_dims = [{"mlp": kept_dim(b.mlp_hidden, 0.5, 4), "qk": kept_dim(b.qk_dim, 0.5, 4),
                  "v": b.v_dim, "heads": b.num_heads} for b in an.blocks]

@@ -614,7 +614,7 @@ def test_build_curves_block_major_normalised_and_fused(tiny_anatomy, tiny_stats)
     from edgeprune.corp import CorpConfig
 
     an, stats = tiny_anatomy, tiny_stats
-    cfg = CorpConfig.from_target("all", None, budget={"kind": "flops", "value": 0.5}, round_to=8)
+    cfg = CorpConfig.from_target("all", None, last_block="full", budget={"kind": "flops", "value": 0.5}, round_to=8)
     curves = G.build_curves(an, stats, cfg)
     assert [(c.block, c.keys) for c in curves] == [(b, k) for b in (0, 1) for k in (("mlp",), ("qk",), ("v",))]
     b1 = an.blocks[1]
@@ -631,10 +631,10 @@ def test_build_curves_block_major_normalised_and_fused(tiny_anatomy, tiny_stats)
     assert heavy[1].scale == pytest.approx(2 * curves[1].scale, rel=1e-12)
     assert heavy[0].scale == pytest.approx(curves[0].scale, rel=1e-12)
     # fused: one Q/K + V unit per block, candidates multiples of round_to, normalised then tied
-    fused = CorpConfig.from_target("all", None, budget={"kind": "flops", "value": 0.5}, round_to=8, layout="fused")
+    fused = CorpConfig.from_target("all", None, last_block="full", budget={"kind": "flops", "value": 0.5}, round_to=8, layout="fused")
     assert [(c.block, c.keys) for c in G.build_curves(an, stats, fused)] == [
         (b, k) for b in (0, 1) for k in (("mlp",), ("qk", "v"))]
-    fused = CorpConfig.from_target("v", None, budget={"kind": "flops", "value": 0.5}, round_to=4, layout="fused")
+    fused = CorpConfig.from_target("v", None, last_block="full", budget={"kind": "flops", "value": 0.5}, round_to=4, layout="fused")
     fc = G.build_curves(an, stats, fused, qk_weight=0.1)
     assert [(c.block, c.keys) for c in fc] == [(0, ("qk", "v")), (1, ("qk", "v"))]
     ks = [4, 8, 12, 16]
@@ -643,10 +643,10 @@ def test_build_curves_block_major_normalised_and_fused(tiny_anatomy, tiny_stats)
     assert fc[1].ks == ks and fc[1].raw == pytest.approx([a + b for a, b in zip(q.errors, v.errors)], rel=1e-12)
     assert fc[1].scale == 1.0
     # round_to 5: candidates 5, 10, 15 and the dense 16
-    f5 = CorpConfig.from_target("v", None, budget={"kind": "flops", "value": 0.5}, round_to=5, layout="fused")
+    f5 = CorpConfig.from_target("v", None, last_block="full", budget={"kind": "flops", "value": 0.5}, round_to=5, layout="fused")
     assert G.build_curves(an, stats, f5)[1].ks == [5, 10, 15, 16]
     # whole heads
-    hc = CorpConfig.from_target("heads", None, budget={"kind": "flops", "value": 0.5}, compensation=False)
+    hc = CorpConfig.from_target("heads", None, last_block="full", budget={"kind": "flops", "value": 0.5}, compensation=False)
     heads = G.build_curves(an, stats, hc)
     assert [(c.block, c.keys, c.ks) for c in heads] == [(0, ("heads",), [1, 2]), (1, ("heads",), [1, 2])]
     assert heads[1].raw == pytest.approx(E.heads_curve(b1, stats.vo[1], hc).raw, rel=1e-12)
@@ -662,7 +662,7 @@ def test_build_curves_block_major_normalised_and_fused(tiny_anatomy, tiny_stats)
                              ("v fused", dict(mlp=stats.mlp, qk=stats.qk, vo=[stats.vo[0], None]), "V/O")):
         bad = CalibrationStatistics(num_images=12, num_tokens=17, seconds=0.0, **kw)
         target, layout = (target.split() + ["default"])[:2]
-        c = CorpConfig.from_target(target, None, budget={"kind": "flops", "value": 0.5}, round_to=4, layout=layout)
+        c = CorpConfig.from_target(target, None, last_block="full", budget={"kind": "flops", "value": 0.5}, round_to=4, layout=layout)
         with pytest.raises(UserError, match=f"^budgeted allocation of {what} needs its calibration statistics$"):
             G.build_curves(an, bad, c)
 
@@ -875,7 +875,7 @@ def test_fill_back_grows_the_largest_gain_per_cost_first_and_stops_at_the_budget
 def _mlp_cfg(value, **kw):
     from edgeprune.corp import CorpConfig
 
-    return CorpConfig.from_target("mlp", None, budget={"kind": "flops", "value": value}, round_to=32, **kw)
+    return CorpConfig.from_target("mlp", None, last_block="full", budget={"kind": "flops", "value": value}, round_to=32, **kw)
 
 
 def _hand_curves(errs0, errs1):
@@ -942,7 +942,7 @@ def test_allocate_builds_its_curves_from_the_statistics(tiny_anatomy, tiny_stats
     from edgeprune.corp import CorpConfig
 
     an, stats = tiny_anatomy, tiny_stats
-    cfg = CorpConfig.from_target("both", None, budget={"kind": "flops", "value": 0.6}, round_to=8)
+    cfg = CorpConfig.from_target("both", None, last_block="full", budget={"kind": "flops", "value": 0.6}, round_to=8)
     for w in (None, 0.05):
         dims, rep = G.allocate(an, stats, cfg, qk_weight=w)
         want_dims, want = G.allocate(an, None, cfg, curves=G.build_curves(an, stats, cfg, w))
@@ -962,7 +962,7 @@ def test_allocate_reports_tied_units_and_its_own_duration(tiny_anatomy):
     # fused Q/K + V units (8 or 16 dims per head); removing 8 Q/K and 8 V dims in one block
     cut = C.FlopsCost(an).block_cost(an.blocks[0], {"heads": 2, "qk": 16, "v": 16, "mlp": 128}) - \
         C.FlopsCost(an).block_cost(an.blocks[0], {"heads": 2, "qk": 8, "v": 8, "mlp": 128})
-    cfg = CorpConfig.from_target("v", None, budget={"kind": "flops", "value": dense - cut}, round_to=8, layout="fused")
+    cfg = CorpConfig.from_target("v", None, last_block="full", budget={"kind": "flops", "value": dense - cut}, round_to=8, layout="fused")
     curves = [E.Curve(0, ("qk", "v"), [8, 16], [1 / 3, 0.0], 1.0, "compensated"),
               E.Curve(1, ("qk", "v"), [8, 16], [2 / 3, 0.0], 1.0, "uncompensated")]
     t0 = time.perf_counter()
@@ -1027,7 +1027,7 @@ def test_allocation_modules_and_base_dims(tiny_anatomy):
     from edgeprune.corp import CorpConfig
 
     def cfg(target, **kw):
-        return CorpConfig.from_target(target, None, budget={"kind": "flops", "value": 0.5}, **kw)
+        return CorpConfig.from_target(target, None, last_block="full", budget={"kind": "flops", "value": 0.5}, **kw)
 
     assert G.allocation_modules(cfg("both")) == [("mlp",), ("qk",)]
     assert G.allocation_modules(cfg("all")) == [("mlp",), ("qk",), ("v",)]
@@ -1043,7 +1043,7 @@ def test_allocation_modules_and_base_dims(tiny_anatomy):
     assert base == [{"mlp": 64, "qk": 8, "v": 8, "heads": 2}] * 2
     # fused: the base dims follow the default layout (the allocator sets Q/K and V together
     # afterwards), so a model whose Q/K and V dims differ already is not refused here
-    fused = CorpConfig.from_target("all", None, budget={"kind": "flops", "value": 0.5}, layout="fused")
+    fused = CorpConfig.from_target("all", None, last_block="full", budget={"kind": "flops", "value": 0.5}, layout="fused")
     pruned = SimpleNamespace(blocks=[SimpleNamespace(index=0, num_heads=2, qk_dim=16, v_dim=8, mlp_hidden=128)])
     assert G.base_dims(pruned, fused) == [{"mlp": 128, "qk": 16, "v": 8, "heads": 2}]
     half = CorpConfig.from_target("mlp", None, attn_sparsity=0.5, layout="fused", round_to=8)

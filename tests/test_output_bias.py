@@ -63,7 +63,7 @@ def _prune(k: int, sparsity: float = 0.6, model=None):
     model = model if model is not None else tiny_vit()
     calib = _images(64)
     return model, calib, edgeprune.prune(model, calib, target="both", sparsity=sparsity, batch_size=16,
-                                         bias_correction_images=k)
+                                         bias_correction_images=k, head_refit=False)
 
 
 def test_correction_matches_the_dense_mean_and_removes_k_c_squared_of_the_error():
@@ -116,12 +116,13 @@ def test_bad_values_are_one_line_errors(tmp_path):
 
 @needs_fmnist
 def test_cli_records_the_correction(tmp_path):
-    r = run_cli(["prune", "--sparsity", "0.5", "--calib-size", "64", "--bias-correction", "32", "--no-eval",
-                 "--quiet", "-o", str(tmp_path / "run")])
+    r = run_cli(["prune", "--sparsity", "0.5", "--calib-size", "64", "--bias-correction", "32", "--no-head-refit",
+                 "--no-eval", "--quiet", "-o", str(tmp_path / "run")])
     assert r.exit_code == 0, r.output
     assert "output bias correction: mean output shift" in r.output and "over 32 calibration images" in r.output
     _, record = edgeprune.load_run(tmp_path / "run")
     assert record["bias_correction"]["images"] == 32 and record["config"]["bias_correction_images"] == 32
+    assert record["bias_correction"]["kind"] == "bias" and "cv_error" not in record["bias_correction"]
     assert_one_line_error(run_cli(["prune", "--bias-correction", "8", "--no-eval", "-o", str(tmp_path / "run")]),
                           "exists")
 

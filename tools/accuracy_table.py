@@ -111,11 +111,14 @@ def evaluate_cached(model, batches, dense_preds=None) -> dict:
 def config_for(args, method: str, budget: float, s_uni: float):
     """The CorpConfig of one row: uniform / nocomp at the uniform sparsity ``s_uni`` meeting the
     budget, or budgeted / sequential at the FLOPs budget, with every setting of the command line
-    (``--round-to``, ``--gram-tokens``, ``--check-images``, ``--anchors``, ``--bias-correction``)."""
+    (``--round-to``, ``--gram-tokens``, ``--check-images``, ``--anchors``, ``--bias-correction``,
+    ``--head-refit``, ``--last-block``)."""
     from edgeprune.corp import CorpConfig
 
     common = {"round_to": args.round_to, "gram_tokens": None if args.gram_tokens < 0 else args.gram_tokens,
-              "bias_correction_images": None if args.bias_correction < 0 else args.bias_correction}
+              "bias_correction_images": None if args.bias_correction < 0 else args.bias_correction,
+              "head_refit": {"auto": None, "on": True, "off": False}[args.head_refit],
+              "last_block": args.last_block}
     if method in ("nocomp", "uniform"):
         return CorpConfig.from_target("both", s_uni, compensation=method == "uniform", **common)
     budgeted = {"allocation_anchors": args.anchors}
@@ -175,6 +178,9 @@ def run(args, log) -> list[dict]:
                     if sel.get("sensitivity"):
                         msg += f", of which per-unit sensitivities {sel['sensitivity']['seconds']:.0f} s"
                     msg += ")"
+                bc = rec.get("bias_correction") or {}
+                if bc.get("images"):  # the output correction: bias or classifier refit (and its ridge alpha)
+                    msg += f"; output correction {bc['kind']}" + (f" alpha {bc['alpha']:g}" if bc.get("alpha") else "")
                 if budget in heal_at and method != "nocomp":
                     t1 = time.perf_counter()
                     healed = heal(res.model, dense, calib).model
@@ -246,6 +252,12 @@ def main(argv=None) -> int:
                    help="output bias correction on the first N calibration images "
                         "(CorpConfig.bias_correction_images; 0 = off) [-1: the library default, all "
                         "calibration images for budgeted rows, off for uniform ones]")
+    p.add_argument("--head-refit", choices=("auto", "on", "off"), default="auto",
+                   help="classifier refit with the output correction (CorpConfig.head_refit) [auto: the "
+                        "library default, on whenever the correction runs]")
+    p.add_argument("--last-block", choices=("auto", "cls", "full"), default="auto",
+                   help="class-token last block (CorpConfig.last_block) [auto: the library default, cls "
+                        "for budgeted rows of a token-pooled classifier]")
     p.add_argument("--eval-batch", type=int, default=100)
     p.add_argument("--heal", default="", help="budgets at which pruned models are also healed, e.g. 0.5,0.4")
     p.add_argument("--round-to", type=int, default=8)

@@ -44,23 +44,32 @@ def dense_dims(b: BlockAnatomy) -> dict[str, int]:
 
 
 class FlopsCost:
-    """FLOPs per image (2 x MACs) of the matrix products (``edgeprune.flops``)."""
+    """FLOPs per image (2 x MACs) of the matrix products (``edgeprune.flops``).
+
+    Args:
+        anatomy: the model.
+        query_tokens: ``{block index: T}`` for blocks that will compute only their first T tokens
+            (the class-token last block, ``edgeprune.layers.class_token_block``); other blocks
+            count as they are (``BlockAnatomy.query_tokens``, None = every token).
+    """
 
     name = "flops"
 
-    def __init__(self, anatomy: ViTAnatomy) -> None:
+    def __init__(self, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None) -> None:
         from edgeprune.flops import model_flops
 
         self.n = anatomy.num_tokens
+        self.query_tokens = {b.index: b.query_tokens for b in anatomy.blocks if b.query_tokens is not None}
+        self.query_tokens.update(query_tokens or {})
         dense = model_flops(anatomy)
-        dense_total = int(dense["total"])  # type: ignore[call-overload]
-        self._fixed = float(dense_total) - sum(self.block_cost(b, dense_dims(b)) for b in anatomy.blocks)
+        self._fixed = float(dense["patch_embed"]) + float(dense["head"])  # type: ignore[arg-type]
 
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         n, D = self.n, b.qkv.in_features
+        t = min(int(self.query_tokens.get(b.index, n)), n)
         h, qk, v, m = dims["heads"], dims["qk"], dims["v"], dims["mlp"]
-        return float(2 * n * D * h * (2 * qk + v) + 2 * n * n * h * (qk + v) + 2 * n * h * v * D
-                     + 4 * n * D * m)
+        return float(2 * n * D * h * (qk + v) + 2 * t * D * h * qk + 2 * t * n * h * (qk + v)
+                     + 2 * t * h * v * D + 4 * t * D * m)
 
     def fixed_cost(self) -> float:
         return self._fixed
@@ -71,7 +80,7 @@ class ParamsCost:
 
     name = "params"
 
-    def __init__(self, anatomy: ViTAnatomy) -> None:
+    def __init__(self, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None) -> None:
         from edgeprune.flops import count_params
 
         self._fixed = float(count_params(anatomy.model)) - sum(self.block_cost(b, dense_dims(b))
@@ -89,23 +98,28 @@ class ParamsCost:
         return self._fixed
 
 
-COST_MODELS: dict[str, Callable[[ViTAnatomy], CostModel]] = {"flops": FlopsCost, "params": ParamsCost}
+COST_MODELS: dict[str, Callable[..., CostModel]] = {"flops": FlopsCost, "params": ParamsCost}
 
 
-def register_cost_model(name: str, factory: Callable[[ViTAnatomy], CostModel]) -> None:
-    """Make ``factory(anatomy)`` the cost model of budgets of kind ``name`` (e.g. a latency table)."""
+def register_cost_model(name: str, factory: Callable[..., CostModel]) -> None:
+    """Make ``factory(anatomy)`` the cost model of budgets of kind ``name`` (e.g. a latency
+    table). When the pruned model will have blocks that compute only their first T tokens (the
+    class-token last block) it is called as ``factory(anatomy, query_tokens)`` with
+    ``query_tokens = {block index: T}`` (see :class:`FlopsCost`)."""
     COST_MODELS[name] = factory
 
 
-def cost_model(kind: str, anatomy: ViTAnatomy) -> CostModel:
-    """The registered cost model for ``kind``.
+def cost_model(kind: str, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None) -> CostModel:
+    """The registered cost model for ``kind`` of the model as it will be after pruning
+    (``query_tokens``: see :class:`FlopsCost`).
 
     Raises:
         UserError: unknown kind.
     """
     if kind not in COST_MODELS:
         raise UserError(f"unknown budget kind {kind!r} (choose from {', '.join(COST_MODELS)})")
-    return COST_MODELS[kind](anatomy)
+    factory = COST_MODELS[kind]
+    return factory(anatomy, query_tokens) if query_tokens else factory(anatomy)
 
 
 def total_cost(model: CostModel, anatomy: ViTAnatomy, dims: list[dict[str, int]]) -> float:

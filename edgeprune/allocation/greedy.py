@@ -26,6 +26,7 @@ from edgeprune.allocation.budget import target_cost
 from edgeprune.allocation.cost import CostModel, cost_model, total_cost
 from edgeprune.allocation.errors import Curve, heads_curve, mlp_curve, normalise, qk_curve, tie_curves, v_curve
 from edgeprune.errors import UserError
+from edgeprune.last_block import class_token_plan
 from edgeprune.plan import kept_dim, kept_heads, target_modules
 
 TOLERANCE = 0.01  # the achieved cost should be within 1% under the budget
@@ -211,7 +212,7 @@ def cheapest(anatomy, cfg) -> tuple[float, float, float]:
     needed: every unit at its smallest candidate (``round_to`` dims, or 1 head)."""
     from edgeprune.allocation.errors import candidate_sizes
 
-    cost = cost_model(cfg.budget["kind"], anatomy)
+    cost = cost_model(cfg.budget["kind"], anatomy, class_token_plan(cfg, anatomy))
     dims = base_dims(anatomy, cfg)
     for b, d in zip(anatomy.blocks, dims):
         for keys in allocation_modules(cfg):
@@ -222,7 +223,7 @@ def cheapest(anatomy, cfg) -> tuple[float, float, float]:
             k = candidate_sizes(min(getattr(b, attr[key]) for key in keys), cfg.round_to)[0]
             for key in keys:
                 d[key] = k
-    dense = total_cost(cost, anatomy, [_dense(b) for b in anatomy.blocks])
+    dense = total_cost(cost_model(cfg.budget["kind"], anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
     return total_cost(cost, anatomy, dims), dense, target_cost(cfg.budget, dense)
 
 
@@ -272,11 +273,13 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     if cfg.budget is None:
         raise UserError("allocate needs a budget (--flops or --params)")
     kind = cfg.budget["kind"]
-    cost = cost_model(kind, anatomy)
+    plan = class_token_plan(cfg, anatomy)
+    cost = cost_model(kind, anatomy, plan)  # the pruned model's cost (class-token last block included)
     curves = build_curves(anatomy, stats, cfg, qk_weight) if curves is None else curves
     base = base_dims(anatomy, cfg)
     dense_state = _State(anatomy, curves, base, cost, [len(c.ks) - 1 for c in curves])
-    dense_cost = total_cost(cost, anatomy, [_dense(b) for b in anatomy.blocks])
+    # the budget is a fraction of the model as given (not of its class-token variant)
+    dense_cost = total_cost(cost_model(kind, anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
     target = target_cost(cfg.budget, dense_cost)
     floor = _State(anatomy, curves, base, cost, [0] * len(curves))
     if floor.total > target:
@@ -304,9 +307,9 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     st = candidates[chosen]
     keys = [k for keys in allocation_modules(cfg) for k in keys]
     dims = [{k: int(d[k]) for k in keys} for d in st.dims]
-    fc, pc = FlopsCost(anatomy), ParamsCost(anatomy)
+    fc, pc = FlopsCost(anatomy, plan), ParamsCost(anatomy)
     flops, params = total_cost(fc, anatomy, st.dims), total_cost(pc, anatomy, st.dims)
-    dense_flops = total_cost(fc, anatomy, [_dense(b) for b in anatomy.blocks])
+    dense_flops = total_cost(FlopsCost(anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
     dense_params = total_cost(pc, anatomy, [_dense(b) for b in anatomy.blocks])
     per_block = []
     for i, d in enumerate(dims):
@@ -319,6 +322,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         "flops": flops, "params": params, "dense_flops": dense_flops, "dense_params": dense_params,
         "flops_fraction": flops / dense_flops, "params_fraction": params / dense_params,
         "chosen": chosen,
+        "class_token_blocks": {str(i): t for i, t in plan.items()},
         "proxy_error": {k: v.error for k, v in candidates.items()},
         "uniform_sparsity": uniform_sparsity, "uniform_error_before_fill": uniform_plain_error,
         "error_kind": sorted({c.kind for c in curves}),

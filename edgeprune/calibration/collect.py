@@ -43,6 +43,8 @@ class CalibrationStatistics:
     #: < ``output_images`` (the output bias correction's dense side), and how many were summed
     output_sum: torch.Tensor | None = None
     output_count: int = 0
+    #: (k_local, num_outputs) float32: those outputs themselves, this process's images in order
+    output_rows: torch.Tensor | None = None
 
 
 def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,5 +237,6 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                                   num_tokens=anatomy.num_tokens, seconds=time.perf_counter() - t0,
                                   vo=vo_stats,
                                   output_sum=None if outputs is None else outputs.total,
-                                  output_count=0 if outputs is None else outputs.count)
+                                  output_count=0 if outputs is None else outputs.count,
+                                  output_rows=None if outputs is None else outputs.rows)
     return reduce_statistics(stats)  # identity unless under torchrun (edgeprune.distributed)

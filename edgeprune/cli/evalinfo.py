@@ -92,7 +92,8 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
     click.echo("|------:|------:|---------:|-------:|------:|-----------:|-------:|-------:|")
     for b, f in zip(an.blocks, fl["blocks"]):
         params = sum(p.numel() for p in b.block.parameters())
-        click.echo(f"| {b.index} | {b.num_heads} | {b.head_dim} | {b.qk_dim} | {b.v_dim} | {b.mlp_hidden} | "
+        only = "" if b.query_tokens is None else f" (computes {b.query_tokens} token(s): class-token block)"
+        click.echo(f"| {b.index}{only} | {b.num_heads} | {b.head_dim} | {b.qk_dim} | {b.v_dim} | {b.mlp_hidden} | "
                    f"{params:,} | {f['total'] / 1e6:.1f} |")
     click.echo(f"total: {count_params(model):,} params, {fl['total'] / 1e9:.3f} GFLOPs per image "
                f"(patch embedding {fl['patch_embed'] / 1e9:.3f}, head {fl['head'] / 1e9:.3f})")

@@ -63,6 +63,16 @@ def _layouts() -> tuple[str, ...]:
               help="Fold the pruned model's mean output shift against the dense model, measured on the "
                    "first N calibration images, into the classifier bias (models with a linear head; "
                    "0 = off) [all calibration images with --flops/--params, else 0].")
+@click.option("--head-refit/--no-head-refit", "head_refit", default=None,
+              help="With the output correction on: re-fit the classifier head (weights and bias) to the "
+                   "dense model's outputs, ridge toward the dense head with its strength chosen by "
+                   "cross-validation (the bias correction alone is one of the candidates) "
+                   "[on whenever the correction runs].")
+@click.option("--last-block", "last_block", type=click.Choice(["auto", "cls", "full"]), default=None,
+              help="cls: the pruned model's last block computes only the class token its classifier "
+                   "reads (exact; the other tokens' queries, attention rows, proj and MLP are dropped); "
+                   "full: every token [auto: cls with --flops/--params for a timm classifier with "
+                   "global_pool='token', else full].")
 @click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
               "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
@@ -75,7 +85,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
               no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None,
-              bias_correction=None):
+              bias_correction=None, last_block=None, head_refit=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -96,7 +106,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("layout", layout), ("ridge_alpha", ridge_alpha),
                                    ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
                                    ("allocation_check_images", check_images),
-                                   ("bias_correction_images", bias_correction))
+                                   ("bias_correction_images", bias_correction), ("last_block", last_block),
+                                   ("head_refit", head_refit))
                  if v is not None}
     config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                          compensation=not no_compensation, criterion=criterion, round_to=round_to,
@@ -167,10 +178,21 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
     bc = rec.get("bias_correction")
-    if bc:
-        click.echo(f"output bias correction: {bc['skipped']}" if bc.get("skipped") else
-                   f"output bias correction: mean output shift |c| = {bc['shift_norm']:.4g} over {bc['images']} "
-                   f"calibration images folded into the classifier bias (--bias-correction 0: off)")
+    if bc and bc.get("skipped"):
+        click.echo(f"output correction: {bc['skipped']}")
+    elif bc and bc.get("kind") == "head refit":
+        cv, alpha = bc["cv_error"], f"{bc['alpha']:g}"
+        click.echo(f"output correction: classifier refit to the dense outputs of {bc['images']} calibration images "
+                   f"(ridge alpha {alpha} by cross-validation: held-out squared error {cv[alpha]:.4g} "
+                   f"vs {cv['bias only']:.4g} for the bias alone; head weights changed by "
+                   f"{100 * bc['weight_change']:.2g}%; --no-head-refit: bias only, --bias-correction 0: off)")
+    elif bc:
+        why = "" if bc.get("kind", "bias") == "bias" else " (cross-validation preferred it to a classifier refit)"
+        click.echo(f"output bias correction: mean output shift |c| = {bc['shift_norm']:.4g} over {bc['images']} "
+                   f"calibration images folded into the classifier bias{why} (--bias-correction 0: off)")
+    for i, t in rec["settings"].get("class_token_blocks", {}).items():
+        click.echo(f"block {i} computes only the first {t} token(s) (the class token the classifier reads; "
+                   f"exact, --last-block full: every token)")
     if rec.get("allocation"):
         from edgeprune.allocation.report import allocation_lines
 

@@ -115,7 +115,9 @@ def per_image_alignment(outputs: Sequence[torch.Tensor], targets: Sequence[torch
 
     Args:
         outputs: L pruned block outputs, each (B, N, D) (any trailing shape).
-        targets: L dense block outputs, same shapes.
+        targets: L dense block outputs, same shapes -- except that a block of the pruned model that
+            computes only its first T tokens (the class-token last block, (B, T, D)) is compared
+            with the first T tokens of its target (the only ones the model's output reads).
         kind: ``"cosine"``: ``1 - cos`` of the flattened (N*D) token matrices (eq. 1);
             ``"mse"``: mean squared difference over the N*D entries.
 
@@ -131,6 +133,8 @@ def per_image_alignment(outputs: Sequence[torch.Tensor], targets: Sequence[torch
         raise ValueError(f"{len(outputs)} block outputs vs {len(targets)} targets")
     total: torch.Tensor | None = None
     for out, ref in zip(outputs, targets):
+        if out.dim() == 3 and ref.dim() == 3 and out.shape[1] < ref.shape[1] and out.shape[::2] == ref.shape[::2]:
+            ref = ref[:, :out.shape[1]]  # a class-token block: only its T tokens exist and are read
         if out.shape != ref.shape:
             raise ValueError(f"block output {tuple(out.shape)} vs target {tuple(ref.shape)}")
         a = out.reshape(out.shape[0], -1)

@@ -56,6 +56,15 @@ class OutputSums:
     def __init__(self, width: int, k: int, first_image: int = 0) -> None:
         self.k, self.index, self.count = int(k), int(first_image), 0
         self.total = torch.zeros(int(width), dtype=torch.float64)
+        self._rows: list[torch.Tensor] = []
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """(count, width) float32 CPU: the summed outputs themselves, in order (the classifier
+        refit's targets, ``edgeprune.solve.head_refit``)."""
+        if not self._rows:
+            return torch.zeros(0, self.total.shape[0])
+        return torch.cat(self._rows)
 
     def wanted(self, batch_size: int) -> int:
         """How many of the next ``batch_size`` images have an index < k."""
@@ -67,14 +76,16 @@ class OutputSums:
         n = out.shape[0] if batch_size is None else int(batch_size)
         take = min(out.shape[0], self.wanted(n))
         if take > 0:
-            self.total += out[:take].detach().double().sum(0).cpu()
+            rows = out[:take].detach()
+            self.total += rows.double().sum(0).cpu()
+            self._rows.append(rows.float().cpu())
             self.count += take
         self.index += n
 
 
 @torch.no_grad()
 def output_sums(model: nn.Module, batches: Iterable[torch.Tensor], num_images: int,
-                first_image: int = 0) -> tuple[torch.Tensor, int]:
+                first_image: int = 0, rows: list | None = None) -> tuple[torch.Tensor, int]:
     """Sum of the model's outputs over the calibration images with index < ``num_images``.
 
     Args:
@@ -82,6 +93,8 @@ def output_sums(model: nn.Module, batches: Iterable[torch.Tensor], num_images: i
         batches: (B, C, H, W) calibration batches in calibration-set order (under torchrun this
             rank's share, starting at image ``first_image`` of the whole set).
         num_images: k, the images whose outputs are summed (only those are run).
+        rows: a list to append this process's (k_local, num_outputs) outputs to (the refit's
+            targets), or None.
 
     Returns:
         ``(sums, count)``: float64 (num_outputs,) on the CPU and the number of images summed
@@ -103,6 +116,8 @@ def output_sums(model: nn.Module, batches: Iterable[torch.Tensor], num_images: i
         if take == 0:
             break
         acc.add(model(x[:take].to(dev)), len(x))
+    if rows is not None:
+        rows.append(acc.rows)
     return all_reduce_total(acc.total, acc.count)
 
 
