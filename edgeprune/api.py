@@ -295,7 +295,7 @@ class _BiasCorrection:
 
     def fold(self, model: nn.Module, from_pass: tuple[torch.Tensor, int] | None,
              rows: torch.Tensor | None = None) -> dict[str, Any] | None:
-        from edgeprune.distributed import all_reduce_sum, all_reduce_total, is_distributed
+        from edgeprune.distributed import all_reduce_sum, is_distributed
         from edgeprune.solve.head_refit import fit_head, refit_statistics
         from edgeprune.solve.output_bias import classifier_head, fold_output_bias, output_sums
 
@@ -312,12 +312,18 @@ class _BiasCorrection:
         if head is None:
             raise RuntimeError("output correction: the pruned model lost its classifier")
         first = getattr(self.batches, "first_image", 0)
-        if not self.refit or dense[1] < 2:  # the bias alone (a refit needs images in 2 folds)
+        refit = self.refit and dense[1] >= 2  # a refit needs images in 2 folds
+        inputs: list[torch.Tensor] = []  # the head's inputs of the pruned pass
+        hook = head.register_forward_hook(lambda _m, args, _out: inputs.append(args[0].detach())) if refit else None
+        try:
             pruned, count = output_sums(model, self.batches(), self.k, first)
-            fit = None
-        else:
-            stats, pruned, count = refit_statistics(model, self.batches(), rows, self.k, first)
-            pruned, count = all_reduce_total(pruned, count)
+        finally:
+            if hook is not None:
+                hook.remove()
+        fit = None
+        if refit:
+            feats = torch.cat(inputs).flatten(1) if inputs else torch.zeros(0, head.in_features)
+            stats = refit_statistics(feats, rows, first)
             if is_distributed():
                 for t in stats.tensors:
                     t.copy_(all_reduce_sum(t))

@@ -20,6 +20,7 @@ candidate dims).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable, Protocol
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
@@ -65,11 +66,11 @@ class FlopsCost:
         self._fixed = float(dense["patch_embed"]) + float(dense["head"])  # type: ignore[arg-type]
 
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
-        n, D = self.n, b.qkv.in_features
-        t = min(int(self.query_tokens.get(b.index, n)), n)
-        h, qk, v, m = dims["heads"], dims["qk"], dims["v"], dims["mlp"]
-        return float(2 * n * D * h * (qk + v) + 2 * t * D * h * qk + 2 * t * n * h * (qk + v)
-                     + 2 * t * h * v * D + 4 * t * D * m)
+        from edgeprune.flops import block_flops
+
+        shape = SimpleNamespace(qkv=b.qkv, num_heads=dims["heads"], qk_dim=dims["qk"], v_dim=dims["v"],
+                                mlp_hidden=dims["mlp"], query_tokens=self.query_tokens.get(b.index))
+        return float(block_flops(shape, self.n)["total"])  # type: ignore[arg-type]
 
     def fixed_cost(self) -> float:
         return self._fixed

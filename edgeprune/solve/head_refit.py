@@ -25,10 +25,7 @@ all-reduced and every rank fits the same head. (Our addition: docs/methods.md "C
 from __future__ import annotations
 
 import math
-from typing import Iterable
-
 import torch
-import torch.nn as nn
 
 __all__ = ["ALPHAS", "FOLDS", "RefitStatistics", "refit_statistics", "fit_head"]
 
@@ -133,51 +130,24 @@ def fit_head(stats: RefitStatistics, weight: torch.Tensor, alphas=ALPHAS) -> dic
     return {"weight": w, "bias": b, "alpha": best, "cv_error": cv, "images": int(full[0])}
 
 
-@torch.no_grad()
-def refit_statistics(model: nn.Module, batches: Iterable[torch.Tensor], dense_rows: torch.Tensor,
-                     num_images: int, first_image: int = 0,
-                     folds: int = FOLDS) -> tuple[RefitStatistics, torch.Tensor, int]:
-    """One pass of the pruned model over the calibration images with index < ``num_images``:
-    the refit's sums (the head's inputs against the dense outputs) and the pruned output sums.
+def refit_statistics(features: torch.Tensor, dense_rows: torch.Tensor, first_image: int = 0,
+                     folds: int = FOLDS) -> RefitStatistics:
+    """The refit's sums over this process's images: the pruned model's head inputs against the
+    dense outputs of the same images.
 
     Args:
-        model: the pruned model (eval mode, its own device), with an affine classifier head.
-        batches: (B, C, H, W) calibration batches in calibration-set order (under torchrun this
-            rank's share, starting at image ``first_image`` of the whole set).
-        dense_rows: (k_local, C) the dense model's outputs of the same images, in the same order
+        features: (k_local, D) the pruned model's head inputs, in calibration-set order.
+        dense_rows: (>= k_local, C) the dense model's outputs of the same images, same order
             (``OutputSums.rows`` of the calibration pass).
-        num_images: k (only images with index < k are run).
-
-    Returns:
-        ``(stats, pruned_sums, count)``: :class:`RefitStatistics` and the float64 output sums and
-        image count of this process (the caller all-reduces under torchrun).
+        first_image: index in the whole calibration set of the first of these images (under
+            torchrun: this rank's share), which fixes each image's fold.
 
     Raises:
-        ValueError: no affine classifier head, or fewer dense rows than images.
+        ValueError: fewer dense rows than features.
     """
-    from edgeprune.solve.output_bias import OutputSums, classifier_head
-
-    head = classifier_head(model)
-    if head is None:
-        raise ValueError("the classifier refit needs a model with an affine classifier head")
-    model.eval()
-    dev = next(model.parameters()).device
-    stats = RefitStatistics(head.in_features, head.out_features, folds)
-    acc = OutputSums(head.out_features, num_images, first_image)
-    seen: list[torch.Tensor] = []
-    handle = head.register_forward_hook(lambda _m, args, _out: seen.append(args[0]))
-    try:
-        for x in batches:
-            take = acc.wanted(len(x))
-            if take == 0:
-                break
-            seen.clear()
-            out = model(x[:take].to(dev))
-            if acc.count + take > dense_rows.shape[0]:
-                raise ValueError(f"{dense_rows.shape[0]} dense outputs for {acc.count + take} images")
-            stats.add(seen[-1].reshape(take, -1), dense_rows[acc.count:acc.count + take],
-                      torch.arange(acc.index, acc.index + take))
-            acc.add(out, len(x))
-    finally:
-        handle.remove()
-    return stats, acc.total, acc.count
+    k = features.shape[0]
+    if dense_rows.shape[0] < k:
+        raise ValueError(f"{dense_rows.shape[0]} dense outputs for {k} images")
+    stats = RefitStatistics(features.shape[1], dense_rows.shape[1], folds)
+    stats.add(features, dense_rows[:k], torch.arange(first_image, first_image + k))
+    return stats
