@@ -209,10 +209,6 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     from edgeprune.cli.options import resolve_device
 
     device = resolve_device(device)
-    if config.gram_dtype == "bfloat16":  # before any work
-        from edgeprune.calibration.collect import require_native_bf16
-
-        require_native_bf16(device)
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()

@@ -26,8 +26,6 @@ from edgeprune.vo import LAYOUTS, attention_dims, attention_sparsities, plan_att
 
 
 QK_SOLVERS = ("auto", "direct", "cg")
-#: ``CorpConfig.gram_dtype`` -> dtype of the MLP / V/O Gram products of the calibration pass
-GRAM_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 # f(block, head) -> (M (d', d') float64, ridge lambda, solve info dict)
@@ -74,12 +72,7 @@ class CorpConfig:
             (lam = alpha * tr(Sigma_SS)/|S|).
         qk_ridge_alpha: scale-free ridge strength of the Q/K fit (lam = alpha * mean diag of K).
         round_to: kept dims are multiples of this.
-        gram_dtype: dtype of the per-batch MLP and V/O Gram products: "float32" (default; exact to
-            ~1e-6 relative per batch, summed in float64), "float64", or "bfloat16" (an estimate,
-            ~2.5e-4 relative, the MLP covariance ~2.2x faster on CPUs with native bfloat16 products:
-            ``edgeprune.calibration.mlp_stats.symmetric_gram_bf16``, docs/prune_cost.md; the Q/K
-            Grams and ``sequential`` calibration stay float32; refused on devices without native
-            bfloat16 products).
+        gram_dtype: dtype of the per-batch Gram products ("float32" default, or "float64").
         gram_tokens: MLP statistics (ranking energy, mean and covariance for the ridge fit) from
             this many tokens per image instead of all n (0 = all tokens, exact). The MLP Gram is
             the largest cost of the calibration pass (~0.75 of a dense forward pass on
@@ -194,13 +187,11 @@ class CorpConfig:
             raise UserError("ridge alpha must be >= 0")
         if self.round_to < 1:
             raise UserError(f"--round-to must be >= 1, got {self.round_to}")
-        if self.gram_dtype not in GRAM_DTYPES:
-            raise UserError(f"unknown gram dtype {self.gram_dtype!r} (choose from {', '.join(GRAM_DTYPES)})")
+        if self.gram_dtype not in ("float64", "float32"):
+            raise UserError("gram dtype must be float64 or float32")
         if self.gram_tokens is not None and (isinstance(self.gram_tokens, bool) or not isinstance(self.gram_tokens, int)
                                              or self.gram_tokens < 0):
             raise UserError(f"gram tokens must be an int >= 0 (0 = every token), got {self.gram_tokens!r}")
-        if self.gram_dtype == "bfloat16" and self.sequential:
-            raise UserError("--gram-dtype bfloat16 does not apply to --sequential calibration (float32 products)")
         if self.gram_tokens and self.sequential:
             raise UserError("--gram-tokens does not apply to --sequential calibration (it uses every token)")
         if self.qk_solver not in QK_SOLVERS:
@@ -429,7 +420,7 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
                     and _qk_gram_bytes(anatomy, num_images) > cfg.qk_memory_limit_gb * 2 ** 30)
     keep_grams = prune_qk and cfg.compensation and not two_pass
     mlp_tokens = gram_tokens_used(cfg, anatomy, num_images)
-    gram_dtype = GRAM_DTYPES[cfg.gram_dtype]
+    gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
     from edgeprune.solve.output_bias import classifier_head
 
     output_images = bias_correction_used(cfg) if classifier_head(anatomy.model) is not None else 0

@@ -124,8 +124,7 @@ def one_prune(model, spec, images, args, device: torch.device) -> dict:
     with PhaseTimer(device) as pt:
         t0, c0 = time.perf_counter(), time.process_time()
         res = prune(model, images, target="both", sparsity=args.sparsity, qk_solver=args.qk_solver,
-                    spec=spec, batch_size=args.batch_size, device=str(device), gram_tokens=args.gram_tokens_now,
-                    gram_dtype=args.gram_dtype_now)
+                    spec=spec, batch_size=args.batch_size, device=str(device), gram_tokens=args.gram_tokens_now)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
     stats_s = res.record["timing"]["calibration_s"]
     row = {"gram_tokens_used": res.record["settings"].get("gram_tokens_used", 0), "prune_s": total, "prune_cpu_s": cpu, "statistics_s": stats_s, "ranking_s": pt.t["ranking"], "solve_s": pt.t["solve"],
@@ -154,7 +153,7 @@ def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -
     ratios = [p["prune_s"] / d for p, d in zip(prunes, dense)]
     cpu_ratios = [p["prune_cpu_s"] / d for p, d in zip(prunes, dense_cpu)]
     return {"model": model_key, "images": n, "threads": threads, "device": str(device),
-            "gram_tokens": args.gram_tokens_now, "gram_dtype": args.gram_dtype_now, "gram_tokens_used": prunes[-1]["gram_tokens_used"],
+            "gram_tokens": args.gram_tokens_now, "gram_tokens_used": prunes[-1]["gram_tokens_used"],
             "dense_s": statistics.median(dense), **med, "ratio": statistics.median(ratios),
             "cpu_ratio": statistics.median(cpu_ratios), "dense_cpu_s": statistics.median(dense_cpu),
             "ratios": ratios, "dense_runs": dense, "prune_runs": [p["prune_s"] for p in prunes],
@@ -166,16 +165,16 @@ def fmt(r: dict) -> str:
     solvers = " ".join(f"{k}:{v}" for k, v in sorted(r["qk_solvers"].items()))
     used = r.get("gram_tokens_used") or "all"
     tokens = f"auto ({used})" if r["gram_tokens"] is None else (r["gram_tokens"] or "all")
-    return (f"| {r['model']} | {r['images']} | {tokens} | {r.get('gram_dtype', 'float32')} | {r['device']} | {r['threads']} | "
+    return (f"| {r['model']} | {r['images']} | {tokens} | {r['device']} | {r['threads']} | "
             f"{r['dense_s']:.1f} | "
             f"{r['prune_s']:.1f} | {r['statistics_s']:.1f} | {r['ranking_s']:.2f} | {r['solve_s']:.2f} | "
             f"{r['surgery_s']:.2f} | {r['other_s']:.2f} | **{r['ratio']:.2f}** | {r['cpu_ratio']:.2f} | {r['peak_rss_mb']:.0f} | {gpu} | "
             f"{solvers} |")
 
 
-HEADER = ("| model | images | MLP tokens / image | Gram products | device | threads | dense s | prune s | statistics s | ranking s | "
+HEADER = ("| model | images | MLP tokens / image | device | threads | dense s | prune s | statistics s | ranking s | "
           "solve s | surgery s | other s | ratio | CPU-time ratio | peak RSS MiB | peak GPU MiB | Q/K solvers |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gram-tokens", default="auto",
                     help="comma list of MLP tokens per image for the statistics (CorpConfig.gram_tokens; 0 = all, "
                          "auto = the default rule) [auto]")
-    ap.add_argument("--gram-dtype", default="float32",
-                    help="comma list of MLP/V-O Gram product dtypes (CorpConfig.gram_dtype: float32, bfloat16, "
-                         "float64) [float32]")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
@@ -208,11 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             for n in (int(s) for s in args.sizes.split(",")):
                 for t in thread_list:
                     for k in (None if v == "auto" else int(v) for v in args.gram_tokens.split(",")):
-                        for dtype in args.gram_dtype.split(","):
-                            args.gram_tokens_now, args.gram_dtype_now = k, dtype
-                            r = run_case(model_key, n, t, device, args)
-                            rows.append(r)
-                            print(fmt(r), flush=True)
+                        args.gram_tokens_now = k
+                        r = run_case(model_key, n, t, device, args)
+                        rows.append(r)
+                        print(fmt(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, indent=1))
     return 0

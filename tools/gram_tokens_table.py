@@ -1,15 +1,13 @@
 """Top-1 with MLP statistics from K random tokens per image (``--gram-tokens``) vs all tokens.
 
     python tools/gram_tokens_table.py --model fmnist-vit --tokens 0,16,32 --runs both@0.5,mlp@0.7 --seeds 0,1,2
-    python tools/gram_tokens_table.py --model dinov2-s14-fmnist --tokens 0 --gram-dtype float32,bfloat16 --runs both@0.635
 
 For each K (0 = all tokens, ``auto`` = the default rule, ``mlp_stats.auto_gram_tokens``) and each
 ``target@sparsity``: CORP over the model's calibration set (``--calib-size`` images, seeds given)
 and top-1 / agreement with the dense model / relative squared logit error vs the dense model
 (``sum ||z - z_dense||^2 / sum ||z_dense||^2``, far less noisy than top-1) on the first
 ``--eval-size`` held-out images (all by default), one row per (K, run) with the per-seed values
-and their mean; ``--gram-dtype`` adds the precision of the MLP / V-O covariance products
-(float32, bfloat16) as a second axis. Calibration (train split) and evaluation (test split) are disjoint. Prints a
+and their mean. Calibration (train split) and evaluation (test split) are disjoint. Prints a
 markdown table (docs/prune_cost.md).
 """
 
@@ -36,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--calib-size", type=int, default=None, help="[the model's default]")
     ap.add_argument("--eval-size", type=int, default=None, help="held-out images [all]")
-    ap.add_argument("--gram-dtype", default="float32",
-                    help="comma list of MLP/V-O Gram product dtypes (float32, bfloat16, float64) [float32]")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -51,11 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     n_eval = sum(len(y) for _, y in batches)
     n_calib = args.calib_size or spec.default_calib_size
     print(f"{args.model}: dense top-1 {d * 100:.2f}% on {n_eval} held-out images; {n_calib} calibration images")
-    print("| MLP tokens / image | Gram products | run | top-1 per seed | mean top-1 | mean agreement | logit error per seed | "
+    print("| MLP tokens / image | run | top-1 per seed | mean top-1 | mean agreement | logit error per seed | "
           "mean logit error | mean prune s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for k, dtype in ((None if v == "auto" else int(v), dt) for v in args.tokens.split(",")
-                     for dt in args.gram_dtype.split(",")):
+    print("|---|---|---|---|---|---|---|---|")
+    for k in (None if v == "auto" else int(v) for v in args.tokens.split(",")):
         for run in args.runs.split(","):
             target, sp = run.split("@")
             tops, agrees, secs, errs = [], [], [], []
@@ -63,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 calib = spec.calibration_source(n_calib, seed=seed)
                 t0 = time.perf_counter()
                 res = edgeprune.prune(spec.create(pretrained=True), calib, spec=spec, target=target,
-                                      sparsity=float(sp), gram_tokens=k, gram_dtype=dtype, progress=False)
+                                      sparsity=float(sp), gram_tokens=k, progress=False)
                 secs.append(time.perf_counter() - t0)
                 used = res.record["settings"].get("gram_tokens_used", k)
                 with torch.no_grad():  # one pass: logits -> top-1, agreement and logit error
@@ -78,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 agrees.append(agree)
             m = len(tops)
             label = "all" if k == 0 else (f"auto ({used or 'all'})" if k is None else k)
-            print(f"| {label} | {dtype} | {run} | {' / '.join(f'{t * 100:.2f}' for t in tops)} | "
+            print(f"| {label} | {run} | {' / '.join(f'{t * 100:.2f}' for t in tops)} | "
                   f"{sum(tops) / m * 100:.2f} | {sum(agrees) / m * 100:.2f} | {' / '.join(f'{e:.4g}' for e in errs)} | "
                   f"{sum(errs) / m:.4g} | {sum(secs) / m:.1f} |", flush=True)
     return 0

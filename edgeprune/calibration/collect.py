@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from edgeprune.anatomy import ViTAnatomy
-from edgeprune.calibration.mlp_stats import MLPStatistics, native_bf16_matmul
+from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics, QKSystemStatistics
 from edgeprune.errors import UserError
 from edgeprune.progress import progress as show_progress
@@ -54,15 +54,6 @@ def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.
     q = qkv_out[..., :hq].reshape(B, n, num_heads, qk_dim).transpose(1, 2)
     k = qkv_out[..., hq:2 * hq].reshape(B, n, num_heads, qk_dim).transpose(1, 2)
     return q, k
-
-
-def require_native_bf16(device: str | torch.device) -> None:
-    """Raises UserError unless bfloat16 products are native on ``device``
-    (:func:`~edgeprune.calibration.mlp_stats.native_bf16_matmul`): elsewhere they are emulated and
-    slower than float32, so ``--gram-dtype bfloat16`` would cost accuracy and time."""
-    if not native_bf16_matmul(device):
-        raise UserError(f"--gram-dtype bfloat16 needs native bfloat16 products (a CUDA GPU, or a CPU with "
-                        f"AVX512-BF16 or AMX); {device} has none (use --gram-dtype float32)")
 
 
 _DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgeprune_calibration_device", default=None)
@@ -134,8 +125,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         qk: collect Q/K statistics (for attention pruning).
         qk_grams: keep per-image Q/K Grams (needed for Q/K compensation).
         mlp_second_order: accumulate MLP covariances (needed for MLP compensation).
-        gram_dtype: dtype of the per-batch MLP and V/O Gram products (see :class:`MLPStatistics`);
-            bfloat16 applies to those products only (the per-image Q/K Grams are then float32).
+        gram_dtype: dtype of the per-batch MLP Gram product (see :class:`MLPStatistics`).
         progress: show progress (a bar on a terminal, plain log lines otherwise); total: number of batches, for the bar.
         qk_keep: second-pass mode: per block the (H, d') kept Q/K dims (or None); the pass then
             accumulates :class:`QKSystemStatistics` into ``qk`` instead of per-image Grams.
@@ -164,8 +154,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
         :class:`CalibrationStatistics`, tensors on the CPU.
 
     Raises:
-        UserError: no images, or images of the wrong shape; bfloat16 products on a device
-            without native ones (:func:`~edgeprune.calibration.mlp_stats.native_bf16_matmul`).
+        UserError: no images, or images of the wrong shape.
     """
     model = anatomy.model
     model.eval()
@@ -174,9 +163,6 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("CUDA is not available (use --device cpu)")
     on_cpu = dev.type == "cpu"
-    if gram_dtype == torch.bfloat16 and (mlp or vo):
-        require_native_bf16(dev)
-    qk_dtype = torch.float32 if gram_dtype == torch.bfloat16 else gram_dtype  # Q/K Grams: never bfloat16
     grams_dev = None if on_cpu else torch.device("cpu")
     from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statistics
 
@@ -191,7 +177,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
                       shift_fn=shift_fn, tokens=mlp_tokens, first_image=first_image)
         if mlp else None for b in anatomy.blocks]
     qk_stats: list = [
-        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=qk_dtype, device=dev,
+        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype, device=dev,
                      grams_device=grams_dev) if qk else None for b in anatomy.blocks]
     if qk_keep is not None:
         qk = True
@@ -242,9 +228,6 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
             h.remove()
         if dev != home:
             model.to(home)
-    for st in [*mlp_stats, *vo_stats]:
-        if st is not None:
-            st.flush()  # pending bfloat16-product sums into the float64 Gram
     if not on_cpu:
         for st in [*mlp_stats, *qk_stats, *vo_stats]:
             _stats_to_cpu(st)

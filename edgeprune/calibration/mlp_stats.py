@@ -53,115 +53,6 @@ def symmetric_gram(x: torch.Tensor, block: int = 384, out: torch.Tensor | None =
     return out
 
 
-#: tokens per bfloat16 product in :func:`upper_gram_bf16`: each product's output is rounded to
-#: bfloat16 (8 significant bits) before it is summed in float32, so the output rounding of a Gram
-#: over T tokens averages over T / chunk products (~2^-9 / sqrt(3 T / chunk) relative); 1024 tokens
-#: cost ~8% more time than one product per batch of 32 ViT-S images.
-BF16_CHUNK_TOKENS = 1024
-#: Gram rows per bfloat16 block-row product (256: fastest on a Zen 4 core, measured)
-BF16_BLOCK = 256
-#: batches whose bfloat16-product Grams are summed in float32 before they are added to the float64
-#: sum (each batch adds ~T / chunk bfloat16-rounded chunk products; float32 adds of a few hundred
-#: of them stay far below their own rounding)
-BF16_FLUSH_BATCHES = 16
-
-
-_SCRATCH: dict = {}
-
-
-def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One reusable buffer per (shape, dtype, device), shared by every statistics object: a fresh
-    (T, D) buffer per batch and block made the allocator return and re-fault its pages, which
-    slowed the model's own next large op (GELU) by ~20% (measured)."""
-    key = (tuple(shape), dtype, str(device))
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        _SCRATCH.clear()  # at most one buffer: a new shape (last batch, other block width) replaces it
-        buf = _SCRATCH[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
-
-
-def native_bf16_matmul(device: torch.device | str = "cpu") -> bool:
-    """Whether bfloat16 matrix products run natively (faster than float32) on ``device``.
-
-    CUDA: GPUs with bfloat16 tensor cores (compute capability >= 8.0). CPU: when the CPU has
-    AVX512-BF16 or AMX tiles (oneDNN kernels, ~2x the float32 GEMM rate on a Zen 4 core); other
-    CPUs emulate bfloat16 products, slower than float32.
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda":  # bfloat16 tensor cores from compute capability 8.0 (Ampere, Jetson Orin)
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-    if dev.type != "cpu":
-        return False
-    cpu = getattr(torch, "cpu", None)
-    probes = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(bool(p()) for p in probes if callable(p))
-
-
-def upper_gram_bf16(xb: torch.Tensor, acc: torch.Tensor, block: int = BF16_BLOCK,
-                    chunk: int = BF16_CHUNK_TOKENS) -> torch.Tensor:
-    """Add the upper block rows of X^T X, products in bfloat16, to a float32 accumulator.
-
-    ``acc[i:i+b, i:] += X[:, i:i+b]^T X[:, i:]`` for every block row i (each diagonal b x b block
-    in full, nothing below it), chunk by chunk of ``chunk`` tokens: the GEMM sums the exact
-    products of the bfloat16 inputs in float32, its output is rounded to bfloat16 once per chunk
-    and summed into ``acc`` in float32. :func:`mirror_upper_blocks` turns ``acc`` into the full
-    symmetric matrix. Error: see :func:`symmetric_gram_bf16`.
-
-    Args:
-        xb: (T, D) bfloat16 activations (already centred); acc: (D, D) float32, updated in place.
-        block: Gram rows per product; chunk: tokens per product.
-
-    Returns:
-        ``acc``.
-    """
-    t, d = xb.shape
-    for c in range(0, t, chunk):
-        xc = xb[c:c + chunk]
-        for i in range(0, d, block):
-            acc[i:i + block, i:] += xc[:, i:i + block].T @ xc[:, i:]
-    return acc
-
-
-def mirror_upper_blocks(acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out += U + triu(U, 1)^T`` with U = triu(acc): the full symmetric matrix whose upper
-    triangle :func:`upper_gram_bf16` accumulated (entries below the diagonal blocks of ``acc``
-    are zero, those inside them are ignored). Exactly symmetric. Returns ``out``."""
-    u = torch.triu(acc)
-    out += u
-    out += torch.triu(acc, 1).T
-    return out
-
-
-def symmetric_gram_bf16(x: torch.Tensor, out: torch.Tensor | None = None, block: int = BF16_BLOCK,
-                        chunk: int = BF16_CHUNK_TOKENS) -> torch.Tensor:
-    """X^T X with the products formed in bfloat16 (an estimate, not exact); added to ``out``.
-
-    ``x`` is rounded to bfloat16 (8 significant bits; the product of two such numbers is exact
-    in the GEMM's float32 accumulators) and the upper block triangle is formed chunk by chunk
-    (:func:`upper_gram_bf16`), then mirrored. Relative error (Frobenius) of the covariance of
-    DINOv2-S MLP activations over 256 calibration images (blocks 2 / 6 / 10): 2.3e-4 - 2.6e-4,
-    against 0.07 - 0.13 between the covariances of the two halves of those images (the sampling
-    error the ridge fit lives with; docs/prune_cost.md "bfloat16 products"). ~2.2x faster than
-    :func:`symmetric_gram` where bfloat16 products are native (:func:`native_bf16_matmul`),
-    slower elsewhere.
-
-    Args:
-        x: (T, D) activations (centred), any float dtype.
-        out: optional (D, D) float32/float64 accumulator, added to in place.
-        block: Gram rows per product; chunk: tokens per product.
-
-    Returns:
-        (D, D) X^T X (``out`` when given; float32 otherwise), exactly symmetric.
-    """
-    d = x.shape[1]
-    acc = torch.zeros(d, d, dtype=torch.float32, device=x.device)
-    upper_gram_bf16(x.to(torch.bfloat16), acc, block, chunk)
-    if out is None:
-        out = torch.zeros(d, d, dtype=torch.float32, device=x.device)
-    return mirror_upper_blocks(acc, out)
-
-
 #: base of the per-image seeds of :func:`token_positions` (image j uses TOKEN_SEED + j)
 TOKEN_SEED = 0x5EED0000
 
@@ -236,10 +127,7 @@ class MLPStatistics:
 
     Args:
         dim: D_mlp.
-        gram_dtype: dtype of the per-batch Gram product: float64, float32 (exact to ~1e-6 for
-            one batch), or bfloat16 (an estimate, ~2.5e-4 relative on DINOv2-S, the Gram 2.2x
-            faster on CPUs with native bfloat16 products: :func:`symmetric_gram_bf16`; the mean
-            and the other sums are then formed in float32).
+        gram_dtype: dtype of the per-batch Gram product (float64 or float32).
         second_order: accumulate the full covariance (needed for compensation). ``False`` keeps
             only per-channel sums of squares -- enough for every ranking criterion, at a fraction
             of the cost; :attr:`cov` then raises.
@@ -272,8 +160,6 @@ class MLPStatistics:
         self.first_image = int(first_image)
         self.shift_fn = shift_fn
         self.gram_dtype = gram_dtype
-        # the centring and every sum: float32 when only the products are bfloat16
-        self.work_dtype = torch.float32 if gram_dtype == torch.bfloat16 else gram_dtype
         self.second_order = second_order
         self.count_positive = count_positive
         f64 = dict(dtype=torch.float64, device=device)
@@ -284,9 +170,6 @@ class MLPStatistics:
         # float64 sum of the shifted data's Gram; allocated only when second_order (D^2 x 8 bytes)
         self._gram = torch.zeros(dim, dim, **f64) if second_order else torch.zeros(0, 0, **f64)
         self._positive = torch.zeros(dim, **f64)
-        # bfloat16 products: float32 upper-block accumulator, mirrored into _gram by flush()
-        self._acc32: torch.Tensor | None = None
-        self._acc_batches = 0
 
     @torch.no_grad()
     def add_batch(self, h: torch.Tensor) -> None:
@@ -310,8 +193,8 @@ class MLPStatistics:
         if self._shift is None:
             first = x.mean(0, dtype=torch.float64)
             shift = first if self.shift_fn is None else self.shift_fn(first)
-            # the shift as subtracted below (rounded to the working dtype), so that mean adds back exactly it
-            self._shift = shift.to(self.work_dtype).double().to(self._sum.device)
+            # the shift as subtracted below (rounded to gram_dtype), so that mean adds back exactly it
+            self._shift = shift.to(self.gram_dtype).double().to(self._sum.device)
         elif self._shift.device != x.device:
             raise ValueError(f"activations on {x.device}, statistics on {self._shift.device}")
         # Per-batch reductions in gram_dtype (an int32 count; float32 column sums), added to the
@@ -319,11 +202,7 @@ class MLPStatistics:
         # DINOv2-S calibration pass.
         if self.count_positive:
             self._positive += (x > 0).sum(0, dtype=torch.int32)
-        if self.second_order and self.gram_dtype == torch.bfloat16:
-            self._add_bf16(x)
-            self.count += x.shape[0]
-            return
-        xc = x.to(self.work_dtype) - self._shift.to(self.work_dtype)
+        xc = x.to(self.gram_dtype) - self._shift.to(self.gram_dtype)
         self._sum += xc.sum(0)
         if self.second_order:
             symmetric_gram(xc, out=self._gram)  # float32 block products summed into float64
@@ -331,32 +210,7 @@ class MLPStatistics:
             self._sq += (xc * xc).sum(0)
         self.count += x.shape[0]
 
-    def _add_bf16(self, x: torch.Tensor) -> None:
-        """One batch (T, D) with bfloat16 products: float32 column sums of x (the shift is taken
-        off in float64: ``sum(x - s) = sum(x) - T s``), then x - s rounded to bfloat16 in one pass
-        and its upper block Gram added to the float32 accumulator (flushed into the float64 sum
-        every :data:`BF16_FLUSH_BATCHES` batches and before any read)."""
-        x = x.float() if x.dtype != torch.float32 else x
-        self._sum += x.sum(0).double() - x.shape[0] * self._shift
-        xb = _scratch(x.shape, torch.bfloat16, x.device)
-        torch.sub(x, self._shift.to(torch.float32), out=xb)  # one pass: subtract and round
-        if self._acc32 is None:
-            self._acc32 = torch.zeros(self.dim, self.dim, dtype=torch.float32, device=x.device)
-        upper_gram_bf16(xb, self._acc32)
-        self._acc_batches += 1
-        if self._acc_batches >= BF16_FLUSH_BATCHES:
-            self.flush()
-
-    def flush(self) -> None:
-        """Move pending bfloat16-product sums (float32) into the float64 Gram. Idempotent; called
-        by every reader and by :func:`~edgeprune.calibration.collect.collect_statistics` at the
-        end of its pass (before statistics are moved or combined across ranks)."""
-        if self._acc32 is not None and self._acc_batches:
-            mirror_upper_blocks(self._acc32, self._gram)
-        self._acc32, self._acc_batches = None, 0
-
     def _check(self) -> None:
-        self.flush()
         if self.count == 0:
             raise RuntimeError("MLPStatistics: no activations were added")
 

@@ -51,10 +51,6 @@ def _layouts() -> tuple[str, ...]:
                    "of the calibration pass; an estimator, docs/prune_cost.md); 0 = all tokens (exact) "
                    "[auto: max(64, 32 x MLP hidden / images) when at most half of the tokens, else all; all "
                    "with --sequential].")
-@click.option("--gram-dtype", "gram_dtype", type=click.Choice(["float32", "bfloat16", "float64"]), default=None,
-              help="Precision of the MLP and V/O covariance products: float32 (exact to ~1e-6, summed in "
-                   "float64), bfloat16 (~2.5e-4 relative, the covariance ~2.2x faster; needs a GPU or a CPU "
-                   "with AVX512-BF16/AMX; docs/prune_cost.md) or float64 [float32].")
 @click.option("--flops", default=None, metavar="F",
               help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
                    "kept dims are allocated per block and module.")
@@ -89,7 +85,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
               no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None,
-              bias_correction=None, last_block=None, head_refit=None, gram_dtype=None):
+              bias_correction=None, last_block=None, head_refit=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -111,16 +107,12 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
                                    ("allocation_check_images", check_images),
                                    ("bias_correction_images", bias_correction), ("last_block", last_block),
-                                   ("head_refit", head_refit), ("gram_dtype", gram_dtype))
+                                   ("head_refit", head_refit))
                  if v is not None}
     config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                          compensation=not no_compensation, criterion=criterion, round_to=round_to,
                          qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
                          **overrides)
-    if config.gram_dtype == "bfloat16":
-        from edgeprune.calibration.collect import require_native_bf16
-
-        require_native_bf16(device)
     amount = (f"{config.budget['kind']}{float(config.budget['value']):g}" if config.budget else f"{sparsity:g}")
     target = config.target
     out_path = check_new_dir(out or f"runs/{model_name}-{target}-{amount}{'-nocomp' if no_compensation else ''}")
@@ -185,8 +177,6 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     used = rec["settings"].get("gram_tokens_used", 0)
     if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
-    if rec["settings"].get("gram_dtype") == "bfloat16":  # an estimate too (docs/prune_cost.md)
-        click.echo("MLP and V/O covariance products in bfloat16 (--gram-dtype float32: exact float32 products)")
     bc = rec.get("bias_correction")
     if bc and bc.get("skipped"):
         click.echo(f"output correction: {bc['skipped']}")
