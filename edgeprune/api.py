@@ -180,6 +180,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
             available, else cpu). The statistics are accumulated on it (float32 products summed
             in float64); the closed-form solves run in float64 on the CPU and the model is
             returned on the CPU (``edgeprune.calibration.collect``). Recorded in the run record.
+            ``sequential`` calibration runs on the CPU whatever the device (recorded as "cpu").
         calibration_info: extra calibration description for the record (seed, size requested).
         target, sparsity, **settings: the keyword form of ``config`` (see above).
 
@@ -209,6 +210,10 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     from edgeprune.cli.options import resolve_device
 
     device = resolve_device(device)
+    if config.sequential and device != "cpu":
+        # sequential calibration keeps its token streams in host memory and runs every pass on the
+        # CPU (edgeprune.sequential); the record says where the work ran
+        device = "cpu"
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()

@@ -3,8 +3,10 @@
 PyTorch's ``F.scaled_dot_product_attention`` dispatches to a fused kernel (FlashAttention,
 memory-efficient attention, cuDNN attention; on the CPU a flash-style kernel) only when the inputs
 allow it; FlashAttention (GPU and CPU) needs the query/key head dim to equal the value head dim,
-so a pruned model with ``qk_dim != v_dim`` falls back to the unfused ``math`` path (measured here:
-the CPU dispatcher picks ``flash_attention`` for 64/64 and 32/32, ``math`` for 32/64). That is why
+so a pruned model with ``qk_dim != v_dim`` falls back to another kernel: the unfused ``math`` path
+on the CPU (measured here: the CPU dispatcher picks ``flash_attention`` for 64/64 and 32/32,
+``math`` for 32/64); on CUDA the memory-efficient kernel may accept unequal (aligned) head dims
+(not measured: no GPU was available). That is why
 a pruned model can be slower per FLOP than the dense one, and why ``--layout fused`` exists.
 
 :func:`attention_kernels` runs one forward pass with ``F.scaled_dot_product_attention`` wrapped:

@@ -17,6 +17,7 @@ captured once on a side stream (after 3 eager warm-up passes) and replayed, as i
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from typing import Any, Sequence
@@ -94,7 +95,18 @@ class TorchRunner(Runner):
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         if self.torch_device.type == "cuda":
-            torch.set_float32_matmul_precision("high" if self.precision == "tf32" else "highest")
+            # matmuls and cuDNN convolutions (the patch embedding) alike; the same (legacy) flags as
+            # the statistics pass and heal use (mixing them with set_float32_matmul_precision makes
+            # torch.get_float32_matmul_precision raise)
+            tf32 = self.precision == "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+
+    def _on_device(self) -> Any:
+        """``torch.cuda.device(dev)`` for a CUDA runner (so that events, streams and graph capture
+        use ``cuda:N``'s streams, not the current device's), a null context otherwise."""
+        if self.torch_device.type == "cuda":
+            return torch.cuda.device(self.torch_device)
+        return contextlib.nullcontext()
 
     def _tensor(self, x: np.ndarray) -> torch.Tensor:
         key = (id(x), x.shape, x.__array_interface__["data"][0])
@@ -137,18 +149,20 @@ class TorchRunner(Runner):
 
     # -- Runner API ------------------------------------------------------------------------
     def prepare(self, x: np.ndarray) -> None:
-        t = self._tensor(x)
-        if self.attention is None:  # which SDPA kernel the model runs (one eager pass, first batch size)
-            from runners.attention_kernels import attention_kernels
+        self._apply_threads()  # a graph captures the TF32 setting in force: this runner's
+        with self._on_device():
+            t = self._tensor(x)
+            if self.attention is None:  # which SDPA kernel the model runs (one eager pass, first batch size)
+                from runners.attention_kernels import attention_kernels
 
-            self.attention = attention_kernels(self.model, t)
-        if self.want_graphs:
-            self._graph(t)
+                self.attention = attention_kernels(self.model, t)
+            if self.want_graphs:
+                self._graph(t)
         self._sync()
 
     def infer(self, x: np.ndarray) -> np.ndarray:
         self._apply_threads()
-        with torch.inference_mode():
+        with self._on_device(), torch.inference_mode():
             out = self._forward(self._tensor(x))
         self._sync()
         return out.detach().float().cpu().numpy()
@@ -156,7 +170,7 @@ class TorchRunner(Runner):
     def time_once(self, x: np.ndarray) -> float:
         self._apply_threads()
         t = self._tensor(x)
-        with torch.inference_mode():
+        with self._on_device(), torch.inference_mode():
             if self.torch_device.type == "cuda":
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)

@@ -120,3 +120,18 @@ def test_verify_takes_a_device(tmp_path):
     if not torch.cuda.is_available():
         r = run_cli([*common, "--device", "cuda"])
         assert_one_line_error(r, "CUDA is not available")
+
+
+def test_sequential_calibration_runs_on_the_cpu_and_is_recorded_so(monkeypatch):
+    """Sequential calibration keeps its token streams in host memory and runs on the CPU: with a
+    GPU device asked (here a stand-in for an available CUDA device) the record says "cpu", where
+    the work ran, not the device that was asked."""
+    import edgeprune
+    from tests.conftest import tiny_vit
+
+    monkeypatch.setattr("edgeprune.cli.options.resolve_device", lambda device: "cuda:0")
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    res = edgeprune.prune(tiny_vit(), x, target="mlp", sparsity=0.5, sequential=True, device="cuda",
+                          progress=False, batch_size=4)
+    assert res.record["device"] == "cpu"
+    assert next(res.model.parameters()).device.type == "cpu"

@@ -15,7 +15,9 @@ model are timed *interleaved* in one process (``runners.compare.bench_pair``: A 
 the speed-up is the median of per-pair latency ratios. Printed per row: p50 latency of both (ms),
 throughput of both (images/s), the speed-up, the FLOPs ratio dense/pruned and the speed-up as a
 fraction of it, and the SDPA kernel each model ran (``runners.attention_kernels``:
-``flash_attention`` needs qk_dim == v_dim, so the default layout's pruned model runs ``math``).
+``flash_attention`` needs qk_dim == v_dim, so the default layout's pruned model falls back to
+another kernel: ``math`` on the CPU; on CUDA possibly ``efficient_attention``, which accepts
+unequal aligned head dims -- the table says which ran).
 
 No GPU here: the table in docs/ is filled in when one is available (``--device cpu`` runs the same
 code in fp32 eager for a smoke check).

@@ -63,8 +63,8 @@ _DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgeprune_
 def calibration_device(device: str | torch.device | None) -> Iterator[None]:
     """Run every :func:`collect_statistics` inside the block on ``device`` ("cpu", "cuda",
     "cuda:N"; None: the model's own device). How ``edgeprune.prune(device=...)`` reaches the
-    calibration passes of CORP, sequential calibration and NuWa without threading a device
-    through every call."""
+    calibration passes of CORP and NuWa without threading a device through every call
+    (sequential calibration runs on the CPU: ``edgeprune.prune`` sets "cpu" for it)."""
     token = _DEVICE.set(None if device is None else str(device))
     try:
         yield

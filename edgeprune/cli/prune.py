@@ -140,7 +140,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
 
     # 2. the work
     if main:
-        click.echo(f"model {spec.name}: calibration {calib.description}; device {device}")
+        where = "cpu (sequential calibration runs on the CPU)" if config.sequential and device != "cpu" else device
+        click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
     t0 = time.perf_counter()
     result = prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
                    calibration_info={"seed": seed, "size_requested": n})

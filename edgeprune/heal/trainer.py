@@ -328,8 +328,11 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
         params = dict(model.named_parameters())  # the same objects unless torch swapped them
         for name, p in params.items():
             p.requires_grad_(name in train_set)
-        targets = dp.prepare_targets(lambda: make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb,
-                                                          batch_size, progress and main))
+        from edgeprune.calibration.collect import exact_fp32
+
+        with exact_fp32(dev):  # cached targets: float32 like the ones computed in the TF32-off loop
+            targets = dp.prepare_targets(lambda: make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb,
+                                                              batch_size, progress and main))
         with BlockCapture(find_anatomy(model)) as cap, _deterministic(seed, dev):
             gen = torch.Generator().manual_seed(seed)
             opt = None
