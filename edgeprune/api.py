@@ -147,6 +147,13 @@ def base_model_record(model: nn.Module, spec=None) -> dict[str, Any]:
     return {"name": type(model).__name__}
 
 
+def work_device(config: CorpConfig, device: str) -> str:
+    """The device a prune with ``config`` runs on, given the resolved ``device``: "cpu" for
+    ``sequential`` calibration (it keeps its token streams in host memory and runs every pass on
+    the CPU; the record says where the work ran), ``device`` otherwise."""
+    return "cpu" if config.sequential else device
+
+
 def require_cpu(device: str, what: str) -> None:
     """Raises UserError unless ``device`` is "cpu": ``what`` runs on the CPU for now."""
     if str(device) != "cpu":
@@ -209,11 +216,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     from edgeprune.calibration.collect import calibration_device
     from edgeprune.cli.options import resolve_device
 
-    device = resolve_device(device)
-    if config.sequential and device != "cpu":
-        # sequential calibration keeps its token streams in host memory and runs every pass on the
-        # CPU (edgeprune.sequential); the record says where the work ran
-        device = "cpu"
+    device = work_device(config, resolve_device(device))
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()

@@ -95,7 +95,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
 
     import torch
 
-    from edgeprune.api import corp_config, prune
+    from edgeprune.api import corp_config, prune, work_device
     from edgeprune.artifact import check_new_dir, save_run
     from edgeprune.evaluate import evaluate
 
@@ -140,7 +140,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
 
     # 2. the work
     if main:
-        where = "cpu (sequential calibration runs on the CPU)" if config.sequential and device != "cpu" else device
+        used = work_device(config, device)
+        where = used if used == device else f"{used} (sequential calibration runs on the CPU)"
         click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
     t0 = time.perf_counter()
     result = prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,

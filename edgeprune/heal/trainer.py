@@ -72,6 +72,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import find_anatomy
+from edgeprune.calibration.collect import exact_fp32
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.heal.alignment import BlockCapture, alignment_loss, per_image_alignment
 from edgeprune.heal.checkpoint import (CHECKPOINT, STATE_KEY, STATE_VERSION, load_checkpoint,  # noqa: F401
@@ -199,18 +200,13 @@ def _deterministic(seed: int, device: torch.device | str = "cpu"):
     devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if cuda else []
     if cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        prev_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), exact_fp32(dev):  # TF32 off on CUDA, restored after
         torch.manual_seed(seed)
         torch.use_deterministic_algorithms(True, warn_only=cuda)
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:
             yield
         finally:
             torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
-            if cuda:
-                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev_tf32
 
 
 def _holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,8 +324,6 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
         params = dict(model.named_parameters())  # the same objects unless torch swapped them
         for name, p in params.items():
             p.requires_grad_(name in train_set)
-        from edgeprune.calibration.collect import exact_fp32
-
         with exact_fp32(dev):  # cached targets: float32 like the ones computed in the TF32-off loop
             targets = dp.prepare_targets(lambda: make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb,
                                                               batch_size, progress and main))
