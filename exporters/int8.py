@@ -51,8 +51,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from edgeprune.errors import UserError
+from edgeprune.errors import RuntimeFault, UserError
+from exporters.ort_session import load_session
 from exporters.quant_config import QuantizeConfig
+from exporters.verify import check_input_shape, run_onnx
 
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
@@ -129,8 +131,6 @@ def chunk_batches(num_batches: int, batch_size: int, chunk_images: int) -> int:
 def ort_errors() -> Iterator[None]:
     """Turn an ONNX Runtime quantizer failure into one :class:`RuntimeFault` line (user errors and
     Ctrl-C pass through)."""
-    from edgeprune.errors import RuntimeFault
-
     try:
         yield
     except (UserError, KeyboardInterrupt):
@@ -246,12 +246,9 @@ def quantizable_op_types(config: QuantizeConfig) -> tuple[str, ...]:
 
 def run_model(path: Path, x: np.ndarray, batch_size: int = 64, threads: int | None = None) -> np.ndarray:
     """Outputs of an ONNX file on ``x`` (N, C, H, W) with ONNX Runtime CPU, float32."""
-    from exporters.verify import _run_onnx, check_input_shape
-    from runners.onnxruntime_runner import load_session
-
     sess = load_session(path, providers=["cpu"], threads=threads)
     fixed = check_input_shape(sess, x.shape)
-    return _run_onnx(sess, x, fixed, batch_size).astype(np.float32)
+    return run_onnx(sess, x, fixed, batch_size).astype(np.float32)
 
 
 def node_cost(quant_out: np.ndarray, float_out: np.ndarray) -> dict[str, float]:

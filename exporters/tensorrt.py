@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from devices import load_profile
+from devices.gpu import check_compute_capability, local_gpu
 from edgeprune.atomic import atomic_write_bytes  # noqa: F401  (re-exported)
 from edgeprune.errors import RuntimeFault, UserError
 from exporters.tensorrt_settings import (  # noqa: F401  (re-exported: the pure half of a build)
@@ -80,13 +82,11 @@ def tensorrt_version() -> str:
 
 
 def require_gpu(device_index: int = 0) -> Any:
-    """The local :class:`~runners.gpu_info.GpuInfo`.
+    """The local :class:`~devices.gpu.GpuInfo`.
 
     Raises:
         RuntimeFault: no CUDA GPU is visible.
     """
-    from runners.gpu_info import local_gpu
-
     gpu = local_gpu(device_index)
     if gpu is None:
         raise RuntimeFault("no CUDA GPU visible: TensorRT needs an NVIDIA GPU and driver "
@@ -140,7 +140,7 @@ def dims_tuple(dims: trt.Dims) -> tuple[int, ...]:
     return tuple(int(dims[i]) for i in range(len(dims)))
 
 
-def _make_logger() -> tuple[trt.ILogger, list[str]]:
+def make_logger() -> tuple[trt.ILogger, list[str]]:
     """A TensorRT logger that prints warnings and errors and keeps the errors."""
     import tensorrt as trt
 
@@ -231,9 +231,6 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
             (without ``force_device``), int8 without Q/DQ nodes, ONNX parser errors, build failure.
         RuntimeFault: TensorRT or a GPU missing.
     """
-    from devices import load_profile
-    from runners.gpu_info import check_compute_capability
-
     prof = load_profile(profile)
     onnx_file = Path(onnx_path)
     out = Path(out_path)
@@ -251,7 +248,7 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
     import tensorrt as trt
 
     t0 = time.perf_counter()
-    logger, errors = _make_logger()
+    logger, errors = make_logger()
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
     parser = trt.OnnxParser(network, logger)

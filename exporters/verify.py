@@ -18,8 +18,9 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
-
-SALIENCY_THRESHOLD = 0.5
+from exporters.agreement import SALIENCY_THRESHOLD, infer_output_kind  # noqa: F401  (re-exported)
+from exporters.agreement import compare_outputs as output_agreement
+from exporters.ort_session import load_session
 
 
 def _as_numpy(inputs: Any) -> np.ndarray:
@@ -55,14 +56,9 @@ def check_input_shape(session, shape: Sequence[int]) -> int | None:
     return batch if isinstance(batch, int) and batch > 0 else None
 
 
-def infer_output_kind(output: np.ndarray, declared: str | None = None) -> str:
-    """``"logits"`` for (N, K) outputs, ``"saliency"`` otherwise (unless ``declared``)."""
-    if declared in ("logits", "saliency"):
-        return declared
-    return "logits" if output.ndim == 2 else "saliency"
-
-
-def _run_onnx(session, x: np.ndarray, fixed_batch: int | None, chunk: int) -> np.ndarray:
+def run_onnx(session: Any, x: np.ndarray, fixed_batch: int | None, chunk: int) -> np.ndarray:
+    """Outputs of an ORT ``session`` on ``x`` (N, C, H, W) in chunks of ``fixed_batch`` or ``chunk``
+    inputs (the last chunk of a fixed-batch model padded by repeating its last image)."""
     name = session.get_inputs()[0].name
     step = fixed_batch or chunk
     outs = []
@@ -103,37 +99,14 @@ def _run_torch(model: nn.Module, x: np.ndarray, chunk: int) -> np.ndarray:
 
 def compare_outputs(onnx_out: np.ndarray, torch_out: np.ndarray, *, output_kind: str | None = None,
                     atol: float = 1e-4, rtol: float = 0.0) -> dict[str, Any]:
-    """Differences and agreement between two output batches (``torch_out`` is the reference)."""
-    if onnx_out.shape != torch_out.shape:
-        raise UserError(f"output shape mismatch: ONNX {tuple(onnx_out.shape)} vs "
-                        f"PyTorch {tuple(torch_out.shape)}")
-    a = onnx_out.astype(np.float64)
-    b = torch_out.astype(np.float64)
-    diff = np.abs(a - b)
-    kind = infer_output_kind(torch_out, output_kind)
-    if kind == "logits":
-        flat_a = a.reshape(a.shape[0], -1)
-        flat_b = b.reshape(b.shape[0], -1)
-        agreement = float(np.mean(flat_a.argmax(1) == flat_b.argmax(1)))
-        agreement_name = "top1_agreement"
-    else:
-        agreement = float(np.mean((a > SALIENCY_THRESHOLD) == (b > SALIENCY_THRESHOLD)))
-        agreement_name = f"mask_agreement@{SALIENCY_THRESHOLD}"
-    within = diff <= atol + rtol * np.abs(b)
-    nonfinite = bool(~np.isfinite(a).all() or ~np.isfinite(b).all())
-    return {
-        "n": int(a.shape[0]),
-        "output_shape": list(torch_out.shape[1:]),
-        "output_kind": kind,
-        "max_abs_diff": float(diff.max()) if diff.size else 0.0,
-        "mean_abs_diff": float(diff.mean()) if diff.size else 0.0,
-        "max_abs_reference": float(np.abs(b).max()) if b.size else 0.0,
-        "agreement": agreement,
-        "agreement_metric": agreement_name,
-        "atol": float(atol),
-        "rtol": float(rtol),
-        "passed": bool(within.all()) and not nonfinite,
-    }
+    """Differences and agreement between two output batches (``torch_out`` is the reference).
+
+    :func:`exporters.agreement.compare_outputs` as a dict (the keys of ``edgeprune verify``'s report).
+
+    Raises:
+        UserError: the shapes differ.
+    """
+    return output_agreement(onnx_out, torch_out, output_kind=output_kind, atol=atol, rtol=rtol).to_dict()
 
 
 def verify_onnx(onnx_path: str | os.PathLike, torch_model: nn.Module, inputs: Any,
@@ -159,8 +132,6 @@ def verify_onnx(onnx_path: str | os.PathLike, torch_model: nn.Module, inputs: An
     Raises:
         UserError: missing or corrupt ONNX file; inputs of a shape the model does not take.
     """
-    from runners.onnxruntime_runner import load_session
-
     path = Path(onnx_path)
     x = _as_numpy(inputs)
     session = load_session(path, providers=["cpu"], threads=threads)
@@ -170,7 +141,7 @@ def verify_onnx(onnx_path: str | os.PathLike, torch_model: nn.Module, inputs: An
         declared = meta.get("output_kind")
         output_kind = declared if declared in ("logits", "saliency") else None
     chunk = max(1, int(batch_size))
-    onnx_out = _run_onnx(session, x, fixed_batch, chunk)
+    onnx_out = run_onnx(session, x, fixed_batch, chunk)
     torch_out = _run_torch(torch_model, x, chunk)
     report = compare_outputs(onnx_out, torch_out, output_kind=output_kind, atol=atol, rtol=rtol)
     report["onnx_path"] = str(path)
@@ -200,11 +171,9 @@ def _outputs_of(reference: Any, x: np.ndarray, batch_size: int, threads: int | N
     """Outputs of an ONNX file (path) or a PyTorch module on ``x`` (N, C, H, W) float32."""
     if isinstance(reference, nn.Module):
         return _run_torch(reference, x, batch_size)
-    from runners.onnxruntime_runner import load_session
-
     session = load_session(Path(reference), providers=["cpu"], threads=threads)
     fixed = check_input_shape(session, x.shape)
-    return _run_onnx(session, x, fixed, batch_size).astype(np.float32)
+    return run_onnx(session, x, fixed, batch_size).astype(np.float32)
 
 
 def quantized_metrics(quant_out: np.ndarray, float_out: np.ndarray, labels: np.ndarray | None,
@@ -266,9 +235,7 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
     Raises:
         UserError: missing / corrupt files, inputs the model does not take, empty source.
     """
-    from exporters.calibration_reader import source_to_array
-    from runners.onnxruntime_runner import load_session
-
+    from exporters.calibration_reader import source_to_array  # imports onnxruntime.quantization (optional)
     path = Path(onnx_path)
     if max_drop is not None and max_drop < 0:
         raise UserError(f"--max-drop must be >= 0 points, got {max_drop}")
@@ -285,7 +252,7 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
     if output_kind is None and meta.get("output_kind") in ("logits", "saliency"):
         output_kind = meta["output_kind"]
     chunk = max(1, int(batch_size))
-    quant_out = _run_onnx(session, x, fixed, chunk).astype(np.float32)
+    quant_out = run_onnx(session, x, fixed, chunk).astype(np.float32)
     del session
     float_out = _outputs_of(float_reference, x, chunk, threads)
     report = quantized_metrics(quant_out, float_out, labels, output_kind)

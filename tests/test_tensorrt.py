@@ -24,8 +24,8 @@ from exporters import tensorrt as trt_exp
 from exporters.tensorrt import (atomic_write_bytes, build_engine, builder_settings, onnx_input,
                                 read_sidecar, sidecar_path, tensorrt_version)
 from exporters.trtexec import trtexec_command
-from runners import gpu_info
-from runners.gpu_info import GpuInfo, check_compute_capability, parse_nvidia_smi, parse_tegra
+from devices import gpu as gpu_info
+from devices.gpu import GpuInfo, check_compute_capability, parse_nvidia_smi, parse_tegra
 from runners.tensorrt import TrtRunner, bench_engine, compare_outputs, detect_attention_fusion
 from tests.conftest import run_cli
 
@@ -269,7 +269,7 @@ def test_tensorrt_library_fails_to_load(monkeypatch: pytest.MonkeyPatch) -> None
 
 def _fake_trt_present(monkeypatch: pytest.MonkeyPatch, gpu: GpuInfo | None) -> None:
     monkeypatch.setattr(trt_exp, "tensorrt_version", lambda: "10.3.0")
-    monkeypatch.setattr(gpu_info, "local_gpu", lambda i=0: gpu)
+    monkeypatch.setattr(trt_exp, "local_gpu", lambda i=0: gpu)
 
 
 def test_build_engine_without_tensorrt(monkeypatch: pytest.MonkeyPatch, tiny_onnx: Path, tmp_path: Path) -> None:
@@ -424,7 +424,7 @@ def test_compare_outputs() -> None:
     assert not compare_outputs(nan, ref).agrees
     maps = compare_outputs(np.zeros((2, 1, 4, 4)), np.zeros((2, 1, 4, 4)))
     assert maps.top1_agreement is None and maps.agrees
-    with pytest.raises(ValueError, match="shapes differ"):
+    with pytest.raises(UserError, match="output shape mismatch: TensorRT"):
         compare_outputs(np.zeros((2, 3)), np.zeros((3, 2)))
 
 
@@ -666,7 +666,8 @@ def sim_runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     fake_trt.nptype = lambda t: np.float32  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tensorrt", fake_trt)
     monkeypatch.setattr(trt_exp, "tensorrt_version", lambda: "10.3.0")
-    monkeypatch.setattr(trt_exp, "require_gpu", lambda i=0: RTX3090)
+    monkeypatch.setattr(rt, "tensorrt_version", lambda: "10.3.0")
+    monkeypatch.setattr(rt, "require_gpu", lambda i=0: RTX3090)
     cuda = _FakeCuda()
     engine = _FakeEngine(cuda)
     monkeypatch.setattr(rt, "cuda_api", lambda idx: cuda)
@@ -743,7 +744,7 @@ def test_simulated_bench_cli_uses_the_engines_profile(sim_runner: Any, tmp_path:
 
 def test_simulated_runner_refuses_engine_from_other_gpu(sim_runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     path, _cuda, _engine = sim_runner
-    monkeypatch.setattr(trt_exp, "require_gpu", lambda i=0: ORIN)
+    monkeypatch.setattr("runners.tensorrt.runner.require_gpu", lambda i=0: ORIN)
     with pytest.raises(UserError, match="rebuild it here"):
         TrtRunner(path)
 

@@ -31,7 +31,7 @@ CONFIG = ROOT / "mypy-trt.ini"
 TARGETS = ["exporters/tensorrt.py", "exporters/tensorrt_settings.py", "exporters/trtexec.py",
            "runners/tensorrt/__init__.py", "runners/tensorrt/cuda.py", "runners/tensorrt/engine.py",
            "runners/tensorrt/runner.py", "runners/tensorrt/inspect.py", "runners/tensorrt/check.py",
-           "runners/tensorrt/bench.py", "runners/gpu_info.py", "runners/registry.py", "runners/bench.py",
+           "runners/tensorrt/bench.py", "devices/gpu.py", "runners/registry.py", "runners/bench.py",
            "devices/__init__.py", "devices/fields.py", "devices/profile.py", "edgeprune/cli/device.py"]
 STUB_PACKAGES = ("tensorrt", "tensorrt_bindings")
 

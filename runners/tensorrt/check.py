@@ -1,17 +1,19 @@
 """Agreement of a TensorRT engine with ONNX Runtime (FP32, CPU) on the same inputs.
 
-:func:`compare_outputs` is pure (two arrays -> :class:`Agreement`: max/mean abs difference,
-elementwise ``allclose``, top-1 agreement for (B, classes) outputs);
+:func:`compare_outputs` is pure (two arrays -> :class:`~exporters.agreement.OutputAgreement`, the
+one comparison ``edgeprune verify`` uses too, with FP16 tolerances);
 :func:`check_against_onnxruntime` runs both back ends on real inputs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any
 
 import numpy as np
+
+from exporters.agreement import OutputAgreement
+from exporters.agreement import compare_outputs as output_agreement
+from runners.tensorrt.runner import TrtRunner
 
 # Default tolerances for FP16 engines against FP32 ONNX Runtime: logits of a ViT differ by
 # about 1e-3..1e-2 after FP16 accumulation; the relative term covers large logits.
@@ -19,62 +21,26 @@ FP16_ATOL = 2e-2
 FP16_RTOL = 2e-2
 
 
-@dataclasses.dataclass
-class Agreement:
-    """TensorRT vs ONNX Runtime on the same inputs."""
-
-    max_abs_diff: float
-    mean_abs_diff: float
-    allclose: bool
-    """``np.allclose(trt, ort, atol, rtol)`` elementwise."""
-    top1_agreement: float | None
-    """Fraction of samples with the same argmax (classification outputs (B, classes) only)."""
-    atol: float
-    rtol: float
-    n_samples: int
-
-    @property
-    def agrees(self) -> bool:
-        return self.allclose
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["agrees"] = self.agrees
-        return d
+#: the result of :func:`compare_outputs` (``agrees``, ``top1_agreement``, ``max_abs_diff``, ...)
+Agreement = OutputAgreement
 
 
 def compare_outputs(trt_out: np.ndarray, ort_out: np.ndarray, *, atol: float = FP16_ATOL,
-                    rtol: float = FP16_RTOL) -> Agreement:
-    """Compare two outputs of the same shape (the first is the TensorRT one).
+                    rtol: float = FP16_RTOL) -> OutputAgreement:
+    """Compare a TensorRT output with the ONNX Runtime one (the reference), same shape.
 
-    Args:
-        trt_out, ort_out: e.g. logits (B, classes); compared in float64.
-        atol, rtol: ``np.allclose`` tolerances.
+    :func:`exporters.agreement.compare_outputs` with FP16-engine tolerances: ``agrees`` iff
+    ``|trt - ort| <= atol + rtol * |ort|`` everywhere and all values are finite.
 
     Raises:
-        ValueError: the shapes differ.
+        UserError: the shapes differ.
     """
-    a = np.asarray(trt_out, dtype=np.float64)
-    b = np.asarray(ort_out, dtype=np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"output shapes differ: TensorRT {a.shape} vs ONNX Runtime {b.shape}")
-    diff = np.abs(a - b)
-    top1 = None
-    if a.ndim == 2 and a.shape[1] > 1:
-        top1 = float(np.mean(a.argmax(axis=1) == b.argmax(axis=1)))
-    finite = bool(np.isfinite(a).all())
-    return Agreement(
-        max_abs_diff=float(diff.max()) if diff.size else 0.0,
-        mean_abs_diff=float(diff.mean()) if diff.size else 0.0,
-        allclose=finite and bool(np.allclose(a, b, atol=atol, rtol=rtol)),
-        top1_agreement=top1, atol=atol, rtol=rtol,
-        n_samples=int(a.shape[0]) if a.ndim else 1,
-    )
+    return output_agreement(trt_out, ort_out, atol=atol, rtol=rtol, names=("TensorRT", "ONNX Runtime"))
 
 
 def check_against_onnxruntime(engine_path: str | os.PathLike[str], onnx_path: str | os.PathLike[str],
                               inputs: np.ndarray, *, atol: float = FP16_ATOL,
-                              rtol: float = FP16_RTOL) -> Agreement:
+                              rtol: float = FP16_RTOL) -> OutputAgreement:
     """Run the engine and ONNX Runtime (CPU, FP32) on ``inputs`` and compare the first output.
 
     ``inputs`` (N, C, H, W) float32 is fed in chunks of at most the engine's largest batch.
@@ -85,8 +51,6 @@ def check_against_onnxruntime(engine_path: str | os.PathLike[str], onnx_path: st
         UserError: see :class:`runners.tensorrt.runner.TrtRunner`.
     """
     import onnxruntime as ort
-
-    from runners.tensorrt.runner import TrtRunner
 
     x = np.ascontiguousarray(np.asarray(inputs, dtype=np.float32))
     sess = ort.InferenceSession(os.fspath(onnx_path), providers=["CPUExecutionProvider"])

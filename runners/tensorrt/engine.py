@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from edgeprune.errors import UserError
+from exporters.tensorrt import make_logger, tensorrt_version
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -29,8 +30,6 @@ def load_engine(engine_path: str | os.PathLike[str]
         RuntimeFault: TensorRT is not installed.
         UserError: missing engine file; TensorRT cannot deserialize it (other GPU/version).
     """
-    from exporters.tensorrt import _make_logger, tensorrt_version
-
     version = tensorrt_version()
     path = Path(engine_path)
     if not path.is_file():
@@ -38,7 +37,7 @@ def load_engine(engine_path: str | os.PathLike[str]
 
     import tensorrt as trt
 
-    logger, errors = _make_logger()
+    logger, errors = make_logger()
     runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(path.read_bytes())
     if engine is None:
@@ -53,7 +52,7 @@ def check_engine_matches_gpu(sidecar: Mapping[str, Any] | None, gpu: Any, trt_ve
 
     Args:
         sidecar: the engine's build sidecar (``None``: nothing to check).
-        gpu: :class:`runners.gpu_info.GpuInfo` of this GPU.
+        gpu: :class:`devices.gpu.GpuInfo` of this GPU.
         trt_version: the installed TensorRT version.
 
     Raises:

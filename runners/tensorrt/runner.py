@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgeprune.errors import UserError
-from exporters.tensorrt import dims_tuple
+from exporters.tensorrt import dims_tuple, read_sidecar, require_gpu, tensorrt_version
 from runners.base import BenchResult, Runner
 from runners.tensorrt.cuda import cuda_api, pinned_array
 from runners.tensorrt.engine import check_engine_matches_gpu, load_engine
@@ -64,8 +64,6 @@ class TrtRunner(Runner):
 
     def __init__(self, engine_path: str | os.PathLike[str], *, cuda_graphs: bool = False,
                  device_index: int = 0, model: str | None = None) -> None:
-        from exporters.tensorrt import read_sidecar, require_gpu, tensorrt_version
-
         self.engine_path = Path(engine_path)
         self.label = model or self.engine_path.name
         self._closed = True
