@@ -25,14 +25,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from devices import BenchSettings, ProfileError, load_profile, profile_from_record
 from edgeprune.errors import RuntimeFault, UserError
-from runners.registry import DEFAULT_BACKEND, backend_available, backend_names, make_runner, target_kind
+from exporters.tensorrt import read_sidecar
+from runners.compare import bench_pair
+from runners.registry import DEFAULT_BACKEND, backend_available, backend_names, get_backend, target_kind
+from runners.report import markdown_table, pair_markdown_table
 
 #: precisions a bench may ask for: fp32/fp16/int8 for ONNX files (TensorRT build precision, or
-#: for ONNX Runtime what the file must hold); fp32/tf32/fp16/bf16 for the torch runner (CUDA)
+#: for ONNX Runtime what the file must hold); fp32/tf32/fp16/bf16 for the torch runner (CUDA);
+#: each backend says which of them it runs (:attr:`runners.registry.Backend.precisions`)
 PRECISIONS = ("fp32", "fp16", "int8", "tf32", "bf16")
-ONNX_PRECISIONS = ("fp32", "fp16", "int8")
-TORCH_PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 #: the settings a profile provides and an explicit option may override
 PROFILE_FIELDS = ("backend", "threads", "batch_sizes", "warmup", "iterations", "cuda_graphs", "precision")
 
@@ -137,8 +140,6 @@ class BenchReport:
 
     def markdown(self) -> str:
         """The report as markdown: profile and settings, then the tables (pairs first)."""
-        from runners.report import markdown_table, pair_markdown_table
-
         parts = [self.header().replace("\n", "  \n"), ""]
         if self.paired:
             parts += [pair_markdown_table(self.results), "",
@@ -152,19 +153,14 @@ class BenchReport:
         return {"profile": self.profile, "config": self.config, "targets": self.targets}
 
 
-def _profile(device: Any) -> Any:
-    from devices import load_profile
-
-    return load_profile(device)
-
-
-def resolve_config(device: Any = None, *, targets: tuple[str, ...] = (), **options: Any) -> tuple[BenchConfig, Any]:
+def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **options: Any) -> tuple[BenchConfig, Any]:
     """Merge a device profile with explicit options into a :class:`BenchConfig`.
 
     Args:
-        device: profile name, ``.toml`` path or :class:`~devices.DeviceProfile`; ``None``: the
-            profile an engine target was built for (its sidecar), else ``cpu``.
-        targets: the bench targets (only used to find an engine's profile when ``device`` is None).
+        profile: device profile name, ``.toml`` path or :class:`~devices.DeviceProfile` (what
+            ``edgeprune bench --device`` names); ``None``: the profile an engine target was built
+            for (its sidecar), else ``cpu``.
+        targets: the bench targets (only used to find an engine's profile when ``profile`` is None).
         **options: ``backend``, ``threads``, ``batch_sizes``, ``warmup``, ``iterations``,
             ``cuda_graphs``, ``precision``, ``provider``, ``random_init``; ``None`` (or
             ``backend="auto"``) means "not given": the profile's value is used.
@@ -178,9 +174,9 @@ def resolve_config(device: Any = None, *, targets: tuple[str, ...] = (), **optio
     unknown = set(options) - set(PROFILE_FIELDS) - {"provider", "random_init"}
     if unknown:
         raise TypeError(f"unknown bench options: {sorted(unknown)}")
-    if device is None:
-        device = _engine_profile(targets) or "cpu"
-    prof = _profile(device)
+    if profile is None:
+        profile = _engine_profile(targets) or "cpu"
+    prof = load_profile(profile)
     from_profile: dict[str, Any] = {
         "threads": prof.threads, "batch_sizes": tuple(prof.bench.batch_sizes),
         "warmup": prof.bench.warmup, "iterations": prof.bench.iterations,
@@ -238,12 +234,11 @@ def backend_for(kind: str, cfg: BenchConfig, profile: Any) -> str:
     return DEFAULT_BACKEND[kind]
 
 
-def _torch_device(profile: Any) -> str:
-    return "cuda" if profile.uses_tensorrt else "cpu"
-
-
 def check_available(cfg: BenchConfig, profile: Any, targets: tuple[str, ...]) -> None:
     """Refuse, before any loading, what cannot run here; one line naming what is missing.
+
+    The generic checks (files exist, an engine needs a TensorRT profile) are made here; the rest
+    is asked of each target's backend (:class:`runners.registry.Backend`'s ``bench_*`` hooks).
 
     Raises:
         RuntimeFault: the profile needs TensorRT (or a CUDA GPU for torch) and it is missing.
@@ -252,88 +247,31 @@ def check_available(cfg: BenchConfig, profile: Any, targets: tuple[str, ...]) ->
     """
     for t in targets:
         kind = target_kind(t)
-        be = backend_for(kind, cfg, profile)
+        backend = get_backend(backend_for(kind, cfg, profile))
         if kind == "onnx" and not Path(t).is_file():
             raise UserError(f"ONNX file not found: {t}")
-        missing = backend_available(be)
-        if missing is not None and be == "tensorrt" and profile.uses_tensorrt:
-            # the root cause first: without TensorRT no engine can exist or run here
-            raise RuntimeFault(f"profile {profile.name} needs TensorRT, which is not installed "
-                               "(run on the device, or use --device cpu)")
+        missing = backend_available(backend.name)
+        if missing is not None:
+            backend.bench_missing(profile, missing)
         if kind == "engine" and not Path(t).is_file():
             raise UserError(f"TensorRT engine file not found: {t}")
         if kind == "engine" and not profile.uses_tensorrt:
             raise UserError(f"device profile {profile.name!r} is for {profile.backend}; {t} is a TensorRT "
                             "engine (use the profile it was built for, e.g. --device rtx3090)")
-        if be == "tensorrt" and not profile.uses_tensorrt:
-            raise UserError(f"the tensorrt backend needs a TensorRT device profile, and {profile.name!r} "
-                            f"runs {profile.backend} (use e.g. --device rtx3090)")
+        backend.bench_profile(t, kind, profile)
         if missing is not None:
-            raise RuntimeFault(f"profile {profile.name} needs {be}: {missing}")
-        if be == "torch" and _torch_device(profile) == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise RuntimeFault(f"profile {profile.name} runs torch on a CUDA GPU, and none is visible "
-                                   "(run on the device, or use --device cpu)")
-        if cfg.cuda_graphs and be == "onnxruntime" and cfg.sources.get("cuda_graphs") == "option":
-            raise UserError(f"CUDA graphs need TensorRT or torch on CUDA; {t} runs on {be} "
-                            f"(drop --cuda-graphs, or use a TensorRT profile)")
-        if be == "torch" and cfg.precision not in TORCH_PRECISIONS:
-            raise UserError(f"the torch runner runs {', '.join(TORCH_PRECISIONS)}; for {cfg.precision} "
-                            f"export to ONNX (`edgeprune quantize`) and bench the .onnx file")
-        if be != "torch" and cfg.precision not in ONNX_PRECISIONS:
-            raise UserError(f"precision {cfg.precision} is for the torch runner; {t} runs on {be} "
-                            f"(use {', '.join(ONNX_PRECISIONS)})")
-
-
-def _model_precision(target: str, kind: str, backend: str) -> str | None:
-    if kind != "onnx" or not Path(target).is_file():
-        return None
-    from exporters.tensorrt_settings import onnx_precision
-
-    return onnx_precision(target, for_tensorrt=backend == "tensorrt")
+            raise RuntimeFault(f"profile {profile.name} needs {backend.name}: {missing}")
+        backend.bench_settings(t, cfg, profile)
 
 
 def _open_runner(target: str, cfg: BenchConfig, profile: Any, workdir: Path) -> tuple[Any, dict[str, Any]]:
     kind = target_kind(target)
-    be = backend_for(kind, cfg, profile)
-    model_precision = _model_precision(target, kind, be)
-    info: dict[str, Any] = {"target": target, "kind": kind, "backend": be, "model_precision": model_precision,
-                            "cuda_graphs": cfg.cuda_graphs and be != "onnxruntime"}
-    if model_precision is not None and be != "tensorrt":
-        from exporters.tensorrt_settings import require_quantized
-
-        require_quantized(target, model_precision, cfg.precision)
-    if be == "tensorrt" and kind == "onnx":
-        from exporters.tensorrt import build_engine
-
-        engine = workdir / f"{Path(target).stem}.{profile.name}.engine"
-        build_engine(target, profile, engine, precision=cfg.precision)
-        info["engine"] = "built for this run (temporary)"
-        target = str(engine)
-    if be == "tensorrt" and kind == "engine":
-        _warn_other_profile(target, profile)
-    device = "cuda" if be == "tensorrt" else _torch_device(profile)  # the profile was checked above
-    runner = make_runner(target, be, provider=cfg.provider, device=device, threads=cfg.threads,
-                         random_init=cfg.random_init, cuda_graphs=cfg.cuda_graphs,
-                         precision=cfg.precision if be == "torch" else None)
-    if be == "tensorrt":
-        from runners.tensorrt.bench import check_batch_range
-
-        check_batch_range(runner, cfg.batch_sizes)
+    backend = get_backend(backend_for(kind, cfg, profile))
+    info: dict[str, Any] = {"target": target, "kind": kind, "backend": backend.name,
+                            "model_precision": backend.bench_model_precision(target, kind),
+                            "cuda_graphs": cfg.cuda_graphs and backend.cuda_graphs}
+    runner = backend.bench_open(target, kind, cfg, profile, workdir, info)
     return runner, info
-
-
-def _warn_other_profile(engine: str, profile: Any) -> None:
-    import sys
-
-    from exporters.tensorrt import read_sidecar
-
-    built = ((read_sidecar(engine) or {}).get("profile") or {}).get("name")
-    if built and built != profile.name:
-        print(f"warning: {Path(engine).name} was built for profile {built!r}, benchmarking with "
-              f"{profile.name!r} settings", file=sys.stderr)
 
 
 def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: Any = None) -> BenchReport:
@@ -348,8 +286,6 @@ def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: 
         RuntimeFault: the profile's backend cannot run here (see :func:`check_available`).
         UserError: bad targets, int8 asked of a model without Q/DQ nodes, unknown input shape, ...
     """
-    from runners.compare import bench_pair
-
     targets = (a,) if b is None else (a, b)
     check_available(cfg, profile, targets)
     runners: list[Any] = []

@@ -29,6 +29,7 @@ from exporters.ort_session import (  # noqa: F401  (load_session, resolve_provid
     GPU_PROVIDERS, PROVIDER_ALIASES, import_onnxruntime, load_session, resolve_providers,
 )
 from runners.base import Runner, peak_rss_mb
+from runners.registry import Backend, RunnerOptions, register_backend
 
 
 def _nvml_process_memory_mb() -> float | None:
@@ -194,3 +195,19 @@ class OrtRunner(Runner):
         self._binding = None
         self._bound_value = None
         self.session = None  # type: ignore[assignment]
+
+
+@register_backend("onnxruntime")
+class OrtBackend(Backend):
+    """ONNX files on ONNX Runtime (CPU, or the CUDA / TensorRT providers); bench: the defaults
+    (an ``int8`` request needs a Q/DQ file; no CUDA graphs)."""
+
+    runner = "runners.onnxruntime_runner:OrtRunner"
+    kinds = ("onnx",)
+    requires = ("onnxruntime",)
+
+    def create(self, target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
+        if not path.exists():
+            raise UserError(f"ONNX file not found: {target}")
+        return OrtRunner(path, providers=opts.provider, threads=opts.threads, label=path.name)
+

@@ -1,20 +1,26 @@
-"""The runner registry: backend names -> runner classes, and :func:`make_runner` for a bench target.
+"""The backend registry: backend names -> :class:`Backend` objects (runner + bench behaviour).
 
-One place maps the backend names ``torch``, ``onnxruntime`` and ``tensorrt`` to the runner that
-serves them; ``edgeprune bench``, ``edgeprune verify`` and the tools all build runners through
-:func:`make_runner`. A backend registers itself with :func:`register_backend` (a decorator on
-the factory that builds its runner from a target); no caller branches on backend names::
+One place maps the backend names ``torch``, ``onnxruntime`` and ``tensorrt`` to what serves
+them; ``edgeprune bench``, ``edgeprune verify`` and the tools build runners through
+:func:`make_runner`, and :mod:`runners.bench` asks the backend what it needs (checks before
+loading, the device and precision it runs, an engine build for an ONNX file, ...). A backend is
+one subclass of :class:`Backend` registered with the :func:`register_backend` decorator, in its
+own module (``runners/torch_runner.py``, ``runners/onnxruntime_runner.py``,
+``runners/tensorrt/backend.py``; importing the ``runners`` package registers these three); no
+caller branches on backend names::
 
     from runners.registry import make_runner
     runner = make_runner("model.onnx", threads=1)          # -> OrtRunner
     runner = make_runner("runs/deit-50", backend="torch")  # -> TorchRunner
 
+    @register_backend("mine")                              # a new backend: one class
+    class MyBackend(Backend):
+        kinds = ("onnx",)
+        def create(self, target, path, kind, opts): return MyRunner(path)
+
 A *target* is a ``.onnx`` file, a TensorRT ``.engine``/``.plan``/``.trt`` file, an edgeprune run
 directory, or a model name (dense model). Its kind (:func:`target_kind`) decides the default
 backend (``backend="auto"``); each backend lists the kinds it can run.
-
-Runner modules are imported lazily (inside the factories), so importing the registry needs
-neither torch, onnxruntime nor TensorRT.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from edgeprune.errors import RuntimeFault, UserError
+from exporters.tensorrt_settings import onnx_precision, require_quantized
 from runners.base import Runner
 
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
@@ -45,8 +52,9 @@ class RunnerOptions:
 
     Attributes:
         provider: ONNX Runtime execution provider(s): ``cpu``, ``cuda``, ``tensorrt``.
-        device: torch device (``cpu``, ``cuda``, ``cuda:N``) or, for engines, a device profile
-            name/path whose ``[bench]`` settings apply (``cuda_graphs``).
+        device: torch device (``cpu``, ``cuda``, ``cuda:N``) the torch runner runs on.
+        profile: device profile name/path whose ``[bench]`` settings apply to an engine
+            (``cuda_graphs``) and that must be a TensorRT profile; ``None``: none.
         threads: intra-op threads (``None``: the backend's default).
         random_init: model names without weights (latency only).
         cuda_graphs: TensorRT / torch on CUDA: replay a captured CUDA graph (``None``: TensorRT
@@ -56,53 +64,107 @@ class RunnerOptions:
 
     provider: str = "cpu"
     device: str = "cpu"
+    profile: str | None = None
     threads: int | None = None
     random_init: bool = False
     cuda_graphs: bool | None = None
     precision: str | None = None
 
 
-Factory = Callable[[str, Path, str, RunnerOptions], Runner]
+#: precisions an ONNX file or engine may be benchmarked at (TensorRT build precision, or for
+#: ONNX Runtime what the file must hold)
+ONNX_PRECISIONS = ("fp32", "fp16", "int8")
 
 
-@dataclasses.dataclass(frozen=True)
 class Backend:
-    """One registered backend.
+    """One backend: builds its runners and says how ``edgeprune bench`` runs a target on it.
+
+    Subclass, set the class attributes, implement :meth:`create`, and register the class with
+    :func:`register_backend`; override the ``bench_*`` hooks where the defaults (an ONNX-style
+    backend on the host) do not fit. The bench config (``cfg``) is a
+    :class:`runners.bench.BenchConfig`, the profile a :class:`devices.DeviceProfile`.
 
     Attributes:
-        name: ``torch``, ``onnxruntime``, ``tensorrt``.
-        runner: ``"module:Class"`` of its runner class (imported on demand by :func:`runner_class`).
+        name: the registered name (set by :func:`register_backend`).
+        runner: ``"module:Class"`` of its runner class (for :func:`runner_class`).
         kinds: target kinds it can run (``onnx``, ``engine``, ``run``, ``model``).
-        factory: ``(target, path, kind, options) -> Runner``.
-        requires: import names the backend needs; for :func:`backend_available`.
-        check: optional ``() -> None`` raising :class:`RuntimeFault` when the backend cannot run
-            here although its package imports (TensorRT: only the type stubs installed).
+        requires: import names it needs (for :func:`backend_available`).
+        precisions: the ``--precision`` values a bench may ask of it.
+        cuda_graphs: whether it can replay CUDA graphs (``--cuda-graphs``).
     """
 
-    name: str
-    runner: str
-    kinds: tuple[str, ...]
-    factory: Factory
+    name: str = ""
+    runner: str = ""
+    kinds: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
-    check: Callable[[], None] | None = None
+    precisions: tuple[str, ...] = ONNX_PRECISIONS
+    cuda_graphs: bool = False
+
+    def create(self, target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
+        """The runner for ``target`` (of ``kind``, already checked to be in :attr:`kinds`).
+
+        Raises:
+            UserError: missing file, bad options. RuntimeFault: the library is missing here.
+        """
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise :class:`RuntimeFault` when the backend cannot run here although its packages
+        import (e.g. TensorRT: only the type stubs installed). Default: nothing to check."""
+
+    # -- bench hooks (called by runners.bench, in this order) ------------------------------
+    def bench_missing(self, profile: Any, missing: str) -> None:
+        """The backend is missing here (``missing`` says what): raise a more telling error than
+        the generic one when the profile explains it. Default: nothing (the generic one follows)."""
+
+    def bench_profile(self, target: str, kind: str, profile: Any) -> None:
+        """Refuse a device profile this backend cannot run on. Default: any profile."""
+
+    def bench_settings(self, target: str, cfg: Any, profile: Any) -> None:
+        """Refuse settings this backend cannot honour; default: precisions other than
+        :attr:`precisions`, CUDA graphs asked explicitly of a backend without them."""
+        if cfg.cuda_graphs and not self.cuda_graphs and cfg.sources.get("cuda_graphs") == "option":
+            raise UserError(f"CUDA graphs need TensorRT or torch on CUDA; {target} runs on {self.name} "
+                            f"(drop --cuda-graphs, or use a TensorRT profile)")
+        if cfg.precision not in self.precisions:
+            raise UserError(f"precision {cfg.precision} is for the torch runner; {target} runs on "
+                            f"{self.name} (use {', '.join(self.precisions)})")
+
+    def bench_model_precision(self, target: str, kind: str) -> str | None:
+        """The precision an ONNX target holds (``fp32``/``fp16``/``int8``), ``None`` otherwise."""
+        if kind != "onnx" or not Path(target).is_file():
+            return None
+        return onnx_precision(target, for_tensorrt=False)
+
+    def bench_open(self, target: str, kind: str, cfg: Any, profile: Any, workdir: Path,
+                   info: dict[str, Any]) -> Runner:
+        """The runner bench times for ``target``; may add facts to ``info`` (the report's target
+        entry). Default: an ONNX file must be what ``cfg.precision`` asks (int8: Q/DQ nodes),
+        then :func:`make_runner` on the host."""
+        if info.get("model_precision") is not None:
+            require_quantized(target, info["model_precision"], cfg.precision)
+        return make_runner(target, self.name, provider=cfg.provider, threads=cfg.threads,
+                           random_init=cfg.random_init, cuda_graphs=cfg.cuda_graphs)
 
 
 BACKENDS: dict[str, Backend] = {}
+B = TypeVar("B", bound=type[Backend])
 
 
-def register_backend(name: str, runner: str, kinds: tuple[str, ...], requires: tuple[str, ...] = (),
-                     check: Callable[[], None] | None = None) -> Callable[[Factory], Factory]:
-    """Decorator registering ``factory`` as the builder of ``name``'s runners.
+def register_backend(name: str) -> Callable[[B], B]:
+    """Class decorator registering one instance of a :class:`Backend` subclass as ``name``.
 
     Raises:
         ValueError: ``name`` is already registered.
     """
 
-    def deco(factory: Factory) -> Factory:
+    def deco(cls: B) -> B:
         if name in BACKENDS:
             raise ValueError(f"backend {name!r} is already registered")
-        BACKENDS[name] = Backend(name, runner, tuple(kinds), factory, tuple(requires), check)
-        return factory
+        backend = cls()
+        backend.name = name
+        BACKENDS[name] = backend
+        return cls
 
     return deco
 
@@ -139,11 +201,10 @@ def backend_available(name: str) -> str | None:
             importlib.import_module(req)
         except ImportError:
             return f"{req} is not installed"
-    if be.check is not None:
-        try:
-            be.check()
-        except RuntimeFault as err:
-            return str(err)
+    try:
+        be.check()
+    except RuntimeFault as err:
+        return str(err)
     return None
 
 
@@ -174,7 +235,7 @@ _KIND_WORDS = {"engine": "a TensorRT engine", "onnx": "an ONNX file", "run": "a 
 
 
 def make_runner(target: str, backend: str = "auto", *, provider: str = "cpu", device: str = "cpu",
-                threads: int | None = None, random_init: bool = False,
+                profile: str | None = None, threads: int | None = None, random_init: bool = False,
                 cuda_graphs: bool | None = None, precision: str | None = None) -> Runner:
     """The runner for one bench/verify target (the one place that maps targets to backends).
 
@@ -182,12 +243,13 @@ def make_runner(target: str, backend: str = "auto", *, provider: str = "cpu", de
     * run directory -> :class:`runners.torch_runner.TorchRunner` (backend torch);
     * a model name (no such path) -> dense TorchRunner (backend torch);
     * ``*.engine`` / ``*.plan`` -> :class:`runners.tensorrt.runner.TrtRunner` (backend tensorrt;
-      ``device`` may name the device profile whose bench settings apply, e.g. ``orin-nx``).
+      ``profile`` may name the device profile whose bench settings apply, e.g. ``orin-nx``).
 
     Args:
         target: file, run directory or model name.
         backend: ``auto`` (from the target's kind) or a registered backend name.
-        provider, device, threads, random_init, cuda_graphs, precision: see :class:`RunnerOptions`.
+        provider, device, profile, threads, random_init, cuda_graphs, precision: see
+            :class:`RunnerOptions`.
 
     Raises:
         UserError: missing file, a target the backend cannot run, unknown backend, ...
@@ -198,9 +260,9 @@ def make_runner(target: str, backend: str = "auto", *, provider: str = "cpu", de
     be = get_backend(name)
     if kind not in be.kinds:
         raise UserError(_mismatch(target, kind, name))
-    opts = RunnerOptions(provider=provider, device=device, threads=threads, random_init=random_init,
+    opts = RunnerOptions(provider=provider, device=device, profile=profile, threads=threads, random_init=random_init,
                          cuda_graphs=cuda_graphs, precision=precision)
-    return be.factory(target, Path(target), kind, opts)
+    return be.create(target, Path(target), kind, opts)
 
 
 def _mismatch(target: str, kind: str, backend: str) -> str:
@@ -215,63 +277,6 @@ def _mismatch(target: str, kind: str, backend: str) -> str:
     return f"{target} is {_KIND_WORDS[kind]}; the {backend} backend cannot run it"
 
 
-# ---------------------------------------------------------------------------------------------
-# the three backends
-
-
-@register_backend("onnxruntime", "runners.onnxruntime_runner:OrtRunner", ("onnx",),
-                  requires=("onnxruntime",))
-def _ort_factory(target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
-    if not path.exists():
-        raise UserError(f"ONNX file not found: {target}")
-    from runners.onnxruntime_runner import OrtRunner
-
-    return OrtRunner(path, providers=opts.provider, threads=opts.threads, label=path.name)
-
-
-@register_backend("torch", "runners.torch_runner:TorchRunner", ("run", "model"), requires=("torch",))
-def _torch_factory(target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
-    from edgeprune.loading import load_target
-    from runners.torch_runner import TorchRunner
-
-    if kind == "run":
-        model, _rec, spec = load_target(path, None)
-        label = path.name
-    else:
-        model, _rec, spec = load_target(None, target, None, opts.random_init)
-        label = target
-    kwargs: dict[str, Any] = {"cuda_graphs": bool(opts.cuda_graphs)}
-    if opts.precision is not None:
-        kwargs["precision"] = opts.precision
-    return TorchRunner(model, device=opts.device, threads=opts.threads, label=label,
-                       input_shape=spec.input_size, **kwargs)
-
-
-def _trt_check() -> None:
-    from exporters.tensorrt import tensorrt_version
-
-    tensorrt_version()
-
-
-@register_backend("tensorrt", "runners.tensorrt.runner:TrtRunner", ("engine",), check=_trt_check)
-def _trt_factory(target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
-    if not path.is_file():
-        raise UserError(f"TensorRT engine file not found: {target}")
-    cuda_graphs = opts.cuda_graphs
-    dev = opts.device
-    if dev not in ("cpu", "cuda") and not dev.startswith("cuda:"):
-        from devices import load_profile
-
-        profile = load_profile(dev)
-        if not profile.uses_tensorrt:
-            raise UserError(f"device profile {profile.name!r} does not use TensorRT")
-        if cuda_graphs is None:
-            cuda_graphs = bool(profile.bench.cuda_graphs)
-    from runners.tensorrt.runner import TrtRunner
-
-    return TrtRunner(path, cuda_graphs=bool(cuda_graphs), model=path.name)
-
-
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "Backend", "RunnerOptions", "backend_available",
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "ONNX_PRECISIONS", "Backend", "RunnerOptions", "backend_available",
            "backend_names", "get_backend", "make_runner", "register_backend", "runner_class",
            "target_kind"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,7 +28,10 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.loading import load_target
+from runners.attention_kernels import attention_kernels, describe
 from runners.base import Runner, peak_rss_mb
+from runners.registry import Backend, RunnerOptions, make_runner, register_backend
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -153,8 +157,6 @@ class TorchRunner(Runner):
         with self._on_device():
             t = self._tensor(x)
             if self.attention is None:  # which SDPA kernel the model runs (one eager pass, first batch size)
-                from runners.attention_kernels import attention_kernels
-
                 self.attention = attention_kernels(self.model, t)
             if self.want_graphs:
                 self._graph(t)
@@ -211,8 +213,6 @@ class TorchRunner(Runner):
             "timing": "cuda events" if self.torch_device.type == "cuda" else "perf_counter",
         }
         if self.attention is not None:
-            from runners.attention_kernels import describe
-
             s["attention_kernel"] = describe(self.attention)
         if self.torch_device.type == "cuda":
             s["gpu"] = torch.cuda.get_device_name(self.torch_device)
@@ -230,3 +230,49 @@ class TorchRunner(Runner):
         self._graphs = {}
         self._x = None
         self._x_key = None
+
+
+def bench_device(profile: Any) -> str:
+    """The torch device a bench runs on for a device profile: CUDA for a GPU (TensorRT) profile,
+    else the CPU."""
+    return "cuda" if profile.uses_tensorrt else "cpu"
+
+
+@register_backend("torch")
+class TorchBackend(Backend):
+    """Run directories and model names in eager PyTorch; bench: on CUDA for a GPU profile (which
+    must see a GPU), precisions :data:`PRECISIONS`, CUDA graphs on CUDA."""
+
+    runner = "runners.torch_runner:TorchRunner"
+    kinds = ("run", "model")
+    requires = ("torch",)
+    precisions = PRECISIONS
+    cuda_graphs = True
+
+    def create(self, target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
+        if kind == "run":
+            model, _rec, spec = load_target(path, None)
+            label = path.name
+        else:
+            model, _rec, spec = load_target(None, target, None, opts.random_init)
+            label = target
+        kwargs: dict[str, Any] = {"cuda_graphs": bool(opts.cuda_graphs)}
+        if opts.precision is not None:
+            kwargs["precision"] = opts.precision
+        return TorchRunner(model, device=opts.device, threads=opts.threads, label=label,
+                           input_shape=spec.input_size, **kwargs)
+
+    def bench_settings(self, target: str, cfg: Any, profile: Any) -> None:
+        if bench_device(profile) == "cuda" and not torch.cuda.is_available():
+            raise RuntimeFault(f"profile {profile.name} runs torch on a CUDA GPU, and none is visible "
+                               "(run on the device, or use --device cpu)")
+        if cfg.precision not in self.precisions:
+            raise UserError(f"the torch runner runs {', '.join(self.precisions)}; for {cfg.precision} "
+                            f"export to ONNX (`edgeprune quantize`) and bench the .onnx file")
+
+    def bench_open(self, target: str, kind: str, cfg: Any, profile: Any, workdir: Path,
+                   info: dict[str, Any]) -> Runner:
+        return make_runner(target, self.name, provider=cfg.provider, device=bench_device(profile),
+                           threads=cfg.threads, random_init=cfg.random_init, cuda_graphs=cfg.cuda_graphs,
+                           precision=cfg.precision)
+

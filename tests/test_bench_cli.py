@@ -130,6 +130,45 @@ def recorder(monkeypatch: pytest.MonkeyPatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# backends are a registry: a new one is one class + one registration
+
+
+def test_a_backend_registered_in_the_test_is_benched_and_reported(work, monkeypatch):
+    """A toy backend (one class, one registration) runs through the public bench path: bench asks
+    the registry, not a chain of backend names, for the runner and for what the backend refuses."""
+    from runners import registry
+
+    monkeypatch.setattr(registry, "BACKENDS", dict(registry.BACKENDS))
+
+    @registry.register_backend("toy")
+    class ToyBackend(registry.Backend):
+        kinds = ("onnx",)
+        precisions = ("fp32",)
+
+        def create(self, target, path, kind, opts):
+            runner = Recorder(path, threads=opts.threads, label=f"toy:{path.name}")
+            runner.backend = "toy"
+            return runner
+
+    Recorder.calls = []
+    target = str(work / "dense.onnx")
+    cfg, prof = resolve_config("cpu", backend="toy", batch_sizes=(2, 3), iterations=4, warmup=1, threads=1)
+    report = run_bench(target, None, cfg, prof)
+    assert report.targets["a"]["backend"] == "toy" and "A on toy" in report.header()
+    (call,) = Recorder.calls  # built once by the toy backend, with the options bench passed
+    assert call["init"] == {"providers": None, "threads": 1} and call["timed"] == {2: 5, 3: 5}  # 1 + 4
+    assert call["benchmark"] == {"batch_sizes": [2, 3], "iterations": 4, "warmup": 1}
+    assert [(r.model, r.backend, r.batch_size) for r in report.results] == [
+        ("toy:dense.onnx", "toy", 2), ("toy:dense.onnx", "toy", 3)]
+    assert "| toy:dense.onnx | toy |" in report.markdown()
+    cfg16, _ = resolve_config("cpu", backend="toy", precision="fp16")
+    with pytest.raises(UserError, match=r"runs on toy \(use fp32\)"):
+        run_bench(target, None, cfg16, prof)
+    with pytest.raises(UserError, match="the toy backend cannot run it"):
+        run_bench("fmnist-vit", None, cfg, prof)
+
+
+# ---------------------------------------------------------------------------------------------
 # the profile drives the bench (defect 2)
 
 

@@ -276,13 +276,15 @@ def test_register_backend_refuses_a_duplicate(monkeypatch):
 
     monkeypatch.setattr(registry, "BACKENDS", dict(registry.BACKENDS))
 
-    @registry.register_backend("fake", "runners.base:Runner", ("onnx",))
-    def _fake(target, path, kind, opts):  # pragma: no cover - never called
-        raise AssertionError
+    @registry.register_backend("fake")
+    class _Fake(registry.Backend):
+        kinds = ("onnx",)
 
-    assert "fake" in registry.backend_names()
+    assert "fake" in registry.backend_names() and registry.get_backend("fake").name == "fake"
     with pytest.raises(ValueError, match="already registered"):
-        registry.register_backend("fake", "runners.base:Runner", ("onnx",))(_fake)
+        registry.register_backend("fake")(_Fake)
+    with pytest.raises(UserError, match=r"unknown backend 'nope' \(known: fake, onnxruntime"):
+        registry.get_backend("nope")
 
 
 def test_make_runner_dispatches_on_the_target(onnx_file, tmp_path):
@@ -325,7 +327,7 @@ def test_make_runner_engine_without_tensorrt_is_a_runtime_fault(tmp_path, monkey
     with pytest.raises(UserError, match="does not use TensorRT"):
         from devices import shipped_profile_path
 
-        make_runner(str(tmp_path / "m.engine"), device=str(shipped_profile_path("cpu")))  # runs ONNX Runtime
+        make_runner(str(tmp_path / "m.engine"), profile=str(shipped_profile_path("cpu")))  # runs ONNX Runtime
 
 
 def test_torch_runner_precision_and_cuda_graphs_need_cuda():

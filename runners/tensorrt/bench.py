@@ -4,7 +4,8 @@
 the profile's ``[bench]`` settings (or those recorded in the engine's sidecar) fill whatever
 the caller leaves ``None``; the result is one :class:`runners.base.BenchResult` per batch size,
 timed with CUDA events by :class:`~runners.tensorrt.runner.TrtRunner`.
-:func:`check_batch_range` refuses batch sizes outside the engine's optimization profile.
+:func:`~runners.tensorrt.backend.check_batch_range` (re-exported) refuses batch sizes outside the
+engine's optimization profile.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from edgeprune.errors import UserError
+from runners.bench import resolve_config, run_bench
+from runners.tensorrt.backend import check_batch_range  # noqa: F401  (re-exported)
 
 
 def bench_engine(engine_path: str | os.PathLike[str], device: Any = None,
@@ -38,8 +41,6 @@ def bench_engine(engine_path: str | os.PathLike[str], device: Any = None,
             size outside the engine's range, non-TensorRT profile.
         RuntimeFault: TensorRT, cuda-python or a GPU missing.
     """
-    from runners.bench import resolve_config, run_bench
-
     target = os.fspath(engine_path)
     if not Path(target).is_file():
         raise UserError(f"engine file not found: {target}")
@@ -47,14 +48,6 @@ def bench_engine(engine_path: str | os.PathLike[str], device: Any = None,
                                   batch_sizes=tuple(batch_sizes) if batch_sizes else None,
                                   iterations=iterations, warmup=warmup, cuda_graphs=cuda_graphs)
     return list(run_bench(target, None, cfg, profile, inputs=inputs).results)
-
-
-def check_batch_range(runner: Any, sizes: Sequence[int]) -> None:
-    """UserError when a batch size lies outside the engine's optimization-profile range."""
-    bad = [b for b in sizes if not runner.min_batch <= b <= runner.max_batch]
-    if bad:
-        raise UserError(f"batch size(s) {bad} outside {runner.engine_path.name}'s range "
-                        f"{runner.min_batch}..{runner.max_batch} (rebuild with a wider build.batch)")
 
 
 __all__ = ["bench_engine", "check_batch_range"]
