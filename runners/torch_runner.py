@@ -137,7 +137,11 @@ class TorchRunner(Runner):
             self._graphs[key] = (graph, static_in, static_out)
         graph, static_in, static_out = self._graphs[key]
         if static_in.data_ptr() != t.data_ptr():
-            static_in.copy_(t)
+            # the graph's input may be an inference tensor (prepared inside infer()'s inference_mode)
+            # and prepare() writes it outside that mode: an in-place update of an inference tensor is
+            # only allowed inside inference_mode (issue 29, item 1)
+            with torch.inference_mode():
+                static_in.copy_(t)
         return graph, static_in, static_out
 
     def _forward(self, t: torch.Tensor) -> torch.Tensor:

@@ -358,3 +358,22 @@ def test_torch_runner_cuda_precisions(precision, graphs):
     assert out.dtype == np.float32 and np.abs(out - ref).max() < 0.1
     res = r.benchmark([1, 4], iterations=3, warmup=1)
     assert res[0].settings["precision"] == precision and res[0].settings["cuda_graphs"] is graphs
+
+
+def test_graph_input_made_in_inference_mode_is_rewritten_outside_it():
+    """Issue 29 item 1: the CUDA-graph input buffer was made inside ``inference_mode`` (by infer())
+    and written outside it (by prepare() with a new array): ``static_in.copy_(t)`` raised
+    "Inplace update to inference tensor outside InferenceMode". Shown on CPU through the runner's
+    own graph-cache path, with a cached (graph, input, output) whose input is an inference tensor."""
+    runner = TorchRunner(_fmnist(), threads=1)
+    with torch.inference_mode():
+        static_in = torch.zeros(2, *SHAPE)
+    assert static_in.is_inference()
+    sentinel_graph, static_out = object(), torch.zeros(2, 10)
+    runner._graphs[(2, *SHAPE)] = (sentinel_graph, static_in, static_out)
+    new = torch.from_numpy(np.random.default_rng(0).standard_normal((2, *SHAPE), dtype=np.float32))
+    assert not torch.is_inference_mode_enabled()
+    graph, inp, out = runner._graph(new)
+    assert graph is sentinel_graph and inp is static_in and out is static_out
+    assert torch.equal(static_in, new)  # the replay will read the new input
+
