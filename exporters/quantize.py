@@ -31,10 +31,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import onnx
+import onnxruntime
 
 from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
+from edgeprune.loading import load_target
+from edgeprune.zoo.entries import zoo_entry
+from exporters import int8
+from exporters.calibration_reader import (ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for,
+                                          source_to_array)
+from exporters.fp16 import convert_fp16
+from exporters.onnx import build_metadata, encode_metadata, export_onnx, read_metadata
 from exporters.quant_config import QuantizeConfig
+from exporters.smooth import smooth_onnx
+from exporters.verify import quantized_metrics
 
 __all__ = ["QuantizeConfig", "QuantizeResult", "QualityGateError", "quantize_onnx"]
 
@@ -74,13 +85,9 @@ def _check_output(out: Path, src: Path, overwrite: bool) -> None:
 
 def _load_input(src: Path) -> tuple[dict[str, Any], Any]:
     """Metadata of the input, and for a run directory the ``(model, record, spec)`` to export."""
-    from exporters.onnx import build_metadata, read_metadata
-
     if not src.exists():
         raise UserError(f"no such ONNX file or run directory: {src}")
     if src.is_dir():
-        from edgeprune.loading import load_target
-
         model, record, spec = load_target(src, None)
         return build_metadata(record=record, spec=spec, model=model), (model, spec)
     meta = read_metadata(src)
@@ -91,8 +98,6 @@ def _load_input(src: Path) -> tuple[dict[str, Any], Any]:
 
 
 def _eval_arrays(eval_source: Any) -> tuple[np.ndarray, np.ndarray | None, str]:
-    from exporters.calibration_reader import source_to_array
-
     if isinstance(eval_source, tuple):
         x, y = eval_source
         x = np.ascontiguousarray(np.asarray(x.numpy() if hasattr(x, "numpy") else x, dtype=np.float32))
@@ -132,27 +137,66 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
             is written.
         RuntimeFault: ONNX Runtime fails on a valid model.
     """
-    import onnx
-    import onnxruntime
-
-    from exporters import int8
-    from exporters.calibration_reader import ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for
-    from exporters.onnx import encode_metadata, read_metadata
-    from exporters.verify import quantized_metrics
-
     cfg = (config or QuantizeConfig()).validate()
     say = log or (lambda _msg: None)
     src, out = Path(model), Path(output)
     _check_output(out, src, overwrite)
     meta, to_export = _load_input(src)
-    base = meta.get("base_model")
-    from edgeprune.zoo.entries import zoo_entry
+    data = _gather_data(meta, cfg, calibration, eval_source, say)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        float_path, meta = _float_model(src, to_export, meta, tmp, say)
+        quant_path = tmp / "quantized.onnx"
+        if cfg.precision == "int8":
+            done = _quantize_int8(src, float_path, quant_path, data.calib, cfg, tmp, say)
+        else:
+            done = _convert_fp16(float_path, quant_path, cfg, say)
+        report = _measure(float_path, quant_path, meta, data, cfg, out)
+        md = _output_metadata(meta, cfg, src, float_path, done, data.calib_info, report)
+        _write_with_metadata(quant_path, md, tmp / out.name, out)
+        float_size = float_path.stat().st_size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report = dict(report)
+    report.update({"excluded_nodes": done.excluded, "float_attention_nodes": done.attention,
+                   "smoothing": done.smoothing, "calibration": data.calib_info,
+                   "size_bytes": out.stat().st_size, "float_size_bytes": float_size,
+                   "sensitivity": done.sensitivity})
+    say(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {cfg.precision})")
+    return QuantizeResult(path=out, report=report, config=cfg)
 
+
+@dataclasses.dataclass
+class _Data:
+    """Calibration and held-out evaluation images of one quantization (gathered before any work)."""
+
+    calib: np.ndarray | None
+    calib_info: dict[str, Any] | None
+    x_eval: np.ndarray | None
+    labels: np.ndarray | None
+    eval_desc: str | None
+
+
+@dataclasses.dataclass
+class _Converted:
+    """What the int8 / fp16 step did: node lists for the metadata and the report, the tool used."""
+
+    tool: str
+    excluded: list[str]
+    attention: list[str] = dataclasses.field(default_factory=list)
+    smoothing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    sensitivity: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    auto: list[str] = dataclasses.field(default_factory=list)
+
+
+def _gather_data(meta: dict[str, Any], cfg: QuantizeConfig, calibration: np.ndarray | None,
+                 eval_source: Any, say: Callable[[str], None]) -> _Data:
+    """Step 1: calibration and evaluation images (cheap; every user mistake surfaces here)."""
+    base = meta.get("base_model")
     entry = zoo_entry(base.get("name", "")) if isinstance(base, dict) else None
     eval_data = cfg.eval_data or (cfg.calib_data if entry is not None and entry.data_holds_both_splits else None)
-
-    # --- data (cheap, and every user mistake surfaces here) ----------------------------------
-    calib_info: dict[str, Any] | None = None
+    calib = calib_info = None
     # dynamic int8 computes activation ranges at run time: calibration images only for smoothing
     # and the sensitivity pass
     needs_calib = cfg.precision == "int8" and (cfg.mode == "static" or cfg.smooth_alpha is not None
@@ -172,139 +216,148 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
     if eval_source is None:
         if cfg.max_drop is not None:
             raise UserError("--max-drop needs evaluation images, but the ONNX file names no edgeprune model")
-        x_eval = labels = None
-        eval_desc = None
-    else:
-        x_eval, labels, eval_desc = _eval_arrays(eval_source)
+        return _Data(calib, calib_info, None, None, None)
+    x_eval, labels, eval_desc = _eval_arrays(eval_source)
+    return _Data(calib, calib_info, x_eval, labels, eval_desc)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        float_path = src
-        if to_export is not None:
-            from exporters.onnx import export_onnx
 
-            fmodel, spec = to_export
-            float_path = export_onnx(fmodel, tmp / "float.onnx", tuple(spec.input_size), meta)
-            meta = read_metadata(float_path)
-            say(f"exported {src} to fp32 ONNX")
-        quant_path = tmp / "quantized.onnx"
-        excluded: list[str] = []
-        attention: list[str] = []
-        smoothing: list[dict[str, Any]] = []
-        sensitivity: list[dict[str, Any]] = []
-        if cfg.precision == "int8":
-            to_quantize = float_path
-            if cfg.smooth_alpha is not None:
-                from exporters.smooth import smooth_onnx
+def _float_model(src: Path, to_export: Any, meta: dict[str, Any], tmp: Path,
+                 say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    """Step 2: the fp32 ONNX file to quantize (a run directory is exported into ``tmp`` first)."""
+    if to_export is None:
+        return src, meta
+    fmodel, spec = to_export
+    float_path = export_onnx(fmodel, tmp / "float.onnx", tuple(spec.input_size), meta)
+    say(f"exported {src} to fp32 ONNX")
+    return float_path, read_metadata(float_path)
 
-                smoothing = smooth_onnx(float_path, tmp / "smooth.onnx", calib, cfg.smooth_alpha,
-                                        cfg.batch_size, cfg.threads)
-                to_quantize = tmp / "smooth.onnx"
-                say(f"smoothing (alpha {cfg.smooth_alpha:g}): {len(smoothing)} LayerNorm -> MatMul sites")
-            pre = int8.preprocess(to_quantize, tmp / "pre.onnx") if cfg.preprocess else to_quantize
-            op_types = int8.quantizable_op_types(cfg)
-            names = int8.quantizable_nodes(pre, op_types)
-            if not names:
-                raise UserError(f"{src} has no {'/'.join(op_types) or '/'.join(cfg.op_types)} nodes to "
-                                f"quantize{' in --mode dynamic (MatMul/Gemm only)' if cfg.mode == 'dynamic' else ''}")
-            excluded = int8.match_patterns(cfg.exclude, names)
-            if not cfg.quantize_attention:
-                attention = int8.activation_matmuls(pre, names)
-                excluded = [n for n in names if n in excluded or n in attention]
-            cache = tmp / "calibration.json"
-            reader = None
-            if cfg.mode == "static":
-                in_name = _input_name(pre)
-                fixed = _fixed_batch(pre)
-                reader = ArrayCalibrationReader(calib, in_name, fixed or cfg.batch_size, fixed_batch=bool(fixed))
-            doing = (f"calibrating ({cfg.calib_method}) and quantizing" if cfg.mode == "static"
-                     else "quantizing (dynamic: activation ranges at run time)")
-            say(f"int8: {doing} {len(names) - len(excluded)} of {len(names)} {'/'.join(op_types)} nodes"
-                + (f" ({len(attention)} attention products kept float; --quantize-attention to include them)"
-                   if attention else ""))
-            int8.quantize_int8(pre, quant_path, cfg, reader=reader, cache=cache, nodes_to_exclude=excluded)
-            if cfg.auto_exclude:
-                cand = [n for n in names if n not in excluded]
-                imgs = calib[:cfg.sensitivity_images]
-                say(f"sensitivity: quantizing each of {len(cand)} nodes alone on {len(imgs)} calibration images")
-                ref = int8.run_model(pre, imgs, cfg.batch_size, cfg.threads)
-                sensitivity = int8.rank_sensitivity(pre, cand, imgs, ref, cfg, cache, tmp)
-                auto = [r["node"] for r in sensitivity[:cfg.auto_exclude]]
-                excluded = [n for n in names if n in excluded or n in auto]
-                say("keeping in float: " + ", ".join(auto))
-                int8.quantize_int8(pre, quant_path, cfg, cache=cache, nodes_to_exclude=excluded)
-            tool = (f"onnxruntime {onnxruntime.__version__} quantize_static (QDQ)" if cfg.mode == "static"
-                    else f"onnxruntime {onnxruntime.__version__} quantize_dynamic (DynamicQuantizeLinear + MatMulInteger)")
-        else:
-            names = [n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node if n.name]
-            excluded = int8.match_patterns(cfg.exclude, names)
-            from exporters.fp16 import convert_fp16
 
-            say("fp16: converting (fp32 inputs/outputs; LayerNorm, Softmax, reductions kept fp32)")
-            convert_fp16(float_path, quant_path, excluded)
-            tool = f"onnxruntime {onnxruntime.__version__} transformers.float16.convert_float_to_float16"
+def _quantize_int8(src: Path, float_path: Path, quant_path: Path, calib: np.ndarray | None,
+                   cfg: QuantizeConfig, tmp: Path, say: Callable[[str], None]) -> _Converted:
+    """Step 3 (int8): smoothing, pre-processing, node selection, quantization, sensitivity pass."""
+    to_quantize = float_path
+    smoothing: list[dict[str, Any]] = []
+    if cfg.smooth_alpha is not None:
+        smoothing = smooth_onnx(float_path, tmp / "smooth.onnx", calib, cfg.smooth_alpha,
+                                cfg.batch_size, cfg.threads)
+        to_quantize = tmp / "smooth.onnx"
+        say(f"smoothing (alpha {cfg.smooth_alpha:g}): {len(smoothing)} LayerNorm -> MatMul sites")
+    pre = int8.preprocess(to_quantize, tmp / "pre.onnx") if cfg.preprocess else to_quantize
+    op_types = int8.quantizable_op_types(cfg)
+    names = int8.quantizable_nodes(pre, op_types)
+    if not names:
+        raise UserError(f"{src} has no {'/'.join(op_types) or '/'.join(cfg.op_types)} nodes to "
+                        f"quantize{' in --mode dynamic (MatMul/Gemm only)' if cfg.mode == 'dynamic' else ''}")
+    excluded = int8.match_patterns(cfg.exclude, names)
+    attention: list[str] = []
+    if not cfg.quantize_attention:
+        attention = int8.activation_matmuls(pre, names)
+        excluded = [n for n in names if n in excluded or n in attention]
+    cache = tmp / "calibration.json"
+    reader = None
+    if cfg.mode == "static":
+        fixed = _fixed_batch(pre)
+        reader = ArrayCalibrationReader(calib, _input_name(pre), fixed or cfg.batch_size, fixed_batch=bool(fixed))
+    doing = (f"calibrating ({cfg.calib_method}) and quantizing" if cfg.mode == "static"
+             else "quantizing (dynamic: activation ranges at run time)")
+    say(f"int8: {doing} {len(names) - len(excluded)} of {len(names)} {'/'.join(op_types)} nodes"
+        + (f" ({len(attention)} attention products kept float; --quantize-attention to include them)"
+           if attention else ""))
+    int8.quantize_int8(pre, quant_path, cfg, reader=reader, cache=cache, nodes_to_exclude=excluded)
+    sensitivity: list[dict[str, Any]] = []
+    auto: list[str] = []
+    if cfg.auto_exclude:
+        assert calib is not None  # gathered whenever auto_exclude > 0
+        cand = [n for n in names if n not in excluded]
+        imgs = calib[:cfg.sensitivity_images]
+        say(f"sensitivity: quantizing each of {len(cand)} nodes alone on {len(imgs)} calibration images")
+        ref = int8.run_model(pre, imgs, cfg.batch_size, cfg.threads)
+        sensitivity = int8.rank_sensitivity(pre, cand, imgs, ref, cfg, cache, tmp)
+        auto = [r["node"] for r in sensitivity[:cfg.auto_exclude]]
+        excluded = [n for n in names if n in excluded or n in auto]
+        say("keeping in float: " + ", ".join(auto))
+        int8.quantize_int8(pre, quant_path, cfg, cache=cache, nodes_to_exclude=excluded)
+    tool = (f"onnxruntime {onnxruntime.__version__} quantize_static (QDQ)" if cfg.mode == "static"
+            else f"onnxruntime {onnxruntime.__version__} quantize_dynamic (DynamicQuantizeLinear + MatMulInteger)")
+    return _Converted(tool, excluded, attention, smoothing, sensitivity, auto)
 
-        report: dict[str, Any] = {}
-        if x_eval is not None:
-            f_out = int8.run_model(float_path, x_eval, cfg.batch_size, cfg.threads)
-            q_out = int8.run_model(quant_path, x_eval, cfg.batch_size, cfg.threads)
-            kind = meta.get("output_kind") if meta.get("output_kind") in ("logits", "saliency") else None
-            report = quantized_metrics(q_out, f_out, labels, kind)
-            report["eval_source"] = eval_desc
-            report["max_drop"] = cfg.max_drop
-            if cfg.max_drop is not None and report["drop_points"] > cfg.max_drop + 1e-9:
-                what = "top-1" if report["drop_metric"] == "top1_points" else "agreement"
-                raise QualityGateError(
-                    f"{cfg.precision} model loses {report['drop_points']:.2f} points of {what} on "
-                    f"{report['n']} held-out images (max {cfg.max_drop:g}); {out} not written "
-                    f"(try --auto-exclude N, --exclude PATTERN or --calib-method percentile)")
 
-        md = dict(meta)
-        md.update({
-            "precision": cfg.precision,
-            "quantization": {**cfg.to_record(), "tool": tool, "float_model": src.name,
-                             "float_sha256": file_sha256(float_path)},
-            "excluded_nodes": excluded,
-        })
-        if attention:
-            md["float_attention_nodes"] = attention
-        if smoothing:
-            md["smoothing"] = smoothing
-        if calib_info is not None:
-            md["quant_calibration"] = calib_info
-            md["calibration_sha256"] = calib_info["sha256"]
-        if sensitivity:
-            md["sensitivity"] = sensitivity
-            md["auto_excluded_nodes"] = auto
-        if report:
-            md["quant_eval"] = report
-            md["agreement"] = report["agreement"]
-        proto = onnx.load(str(quant_path))
-        del proto.metadata_props[:]
-        for key, value in encode_metadata(md).items():
-            entry = proto.metadata_props.add()
-            entry.key, entry.value = key, value
-        final = tmp / out.name
-        onnx.save_model(proto, str(final))
-        del proto
-        onnx.checker.check_model(str(final))
-        float_size = float_path.stat().st_size
-        os.replace(final, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    report = dict(report)
-    report.update({"excluded_nodes": excluded, "float_attention_nodes": attention, "smoothing": smoothing,
-                   "calibration": calib_info, "size_bytes": out.stat().st_size,
-                   "float_size_bytes": float_size,
-                   "sensitivity": sensitivity})
-    say(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {cfg.precision})")
-    return QuantizeResult(path=out, report=report, config=cfg)
+def _convert_fp16(float_path: Path, quant_path: Path, cfg: QuantizeConfig,
+                  say: Callable[[str], None]) -> _Converted:
+    """Step 3 (fp16): convert, keeping the excluded nodes and the sensitive op types in fp32."""
+    names = [n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node if n.name]
+    excluded = int8.match_patterns(cfg.exclude, names)
+    say("fp16: converting (fp32 inputs/outputs; LayerNorm, Softmax, reductions kept fp32)")
+    convert_fp16(float_path, quant_path, excluded)
+    return _Converted(f"onnxruntime {onnxruntime.__version__} transformers.float16.convert_float_to_float16",
+                      excluded)
+
+
+def _measure(float_path: Path, quant_path: Path, meta: dict[str, Any], data: _Data, cfg: QuantizeConfig,
+             out: Path) -> dict[str, Any]:
+    """Step 4: metrics against the float model on held-out images, and the ``max_drop`` gate.
+
+    Raises:
+        QualityGateError: the drop exceeds ``cfg.max_drop``.
+    """
+    if data.x_eval is None:
+        return {}
+    f_out = int8.run_model(float_path, data.x_eval, cfg.batch_size, cfg.threads)
+    q_out = int8.run_model(quant_path, data.x_eval, cfg.batch_size, cfg.threads)
+    kind = meta.get("output_kind") if meta.get("output_kind") in ("logits", "saliency") else None
+    report = quantized_metrics(q_out, f_out, data.labels, kind)
+    report["eval_source"] = data.eval_desc
+    report["max_drop"] = cfg.max_drop
+    if cfg.max_drop is not None and report["drop_points"] > cfg.max_drop + 1e-9:
+        what = "top-1" if report["drop_metric"] == "top1_points" else "agreement"
+        raise QualityGateError(
+            f"{cfg.precision} model loses {report['drop_points']:.2f} points of {what} on "
+            f"{report['n']} held-out images (max {cfg.max_drop:g}); {out} not written "
+            f"(try --auto-exclude N, --exclude PATTERN or --calib-method percentile)")
+    return report
+
+
+def _output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_path: Path,
+                     done: _Converted, calib_info: dict[str, Any] | None,
+                     report: dict[str, Any]) -> dict[str, Any]:
+    """Step 5: the output's metadata: the float model's, plus what was done and measured."""
+    md = dict(meta)
+    md.update({
+        "precision": cfg.precision,
+        "quantization": {**cfg.to_record(), "tool": done.tool, "float_model": src.name,
+                         "float_sha256": file_sha256(float_path)},
+        "excluded_nodes": done.excluded,
+    })
+    if done.attention:
+        md["float_attention_nodes"] = done.attention
+    if done.smoothing:
+        md["smoothing"] = done.smoothing
+    if calib_info is not None:
+        md["quant_calibration"] = calib_info
+        md["calibration_sha256"] = calib_info["sha256"]
+    if done.sensitivity:
+        md["sensitivity"] = done.sensitivity
+        md["auto_excluded_nodes"] = done.auto
+    if report:
+        md["quant_eval"] = report
+        md["agreement"] = report["agreement"]
+    return md
+
+
+def _write_with_metadata(quant_path: Path, md: dict[str, Any], final: Path, out: Path) -> None:
+    """Step 6: replace the quantized model's metadata with ``md``, check it, move it to ``out``."""
+    proto = onnx.load(str(quant_path))
+    del proto.metadata_props[:]
+    for key, value in encode_metadata(md).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save_model(proto, str(final))
+    del proto
+    onnx.checker.check_model(str(final))
+    os.replace(final, out)
 
 
 def _input_name(path: Path) -> str:
-    import onnx
-
     m = onnx.load(str(path), load_external_data=False)
     inits = {i.name for i in m.graph.initializer}
     inputs = [i for i in m.graph.input if i.name not in inits]
@@ -314,8 +367,6 @@ def _input_name(path: Path) -> str:
 
 
 def _fixed_batch(path: Path) -> int | None:
-    import onnx
-
     m = onnx.load(str(path), load_external_data=False)
     dim = m.graph.input[0].type.tensor_type.shape.dim
     if dim and dim[0].HasField("dim_value") and dim[0].dim_value > 0:

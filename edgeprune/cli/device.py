@@ -18,7 +18,16 @@ from typing import Any, Sequence
 
 import click
 
+from devices import list_profiles, load_profile
+from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
+from exporters.tensorrt import build_engine, read_sidecar
+from exporters.tensorrt_settings import builder_settings, onnx_input, onnx_precision
+from exporters.trtexec import trtexec_args
+from runners.bench import resolve_config, run_bench
+from runners.registry import backend_names
+from runners.report import plot_latency, to_json
+from runners.tensorrt.inspect import attention_fusion_report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,8 +75,6 @@ def devices_cmd(device: str | None, as_json: bool) -> None:
 
     DEVICE is a profile name or a .toml path.
     """
-    from devices import list_profiles, load_profile
-
     profiles = [load_profile(device)] if device else [load_profile(n) for n in list_profiles()]
     if as_json or device:
         data = [p.to_dict() for p in profiles]
@@ -89,8 +96,9 @@ def default_engine_path(onnx_path: Path, device_name: str) -> Path:
 
 @click.command("build")
 @click.argument("onnx_path", metavar="MODEL.onnx", type=click.Path(path_type=Path))
-@click.option("--device", "device", required=True, metavar="NAME|PATH",
-              help="Device profile: a shipped name (see `edgeprune devices`) or a .toml file.")
+@click.option("--device", "profile_name", required=True, metavar="PROFILE",
+              help="Device profile (not a torch device): a shipped name such as orin-nx (see "
+                   "`edgeprune devices`) or a .toml file.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Engine file [MODEL.<device>.engine]; a JSON sidecar <engine>.json is written next to it.")
 @click.option("--precision", type=click.Choice(["fp16", "fp32", "int8"]), default=None,
@@ -101,19 +109,18 @@ def default_engine_path(onnx_path: Path, device_name: str) -> Path:
               help="Timing-cache file to reuse and update [the profile's].")
 @click.option("--print-trtexec", is_flag=True,
               help="Only print the equivalent trtexec command line; build nothing (no TensorRT needed).")
-def build_cmd(onnx_path: Path, device: str, output: Path | None, precision: str | None, force_device: bool,
+def build_cmd(onnx_path: Path, profile_name: str, output: Path | None, precision: str | None, force_device: bool,
               timing_cache: Path | None, print_trtexec: bool) -> None:
-    """Build a TensorRT engine from MODEL.onnx for a device profile.
+    """Build a TensorRT engine from MODEL.onnx for a device profile (--device PROFILE).
+
+    Here --device names a device profile (e.g. orin-nx), not the torch device that prune, heal
+    and derive take.
 
     Run it on the target device (engines are specific to the GPU's compute capability and the
     TensorRT version). The equivalent trtexec command is printed first. An explicitly quantized
     (Q/DQ) model is built with INT8 + FP16 (TensorRT's explicit quantization).
     """
-    from devices import load_profile
-    from exporters.tensorrt_settings import builder_settings, onnx_input, onnx_precision
-    from exporters.trtexec import trtexec_args
-
-    profile = load_profile(device)
+    profile = load_profile(profile_name)
     if not profile.uses_tensorrt:
         raise UserError(f"device profile {profile.name!r} runs {profile.backend}, not TensorRT: "
                         "nothing to build (benchmark the .onnx file directly)")
@@ -127,8 +134,6 @@ def build_cmd(onnx_path: Path, device: str, output: Path | None, precision: str 
         return
     click.echo(f"trtexec equivalent:\n  {cmd}")
 
-    from exporters.tensorrt import build_engine, read_sidecar
-
     click.echo(f"building {out} for {profile.name} ({settings['precision']}, batch "
                f"{settings['shapes']['min'][0]}..{settings['shapes']['max'][0]}) ...")
     engine = build_engine(onnx_path, profile, out, force_device=force_device, timing_cache=timing_cache,
@@ -140,8 +145,6 @@ def build_cmd(onnx_path: Path, device: str, output: Path | None, precision: str 
                f"on {gpu.get('name', '?')} (compute capability {gpu.get('compute_capability', '?')}), "
                f"TensorRT {meta.get('tensorrt_version', '?')}; sidecar {engine.name}.json")
     try:
-        from runners.tensorrt.inspect import attention_fusion_report
-
         click.echo(attention_fusion_report(engine).summary())
     except Exception as err:  # the build succeeded; the report is a bonus
         click.echo(f"(attention fusion report unavailable: {err})", err=True)
@@ -164,17 +167,16 @@ def _parse_batch_sizes(ctx: Any, param: Any, value: str | None) -> tuple[int, ..
 
 
 def _backend_choices() -> list[str]:
-    from runners.registry import backend_names
-
     return ["auto", *backend_names()]
 
 
 @click.command("bench")
 @click.argument("a")
 @click.option("--vs", "b", default=None, metavar="B", help="compare against B (interleaved A B A B ...)")
-@click.option("--device", default=None, metavar="PROFILE",
-              help="device profile (see `edgeprune devices`): its backend and bench settings apply "
-                   "[cpu; for an engine: the profile it was built for]")
+@click.option("--device", "profile_name", default=None, metavar="PROFILE",
+              help="device profile, not a torch device (see `edgeprune devices`; e.g. cpu, orin-nx, "
+                   "rtx3090): its backend and bench settings apply [cpu; for an engine: the profile "
+                   "it was built for]")
 @click.option("--backend", type=click.Choice(_backend_choices()), default="auto", show_default=True,
               help="auto: .onnx -> the profile's backend, .engine -> tensorrt, run dir / model name -> torch")
 @click.option("--provider", default=None, help="ONNX Runtime provider: cpu (default), cuda, tensorrt")
@@ -191,11 +193,14 @@ def _backend_choices() -> list[str]:
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="write all results as JSON")
 @click.option("--markdown", "md_out", type=click.Path(path_type=Path), help="write the report as markdown")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path), help="plot latency vs batch size (PNG)")
-def bench_cmd(a: str, b: str | None, device: str | None, backend: str, provider: str | None,
+def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, provider: str | None,
               batch_sizes: tuple[int, ...] | None, iterations: int | None, warmup: int | None,
               threads: int | None, cuda_graphs: bool | None, precision: str | None, random_init: bool,
               json_out: Path | None, md_out: Path | None, plot_out: Path | None) -> None:
     """Latency and throughput of a model or engine, optionally against B.
+
+    Here --device names a device profile (e.g. cpu, orin-nx), not the torch device that prune,
+    heal and derive take; a run directory or model name runs on CUDA for a GPU profile.
 
     A is an .onnx file (quantized or not), an engine, a run directory or a model name; it runs on
     a device profile, per batch size, interleaved with B when given.
@@ -206,12 +211,8 @@ def bench_cmd(a: str, b: str | None, device: str | None, backend: str, provider:
     With --vs, A and B run interleaved on the same input and the table reports the per-pair
     latency ratio A/B (median, p10-p90): > 1 means B is faster.
     """
-    from runners.bench import resolve_config, run_bench
-    from edgeprune.atomic import atomic_write_text
-    from runners.report import plot_latency, to_json
-
     targets = (a,) if b is None else (a, b)
-    cfg, profile = resolve_config(device, targets=targets, backend=backend, provider=provider,
+    cfg, profile = resolve_config(profile_name, targets=targets, backend=backend, provider=provider,
                                   threads=threads, batch_sizes=batch_sizes, warmup=warmup,
                                   iterations=iterations, cuda_graphs=cuda_graphs, precision=precision,
                                   random_init=random_init)
