@@ -14,12 +14,12 @@ them the same way.
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any, Callable
 
 import click
 
 from edgeprune.errors import UserError
+from edgeprune.torch_device import resolve_device  # noqa: F401 (the --device callback; re-exported)
 
 MODEL_HELP = "fmnist-vit, dinov2-s14, or a timm ViT/DeiT name (with --checkpoint or --random-init)."
 
@@ -121,30 +121,6 @@ def out_option(default_help: str) -> Callable:
     """``-o/--out DIR``: a new run directory (never overwritten)."""
     return click.option("-o", "--out", type=click.Path(), default=None, metavar="DIR",
                         help=f"New run directory (must not exist) [{default_help}].")
-
-
-def resolve_device(device: Any) -> str:
-    """Check a torch device string before any work: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``
-    (``cuda`` when ``torch.cuda.is_available()``, else ``cpu``). Returns the device to use.
-
-    Raises:
-        UserError: an unknown device, CUDA not available, or a CUDA index that does not exist.
-    """
-    d = str(device).strip().lower()
-    if d == "cpu":
-        return d
-    import torch
-
-    if d == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    m = re.fullmatch(r"cuda(?::(\d+))?", d)
-    if m is None:
-        raise UserError(f"unknown device {device!r} (use cpu, cuda, cuda:N or auto)")
-    if not torch.cuda.is_available():
-        raise UserError("CUDA is not available (use --device cpu)")
-    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
-        raise UserError(f"no CUDA device {m.group(1)}: {torch.cuda.device_count()} visible (use cuda:0)")
-    return d
 
 
 def _device_callback(ctx: click.Context, param: click.Parameter, value: str) -> str:

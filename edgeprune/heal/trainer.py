@@ -81,8 +81,9 @@ from edgeprune.heal.config import HealConfig
 from edgeprune.heal import data_parallel as dp
 from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record, resolve_trainable  # noqa: F401
 from edgeprune.heal.schedule import cosine_lr, default_warmup_steps  # noqa: F401
-from edgeprune.heal.targets import CalibrationSet, iter_batches, make_targets, model_device, state_fingerprint
+from edgeprune.heal.targets import CalibrationSet, DenseTargets, iter_batches, make_targets, model_device, state_fingerprint
 from edgeprune.progress import on_terminal, progress as progress_bar
+from edgeprune.torch_device import resolve_device
 
 
 @dataclasses.dataclass
@@ -166,9 +167,6 @@ def measure_alignment(model: nn.Module, dense: nn.Module, images: Any, *, batch_
     Raises:
         UserError: unknown device or CUDA not available, empty calibration set.
     """
-    from edgeprune.cli.options import resolve_device
-    from edgeprune.heal.targets import DenseTargets
-
     dev = model_device(model) if device is None else torch.device(resolve_device(device))
     calib = CalibrationSet(images)
     homes = [(m, model_device(m)) for m in (model, dense)]
