@@ -79,9 +79,9 @@ def _load_input(src: Path) -> tuple[dict[str, Any], Any]:
     if not src.exists():
         raise UserError(f"no such ONNX file or run directory: {src}")
     if src.is_dir():
-        from edgeprune.loading import load_target
+        from edgeprune.loading import load_run_or_model
 
-        model, record, spec = load_target(src, None)
+        model, record, spec = load_run_or_model(src, None)
         return build_metadata(record=record, spec=spec, model=model), (model, spec)
     meta = read_metadata(src)
     precision = meta.get("precision")

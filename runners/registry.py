@@ -231,14 +231,14 @@ def _ort_factory(target: str, path: Path, kind: str, opts: RunnerOptions) -> Run
 
 @register_backend("torch", "runners.torch_runner:TorchRunner", ("run", "model"), requires=("torch",))
 def _torch_factory(target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
-    from edgeprune.loading import load_target
+    from edgeprune.loading import load_run_or_model
     from runners.torch_runner import TorchRunner
 
     if kind == "run":
-        model, _rec, spec = load_target(path, None)
+        model, _rec, spec = load_run_or_model(path, None)
         label = path.name
     else:
-        model, _rec, spec = load_target(None, target, None, opts.random_init)
+        model, _rec, spec = load_run_or_model(None, target, None, opts.random_init)
         label = target
     kwargs: dict[str, Any] = {"cuda_graphs": bool(opts.cuda_graphs)}
     if opts.precision is not None:

@@ -23,10 +23,20 @@ import shutil
 from pathlib import Path
 
 import click
+import torch
 
+from edgeprune.artifact import check_new_dir, check_writable, load_run, save_run
 from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
                                    fmt_metric, out_option, quiet_option)
+from edgeprune.distributed import is_main_process, process_group, world_size
 from edgeprune.errors import UserError
+from edgeprune.evaluate import evaluate
+from edgeprune.heal import HealConfig, heal
+from edgeprune.heal.checkpoint import partial_dir
+from edgeprune.heal.reduced import reduced_modules
+from edgeprune.heal.runs import check_healable, default_calib_size, healed_record
+from edgeprune.loading import load_base_model
+from edgeprune.zoo.registry import spec_from_record
 
 
 @click.command("heal")
@@ -67,20 +77,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     Trains the reduced layers of RUN_DIR so that every block output aligns with the dense
     model's, and saves a new run directory (resumable after an interruption).
     """
-    import torch
-
-    from edgeprune.artifact import check_new_dir, load_run, save_run
-    from edgeprune.evaluate import evaluate
-    from edgeprune.heal import HealConfig, heal
-    from edgeprune.heal.checkpoint import partial_dir
-    from edgeprune.heal.reduced import reduced_modules
-    from edgeprune.heal.runs import check_healable, default_calib_size, healed_record
-    from edgeprune.loading import load_base_model
-    from edgeprune.zoo.registry import spec_from_record
-
     # 1. everything that can be checked without work
-    from edgeprune.distributed import is_main_process, process_group
-
     config = HealConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                         loss=loss, seed=seed, warmup_steps=warmup_steps, holdout=holdout, keep_best=keep_best,
                         memory_budget_mb=memory_budget_mb, device=device)
@@ -97,8 +94,6 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     main = is_main_process()
     quiet = quiet or not main
     if cache_targets is not None:
-        from edgeprune.artifact import check_writable
-
         check_writable(cache_targets)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
@@ -117,8 +112,6 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
 
     # 2. the work
     if main:
-        from edgeprune.distributed import world_size
-
         procs = f" x {world_size()} processes" if world_size() > 1 else ""
         click.echo(f"heal {run_path} ({rec.get('method')}, {spec.name}) on {config.device}{procs}: "
                    f"calibration {calib.description}")
