@@ -364,7 +364,9 @@ def _prune_record(tmp_path, capsys, *args) -> tuple[dict, str]:
 
 
 def test_cli_writes_the_config_into_the_record(tmp_path, capsys):
-    rec, stdout = _prune_record(tmp_path, capsys, "--target", "mlp", "--sparsity", "0.25", "--ridge-alpha", "0.01")
+    # the device said (the default, auto, is cuda on a machine with a GPU)
+    rec, stdout = _prune_record(tmp_path, capsys, "--target", "mlp", "--sparsity", "0.25", "--ridge-alpha", "0.01",
+                                "--device", "cpu")
     cfg = rec["config"]
     assert cfg["mlp_sparsity"] == 0.25 and cfg["attn_sparsity"] == 0.0 and cfg["ridge_alpha"] == 0.01
     assert cfg["target"] == "mlp" and cfg["round_to"] == 8 and cfg["compensation"] is True
