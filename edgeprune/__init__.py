@@ -7,9 +7,8 @@ Importing edgeprune applies the torchvision-on-CPU-torch workaround (``edgeprune
 ``import timm`` works on CPU-only torch builds.
 """
 
-__version__ = "0.1.0"
-
 from edgeprune._compat import import_torchvision as _import_torchvision
+from edgeprune._version import __version__
 
 try:
     _import_torchvision()

@@ -26,6 +26,7 @@ from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
 from edgeprune.plan import achieved_sparsity  # noqa: F401  (re-exported: nuwa, tools)
 from edgeprune.surgery import block_dims
+from edgeprune.torch_device import resolve_device
 
 
 @dataclasses.dataclass
@@ -214,7 +215,6 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
     config.validate()
     from edgeprune.calibration.collect import calibration_device
-    from edgeprune.cli.options import resolve_device
 
     device = work_device(config, resolve_device(device))
     if not inplace:

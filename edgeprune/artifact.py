@@ -26,9 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
+from edgeprune import atomic
+from edgeprune._version import __version__
 from edgeprune.atomic import atomic_dir
 from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.surgery import apply_structure
+from edgeprune.zoo.registry import spec_from_record
 
 WEIGHTS = "model.safetensors"
 RECORD = "run.json"
@@ -94,10 +100,6 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
         UserError: the directory already exists.
         RuntimeFault: the write failed (disk full, read-only file system, no permission).
     """
-    from safetensors import SafetensorError
-
-    from edgeprune import atomic
-
     out = check_new_dir(path)
     try:
         with atomic_dir(out) as tmp:
@@ -115,8 +117,6 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
 
 
 def _version() -> str:
-    from edgeprune import __version__
-
     return __version__
 
 
@@ -197,11 +197,6 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     Raises:
         UserError: not a run directory, or weights that do not fit the recorded structure.
     """
-    from safetensors.torch import load_file
-
-    from edgeprune.surgery import apply_structure
-    from edgeprune.zoo.registry import spec_from_record
-
     p = Path(path)
     rec = read_record(p)
     spec = spec_from_record(rec["base_model"])
@@ -209,6 +204,8 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     try:
         apply_structure(model, rec["blocks"])
         if rec.get("head"):  # NuWa: head suppressed or sliced to the target classes
+            # not at module top: edgeprune.nuwa's __init__ imports nuwa.derive, which imports
+            # this module (an import loop through the package)
             from edgeprune.nuwa.head import apply_head_structure
 
             apply_head_structure(model, rec["head"])

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from edgeprune.metrics.saliency import feature_cosine, saliency_fidelity
+from edgeprune.nuwa.inputs import evaluate_targets
 from edgeprune.progress import progress as progress_bar
 
 
@@ -72,8 +74,6 @@ def evaluate_saliency(model: nn.Module, dense: nn.Module, source, batch_size: in
         dict with ``mae``, ``pearson``, ``iou@0.5`` (image means, maps in [0, 1]),
         ``feature_cosine`` and ``num_images``.
     """
-    from edgeprune.metrics.saliency import feature_cosine, saliency_fidelity
-
     model.eval().to(device)
     dense.eval().to(device)
     maps, refs, feats, ref_feats = [], [], [], []
@@ -133,8 +133,6 @@ def evaluate_target_classes(model: nn.Module, head: dict, source, device: str = 
     Raises:
         UserError: no labeled image of the target classes.
     """
-    from edgeprune.nuwa.inputs import evaluate_targets
-
     classes = [int(c) for c in head["classes"]]
     keep = torch.tensor(classes)
     pairs = [(x[torch.isin(y, keep)], y[torch.isin(y, keep)]) for x, y in source.batches(1024) if y is not None]

@@ -1,8 +1,9 @@
 """The model a command works on: a run directory (pruned, healed or derived) or a dense model name.
 
 Every command that takes ``RUN_DIR`` or ``--model NAME`` (eval, info, export, verify, bench) loads
-through :func:`load_target`, so they agree on the errors and on the weights of ``--random-init``
-models (seeded by the spec: export and verify of the same random-init model see the same weights).
+through :func:`load_run_or_model`, so they agree on the errors and on the weights of
+``--random-init`` models (seeded by the spec: export and verify of the same random-init model see
+the same weights). A run directory alone is read by :func:`edgeprune.artifact.load_run`.
 :func:`load_base_model` rebuilds a run's dense base model from its record -- same seed, img_size,
 model_kwargs, and the recorded checkpoint, refused if it is gone or its sha256 changed.
 """
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from edgeprune.artifact import load_run
 from edgeprune.errors import UserError
+from edgeprune.zoo.registry import get_model_spec, spec_from_record
 
 #: torch seed for ``--random-init`` models (``ModelSpec.seed``'s default).
 RANDOM_INIT_SEED = 0
@@ -31,18 +34,17 @@ def load_base_model(record: dict) -> nn.Module:
         UserError: the checkpoint is gone or changed ("checkpoint X changed since the run was made
             ..."), an unknown model.
     """
-    from edgeprune.zoo.registry import spec_from_record
-
     spec = spec_from_record(record["base_model"])
     return spec.create(pretrained=not spec.random_init)
 
 
-def load_target(run_dir: str | os.PathLike | None, model_name: str | None,
+def load_run_or_model(run_dir: str | os.PathLike | None, model_name: str | None,
                 checkpoint: str | os.PathLike | None = None, random_init: bool = False,
                 num_classes: int | None = None, img_size: int | None = None,
                 model_kwargs: dict | None = None,
                 seed: int = RANDOM_INIT_SEED) -> tuple[nn.Module, dict | None, object]:
-    """Load a run directory or build a dense model, in eval mode.
+    """Load a run directory (:func:`~edgeprune.artifact.load_run`) or build the dense model
+    ``model_name``, in eval mode.
 
     Args:
         run_dir: an edgeprune run directory, or None.
@@ -57,8 +59,6 @@ def load_target(run_dir: str | os.PathLike | None, model_name: str | None,
         UserError: neither or both given, options that do not go with a run directory, a
             missing run directory, an unknown model.
     """
-    from edgeprune.zoo.registry import get_model_spec, spec_from_record
-
     if (run_dir is None) == (model_name is None):
         raise UserError("give either a run directory or --model NAME (not both)")
     if run_dir is not None:
@@ -71,8 +71,6 @@ def load_target(run_dir: str | os.PathLike | None, model_name: str | None,
             raise UserError(f"run directory not found: {run_dir}")
         if not run_dir.is_dir():
             raise UserError(f"{run_dir} is not a run directory")
-        from edgeprune.artifact import load_run
-
         model, record = load_run(run_dir)
         return model.eval(), record, spec_from_record(record["base_model"])
     spec = get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init, num_classes,

@@ -36,7 +36,7 @@ import onnxruntime
 
 from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
-from edgeprune.loading import load_target
+from edgeprune.loading import load_run_or_model
 from edgeprune.zoo.entries import zoo_entry
 from exporters import int8
 from exporters.calibration_reader import (ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for,
@@ -88,7 +88,7 @@ def _load_input(src: Path) -> tuple[dict[str, Any], Any]:
     if not src.exists():
         raise UserError(f"no such ONNX file or run directory: {src}")
     if src.is_dir():
-        model, record, spec = load_target(src, None)
+        model, record, spec = load_run_or_model(src, None)
         return build_metadata(record=record, spec=spec, model=model), (model, spec)
     meta = read_metadata(src)
     precision = meta.get("precision")

@@ -219,7 +219,7 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
     Args:
         onnx_path: the quantized file (run with ONNX Runtime, CPU).
         float_reference: the float model: a path to the fp32 ONNX file or the PyTorch module
-            (e.g. ``load_target(run_dir, ...)[0]``).
+            (e.g. ``load_run_or_model(run_dir, ...)[0]``).
         eval_source: held-out images: a data source with ``batches(b)`` yielding
             ``(images (B, C, H, W), labels (B,) or None)`` (``ModelSpec.eval_source``), or an
             ``(images, labels|None)`` pair of arrays.

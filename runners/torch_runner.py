@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault, UserError
-from edgeprune.loading import load_target
+from edgeprune.loading import load_run_or_model
 from runners.attention_kernels import attention_kernels, describe
 from runners.base import Runner, peak_rss_mb
 from runners.registry import Backend, RunnerOptions, make_runner, register_backend
@@ -255,10 +255,10 @@ class TorchBackend(Backend):
 
     def create(self, target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
         if kind == "run":
-            model, _rec, spec = load_target(path, None)
+            model, _rec, spec = load_run_or_model(path, None)
             label = path.name
         else:
-            model, _rec, spec = load_target(None, target, None, opts.random_init)
+            model, _rec, spec = load_run_or_model(None, target, None, opts.random_init)
             label = target
         kwargs: dict[str, Any] = {"cuda_graphs": bool(opts.cuda_graphs)}
         if opts.precision is not None:

@@ -251,12 +251,12 @@ def test_oserror_of_a_command_is_one_line(tmp_path, capsys, monkeypatch):
     """Any write failure that reaches the handler: ``cannot write <path>: <reason>``, exit 1."""
     import errno
 
-    import edgeprune.loading
+    import edgeprune.cli.options
 
     def boom(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x")
 
-    monkeypatch.setattr(edgeprune.loading, "load_target", boom)
+    monkeypatch.setattr(edgeprune.cli.options, "load_run_or_model", boom)
     code, _, err = run(["info", str(tmp_path)], capsys)
     assert code == 1
     assert_one_line_error(code, err, "cannot write /mnt/ro/x: Read-only file system (free space")
@@ -264,12 +264,12 @@ def test_oserror_of_a_command_is_one_line(tmp_path, capsys, monkeypatch):
 
 def test_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
     """An unexpected exception is a bug, not a user error: the handler does not hide it."""
-    import edgeprune.loading
+    import edgeprune.cli.options
 
     def bug(*a, **k):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(edgeprune.loading, "load_target", bug)
+    monkeypatch.setattr(edgeprune.cli.options, "load_run_or_model", bug)
     with pytest.raises(ZeroDivisionError):
         main(["info", str(tmp_path)])
 
@@ -364,7 +364,9 @@ def _prune_record(tmp_path, capsys, *args) -> tuple[dict, str]:
 
 
 def test_cli_writes_the_config_into_the_record(tmp_path, capsys):
-    rec, stdout = _prune_record(tmp_path, capsys, "--target", "mlp", "--sparsity", "0.25", "--ridge-alpha", "0.01")
+    # the device said (the default, auto, is cuda on a machine with a GPU)
+    rec, stdout = _prune_record(tmp_path, capsys, "--target", "mlp", "--sparsity", "0.25", "--ridge-alpha", "0.01",
+                                "--device", "cpu")
     cfg = rec["config"]
     assert cfg["mlp_sparsity"] == 0.25 and cfg["attn_sparsity"] == 0.0 and cfg["ridge_alpha"] == 0.01
     assert cfg["target"] == "mlp" and cfg["round_to"] == 8 and cfg["compensation"] is True
@@ -426,12 +428,12 @@ def test_v_and_head_options_reach_the_config(tmp_path, capsys):
 def test_safetensors_io_error_is_one_line(tmp_path, capsys, monkeypatch):
     import safetensors
 
-    import edgeprune.loading
+    import edgeprune.cli.options
 
     def full(*a, **k):
         raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
-    monkeypatch.setattr(edgeprune.loading, "load_target", full)
+    monkeypatch.setattr(edgeprune.cli.options, "load_run_or_model", full)
     code, _, err = run(["info", str(tmp_path)], capsys)
     assert code == 1
     assert_one_line_error(code, err, "safetensors file I/O failed: Error while serializing")

@@ -160,7 +160,7 @@ def test_export_dense_timm_model_with_num_classes(tmp_path):
     import numpy as np
     import onnxruntime as ort
 
-    from edgeprune.loading import load_target
+    from edgeprune.loading import load_run_or_model
 
     out = tmp_path / "d10.onnx"
     r = invoke("export", "--model", "deit_tiny_patch16_224", "--random-init", "--num-classes", "10",
@@ -172,7 +172,7 @@ def test_export_dense_timm_model_with_num_classes(tmp_path):
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     y = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
     assert y.shape == (1, 10)
-    model = load_target(None, "deit_tiny_patch16_224", None, True, 10)[0]
+    model = load_run_or_model(None, "deit_tiny_patch16_224", None, True, 10)[0]
     with torch.no_grad():
         ref = model(x).numpy()
     assert np.abs(y - ref).max() < 1e-4

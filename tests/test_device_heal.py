@@ -277,3 +277,101 @@ def test_cuda_derive_matches_the_cpu_derive():
     assert worst <= 1e-4, worst  # folded fc2 weights: statistics on CUDA, float64 re-fit on the CPU
     skp = derive(base, [0, 1, 2], x, y, flops=0.7, config=_derive_config("cuda", steps=4))  # SKP on CUDA
     assert skp.record["device"] == "cuda" and _devices(skp.model) == {"cpu"}
+
+
+# ---- determinism on CUDA (issue 29, item 3) ---------------------------------------------------------------
+def _global_settings() -> dict:
+    """The process-wide settings heal's determinism contexts touch."""
+    import os
+
+    cuda = torch.backends.cuda
+    return {"deterministic": torch.are_deterministic_algorithms_enabled(),
+            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "cudnn.deterministic": torch.backends.cudnn.deterministic, "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "sdpa": (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()),
+            "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+def test_cuda_determinism_is_applied_inside_and_restored_after(monkeypatch):
+    """On CUDA the heal runs with deterministic algorithms (errors, not warnings), cuDNN
+    deterministic, the math SDPA backend only and a deterministic cuBLAS workspace; every setting is
+    the caller's again afterwards, also after an exception. The flags can be set without a GPU."""
+    from edgeprune.heal.determinism import CUBLAS_ENV, cuda_deterministic, seeded
+
+    monkeypatch.delenv(CUBLAS_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    prev_alg, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    prev_cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    try:  # a caller with non-default settings: warn-only determinism, cuDNN benchmark on
+        torch.use_deterministic_algorithms(False, warn_only=True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+        before = _global_settings()
+        with cuda_deterministic("cuda:0"):
+            inside = _global_settings()
+        assert inside == {"deterministic": True, "warn_only": False, "cudnn.deterministic": True,
+                          "cudnn.benchmark": False, "sdpa": (False, False, True), "cublas": ":4096:8"}
+        assert _global_settings() == before
+        with pytest.raises(ZeroDivisionError), cuda_deterministic("cuda"):
+            1 / 0
+        assert _global_settings() == before
+        with cuda_deterministic("cpu"):  # the CPU heal is untouched by the CUDA settings
+            assert _global_settings() == before
+        with seeded(0, "cpu"):  # the loop on every device: deterministic algorithms, no warn_only
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert _global_settings() == before
+        monkeypatch.setenv(CUBLAS_ENV, ":16:8")  # the user's deterministic choice is kept
+        with cuda_deterministic("cuda"):
+            assert _global_settings()["cublas"] == ":16:8"
+        assert _global_settings()["cublas"] == ":16:8"
+        monkeypatch.setenv(CUBLAS_ENV, ":0:0")  # a non-deterministic one is refused before work
+        with pytest.raises(UserError, match="CUBLAS_WORKSPACE_CONFIG=:0:0"), cuda_deterministic("cuda"):
+            pytest.fail("entered")
+    finally:
+        torch.use_deterministic_algorithms(prev_alg, warn_only=prev_warn)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev_cudnn
+
+
+def test_heal_enters_the_cuda_determinism_on_cuda_only(tiny_heal, monkeypatch):
+    """heal() wraps its work (dense targets and loop) in cuda_deterministic(device); on the CPU
+    that is a no-op, so the CPU heal's arithmetic is unchanged."""
+    import contextlib
+
+    import edgeprune.heal.trainer as trainer
+
+    dense, pruned, calib = tiny_heal
+    seen = []
+
+    @contextlib.contextmanager
+    def spy(device):
+        seen.append(str(device))
+        yield
+
+    monkeypatch.setattr(trainer, "cuda_deterministic", spy)
+    heal(pruned, dense, calib[:8], device="cpu", epochs=1, batch_size=8, measure=False, keep_best=False)
+    assert seen == ["cpu"]
+
+
+@needs_cuda
+def test_cuda_resume_is_bit_identical(tiny_heal, tmp_path):
+    """Issue 29, item 3: on CUDA an interrupted heal resumed from its checkpoint equals the
+    uninterrupted heal exactly, and two heals are identical (deterministic kernels)."""
+    dense, pruned, calib = tiny_heal
+    full = heal(pruned, dense, calib, device="cuda", **HEAL_KW)
+    again = heal(pruned, dense, calib, device="cuda", **HEAL_KW)
+
+    class _Stop(Exception):
+        pass
+
+    def stop(epoch, stats):
+        raise _Stop
+
+    with pytest.raises(_Stop):
+        heal(pruned, dense, calib, device="cuda", checkpoint_dir=tmp_path / "ck", callback=stop, **HEAL_KW)
+    resumed = heal(pruned, dense, calib, device="cuda", checkpoint_dir=tmp_path / "ck", **HEAL_KW)
+    assert resumed.info["resumed_from_epoch"] == 1
+    sf, sa, sr = _state(full.model), _state(again.model), _state(resumed.model)
+    for k in sf:
+        assert torch.equal(sf[k], sa[k]), k
+        assert torch.equal(sf[k], sr[k]), k
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]

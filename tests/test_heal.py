@@ -381,7 +381,9 @@ def test_cli_heal_writes_a_normal_run(runs, capsys):
 @needs_fmnist
 def test_cli_resumes_from_the_partial_checkpoint(runs, spec, capsys):
     """An interrupted heal leaves OUT.partial/; the same command then resumes and gives exactly
-    the uninterrupted result."""
+    the uninterrupted result. On the CPU, like the API heals it is compared with (``--device auto``
+    would resume a CPU checkpoint on CUDA, which is not bit-identical; the CUDA resume is
+    ``test_device_heal.py::test_cuda_resume_is_bit_identical``)."""
     model, _ = load_run(runs / "half")
     dense = spec.create(pretrained=True)
     data = spec.calibration_source(16, seed=0)  # what the CLI draws for --calib-size 16
@@ -395,7 +397,7 @@ def test_cli_resumes_from_the_partial_checkpoint(runs, spec, capsys):
     with pytest.raises(_Interrupt):
         heal(model, dense, data, checkpoint_dir=runs / "resumed.partial", callback=stop, **kw)
     code, stdout, err = _cli(["heal", runs / "half", "--calib-size", 16, "--epochs", 2, "--batch-size", 8,
-                              "--no-eval", "--quiet", "-o", out], capsys)
+                              "--device", "cpu", "--no-eval", "--quiet", "-o", out], capsys)
     assert code == 0, err
     assert "resuming" in stdout
     healed, rec = load_run(out)
@@ -430,7 +432,7 @@ def test_cli_errors(runs, tmp_path, capsys):
 def test_cli_keeps_the_input_weights_when_healing_only_hurts(runs, capsys):
     out = runs / "half-overshoot"
     code, stdout, err = _cli(["heal", runs / "half", "--calib-size", 16, "--epochs", 1, "--batch-size", 8,
-                              "--lr", 0.05, "--no-eval", "--quiet", "-o", out], capsys)
+                              "--lr", 0.05, "--device", "cpu", "--no-eval", "--quiet", "-o", out], capsys)
     assert code == 0, err
     assert "keeps the input weights" in err and "--lr" in err
     healed, rec = load_run(out)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from edgeprune.errors import UserError
-from edgeprune.loading import load_base_model, load_target
+from edgeprune.loading import load_base_model, load_run_or_model
 from edgeprune.zoo.registry import get_model_spec, spec_from_record
 
 TINY = "deit_tiny_patch16_224"
@@ -63,7 +63,7 @@ def test_a_runs_record_rebuilds_the_identical_dense_model(tmp_path):
     assert (base["seed"], base["img_size"], base["model_kwargs"]) == (7, 32, TINY_KW)
     run = save_run(tmp_path / "run", res.model, res.record)
     torch.manual_seed(99)
-    _, record, rspec = load_target(run, None)
+    _, record, rspec = load_run_or_model(run, None)
     assert rspec.seed == 7 and rspec.input_size == (3, 32, 32)
     assert _same_weights(load_base_model(record), dense)
 

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from devices import load_profile
     from edgeprune.api import prune
-    from edgeprune.loading import load_target
+    from edgeprune.loading import load_run_or_model
     from exporters.onnx import export_onnx
 
     out = Path(args.out)
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     iterations = args.iterations or profile.bench.iterations
     warmup = args.warmup if args.warmup is not None else profile.bench.warmup
 
-    model, _rec, spec = load_target(None, args.model, Path(args.checkpoint) if args.checkpoint else None,
+    model, _rec, spec = load_run_or_model(None, args.model, Path(args.checkpoint) if args.checkpoint else None,
                                     args.random_init)
     input_size = tuple(int(d) for d in spec.input_size)
     calib, calib_desc = calibration_tensor(args.model, input_size, args.calib_size, args.seed)

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
+import torch
 
+from edgeprune.allocation.report import allocation_lines
+from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import check_writable
+from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, fmt_metric, load_model,
-                                   model_options, quiet_option)
+                                   make_spec, model_options, quiet_option)
+from edgeprune.evaluate import evaluate, evaluate_target_classes
+from edgeprune.flops import count_params, model_flops
+from edgeprune.loading import load_base_model
 
 
 @click.command("eval")
@@ -25,18 +34,10 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
     RUN_DIR is compared against its dense base model (top-1 and agreement); a NuWa run is scored
     over its target classes.
     """
-    import torch
-
-    from edgeprune.atomic import atomic_write_text
-    from edgeprune.evaluate import evaluate, evaluate_target_classes
-
     if run_dir is None and model_name is None:
         model_name = "fmnist-vit"
     check_readable_dir(eval_data, "evaluation data")
     if json_out is not None:
-        from edgeprune.artifact import check_writable
-        from pathlib import Path
-
         check_writable(Path(json_out).parent)
     model, rec, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
                                   model_kwargs)
@@ -49,8 +50,6 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
     else:
         dense = None
         if rec is not None:  # the run's dense base model, rebuilt as at prune time
-            from edgeprune.loading import load_base_model
-
             dense = load_base_model(rec)
         with torch.no_grad():
             m = evaluate(spec, model, ev, dense=dense, progress=not quiet, device=device)
@@ -64,10 +63,6 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
 @model_options()
 def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs):
     """Per-block dims, params and FLOPs of a run or a dense model."""
-    from edgeprune.anatomy import find_anatomy
-    from edgeprune.cli.options import make_spec
-    from edgeprune.flops import count_params, model_flops
-
     if run_dir is None and model_name is None:
         model_name = "fmnist-vit"
     if run_dir is not None:
@@ -84,8 +79,6 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
         click.echo(f"method {rec.get('method')} targets {rec.get('targets')} sparsity {rec.get('sparsity')} "
                    f"calibration: {rec.get('calibration', {}).get('source')}")
         if rec.get("allocation"):  # budgeted run: the allocator's per-block dims and costs
-            from edgeprune.allocation.report import allocation_lines
-
             for line in allocation_lines(rec["allocation"]):
                 click.echo(line)
     click.echo("| block | heads | head_dim | qk_dim | v_dim | mlp_hidden | params | MFLOPs |")

@@ -23,10 +23,20 @@ import shutil
 from pathlib import Path
 
 import click
+import torch
 
+from edgeprune.artifact import check_new_dir, check_writable, load_run, save_run
 from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
                                    fmt_metric, out_option, quiet_option)
+from edgeprune.distributed import is_main_process, process_group, world_size
 from edgeprune.errors import UserError
+from edgeprune.evaluate import evaluate
+from edgeprune.heal import HealConfig, heal
+from edgeprune.heal.checkpoint import partial_dir
+from edgeprune.heal.reduced import reduced_modules
+from edgeprune.heal.runs import check_healable, default_calib_size, healed_record
+from edgeprune.loading import load_base_model
+from edgeprune.zoo.registry import spec_from_record
 
 
 @click.command("heal")
@@ -67,20 +77,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     Trains the reduced layers of RUN_DIR so that every block output aligns with the dense
     model's, and saves a new run directory (resumable after an interruption).
     """
-    import torch
-
-    from edgeprune.artifact import check_new_dir, load_run, save_run
-    from edgeprune.evaluate import evaluate
-    from edgeprune.heal import HealConfig, heal
-    from edgeprune.heal.checkpoint import partial_dir
-    from edgeprune.heal.reduced import reduced_modules
-    from edgeprune.heal.runs import check_healable, default_calib_size, healed_record
-    from edgeprune.loading import load_base_model
-    from edgeprune.zoo.registry import spec_from_record
-
     # 1. everything that can be checked without work
-    from edgeprune.distributed import is_main_process, process_group
-
     config = HealConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                         loss=loss, seed=seed, warmup_steps=warmup_steps, holdout=holdout, keep_best=keep_best,
                         memory_budget_mb=memory_budget_mb, device=device)
@@ -97,8 +94,6 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     main = is_main_process()
     quiet = quiet or not main
     if cache_targets is not None:
-        from edgeprune.artifact import check_writable
-
         check_writable(cache_targets)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
@@ -115,10 +110,8 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     if not reduced_modules(pruned, dense):
         raise UserError(f"{run_path}: nothing to heal: the run has the dense model's shapes everywhere (sparsity 0)")
 
-    # 2. the work
+    # 2. the work (3. the report: _report)
     if main:
-        from edgeprune.distributed import world_size
-
         procs = f" x {world_size()} processes" if world_size() > 1 else ""
         click.echo(f"heal {run_path} ({rec.get('method')}, {spec.name}) on {config.device}{procs}: "
                    f"calibration {calib.description}")
@@ -133,27 +126,37 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
         raise
     if not main:
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
-    info = result.info
-    healed_m = before_m = None
-    evaluation = None
-    if ev is not None:
-        click.echo(f"evaluation: {ev.description}")
-        old = rec.get("evaluation") or {}
-        with torch.no_grad():
-            if old.get("data") == ev.description and old.get("pruned"):
-                before_m = old["pruned"]
-            else:
-                unhealed, _ = load_run(run_path)
-                before_m = evaluate(spec, unhealed, ev, dense=dense, progress=not quiet, device=config.device)
-            healed_m = evaluate(spec, result.model, ev, dense=dense, progress=not quiet, device=config.device)
-        evaluation = {"data": ev.description, "dense": old.get("dense") if old.get("data") == ev.description else None,
-                      "pruned": healed_m, "before_healing": before_m}
+    evaluation = _evaluate(ev, rec, run_path, spec, result.model, dense, quiet, config.device)
     new = healed_record(rec, result, run_path, calibration={"seed": seed, "size_requested": n},
                         evaluation=evaluation)
     save_run(out_path, result.model.cpu(), new)
     shutil.rmtree(ckpt, ignore_errors=True)
+    _report(result.info, evaluation, spec, loss=loss, lr=lr, epochs=epochs, keep_best=keep_best)
+    click.echo(f"saved {out_path}")
 
-    # 3. the report
+
+def _evaluate(ev, rec: dict, run_path: Path, spec, healed, dense, quiet: bool, device: str) -> dict | None:
+    """The healed run's ``evaluation`` entry (None without evaluation data): the healed model's
+    quality and the unhealed one's (taken from the input record when it was measured on the same
+    data, else measured), both against the dense model."""
+    if ev is None:
+        return None
+    click.echo(f"evaluation: {ev.description}")
+    old = rec.get("evaluation") or {}
+    with torch.no_grad():
+        if old.get("data") == ev.description and old.get("pruned"):
+            before_m = old["pruned"]
+        else:
+            unhealed, _ = load_run(run_path)
+            before_m = evaluate(spec, unhealed, ev, dense=dense, progress=not quiet, device=device)
+        healed_m = evaluate(spec, healed, ev, dense=dense, progress=not quiet, device=device)
+    return {"data": ev.description, "dense": old.get("dense") if old.get("data") == ev.description else None,
+            "pruned": healed_m, "before_healing": before_m}
+
+
+def _report(info: dict, evaluation: dict | None, spec, *, loss: str, lr: float, epochs: int, keep_best: bool) -> None:
+    """Print the heal's summary: alignment loss before -> after, the kept epoch or a warning when
+    healing did not help, and the quality table (with evaluation)."""
     def fmt(v):
         return "n/a" if v is None else f"{v:.5f}"
 
@@ -172,9 +175,8 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
         click.echo(f"kept epoch {info['best_epoch']} of {epochs} (lowest alignment loss on {where})")
     elif info["final_loss"] is not None and info["initial_loss"] is not None and info["final_loss"] > info["initial_loss"]:
         click.echo(f"warning: healing increased the alignment loss; {advice}", err=True)
-    if ev is not None:
+    if evaluation is not None:
         click.echo(f"| {'':8} | quality |")
         click.echo(f"|{'-' * 10}|---------|")
-        click.echo(f"| {'pruned':8} | {fmt_metric(before_m, spec.output_kind)} |")
-        click.echo(f"| {'healed':8} | {fmt_metric(healed_m, spec.output_kind)} |")
-    click.echo(f"saved {out_path}")
+        click.echo(f"| {'pruned':8} | {fmt_metric(evaluation['before_healing'], spec.output_kind)} |")
+        click.echo(f"| {'healed':8} | {fmt_metric(evaluation['pruned'], spec.output_kind)} |")

@@ -23,6 +23,13 @@ import sys
 
 import click
 
+from edgeprune.cli.deploy import export_cmd, verify_cmd
+from edgeprune.cli.derive import derive_cmd
+from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
+from edgeprune.cli.evalinfo import eval_cmd, info_cmd
+from edgeprune.cli.heal import heal_cmd
+from edgeprune.cli.prune import prune_cmd
+from edgeprune.cli.quantize import quantize_cmd
 from edgeprune.errors import UserError
 
 #: errno values that mean "the output cannot be written here" (exit 1, a fault of the environment).
@@ -47,18 +54,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from edgeprune.cli.deploy import export_cmd, verify_cmd
-    from edgeprune.cli.derive import derive_cmd
-    from edgeprune.cli.evalinfo import eval_cmd, info_cmd
-    from edgeprune.cli.heal import heal_cmd
-    from edgeprune.cli.prune import prune_cmd
-
     for name, cmd in (("prune", prune_cmd), ("eval", eval_cmd), ("info", info_cmd), ("heal", heal_cmd),
                       ("derive", derive_cmd), ("export", export_cmd), ("verify", verify_cmd)):
         cli.add_command(cmd, name=name)
-    from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
-    from edgeprune.cli.quantize import quantize_cmd
-
     for name, cmd in (("quantize", quantize_cmd), ("build", build_cmd), ("bench", bench_cmd),
                       ("devices", devices_cmd)):
         cli.add_command(cmd, name=name)

@@ -14,12 +14,17 @@ them the same way.
 from __future__ import annotations
 
 import inspect
-import re
+import json
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 import click
 
 from edgeprune.errors import UserError
+from edgeprune.loading import load_run_or_model
+from edgeprune.torch_device import resolve_device  # noqa: F401 (the --device callback; re-exported)
+from edgeprune.zoo.registry import get_model_spec
 
 MODEL_HELP = "fmnist-vit, dinov2-s14, or a timm ViT/DeiT name (with --checkpoint or --random-init)."
 
@@ -63,8 +68,6 @@ def parse_model_kwargs(text: str | None) -> dict[str, Any] | None:
     Raises:
         UserError: an item without ``=``, or an empty key.
     """
-    import json
-
     if not text:
         return None
     out: dict[str, Any] = {}
@@ -123,30 +126,6 @@ def out_option(default_help: str) -> Callable:
                         help=f"New run directory (must not exist) [{default_help}].")
 
 
-def resolve_device(device: Any) -> str:
-    """Check a torch device string before any work: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``
-    (``cuda`` when ``torch.cuda.is_available()``, else ``cpu``). Returns the device to use.
-
-    Raises:
-        UserError: an unknown device, CUDA not available, or a CUDA index that does not exist.
-    """
-    d = str(device).strip().lower()
-    if d == "cpu":
-        return d
-    import torch
-
-    if d == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    m = re.fullmatch(r"cuda(?::(\d+))?", d)
-    if m is None:
-        raise UserError(f"unknown device {device!r} (use cpu, cuda, cuda:N or auto)")
-    if not torch.cuda.is_available():
-        raise UserError("CUDA is not available (use --device cpu)")
-    if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
-        raise UserError(f"no CUDA device {m.group(1)}: {torch.cuda.device_count()} visible (use cuda:0)")
-    return d
-
-
 def _device_callback(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return resolve_device(value)
 
@@ -188,8 +167,6 @@ def make_spec(model_name: str, checkpoint: Any = None, random_init: bool = False
     Raises:
         UserError: unknown model, a checkpoint for a zoo model, ...
     """
-    from edgeprune.zoo.registry import get_model_spec
-
     kw = _extra(get_model_spec, img_size, model_kwargs)
     return get_model_spec(model_name, str(checkpoint) if checkpoint else None, random_init, num_classes, **kw)
 
@@ -198,17 +175,15 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
                num_classes: int | None = None, img_size: int | None = None,
                model_kwargs: dict[str, Any] | None = None) -> tuple[Any, dict | None, Any]:
     """``(model, record or None, spec)`` of a run directory or the model options
-    (:func:`edgeprune.loading.load_target`).
+    (:func:`edgeprune.loading.load_run_or_model`).
 
     Raises:
         UserError: neither or both given, a missing run directory, an unknown model.
     """
-    from edgeprune.loading import load_target
-
     if run_dir is not None and (img_size is not None or model_kwargs):
         raise UserError("--img-size/--model-kwargs go with --model, not a run directory (it records its own)")
-    kw = _extra(load_target, img_size, model_kwargs)
-    return load_target(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
+    kw = _extra(load_run_or_model, img_size, model_kwargs)
+    return load_run_or_model(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
 
 
 def check_readable_dir(path: Any, what: str) -> None:
@@ -218,9 +193,6 @@ def check_readable_dir(path: Any, what: str) -> None:
     Raises:
         UserError: the path exists but cannot be listed or read.
     """
-    import os
-    from pathlib import Path
-
     if path is None:
         return
     p = Path(path)

@@ -7,7 +7,8 @@ ViT so that every block's output aligns (cosine, eq. 1) with the dense model's.
 
 Modules: :mod:`~edgeprune.heal.alignment` (loss, block-output hooks), :mod:`~edgeprune.heal.targets`
 (calibration access, dense targets on the fly or in a disk cache), :mod:`~edgeprune.heal.trainer`
-(the AdamW loop), :mod:`~edgeprune.heal.checkpoint` (resume), :mod:`~edgeprune.heal.config`
+(:func:`heal`), :mod:`~edgeprune.heal.loop` (its steps), :mod:`~edgeprune.heal.measure` (eval passes),
+:mod:`~edgeprune.heal.determinism`, :mod:`~edgeprune.heal.checkpoint` (resume), :mod:`~edgeprune.heal.config`
 (:class:`HealConfig`), :mod:`~edgeprune.heal.reduced` (which layers train),
 :mod:`~edgeprune.heal.schedule` (learning rate), :mod:`~edgeprune.heal.runs` (healing a run
 directory). The CLI is ``edgeprune heal`` (:mod:`edgeprune.cli.heal`).
@@ -19,7 +20,8 @@ from edgeprune.heal.targets import CalibrationSet, DenseTargets, DiskTargetCache
 from edgeprune.heal.config import HealConfig
 from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record
 from edgeprune.heal.schedule import cosine_lr
-from edgeprune.heal.trainer import HealResult, heal, measure_alignment
+from edgeprune.heal.measure import measure_alignment
+from edgeprune.heal.trainer import HealResult, heal
 
 __all__ = [
     "LOSSES", "BlockCapture", "alignment_loss", "per_block_alignment", "per_image_alignment",

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 
 from edgeprune.atomic import atomic_save_safetensors
 from edgeprune.errors import UserError
@@ -60,8 +61,6 @@ def _load_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str
     path = directory / CHECKPOINT
     if not path.is_file():
         return None
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}

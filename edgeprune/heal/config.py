@@ -13,6 +13,7 @@ import math
 from edgeprune.errors import UserError
 from edgeprune.heal.alignment import LOSSES
 from edgeprune.heal.targets import DEFAULT_MEMORY_BUDGET_MB
+from edgeprune.torch_device import resolve_device
 
 
 @dataclasses.dataclass
@@ -76,8 +77,6 @@ class HealConfig:
             raise UserError(f"--holdout must be a fraction in [0, 1), got {self.holdout}")
         if self.memory_budget_mb is None or not self.memory_budget_mb > 0:
             raise UserError(f"--memory-budget-mb must be > 0, got {self.memory_budget_mb}")
-        from edgeprune.cli.options import resolve_device
-
         self.device = resolve_device(self.device)  # UserError: unknown device / no CUDA / no such index
 
     @classmethod

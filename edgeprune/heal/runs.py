@@ -12,6 +12,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from edgeprune.artifact import read_record
 from edgeprune.errors import UserError
 from edgeprune.heal.reduced import reduced_modules_from_record
 
@@ -32,8 +33,6 @@ def check_healable(run_dir: str | Path) -> dict[str, Any]:
         UserError: not a run directory, no valid base model, a random-init base model (no real
             weights to align to), or nothing pruned (sparsity 0).
     """
-    from edgeprune.artifact import read_record
-
     run_path = Path(run_dir)
     rec = read_record(run_path)
     base = rec.get("base_model")

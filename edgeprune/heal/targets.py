@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.atomic import atomic_save_safetensors, atomic_write_text
@@ -296,8 +297,6 @@ class DiskTargetCache:
         if per_image * m["num_images"] > self.budget:
             self._resident = None
             return
-        from safetensors.torch import load_file
-
         parts: list[list[torch.Tensor]] = [[] for _ in range(m["num_blocks"])]
         for s in m["shards"]:
             sd = load_file(str(self.dir / s["file"]))

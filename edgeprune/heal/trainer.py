@@ -2,7 +2,8 @@
 
 Settings: :class:`edgeprune.heal.config.HealConfig`; layers trained:
 :mod:`edgeprune.heal.reduced`; schedule: :mod:`edgeprune.heal.schedule`; checkpoints:
-:mod:`edgeprune.heal.checkpoint`.
+:mod:`edgeprune.heal.checkpoint`; the loop's steps: :mod:`edgeprune.heal.loop`; eval passes:
+:mod:`edgeprune.heal.measure`; determinism: :mod:`edgeprune.heal.determinism`.
 
 :func:`heal` trains the *reduced* layers of a pruned model -- those whose shapes differ from the
 dense model's: ``mlp.fc1``/``mlp.fc2`` of blocks with fewer MLP hidden channels, ``attn.qkv`` /
@@ -45,10 +46,13 @@ images are moved there batch by batch; the dense targets are computed there
 (:class:`~edgeprune.heal.targets.DenseTargets`) or read from the host-side disk cache and moved per
 batch. The AdamW state and the best epoch's weights stay on the device; checkpoints are written
 from host copies, so a checkpoint made on one device resumes on another (bit-identical only on the
-same device). Healing has no closed-form solve. On CUDA, TF32 is switched off for the heal (float32
-matmuls and convolutions, as on the CPU), ``CUBLAS_WORKSPACE_CONFIG`` defaults to ``:4096:8`` and
-deterministic algorithms are requested with ``warn_only`` (an op without a deterministic CUDA
-kernel warns instead of stopping the heal); CUDA runs are repeatable, but not bit-identical to CPU
+same device). Healing has no closed-form solve. On CUDA the whole heal runs deterministically
+(:mod:`edgeprune.heal.determinism`): TF32 off (float32 matmuls and convolutions, as on the CPU),
+``CUBLAS_WORKSPACE_CONFIG`` ``:4096:8`` unless set to ``:16:8``, deterministic algorithms without
+``warn_only`` (an op without a deterministic CUDA kernel stops the heal rather than break the
+resume promise), cuDNN deterministic, and the math backend of ``scaled_dot_product_attention``
+(the memory-efficient backend's backward is not deterministic); every setting is restored
+afterwards. CUDA runs are repeatable and resume bit-identically, but are not bit-identical to CPU
 runs (float32 reduction order differs; measured agreement is in ``tests/test_device_heal.py``).
 
 Multiple processes (torchrun, an initialised process group with more than one rank): every rank
@@ -59,7 +63,6 @@ are summed over the ranks before the same AdamW step everywhere
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -73,16 +76,19 @@ import torch.nn as nn
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.calibration.collect import exact_fp32
-from edgeprune.errors import RuntimeFault, UserError
-from edgeprune.heal.alignment import BlockCapture, alignment_loss, per_image_alignment
+from edgeprune.errors import UserError
+from edgeprune.heal import data_parallel as dp
+from edgeprune.heal.alignment import BlockCapture
 from edgeprune.heal.checkpoint import (CHECKPOINT, STATE_KEY, STATE_VERSION, load_checkpoint,  # noqa: F401
                                        restore_optimizer, save_checkpoint, settings_diff)
 from edgeprune.heal.config import HealConfig
-from edgeprune.heal import data_parallel as dp
+from edgeprune.heal.determinism import cuda_deterministic, seeded
+from edgeprune.heal.loop import (LoopState, Plan, check_ranks_agree, end_epoch, finish, holdout_split, start,
+                                 train_epoch)
+from edgeprune.heal.measure import measure_alignment  # noqa: F401 (re-exported)
 from edgeprune.heal.reduced import reduced_modules, reduced_modules_from_record, resolve_trainable  # noqa: F401
 from edgeprune.heal.schedule import cosine_lr, default_warmup_steps  # noqa: F401
-from edgeprune.heal.targets import CalibrationSet, iter_batches, make_targets, model_device, state_fingerprint
-from edgeprune.progress import on_terminal, progress as progress_bar
+from edgeprune.heal.targets import CalibrationSet, make_targets, model_device, state_fingerprint
 
 
 @dataclasses.dataclass
@@ -109,119 +115,128 @@ class HealResult:
     config: HealConfig | None = None
 
 
-# ---- loss over a data set -------------------------------------------------------------------------
-def _to(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Move a list of target tensors to ``device`` (no copy when they are already there)."""
-    return [t.to(device, non_blocking=True) for t in tensors]
 
-
-def _data_parallel_backward(cap: BlockCapture, calib: CalibrationSet, targets, idx: torch.Tensor, kind: str,
-                            dev: torch.device, trained: list[torch.nn.Parameter]) -> float:
-    """One data-parallel backward pass (:mod:`edgeprune.heal.data_parallel`): this rank's slice of
-    the global batch ``idx`` contributes ``sum(per-image loss) / len(idx)``; the gradients of
-    ``trained`` are then summed over the ranks, so they equal the gradient of the batch mean.
-
-    Returns:
-        the batch-mean alignment loss (all ranks' slices).
-    """
-    sub = dp.share(idx)
-    local = 0.0
-    if len(sub):
-        x = calib.get(sub).to(dev, non_blocking=True)
-        per = per_image_alignment(cap.run(x), _to(targets.get(sub, x), dev), kind)
-        value = per.sum() / len(idx)
-        value.backward()
-        local = float(value.detach())
-    (total,) = dp.all_reduce_gradients(trained, [local])
-    return total
-
-
-@torch.no_grad()
-def _measure(capture: BlockCapture, targets, calib: CalibrationSet, batch_size: int, kind: str,
-             indices: torch.Tensor | None = None, device: torch.device | str = "cpu") -> float:
-    dev = torch.device(device)
-    order = torch.arange(len(calib)) if indices is None else indices
-    order = dp.share(order)  # under torchrun: this rank's slice, the sums all-reduced below
-    total, n = 0.0, 0
-    for idx in iter_batches(len(order), batch_size, order):
-        x = calib.get(idx).to(dev)
-        per = per_image_alignment(capture.run(x), _to(targets.get(idx, x), dev), kind)
-        total += float(per.double().sum())
-        n += len(idx)
-    total, n = dp.all_reduce_sums([total, n])
-    return total / max(n, 1)
-
-
-@torch.no_grad()
-def measure_alignment(model: nn.Module, dense: nn.Module, images: Any, *, batch_size: int = 64,
-                      loss: str = "cosine", device: str | None = None) -> float:
-    """Mean alignment loss (eq. 1) of ``model`` to ``dense`` over ``images`` (tensor or source).
-
-    Use it on held-out images to check that healing generalises.
-
-    Args:
-        device: run both models there ("cpu", "cuda", "cuda:N", "auto"; moved there and back);
-            None = ``model``'s own device (``dense`` is moved there for the pass).
+def _resolve_config(config: HealConfig | None, settings: dict[str, Any]) -> HealConfig:
+    """The config of the call: built from keyword ``settings``, or ``config`` with them applied;
+    validated (the device resolved: "auto" -> cuda / cpu).
 
     Raises:
-        UserError: unknown device or CUDA not available, empty calibration set.
+        UserError: an unknown setting name or a bad value.
     """
-    from edgeprune.cli.options import resolve_device
-    from edgeprune.heal.targets import DenseTargets
-
-    dev = model_device(model) if device is None else torch.device(resolve_device(device))
-    calib = CalibrationSet(images)
-    homes = [(m, model_device(m)) for m in (model, dense)]
-    targets = DenseTargets(dense)
-    try:
-        model.to(dev)
-        dense.to(dev)
-        with BlockCapture(find_anatomy(model)) as cap:
-            return _measure(cap, targets, calib, batch_size, loss, device=dev)
-    finally:
-        targets.close()
-        for m, home in homes:
-            m.to(home)
+    if config is None:
+        config = HealConfig.from_settings(**settings)
+    elif settings:
+        HealConfig.from_settings(**settings)  # unknown names -> UserError
+        config = dataclasses.replace(config, **settings)
+    config.validate()  # also resolves config.device ("auto" -> cuda / cpu)
+    return config
 
 
-@contextlib.contextmanager
-def _deterministic(seed: int, device: torch.device | str = "cpu"):
-    """Seed torch and enable deterministic algorithms; restore both afterwards.
-
-    On CUDA also: ``CUBLAS_WORKSPACE_CONFIG`` set to ``:4096:8`` unless the user set it (cuBLAS
-    needs it for deterministic results), deterministic algorithms with ``warn_only=True``, and TF32
-    off for matmuls and cuDNN convolutions (restored afterwards), so that the float32 arithmetic is
-    the CPU's.
-    """
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    prev = torch.are_deterministic_algorithms_enabled()
-    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if cuda else []
-    if cuda:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    with torch.random.fork_rng(devices=devices), exact_fp32(dev):  # TF32 off on CUDA, restored after
-        torch.manual_seed(seed)
-        torch.use_deterministic_algorithms(True, warn_only=cuda)
-        try:
-            yield
-        finally:
-            torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
-
-
-def _holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train indices, measure indices): a seeded split, or all images for both when holdout = 0.
+def _plan(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, cfg: HealConfig,
+          trainable: Iterable[str] | None, checkpoint_dir: str | os.PathLike | None, inplace: bool,
+          progress: bool, t_start: float) -> Plan:
+    """Everything fixed before the loop, checked before any work: the models match, the trainable
+    names exist, the holdout leaves images to train on, a checkpoint found matches the settings.
 
     Raises:
-        UserError: the split leaves no image to train on.
+        UserError: models that do not match, unknown trainable names, empty calibration set, a
+            checkpoint made with other settings or inputs.
     """
-    if holdout <= 0:
-        return torch.arange(n), torch.arange(n)
-    n_val = max(1, round(holdout * n))
-    if n_val >= n:
-        raise UserError(f"holdout {holdout:g} of {n} calibration images leaves none to train on")
-    split = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1))
-    return split[n_val:].sort().values, split[:n_val].sort().values
+    calib = CalibrationSet(calibration)
+    model = pruned_model if inplace else copy.deepcopy(pruned_model)
+    homes = [(model, model_device(model)), (dense_model, model_device(dense_model))]
+    model.eval()
+    dense_model.eval()
+    reduced = reduced_modules(model, dense_model)  # also checks that the models match
+    given, param_names = resolve_trainable(model, reduced if trainable is None else trainable)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    n = len(calib)
+    train_idx, val_idx = holdout_split(n, cfg.holdout, cfg.seed)
+    steps_per_epoch = math.ceil(len(train_idx) / cfg.batch_size)
+    total_steps = cfg.epochs * steps_per_epoch
+    warmup_steps = default_warmup_steps(total_steps) if cfg.warmup_steps is None else cfg.warmup_steps
+    settings = {"epochs": cfg.epochs, "batch_size": cfg.batch_size, "lr": cfg.lr, "min_lr": cfg.min_lr,
+                "weight_decay": cfg.weight_decay, "loss": cfg.loss, "seed": cfg.seed, "trainable": param_names,
+                "num_images": n, "keep_best": cfg.keep_best, "warmup_steps": warmup_steps, "holdout": cfg.holdout}
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    loaded = None
+    if ckpt_dir is not None:
+        settings.update(model_fingerprint=state_fingerprint(model), dense_fingerprint=state_fingerprint(dense_model),
+                        calibration_fingerprint=calib.fingerprint())
+        loaded = load_checkpoint(ckpt_dir)
+    if loaded is not None:
+        assert ckpt_dir is not None
+        diff = settings_diff(loaded[1]["settings"], settings)
+        if diff:
+            raise UserError(f"healing checkpoint {ckpt_dir / CHECKPOINT} was made with other settings or "
+                            f"inputs ({'; '.join(diff[:3])}); use the same settings or delete {ckpt_dir}")
+    return Plan(cfg=cfg, dev=torch.device(cfg.device), calib=calib, model=model, homes=homes, given=given,
+                param_names=param_names, flags=flags, train_idx=train_idx, val_idx=val_idx,
+                steps_per_epoch=steps_per_epoch, total_steps=total_steps, warmup_steps=warmup_steps,
+                settings=settings, ckpt_dir=ckpt_dir, loaded=loaded, main=dp.dist.is_main_process(),
+                distributed=dp.dist.is_distributed(), progress=progress, t_start=t_start)
+
+
+def _to_device(plan: Plan) -> dict[str, nn.Parameter]:
+    """Move both models to the heal's device; only the trained parameters require gradients.
+    Returns the model's parameters by name (the same objects unless torch swapped them)."""
+    for m, _home in plan.homes:
+        m.to(plan.dev)
+    params = dict(plan.model.named_parameters())
+    train_set = set(plan.param_names)
+    for name, p in params.items():
+        p.requires_grad_(name in train_set)
+    return params
+
+
+def _optimise(plan: Plan, params: dict[str, nn.Parameter], targets, callback, measure: bool) -> LoopState:
+    """The AdamW loop: seeded and deterministic, resumed from the checkpoint when there is one."""
+    cfg = plan.cfg
+    with BlockCapture(find_anatomy(plan.model)) as cap, seeded(cfg.seed, plan.dev):
+        gen = torch.Generator().manual_seed(cfg.seed)
+        opt = None
+        if plan.param_names:
+            opt = torch.optim.AdamW([params[n] for n in plan.param_names], lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if plan.distributed:
+            check_ranks_agree(plan)
+        state = start(plan, params, opt, gen, cap, targets, measure)
+        for epoch in range(state.start_epoch, cfg.epochs if opt is not None else 0):
+            assert opt is not None
+            stats, bar = train_epoch(plan, state, epoch, params, opt, gen, cap, targets)
+            end_epoch(plan, state, stats, bar, params, opt, gen, cap, targets, callback)
+        finish(plan, state, params, opt is not None, cap, targets, measure)
+    return state
+
+
+def _info(plan: Plan, state: LoopState, params: dict[str, nn.Parameter], targets) -> dict[str, Any]:
+    """``HealResult.info``: the settings and summary of the run (see :class:`HealResult`)."""
+    cfg, names = plan.cfg, plan.param_names
+    n_trained = sum(params[pn].numel() for pn in names)
+    info = {
+        "loss": cfg.loss, "epochs": cfg.epochs, "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": plan.warmup_steps,
+        "schedule": "linear warm-up, then cosine, per step" if plan.warmup_steps else "cosine, per step",
+        "optimizer": "AdamW", "batch_size": cfg.batch_size, "weight_decay": cfg.weight_decay, "seed": cfg.seed,
+        "steps": plan.total_steps if names else 0,
+        "calibration": {"source": plan.calib.description, "num_images": len(plan.calib)},
+        "holdout": {"fraction": cfg.holdout, "num_images": len(plan.val_idx) if cfg.holdout > 0 else 0,
+                    "loss_measured_on": "held-out calibration images" if cfg.holdout > 0 else "all calibration images"},
+        "initial_loss": state.initial_loss, "final_loss": state.final_loss,
+        "wall_time_s": state.elapsed_before + time.perf_counter() - plan.t_start,
+        "trained_modules": plan.given,
+        "trained_parameters": names,
+        "trainable_params": n_trained,
+        "frozen_params": sum(p.numel() for p in params.values()) - n_trained,
+        "targets": targets.describe() if targets is not None else None,
+        "resumed_from_epoch": state.resumed_from,
+        "keep_best": cfg.keep_best,
+        "best_epoch": state.best_epoch if cfg.keep_best else None,
+        "device": str(plan.dev),
+        **dp.info(),
+        "config": dataclasses.asdict(cfg),
+    }
+    if not names:
+        info["note"] = "nothing to train: no reduced layers (the model has the dense shapes)"
+    return info
 
 
 def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, config: HealConfig | None = None, *,
@@ -267,191 +282,24 @@ def heal(pruned_model: nn.Module, dense_model: nn.Module, calibration: Any, conf
             models that do not match, a checkpoint made with other settings.
     """
     t_start = time.perf_counter()
-    main = dp.dist.is_main_process()  # under torchrun: rank 0 shows progress and writes checkpoints
-    distributed = dp.dist.is_distributed()
-    if config is None:
-        config = HealConfig.from_settings(**settings)
-    elif settings:
-        HealConfig.from_settings(**settings)  # unknown names -> UserError
-        config = dataclasses.replace(config, **settings)
-    config.validate()  # also resolves config.device ("auto" -> cuda / cpu)
-    cfg = config
-    dev = torch.device(cfg.device)
-    calib = CalibrationSet(calibration)
-    model = pruned_model if inplace else copy.deepcopy(pruned_model)
-    homes = [(model, model_device(model)), (dense_model, model_device(dense_model))]
-    model.eval()
-    dense_model.eval()
-    reduced = reduced_modules(model, dense_model)  # also checks that the models match
-    given, param_names = resolve_trainable(model, reduced if trainable is None else trainable)
-    params = dict(model.named_parameters())
-    flags = {n: p.requires_grad for n, p in params.items()}
-    train_set = set(param_names)
-    n = len(calib)
-    train_idx, val_idx = _holdout_split(n, cfg.holdout, cfg.seed)
-    n_train = len(train_idx)
-    steps_per_epoch = math.ceil(n_train / cfg.batch_size)
-    total_steps = cfg.epochs * steps_per_epoch
-    warmup_steps = default_warmup_steps(total_steps) if cfg.warmup_steps is None else cfg.warmup_steps
-    epochs, batch_size, lr, min_lr, loss, seed, keep_best = (cfg.epochs, cfg.batch_size, cfg.lr, cfg.min_lr,
-                                                              cfg.loss, cfg.seed, cfg.keep_best)
-    settings = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "min_lr": min_lr,
-                "weight_decay": cfg.weight_decay, "loss": loss, "seed": seed, "trainable": param_names,
-                "num_images": n, "keep_best": keep_best, "warmup_steps": warmup_steps, "holdout": cfg.holdout}
-    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if ckpt_dir is not None:
-        settings.update(model_fingerprint=state_fingerprint(model), dense_fingerprint=state_fingerprint(dense_model),
-                        calibration_fingerprint=calib.fingerprint())
-    loaded = load_checkpoint(ckpt_dir) if ckpt_dir is not None else None
-    if loaded is not None:
-        diff = settings_diff(loaded[1]["settings"], settings)
-        assert ckpt_dir is not None
-        if diff:
-            raise UserError(f"healing checkpoint {ckpt_dir / CHECKPOINT} was made with other settings or "
-                            f"inputs ({'; '.join(diff[:3])}); use the same settings or delete {ckpt_dir}")
-
-    history: list[dict[str, Any]] = []
+    cfg = _resolve_config(config, settings)
+    plan = _plan(pruned_model, dense_model, calibration, cfg, trainable, checkpoint_dir, inplace, progress, t_start)
+    params = dict(plan.model.named_parameters())
     targets = None
-    resumed_from = None
-    initial_loss = final_loss = None
-    best_loss: float | None = None
-    best_epoch = 0
-    best: dict[str, torch.Tensor] | None = None
-    elapsed_before = 0.0
     try:
-        for m, _home in homes:
-            m.to(dev)
-        params = dict(model.named_parameters())  # the same objects unless torch swapped them
-        for name, p in params.items():
-            p.requires_grad_(name in train_set)
-        with exact_fp32(dev):  # cached targets: float32 like the ones computed in the TF32-off loop
-            targets = dp.prepare_targets(lambda: make_targets(dense_model, calib, target_cache, cfg.memory_budget_mb,
-                                                              batch_size, progress and main))
-        with BlockCapture(find_anatomy(model)) as cap, _deterministic(seed, dev):
-            gen = torch.Generator().manual_seed(seed)
-            opt = None
-            if param_names:
-                opt = torch.optim.AdamW([params[n] for n in param_names], lr=lr, weight_decay=cfg.weight_decay)
-            start_epoch, step = 0, 0
-            if distributed:  # every rank must resume from the same epoch (rank 0 wrote the file)
-                done = int(loaded[1]["epochs_done"]) if loaded is not None else 0
-                total, squares = dp.all_reduce_sums([done, done ** 2])
-                if total ** 2 != squares * dp.dist.world_size():  # equality in Cauchy-Schwarz: all equal
-                    raise RuntimeFault(f"the ranks found different healing checkpoints in {ckpt_dir} "
-                                       f"(rank {dp.dist.rank()}: epoch {done}); is the directory shared?")
-            if loaded is not None:
-                tensors, header = loaded
-                with torch.no_grad():
-                    for pn in param_names:
-                        params[pn].copy_(tensors[f"param.{pn}"])
-                if opt is not None:
-                    restore_optimizer(opt, tensors, header, len(param_names))
-                gen.set_state(tensors["rng.shuffle"])
-                torch.set_rng_state(tensors["rng.torch"])
-                start_epoch, step = int(header["epochs_done"]), int(header["step"])
-                history = list(header["history"])
-                initial_loss = header.get("initial_loss")
-                best_loss, best_epoch = header.get("best_loss"), int(header.get("best_epoch", 0))
-                if keep_best:
-                    best = {pn: tensors[f"best.{pn}"] for pn in param_names}
-                elapsed_before = float(header.get("elapsed_s", 0.0))
-                resumed_from = start_epoch
-            elif measure or keep_best:
-                initial_loss = _measure(cap, targets, calib, batch_size, loss, val_idx, dev)
-                if keep_best:
-                    best_loss = initial_loss
-                    best = {pn: params[pn].detach().clone() for pn in param_names}
-
-            for epoch in range(start_epoch, epochs if opt is not None else 0):
-                assert opt is not None
-                t0 = time.perf_counter()
-                order = train_idx[torch.randperm(n_train, generator=gen)]
-                bar = progress_bar(iter_batches(n_train, batch_size, order), f"heal epoch {epoch + 1}/{epochs}",
-                                   enabled=progress and main, total=steps_per_epoch, unit="step")
-                loss_sum, seen, cur_lr = 0.0, 0, lr
-                for idx in bar:
-                    cur_lr = cosine_lr(step, total_steps, lr, min_lr, warmup_steps)
-                    for g in opt.param_groups:
-                        g["lr"] = cur_lr
-                    opt.zero_grad(set_to_none=True)
-                    if distributed:  # this rank's slice; the gradients summed over the ranks
-                        batch_loss = _data_parallel_backward(cap, calib, targets, idx, loss, dev,
-                                                             [params[pn] for pn in param_names])
-                    else:
-                        x = calib.get(idx).to(dev, non_blocking=True)
-                        ref = _to(targets.get(idx, x), dev)
-                        value = alignment_loss(cap.run(x), ref, loss)
-                        value.backward()
-                        batch_loss = float(value.detach())
-                    opt.step()
-                    step += 1
-                    loss_sum += batch_loss * len(idx)
-                    seen += len(idx)
-                    bar.set_postfix(loss=f"{loss_sum / seen:.5f}", lr=f"{cur_lr:.2e}")
-                bar.close()
-                stats = {"epoch": epoch + 1, "loss": loss_sum / seen, "lr": cur_lr,
-                         "seconds": time.perf_counter() - t0}
-                if keep_best:
-                    assert best_loss is not None
-                    stats["eval_loss"] = _measure(cap, targets, calib, batch_size, loss, val_idx, dev)
-                    if stats["eval_loss"] < best_loss:
-                        best_loss, best_epoch = stats["eval_loss"], epoch + 1
-                        best = {pn: params[pn].detach().clone() for pn in param_names}
-                history.append(stats)
-                if progress and main and on_terminal():  # the bar vanishes: keep one line per epoch
-                    bar.write(f"heal epoch {epoch + 1}/{epochs}: loss {stats['loss']:.5f} "
-                              f"({stats['seconds']:.1f} s)")
-                if ckpt_dir is not None and main:
-                    save_checkpoint(ckpt_dir, model, param_names, opt, gen, {
-                        "version": STATE_VERSION, "epochs_done": epoch + 1, "step": step,
-                        "settings": settings, "history": history, "initial_loss": initial_loss,
-                        "best_loss": best_loss, "best_epoch": best_epoch,
-                        "elapsed_s": elapsed_before + time.perf_counter() - t_start}, best)
-                if ckpt_dir is not None and distributed:
-                    torch.distributed.barrier()  # the checkpoint is on disk before any rank goes on
-                if callback is not None:
-                    callback(epoch + 1, stats)
-            if keep_best and opt is not None:
-                assert best is not None
-                if best_epoch != epochs:  # a later epoch drifted away: restore the best one
-                    with torch.no_grad():
-                        for pn in param_names:
-                            params[pn].copy_(best[pn])
-                final_loss = best_loss
-            elif measure:
-                final_loss = (_measure(cap, targets, calib, batch_size, loss, val_idx, dev) if opt is not None
-                              else initial_loss)
+        with cuda_deterministic(plan.dev):  # from before the first cuBLAS call; a no-op on the CPU
+            params = _to_device(plan)
+            with exact_fp32(plan.dev):  # cached targets: float32 like the ones computed in the TF32-off loop
+                targets = dp.prepare_targets(lambda: make_targets(dense_model, plan.calib, target_cache,
+                                                                  cfg.memory_budget_mb, cfg.batch_size,
+                                                                  progress and plan.main))
+            state = _optimise(plan, params, targets, callback, measure)
     finally:
         for name, p in params.items():
-            p.requires_grad_(flags[name])
+            p.requires_grad_(plan.flags[name])
         if targets is not None:
             targets.close()
-        for m, home in homes:
+        for m, home in plan.homes:
             m.to(home)
-    model.eval()
-    n_trained = sum(params[pn].numel() for pn in param_names)
-    info = {
-        "loss": loss, "epochs": epochs, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup_steps,
-        "schedule": "linear warm-up, then cosine, per step" if warmup_steps else "cosine, per step",
-        "optimizer": "AdamW", "batch_size": batch_size, "weight_decay": cfg.weight_decay, "seed": seed,
-        "steps": total_steps if param_names else 0,
-        "calibration": {"source": calib.description, "num_images": n},
-        "holdout": {"fraction": cfg.holdout, "num_images": len(val_idx) if cfg.holdout > 0 else 0,
-                    "loss_measured_on": "held-out calibration images" if cfg.holdout > 0 else "all calibration images"},
-        "initial_loss": initial_loss, "final_loss": final_loss,
-        "wall_time_s": elapsed_before + time.perf_counter() - t_start,
-        "trained_modules": given,
-        "trained_parameters": param_names,
-        "trainable_params": n_trained,
-        "frozen_params": sum(p.numel() for p in params.values()) - n_trained,
-        "targets": targets.describe() if targets is not None else None,
-        "resumed_from_epoch": resumed_from,
-        "keep_best": keep_best,
-        "best_epoch": best_epoch if keep_best else None,
-        "device": str(dev),
-        **dp.info(),
-        "config": dataclasses.asdict(cfg),
-    }
-    if not param_names:
-        info["note"] = "nothing to train: no reduced layers (the model has the dense shapes)"
-    return HealResult(model=model, history=history, info=info, config=cfg)
+    plan.model.eval()
+    return HealResult(model=plan.model, history=state.history, info=_info(plan, state, params, targets), config=cfg)

@@ -15,6 +15,7 @@ from edgeprune.nuwa.head import HEAD_MODES
 from edgeprune.nuwa.ofp_mha import KEY_BIAS_MODES
 from edgeprune.nuwa.ofp_mlp import DEFAULT_RIDGE_ALPHA
 from edgeprune.nuwa.skp import SKPConfig
+from edgeprune.torch_device import resolve_device
 
 
 @dataclasses.dataclass
@@ -78,6 +79,4 @@ class DeriveConfig:
             raise UserError("SKP steps must be >= 0, batch size and eval interval >= 1")
         if s.lr_beta < 0 or s.lr_mask < 0 or s.weight_decay < 0:
             raise UserError("SKP learning rates and weight decay must be >= 0")
-        from edgeprune.cli.options import resolve_device
-
         self.device = resolve_device(self.device)

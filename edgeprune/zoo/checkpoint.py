@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
 
+from edgeprune._compat import import_timm
 from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
 
@@ -51,8 +53,6 @@ def check_checkpoint(path: str | Path, expected_sha256: str | None) -> str:
 def _read_state_dict(p: Path) -> dict:
     try:
         if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             sd = load_file(str(p))
         else:
             sd = torch.load(str(p), map_location="cpu", weights_only=True)
@@ -75,8 +75,6 @@ def _resample_for(model: nn.Module, sd: dict) -> dict:
     pos = getattr(model, "pos_embed", None)
     if pos is None or "pos_embed" not in sd or tuple(sd["pos_embed"].shape) == tuple(pos.shape):
         return sd
-    from edgeprune._compat import import_timm
-
     import_timm()
     from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 

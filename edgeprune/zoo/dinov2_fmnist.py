@@ -20,8 +20,10 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from edgeprune._compat import import_timm
+from edgeprune.data.fashion_mnist import load_split
 from edgeprune.errors import UserError
 from edgeprune.zoo.dinov2 import MEAN, PATCH_SIZE, STD, TIMM_NAME, convert_onnx_weights, onnx_path
 
@@ -93,8 +95,6 @@ def fmnist_source(split: str, n: int | None, seed: int, img_size: int,
     Raises:
         UserError: missing dataset, n < 1.
     """
-    from edgeprune.data.fashion_mnist import load_split
-
     x, y = load_split(split, data, normalize=False)
     if n is not None:
         if n < 1:
@@ -147,8 +147,6 @@ def create_dinov2_s14_fmnist(pretrained: bool = True, img_size: int = DEFAULT_IM
     """
     model = create_backbone_classifier(pretrained, img_size)
     if pretrained:
-        from safetensors.torch import load_file
-
         if not HEAD_FILE.is_file():
             raise UserError(f"{NAME}: head weights {HEAD_FILE} missing (run tools/train_dinov2_fmnist_head.py)")
         head = load_file(str(HEAD_FILE))

