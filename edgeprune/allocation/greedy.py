@@ -2,7 +2,7 @@
 
 METHODS.md §5 "Budgeted allocation". Units = (block, module) pairs the target selects (MLP
 channels, Q/K dims, V dims, whole heads; Q/K and V tied in the fused layout). Each unit has an
-error curve over its candidate kept sizes (``edgeprune.allocation.errors``, unit-free) and the
+error curve over its candidate kept sizes (``edgeprune.allocation.curves``, unit-free) and the
 cost model (``edgeprune.allocation.cost``) prices every state. The proxy of an allocation is the
 sum of its units' errors.
 
@@ -319,7 +319,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         "proxy_error": {k: v.error for k, v in candidates.items()},
         "uniform_sparsity": uniform_sparsity, "uniform_error_before_fill": uniform_plain_error,
         "error_kind": sorted({c.kind for c in curves}),
-        "normalisation": "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)",
+        "normalisation": "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)",  # record text kept byte-identical (module now allocation.curves)
         "blocks": per_block,
         "seconds": time.perf_counter() - t0,
     }

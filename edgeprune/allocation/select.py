@@ -1,6 +1,6 @@
 """Choose among candidate allocations by their measured output error on calibration images.
 
-The allocator's proxy (``edgeprune.allocation.errors``) ranks allocations well on the model its
+The allocator's proxy (``edgeprune.allocation.curves``) ranks allocations well on the model its
 normalisation was measured on (fmnist-vit, Spearman 0.76-0.95 with the final-logit error) but not
 on every model: on the pretrained DINOv2 ViT-S/14 of ``dinov2-s14-fmnist`` the proxy-optimal
 allocation at FLOPs x0.6 lost 5 top-1 points *more* than uniform pruning (71.2% vs 76.4%,
