@@ -319,7 +319,8 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         "proxy_error": {k: v.error for k, v in candidates.items()},
         "uniform_sparsity": uniform_sparsity, "uniform_error_before_fill": uniform_plain_error,
         "error_kind": sorted({c.kind for c in curves}),
-        "normalisation": "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)",  # record text kept byte-identical (module now allocation.curves)
+        # record text kept byte-identical (the module is now edgeprune.allocation.curves)
+        "normalisation": "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)",
         "blocks": per_block,
         "seconds": time.perf_counter() - t0,
     }
