@@ -19,14 +19,23 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from edgeprune.allocation.budget import make_budget
 from edgeprune.anatomy import find_anatomy
-from edgeprune.corp import CorpConfig, corp_prune
+from edgeprune.artifact import new_record
+from edgeprune.calibration.collect import calibration_device
+from edgeprune.corp.config import CorpConfig, bias_correction_used
+from edgeprune.corp.pipeline import check_prunable, corp_prune
 from edgeprune.data.sources import TensorSource
+from edgeprune.distributed import all_reduce_sum, distributed_info, is_distributed, shard_calibration
 from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
+from edgeprune.layers.class_token_block import class_token_plan, to_class_token_block
 from edgeprune.plan import achieved_sparsity  # noqa: F401  (re-exported: nuwa, tools)
+from edgeprune.solve.head_refit import fit_head, refit_statistics
+from edgeprune.solve.output_bias import classifier_head, fold_output_bias, output_sums
 from edgeprune.surgery import block_dims
 from edgeprune.torch_device import resolve_device
+from edgeprune.zoo.registry import get_model_spec
 
 
 @dataclasses.dataclass
@@ -56,6 +65,39 @@ _LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
 _SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "v", "head_sparsity": "heads"}
 
 
+#: record ``settings`` key -> CorpConfig field (in the record's order); None values are "auto"
+_SETTINGS_FIELDS = {"mlp_criterion": "mlp_criterion", "qk_criterion": None, "ridge_alpha": "ridge_alpha",
+                    "qk_ridge_alpha": "qk_ridge_alpha", "ridge_lambda_rule": None, "round_to": "round_to",
+                    "gram_dtype": "gram_dtype", "qk_solver": "qk_solver", "compensation": "compensation",
+                    "gram_tokens": "gram_tokens", "gram_tokens_used": None,
+                    "bias_correction": "bias_correction_images", "head_refit": "head_refit",
+                    "last_block": "last_block"}
+#: settings that are not config fields: constants of the method
+_SETTINGS_CONSTANTS = {"qk_criterion": "logit",
+                       "ridge_lambda_rule": "lam = alpha * mean diag of the normal matrix (scale-free)"}
+
+
+def requested_sparsity(config: CorpConfig) -> dict[str, float]:
+    """The record's ``sparsity``: mlp and attn always, v and heads when > 0 (from ``asdict(config)``)."""
+    fields = dataclasses.asdict(config)
+    return {key: float(fields[name]) for name, key in _SPARSITY_KEYS.items()
+            if name in fields and (key in ("mlp", "attn") or fields[name])}
+
+
+def record_settings(config: CorpConfig, info: dict, last_block: dict[int, int]) -> dict[str, Any]:
+    """The record's ``settings``, read from ``asdict(config)`` (``None`` fields recorded as "auto"),
+    the method's constants, the MLP tokens used (``info``) and the class-token blocks."""
+    fields = dataclasses.asdict(config)
+    out: dict[str, Any] = {}
+    for key, name in _SETTINGS_FIELDS.items():
+        if name is None:
+            out[key] = _SETTINGS_CONSTANTS[key] if key in _SETTINGS_CONSTANTS else info.get(key, 0)
+        else:
+            out[key] = "auto" if fields[name] is None else fields[name]
+    out["class_token_blocks"] = {str(i): t for i, t in last_block.items()}
+    return out
+
+
 #: Target when none is given: with ``--sparsity`` the MLP and Q/K dims (CORP's setting); with a
 #: budget also the V dims, so the allocator can spend it on every prunable dim (on the pretrained
 #: DINOv2 of ``dinov2-s14-fmnist``: +1.5 points top-1 at FLOPs x0.5, +6.1 at x0.4; docs/accuracy.md).
@@ -79,8 +121,6 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
         UserError: unknown setting, bad target or sparsity, invalid settings, both ``flops`` and
             ``params``, a bad budget value.
     """
-    from edgeprune.allocation.budget import make_budget
-
     budget = make_budget(settings.pop("flops", None), settings.pop("params", None))
     if budget is not None:
         settings["budget"] = budget
@@ -105,8 +145,6 @@ def calibration_batches(calibration: Any, batch_size: int) -> tuple[Callable[[],
     Raises:
         UserError: an empty set, or something that is not a tensor / data source / callable.
     """
-    from edgeprune.distributed import shard_calibration
-
     if isinstance(calibration, torch.Tensor):
         calibration = TensorSource(calibration, None, f"tensor {tuple(calibration.shape)}")
     if hasattr(calibration, "batches"):
@@ -134,8 +172,6 @@ def base_model_record(model: nn.Module, spec=None) -> dict[str, Any]:
     arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
     if arch:
         try:
-            from edgeprune.zoo.registry import get_model_spec
-
             guess = get_model_spec(arch, num_classes=getattr(model, "num_classes", None))
             built = guess.create(pretrained=False)
         except (UserError, RuntimeError, TypeError, ValueError):
@@ -205,50 +241,35 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         UserError: bad settings, unsupported model, empty or mis-shaped calibration data, both
             ``config`` and keyword settings given, an unknown device or CUDA not available.
     """
-    from edgeprune.artifact import new_record
-    from edgeprune.distributed import distributed_info
-
     if config is None:
         config = corp_config(None if target is _UNSET else target,
                              0.5 if sparsity is _UNSET else sparsity, **settings)
     elif target is not _UNSET or sparsity is not _UNSET or settings:
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
-    config.validate()
-    from edgeprune.calibration.collect import calibration_device
+    config.ensure_valid()
 
     device = work_device(config, resolve_device(device))
     if not inplace:
         model = copy.deepcopy(model)
     model.eval()
     anatomy = find_anatomy(model)
-    from edgeprune.last_block import class_token_plan
-
     last_block = class_token_plan(config, anatomy)  # raises for --last-block cls on another model
-    if config.budget is not None:  # before the calibration pass
-        from edgeprune.allocation.greedy import check_budget
-
-        check_budget(anatomy, config)
+    check_prunable(anatomy, config)  # rounding, dims and an unreachable budget: before any pass
     base_record = base_model_record(model, spec)
     dense = structure_summary(model)
     batches, description, num_images = calibration_batches(calibration, batch_size)
 
     t0 = time.perf_counter()
-    from edgeprune.corp import bias_correction_used
-
     correction = _BiasCorrection(model, batches, bias_correction_used(config), config.sequential,
                                  refit=config.head_refit is not False)
     with calibration_device(device):
-        info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress)
+        info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress, checked=True)
     if last_block:  # exact: the output's tokens are computed as before, the others not at all
-        from edgeprune.layers.class_token_block import to_class_token_block
-
         to_class_token_block(anatomy.vit, next(iter(last_block.values())))
     bias_record = correction.fold(model, info.get("output_sums"), info.get("output_rows"))
     seconds = time.perf_counter() - t0
     pruned = structure_summary(model)
-    fields = dataclasses.asdict(config)
-    requested = {key: float(fields[name]) for name, key in _SPARSITY_KEYS.items()
-                 if name in fields and (key in ("mlp", "attn") or fields[name])}
+    requested = requested_sparsity(config)
     record = new_record(
         "corp" if config.compensation else "uncompensated",
         base_record, config, dense, pruned,
@@ -260,17 +281,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         targets=config.target,
         sparsity=requested,
         achieved_sparsity=achieved_sparsity(dense["blocks"], pruned["blocks"]),
-        settings={"mlp_criterion": config.mlp_criterion, "qk_criterion": "logit",
-                  "ridge_alpha": config.ridge_alpha, "qk_ridge_alpha": config.qk_ridge_alpha,
-                  "ridge_lambda_rule": "lam = alpha * mean diag of the normal matrix (scale-free)",
-                  "round_to": config.round_to, "gram_dtype": config.gram_dtype, "qk_solver": config.qk_solver,
-                  "compensation": config.compensation,
-                  "gram_tokens": "auto" if config.gram_tokens is None else config.gram_tokens,
-                  "gram_tokens_used": info.get("gram_tokens_used", 0),
-                  "bias_correction": "auto" if config.bias_correction_images is None else config.bias_correction_images,
-                  "head_refit": "auto" if config.head_refit is None else config.head_refit,
-                  "last_block": config.last_block,
-                  "class_token_blocks": {str(i): t for i, t in last_block.items()}},
+        settings=record_settings(config, info, last_block),
         solve=info["blocks"],
         **({"allocation": info["allocation"]} if info.get("allocation") else {}),
         **({"bias_correction": bias_record} if bias_record else {}),
@@ -289,8 +300,6 @@ class _BiasCorrection:
 
     def __init__(self, model: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], k: int,
                  separate_pass: bool, refit: bool = True) -> None:
-        from edgeprune.solve.output_bias import classifier_head, output_sums
-
         self.batches, self.k, self.refit = batches, int(k), bool(refit)
         self.head = classifier_head(model) if self.k > 0 else None
         self.skipped = self.k > 0 and self.head is None
@@ -303,10 +312,6 @@ class _BiasCorrection:
 
     def fold(self, model: nn.Module, from_pass: tuple[torch.Tensor, int] | None,
              rows: torch.Tensor | None = None) -> dict[str, Any] | None:
-        from edgeprune.distributed import all_reduce_sum, is_distributed
-        from edgeprune.solve.head_refit import fit_head, refit_statistics
-        from edgeprune.solve.output_bias import classifier_head, fold_output_bias, output_sums
-
         if self.skipped:
             return {"images": 0, "skipped": "the model has no affine classifier head"}
         if self.head is None:

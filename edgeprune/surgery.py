@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
+from edgeprune.layers.class_token_block import to_class_token_block
 from edgeprune.layers.pruned_attention import PrunedAttention
 
 
@@ -140,7 +141,5 @@ def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Modu
                                            dense_head_dim=int(d.get("head_dim", b.head_dim)))
     t = dims[-1].get("query_tokens")
     if t is not None and anatomy.blocks[-1].query_tokens is None:
-        from edgeprune.layers.class_token_block import to_class_token_block
-
         to_class_token_block(anatomy.vit, int(t))
     return model

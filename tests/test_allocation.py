@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from edgeprune.allocation import errors as E
+from edgeprune.allocation import curves as E
 from edgeprune.allocation import greedy
 from edgeprune.allocation.budget import make_budget, parse_budget_value
 from edgeprune.anatomy import find_anatomy

@@ -18,7 +18,7 @@ from torch import nn
 
 from edgeprune.allocation import budget as B
 from edgeprune.allocation import cost as C
-from edgeprune.allocation import errors as E
+from edgeprune.allocation import curves as E
 from edgeprune.allocation import greedy as G
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.calibration.mlp_stats import MLPStatistics

@@ -115,7 +115,7 @@ def test_measured_candidate_is_offered_and_judged_like_the_others(setup):
 
 
 def test_two_anchor_rescaling_goes_through_both_measurements():
-    from edgeprune.allocation.errors import Curve
+    from edgeprune.allocation.curves import Curve
     from edgeprune.allocation.select import _anchor
 
     raw = [8.0, 4.0, 2.0, 1.0, 0.5, 0.0]

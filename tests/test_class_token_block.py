@@ -165,7 +165,7 @@ def test_auto_is_off_without_a_budget_for_average_pooling_and_for_headless_backb
     avg.global_pool = "avg"
     assert output_query_tokens(avg) is None
     cfg = edgeprune.CorpConfig.from_target("all", None, budget={"kind": "flops", "value": 0.8})
-    from edgeprune.last_block import class_token_plan
+    from edgeprune.layers.class_token_block import class_token_plan
 
     assert class_token_plan(cfg, find_anatomy(avg)) == {}
     headless = tiny_vit()

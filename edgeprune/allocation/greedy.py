@@ -2,7 +2,7 @@
 
 METHODS.md §5 "Budgeted allocation". Units = (block, module) pairs the target selects (MLP
 channels, Q/K dims, V dims, whole heads; Q/K and V tied in the fused layout). Each unit has an
-error curve over its candidate kept sizes (``edgeprune.allocation.errors``, unit-free) and the
+error curve over its candidate kept sizes (``edgeprune.allocation.curves``, unit-free) and the
 cost model (``edgeprune.allocation.cost``) prices every state. The proxy of an allocation is the
 sum of its units' errors.
 
@@ -22,12 +22,18 @@ The budget is never exceeded; the report says whether the achieved cost is withi
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from edgeprune.allocation.budget import target_cost
-from edgeprune.allocation.cost import CostModel, cost_model, total_cost
-from edgeprune.allocation.errors import Curve, heads_curve, mlp_curve, normalise, qk_curve, tie_curves, v_curve
+from edgeprune.allocation.cost import CostModel, FlopsCost, ParamsCost, cost_model, total_cost
+from edgeprune.allocation.curves import (Curve, candidate_sizes, heads_curve, mlp_curve, normalise, qk_curve,
+                                         tie_curves, v_curve)
+from edgeprune.corp.steps import mlp_kept
 from edgeprune.errors import UserError
-from edgeprune.last_block import class_token_plan
+from edgeprune.layers.class_token_block import class_token_plan
 from edgeprune.plan import kept_dim, kept_heads, target_modules
+from edgeprune.vo import attention_dims
 
 TOLERANCE = 0.01  # the achieved cost should be within 1% under the budget
 
@@ -62,8 +68,6 @@ def build_curves(anatomy, stats, cfg, qk_weight: float | None = None) -> list[Cu
             elif keys == ("heads",):
                 curves.append(heads_curve(b, _need(stats.vo, b, "V/O"), cfg))
             else:  # fused: Q/K and V to the same kept dim
-                from edgeprune.allocation.errors import candidate_sizes
-
                 ks = [k for k in candidate_sizes(min(b.qk_dim, b.v_dim), cfg.round_to)
                       if k % cfg.round_to == 0 or k == b.qk_dim == b.v_dim]
                 qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks), v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)
@@ -82,11 +86,6 @@ def _need(lst, b, what):
 
 def base_dims(anatomy, cfg) -> list[dict[str, int]]:
     """Per block the dims of the modules the allocator does not choose (sparsity / ``cfg.dims``)."""
-    import dataclasses
-
-    from edgeprune.corp import mlp_kept
-    from edgeprune.vo import attention_dims
-
     plain = dataclasses.replace(cfg, layout="default") if cfg.layout == "fused" else cfg
     out = []
     for b in anatomy.blocks:
@@ -210,8 +209,6 @@ def _uniform_positions(anatomy, curves: list[Curve], cfg, base, cost, target) ->
 def cheapest(anatomy, cfg) -> tuple[float, float, float]:
     """(cheapest reachable cost, dense cost, absolute target) of ``cfg.budget`` -- no statistics
     needed: every unit at its smallest candidate (``round_to`` dims, or 1 head)."""
-    from edgeprune.allocation.errors import candidate_sizes
-
     cost = cost_model(cfg.budget["kind"], anatomy, class_token_plan(cfg, anatomy))
     dims = base_dims(anatomy, cfg)
     for b, d in zip(anatomy.blocks, dims):
@@ -265,10 +262,6 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     Raises:
         UserError: no budget, unknown kind, or a budget below the cheapest reachable allocation.
     """
-    import time
-
-    from edgeprune.allocation.cost import FlopsCost, ParamsCost
-
     t0 = time.perf_counter()
     if cfg.budget is None:
         raise UserError("allocate needs a budget (--flops or --params)")
@@ -326,6 +319,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         "proxy_error": {k: v.error for k, v in candidates.items()},
         "uniform_sparsity": uniform_sparsity, "uniform_error_before_fill": uniform_plain_error,
         "error_kind": sorted({c.kind for c in curves}),
+        # record text kept byte-identical (the module is now edgeprune.allocation.curves)
         "normalisation": "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)",
         "blocks": per_block,
         "seconds": time.perf_counter() - t0,

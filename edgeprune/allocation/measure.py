@@ -18,6 +18,16 @@ import dataclasses
 
 import torch
 
+from edgeprune.allocation import greedy
+from edgeprune.allocation.cost import cost_model
+from edgeprune.anatomy import find_anatomy
+from edgeprune.calibration.collect import collect_statistics
+from edgeprune.corp.config import CorpConfig
+from edgeprune.corp.qk_solvers import qk_solver_from_grams
+from edgeprune.corp.steps import apply_corp, plan_corp
+from edgeprune.data.fashion_mnist import load_split
+from edgeprune.zoo.fmnist_vit import create_fmnist_vit
+
 
 def spearman(a, b) -> float:
     """Spearman rank correlation (no ties expected)."""
@@ -28,14 +38,6 @@ def spearman(a, b) -> float:
 
 
 def main() -> None:
-    from edgeprune.allocation import greedy
-    from edgeprune.allocation.cost import cost_model
-    from edgeprune.anatomy import find_anatomy
-    from edgeprune.calibration.collect import collect_statistics
-    from edgeprune.corp import CorpConfig, apply_corp, plan_corp, qk_solver_from_grams
-    from edgeprune.data.fashion_mnist import load_split
-    from edgeprune.zoo.fmnist_vit import create_fmnist_vit
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--calib", type=int, default=256)
     ap.add_argument("--eval", type=int, default=256)

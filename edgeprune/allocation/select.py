@@ -1,6 +1,6 @@
 """Choose among candidate allocations by their measured output error on calibration images.
 
-The allocator's proxy (``edgeprune.allocation.errors``) ranks allocations well on the model its
+The allocator's proxy (``edgeprune.allocation.curves``) ranks allocations well on the model its
 normalisation was measured on (fmnist-vit, Spearman 0.76-0.95 with the final-logit error) but not
 on every model: on the pretrained DINOv2 ViT-S/14 of ``dinov2-s14-fmnist`` the proxy-optimal
 allocation at FLOPs x0.6 lost 5 top-1 points *more* than uniform pruning (71.2% vs 76.4%,
@@ -32,14 +32,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from typing import Callable, Iterable
 
 import torch
 
-from edgeprune.allocation.errors import Curve
+from edgeprune.allocation.curves import Curve
 from edgeprune.allocation.greedy import allocate, build_curves
 from edgeprune.allocation.suffix import BlockInputs
+from edgeprune.anatomy import find_anatomy
+from edgeprune.corp.qk_solvers import qk_solver_from_grams
+from edgeprune.corp.steps import apply_corp, plan_corp
+from edgeprune.plan import BlockPlan, pruned_modules
 
 #: Q/K weights of the greedy candidates (``errors.QK_WEIGHT`` = 0.2 is the fmnist-vit fit)
 QK_WEIGHTS = (0.2, 1.0, 5.0)
@@ -117,9 +122,6 @@ def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torc
 
     With ``cache`` (the dense block inputs on ``x``) only the blocks from the first pruned one on
     are run (:mod:`edgeprune.allocation.suffix`; bitwise the full forward's output)."""
-    from edgeprune.anatomy import find_anatomy
-    from edgeprune.corp import apply_corp, qk_solver_from_grams
-
     trial = copy.deepcopy(model).eval()
     an = find_anatomy(trial)
     qk_solve = None
@@ -153,8 +155,6 @@ def _anchor(c: Curve, anchors: list[tuple[int, float]]) -> None:
     and held constant beyond them; the result is made non-increasing in the kept size (more kept
     dims never cost more) and stored as ``raw`` with ``scale = 1``.
     """
-    import math
-
     anchors = [(p, m) for p, m in anchors if p is not None and m is not None and m > 0 and c.raw[p] > 0]
     if not anchors:
         return
@@ -182,9 +182,6 @@ def _anchor(c: Curve, anchors: list[tuple[int, float]]) -> None:
 def _measure_units(anatomy, stats, cfg, curves: list[Curve], positions: list[int | None], x: torch.Tensor,
                    dense_out: torch.Tensor, cache: BlockInputs | None) -> list[float | None]:
     """Output error of each unit pruned alone at ``c.ks[position]`` (None where no position)."""
-    from edgeprune.corp import plan_corp
-    from edgeprune.plan import BlockPlan
-
     dims = [{} for _ in anatomy.blocks]
     for c, p in zip(curves, positions):
         for key in c.keys:
@@ -277,9 +274,6 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     Raises:
         UserError: as ``allocate``.
     """
-    from edgeprune.corp import plan_corp
-    from edgeprune.plan import pruned_modules
-
     n = int(getattr(cfg, "allocation_check_images", 0))
     qk = "qk" in pruned_modules(cfg)
     grams_kept = not qk or all(s is None or getattr(s, "keep_grams", False) for s in (stats.qk or []))

@@ -20,8 +20,10 @@ import torch
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics, QKSystemStatistics
+from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statistics
 from edgeprune.errors import UserError
 from edgeprune.progress import progress as show_progress
+from edgeprune.solve.output_bias import OutputSums, classifier_head
 
 
 @dataclasses.dataclass
@@ -72,19 +74,6 @@ def calibration_device(device: str | torch.device | None) -> Iterator[None]:
         _DEVICE.reset(token)
 
 
-def _stats_to_cpu(st) -> None:
-    """Move one statistics object's tensors to host memory (in place)."""
-    if st is None:
-        return
-    for name in ("_shift", "_sum", "_gram", "_sq", "_positive", "_score", "k_sys", "rhs", "keep", "prune"):
-        t = getattr(st, name, None)
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            setattr(st, name, t.cpu())
-    for name in ("_gq", "_gk"):
-        if getattr(st, name, None):
-            setattr(st, name, [t.cpu() for t in getattr(st, name)])
-
-
 @contextlib.contextmanager
 def exact_fp32(device: torch.device) -> Iterator[None]:
     """No TF32 in CUDA matmuls/convolutions inside the context (a statistics pass, ``verify``): the
@@ -106,41 +95,137 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
+@dataclasses.dataclass
+class StatisticsRequest:
+    """What one calibration pass collects (built by the caller from what its criteria and fits
+    need: ``edgeprune.corp.pipeline.statistics_request`` for CORP).
+
+    Attributes:
+        mlp: collect MLP hidden statistics (input of every ``mlp.fc2``).
+        mlp_second_order: accumulate MLP covariances (needed for MLP compensation).
+        mlp_active: count positive MLP activations (criteria needing "positive", e.g. ``active``).
+        mlp_tokens: MLP statistics from this many random tokens per image (0 = all;
+            :func:`~edgeprune.calibration.mlp_stats.token_positions`). Q/K and V/O statistics
+            always use every token.
+        qk: collect Q/K statistics (output of every ``attn.qkv``).
+        qk_grams: keep per-image Q/K Grams (needed for Q/K compensation).
+        qk_keep: second-pass mode: per block the (H, d') kept Q/K dims (or None); the pass then
+            accumulates :class:`QKSystemStatistics` into ``qk`` instead of per-image Grams.
+        vo: collect mean and covariance of every ``attn.proj`` input (V/O and head pruning).
+        gram_dtype: dtype of the per-batch Gram products (see :class:`MLPStatistics`).
+        first_image: index in the calibration set of the first image of the batches (under
+            torchrun: of this rank's share), for the per-image token subsets of ``mlp_tokens``
+            and for ``output_images``.
+        output_images: also sum the model's outputs over the calibration images with index <
+            this (``output_sum`` / ``output_count``; the dense side of the output bias
+            correction, ``edgeprune.solve.output_bias``, at no extra cost). Needs a model with
+            an affine classifier head.
+    """
+
+    mlp: bool = True
+    qk: bool = True
+    qk_grams: bool = True
+    mlp_second_order: bool = True
+    gram_dtype: torch.dtype = torch.float32
+    qk_keep: list | None = None
+    vo: bool = False
+    mlp_active: bool = True
+    mlp_tokens: int = 0
+    first_image: int = 0
+    output_images: int = 0
+
+
+@dataclasses.dataclass
+class _Accumulators:
+    mlp: list
+    qk: list
+    vo: list
+    outputs: object = None
+
+    def all(self) -> list:
+        return [*self.mlp, *self.qk, *self.vo]
+
+
+def _accumulators(anatomy: ViTAnatomy, req: StatisticsRequest, dev: torch.device, shift_fn) -> _Accumulators:
+    """The per-block statistics objects ``req`` asks for, accumulating on ``dev``."""
+    grams_dev = None if dev.type == "cpu" else torch.device("cpu")
+    mlp = [MLPStatistics(b.mlp_hidden, req.gram_dtype, req.mlp_second_order, count_positive=req.mlp_active,
+                         device=dev, shift_fn=shift_fn, tokens=req.mlp_tokens, first_image=req.first_image)
+           if req.mlp else None for b in anatomy.blocks]
+    qk: list = [QKStatistics(b.num_heads, b.qk_dim, keep_grams=req.qk_grams, gram_dtype=req.gram_dtype, device=dev,
+                             grams_device=grams_dev) if req.qk else None for b in anatomy.blocks]
+    if req.qk_keep is not None:
+        qk = [None if keep is None else QKSystemStatistics(keep, b.qk_dim, device=dev)
+              for b, keep in zip(anatomy.blocks, req.qk_keep)]
+    vo = [MLPStatistics(b.proj.in_features, req.gram_dtype, True, count_positive=False, device=dev, shift_fn=shift_fn)
+          if req.vo else None for b in anatomy.blocks]
+    return _Accumulators(mlp, qk, vo)
+
+
+def _hooks(anatomy: ViTAnatomy, acc: _Accumulators, req: StatisticsRequest) -> list:
+    """Forward hooks feeding ``acc`` (removed by the caller); sets ``acc.outputs`` when asked.
+
+    Raises:
+        UserError: ``output_images`` for a model without a linear classifier head.
+    """
+    handles = []
+    for b in anatomy.blocks:
+        if acc.vo[b.index] is not None:
+            handles.append(b.proj.register_forward_pre_hook(lambda _m, args, st=acc.vo[b.index]: st.add_batch(args[0])))
+        if acc.mlp[b.index] is not None:
+            handles.append(b.fc2.register_forward_pre_hook(lambda _m, args, st=acc.mlp[b.index]: st.add_batch(args[0])))
+        if acc.qk[b.index] is not None:
+            handles.append(b.qkv.register_forward_hook(
+                lambda _m, _args, out, st=acc.qk[b.index], b=b: st.add_batch(*split_qk(out, b.num_heads, b.qk_dim))))
+    if req.output_images > 0:
+        head = classifier_head(anatomy.model)
+        if head is None:
+            for h in handles:
+                h.remove()
+            raise UserError("output bias correction needs a model with a linear classifier head")
+        acc.outputs = OutputSums(head.out_features, req.output_images, req.first_image)
+        handles.append(anatomy.model.register_forward_hook(lambda _m, _args, out, o=acc.outputs: o.add(out)))
+    return handles
+
+
+def _run_pass(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], dev: torch.device, home: torch.device,
+              progress: bool, total: int | None) -> int:
+    """Forward every batch on ``dev`` (TF32 off); returns the number of images.
+
+    Raises:
+        UserError: images of the wrong shape.
+    """
+    model = anatomy.model
+    expected = (anatomy.in_chans, *anatomy.img_size)
+    num_images = 0
+    try:
+        if dev != home:
+            model.to(dev)
+        with exact_fp32(dev):
+            for x in show_progress(batches, "calibration", enabled=progress, total=total, unit="batch"):
+                if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+                    raise UserError(f"calibration images have shape {tuple(x.shape[1:])}, "
+                                    f"the model takes {expected}")
+                model(x.to(dev, non_blocking=True))
+                num_images += x.shape[0]
+    finally:
+        if dev != home:
+            model.to(home)
+    return num_images
+
+
 @torch.no_grad()
-def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
-                       mlp: bool = True, qk: bool = True, qk_grams: bool = True,
-                       mlp_second_order: bool = True,
-                       gram_dtype: torch.dtype = torch.float32, progress: bool = True,
-                       total: int | None = None,
-                       qk_keep: list[torch.Tensor | None] | None = None,
-                       vo: bool = False, mlp_active: bool = True,
-                       device: str | torch.device | None = None, mlp_tokens: int = 0,
-                       first_image: int = 0, output_images: int = 0) -> CalibrationStatistics:
+def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], request: StatisticsRequest | None = None,
+                       *, progress: bool = True, total: int | None = None, device: str | torch.device | None = None,
+                       **fields) -> CalibrationStatistics:
     """Run the model once over the calibration batches and accumulate statistics.
 
     Args:
         anatomy: from :func:`edgeprune.anatomy.find_anatomy`; the model is put in eval mode.
         batches: iterable of image tensors (B, C, H, W), already preprocessed.
-        mlp: collect MLP hidden statistics (for MLP pruning).
-        qk: collect Q/K statistics (for attention pruning).
-        qk_grams: keep per-image Q/K Grams (needed for Q/K compensation).
-        mlp_second_order: accumulate MLP covariances (needed for MLP compensation).
-        gram_dtype: dtype of the per-batch MLP Gram product (see :class:`MLPStatistics`).
+        request: what to collect (:class:`StatisticsRequest`); or its fields as keywords
+            (``mlp=``, ``qk=``, ``qk_grams=``, ``vo=``, ``mlp_active=``, ``gram_dtype=`` ...).
         progress: show progress (a bar on a terminal, plain log lines otherwise); total: number of batches, for the bar.
-        qk_keep: second-pass mode: per block the (H, d') kept Q/K dims (or None); the pass then
-            accumulates :class:`QKSystemStatistics` into ``qk`` instead of per-image Grams.
-        vo: collect mean and covariance of every ``attn.proj`` input (for V/O and head pruning).
-        mlp_active: count positive MLP activations (only the ``active`` ranking criterion reads it).
-        mlp_tokens: MLP statistics from this many evenly spaced tokens per image (0 = all;
-            :func:`~edgeprune.calibration.mlp_stats.token_positions`). Q/K and V/O statistics
-            always use every token.
-        first_image: index in the calibration set of the first image of ``batches`` (under
-            torchrun: of this rank's share), for the per-image token subsets of ``mlp_tokens``
-            and for ``output_images``.
-        output_images: also sum the model's outputs over the calibration images with index <
-            this (``output_sum`` / ``output_count``; the dense side of the output bias
-            correction, ``edgeprune.solve.output_bias``, taken from this pass at no extra cost).
-            Needs a model with an affine classifier head.
         device: run the pass on this torch device ("cpu", "cuda", "cuda:N"); default: the one
             set by :func:`calibration_device`, else the model's. The model is moved there for
             the pass and back afterwards; images are moved batch by batch. Every statistic is
@@ -155,88 +240,42 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], *,
 
     Raises:
         UserError: no images, or images of the wrong shape.
+        TypeError: both ``request`` and keywords, or an unknown keyword.
     """
+    if request is not None and fields:
+        raise TypeError("give a StatisticsRequest or its fields as keywords, not both")
+    req = request if request is not None else StatisticsRequest(**fields)
     model = anatomy.model
     model.eval()
     home = _model_device(model)
     dev = torch.device(device if device is not None else (_DEVICE.get() or home))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("CUDA is not available (use --device cpu)")
-    on_cpu = dev.type == "cpu"
-    grams_dev = None if on_cpu else torch.device("cpu")
-    from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statistics
-
     batches = iter(batches)
     first = next(batches, None)
     if first is not None:
         batches = itertools.chain([first], batches)
     # under torchrun: every rank centres on rank 0's first batch, as one process would (collective)
-    shift_fn = common_shift_fn(first is not None) if is_distributed() and (mlp or vo) else None
-    mlp_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.mlp_hidden, gram_dtype, mlp_second_order, count_positive=mlp_active, device=dev,
-                      shift_fn=shift_fn, tokens=mlp_tokens, first_image=first_image)
-        if mlp else None for b in anatomy.blocks]
-    qk_stats: list = [
-        QKStatistics(b.num_heads, b.qk_dim, keep_grams=qk_grams, gram_dtype=gram_dtype, device=dev,
-                     grams_device=grams_dev) if qk else None for b in anatomy.blocks]
-    if qk_keep is not None:
-        qk = True
-        qk_stats = [None if keep is None else QKSystemStatistics(keep, b.qk_dim, device=dev)
-                    for b, keep in zip(anatomy.blocks, qk_keep)]
-    vo_stats: list[MLPStatistics | None] = [
-        MLPStatistics(b.proj.in_features, gram_dtype, True, count_positive=False, device=dev, shift_fn=shift_fn)
-        if vo else None
-        for b in anatomy.blocks]
-    handles = []
-    for b in anatomy.blocks:
-        if vo:
-            st_vo = vo_stats[b.index]
-            handles.append(b.proj.register_forward_pre_hook(
-                lambda _m, args, st=st_vo: st.add_batch(args[0])))
-        if mlp:
-            st = mlp_stats[b.index]
-            handles.append(b.fc2.register_forward_pre_hook(
-                lambda _m, args, st=st: st.add_batch(args[0])))
-        if qk and qk_stats[b.index] is not None:
-            st_qk = qk_stats[b.index]
-            handles.append(b.qkv.register_forward_hook(
-                lambda _m, _args, out, st=st_qk, b=b: st.add_batch(*split_qk(out, b.num_heads, b.qk_dim))))
-    outputs = None
-    if output_images > 0:
-        from edgeprune.solve.output_bias import OutputSums, classifier_head
-
-        head = classifier_head(model)
-        if head is None:
-            raise UserError("output bias correction needs a model with a linear classifier head")
-        outputs = OutputSums(head.out_features, output_images, first_image)
-        handles.append(model.register_forward_hook(lambda _m, _args, out, acc=outputs: acc.add(out)))
-    expected = (anatomy.in_chans, *anatomy.img_size)
-    num_images = 0
+    shift_fn = common_shift_fn(first is not None) if is_distributed() and (req.mlp or req.vo) else None
+    acc = _accumulators(anatomy, req, dev, shift_fn)
+    handles = _hooks(anatomy, acc, req)
     t0 = time.perf_counter()
     try:
-        if dev != home:
-            model.to(dev)
-        with exact_fp32(dev):
-            for x in show_progress(batches, "calibration", enabled=progress, total=total, unit="batch"):
-                if x.dim() != 4 or tuple(x.shape[1:]) != expected:
-                    raise UserError(f"calibration images have shape {tuple(x.shape[1:])}, "
-                                    f"the model takes {expected}")
-                model(x.to(dev, non_blocking=True))
-                num_images += x.shape[0]
+        num_images = _run_pass(anatomy, batches, dev, home, progress, total)
     finally:
         for h in handles:
             h.remove()
-        if dev != home:
-            model.to(home)
-    if not on_cpu:
-        for st in [*mlp_stats, *qk_stats, *vo_stats]:
-            _stats_to_cpu(st)
+    if dev.type != "cpu":
+        for st in acc.all():
+            if st is not None:
+                st.to("cpu")
     if num_images == 0 and not is_distributed():  # a rank's empty share is fine: reduce_statistics checks the total
         raise UserError("the calibration set is empty")
-    stats = CalibrationStatistics(mlp=mlp_stats, qk=qk_stats, num_images=num_images,
+    out = acc.outputs
+    stats = CalibrationStatistics(mlp=acc.mlp, qk=acc.qk, num_images=num_images,
                                   num_tokens=anatomy.num_tokens, seconds=time.perf_counter() - t0,
-                                  vo=vo_stats,
-                                  output_sum=None if outputs is None else outputs.total,
-                                  output_count=0 if outputs is None else outputs.count,
-                                  output_rows=None if outputs is None else outputs.rows)
+                                  vo=acc.vo,
+                                  output_sum=None if out is None else out.total,
+                                  output_count=0 if out is None else out.count,
+                                  output_rows=None if out is None else out.rows)
     return reduce_statistics(stats)  # identity unless under torchrun (edgeprune.distributed)

@@ -171,6 +171,18 @@ class MLPStatistics:
         self._gram = torch.zeros(dim, dim, **f64) if second_order else torch.zeros(0, 0, **f64)
         self._positive = torch.zeros(dim, **f64)
 
+    def to(self, device: torch.device | str) -> "MLPStatistics":
+        """Move the accumulators to ``device`` (in place; e.g. to the host after a GPU pass).
+
+        Returns:
+            self.
+        """
+        for name in ("_shift", "_sum", "_gram", "_sq", "_positive"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
     @torch.no_grad()
     def add_batch(self, h: torch.Tensor) -> None:
         """Add activations h of shape (..., D_mlp) (e.g. (B, n, D_mlp)); every row is one token.

@@ -52,6 +52,12 @@ class QKStatistics:
         self._gq: list[torch.Tensor] = []
         self._gk: list[torch.Tensor] = []
 
+    def to(self, device: torch.device | str) -> "QKStatistics":
+        """Move the accumulators to ``device`` (in place). Returns self."""
+        self._score = self._score.to(device)
+        self._gq, self._gk = [t.to(device) for t in self._gq], [t.to(device) for t in self._gk]
+        return self
+
     @torch.no_grad()
     def add_batch(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Add queries and keys of shape (B, H, n, d) (one row per token, per image).
@@ -127,6 +133,12 @@ class QKSystemStatistics:
         self.rhs = torch.zeros(self.num_heads, self.kept, self.kept, dtype=torch.float64, device=device)
         self.num_images = 0
         self.qk_dim = qk_dim
+
+    def to(self, device: torch.device | str) -> "QKSystemStatistics":
+        """Move the accumulators to ``device`` (in place). Returns self."""
+        self.k_sys, self.rhs = self.k_sys.to(device), self.rhs.to(device)
+        self.keep, self.prune = self.keep.to(device), self.prune.to(device)
+        return self
 
     @torch.no_grad()
     def add_batch(self, q: torch.Tensor, k: torch.Tensor) -> None:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-import click
+import time
 
+import click
+import torch
+
+from edgeprune import api
+from edgeprune.allocation.report import allocation_lines, rounding_warnings
+from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
                                    fmt_metric, make_spec, model_options, out_option, quiet_option)
+from edgeprune.corp import LAYOUTS, list_qk_solvers
+from edgeprune.distributed import is_main_process, process_group
 from edgeprune.errors import UserError
+from edgeprune.evaluate import evaluate
 from edgeprune.plan import TARGETS
-
+from edgeprune.ranking import list_criteria
 
 
 _TARGET_WORDS = {"mlp": "MLP hidden channels", "attn": "Q/K head dims", "v": "V/O head dims",
@@ -18,12 +28,6 @@ _TARGET_WORDS = {"mlp": "MLP hidden channels", "attn": "Q/K head dims", "v": "V/
 def _target_help() -> str:
     parts = [f"{t} ({_TARGET_WORDS[t]})" if t in _TARGET_WORDS else t for t in TARGETS]
     return "Which dims to prune: " + ", ".join(parts) + "."
-
-
-def _layouts() -> tuple[str, ...]:
-    import edgeprune.corp as corp
-
-    return tuple(getattr(corp, "LAYOUTS", ("default", "fused")))
 
 
 @click.command("prune")
@@ -36,14 +40,14 @@ def _layouts() -> tuple[str, ...]:
 @click.option("--attn-sparsity", type=float, default=None, help="Override the Q/K sparsity (selects Q/K).")
 @click.option("--v-sparsity", type=float, default=None, help="Override the V/O sparsity (selects V/O).")
 @click.option("--head-sparsity", type=float, default=None, help="Fraction of whole attention heads removed.")
-@click.option("--layout", type=click.Choice(_layouts()), default=None,
+@click.option("--layout", type=click.Choice(LAYOUTS), default=None,
               help="Attention weight layout of the pruned model [default].")
-@click.option("--criterion", type=click.Choice(["combined", "energy", "magnitude", "active"]), default="combined",
-              show_default=True, help="MLP channel ranking.")
+@click.option("--criterion", type=click.Choice(list_criteria("mlp")), default="combined",
+              show_default=True, help="MLP channel ranking (a registered criterion, edgeprune.ranking).")
 @click.option("--no-compensation", is_flag=True, help="Uncompensated baseline (same ranking, plain removal).")
 @click.option("--ridge-alpha", type=float, default=None, help="Scale-free MLP ridge strength [1e-3].")
 @click.option("--qk-ridge-alpha", type=float, default=None, help="Scale-free Q/K ridge strength [1e-3].")
-@click.option("--qk-solver", type=click.Choice(["auto", "direct", "cg"]), default="auto", show_default=True,
+@click.option("--qk-solver", type=click.Choice(list_qk_solvers()), default="auto", show_default=True,
               help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
 @click.option("--gram-tokens", type=int, default=None, metavar="K",
@@ -91,14 +95,6 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
     params, FLOPs and quality of both.
     """
-    import time
-
-    import torch
-
-    from edgeprune.api import corp_config, prune, work_device
-    from edgeprune.artifact import check_new_dir, save_run
-    from edgeprune.evaluate import evaluate
-
     # 1. everything that can be checked without work
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
@@ -109,15 +105,12 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("bias_correction_images", bias_correction), ("last_block", last_block),
                                    ("head_refit", head_refit))
                  if v is not None}
-    config = corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
-                         compensation=not no_compensation, criterion=criterion, round_to=round_to,
-                         qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
-                         **overrides)
+    config = api.corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
+                             compensation=not no_compensation, criterion=criterion, round_to=round_to,
+                             qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
+                             **overrides)
     amount = (f"{config.budget['kind']}{float(config.budget['value']):g}" if config.budget else f"{sparsity:g}")
-    target = config.target
-    out_path = check_new_dir(out or f"runs/{model_name}-{target}-{amount}{'-nocomp' if no_compensation else ''}")
-    from edgeprune.distributed import is_main_process, process_group
-
+    out_path = check_new_dir(out or f"runs/{model_name}-{config.target}-{amount}{'-nocomp' if no_compensation else ''}")
     # under torchrun: one process group for the command (METHODS.md §5 "Distributed statistics")
     click.get_current_context().with_resource(process_group(device))
     main = is_main_process()  # rank 0 (or a single process) evaluates, writes and reports
@@ -131,36 +124,44 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     if not no_eval and main:
         ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
     dense = spec.create(pretrained=True)  # random-init weights: seeded by the spec (recorded)
-    if main:
-        from edgeprune.allocation.report import rounding_warnings
-        from edgeprune.anatomy import find_anatomy
-
-        for msg in rounding_warnings(find_anatomy(dense), config):
-            click.echo(f"warning: {msg}", err=True)
 
     # 2. the work
     if main:
-        used = work_device(config, device)
+        for msg in rounding_warnings(find_anatomy(dense), config):
+            click.echo(f"warning: {msg}", err=True)
+        used = api.work_device(config, device)
         where = used if used == device else f"{used} (sequential calibration runs on the CPU)"
         click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
     t0 = time.perf_counter()
-    result = prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
-                   calibration_info={"seed": seed, "size_requested": n})
+    result = api.prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
+                       calibration_info={"seed": seed, "size_requested": n})
     prune_s = time.perf_counter() - t0
     if not main:
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     rec = result.record
+    metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
+    save_run(out_path, result.model, rec)
+
+    # 3. the report
+    _report(rec, spec, *metrics, prune_s)
+    click.echo(f"saved {out_path}")
+
+
+def _evaluate(spec, dense, pruned, ev, device: str, quiet: bool, rec: dict) -> tuple:
+    """Dense and pruned quality on ``ev`` (None: not evaluated), recorded in ``rec["evaluation"]``."""
     dense_m = pruned_m = None
     if ev is not None:
         click.echo(f"evaluation: {ev.description}")
         with torch.no_grad():
             if spec.output_kind != "saliency":
                 dense_m = evaluate(spec, dense, ev, progress=not quiet, device=device)
-            pruned_m = evaluate(spec, result.model, ev, dense=dense, progress=not quiet, device=device)
+            pruned_m = evaluate(spec, pruned, ev, dense=dense, progress=not quiet, device=device)
         rec["evaluation"] = {"data": ev.description, "dense": dense_m, "pruned": pruned_m, "device": device}
-    save_run(out_path, result.model, rec)
+    return dense_m, pruned_m
 
-    # 3. the report
+
+def _report(rec: dict, spec, dense_m, pruned_m, prune_s: float) -> None:
+    """The table of params / FLOPs / quality and the lines about what the prune did."""
     a, sp = rec["achieved_sparsity"], rec["sparsity"]
     click.echo("")
     click.echo(f"| {'':8} | {'params':>10} | {'GFLOPs':>8} | quality |")
@@ -179,7 +180,16 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     used = rec["settings"].get("gram_tokens_used", 0)
     if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
-    bc = rec.get("bias_correction")
+    _report_correction(rec.get("bias_correction"))
+    for i, t in rec["settings"].get("class_token_blocks", {}).items():
+        click.echo(f"block {i} computes only the first {t} token(s) (the class token the classifier reads; "
+                   f"exact, --last-block full: every token)")
+    if rec.get("allocation"):
+        click.echo("\n".join(allocation_lines(rec["allocation"])))
+
+
+def _report_correction(bc: dict | None) -> None:
+    """The line about the output correction (bias or classifier refit), if one ran."""
     if bc and bc.get("skipped"):
         click.echo(f"output correction: {bc['skipped']}")
     elif bc and bc.get("kind") == "head refit":
@@ -192,11 +202,3 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         why = "" if bc.get("kind", "bias") == "bias" else " (cross-validation preferred it to a classifier refit)"
         click.echo(f"output bias correction: mean output shift |c| = {bc['shift_norm']:.4g} over {bc['images']} "
                    f"calibration images folded into the classifier bias{why} (--bias-correction 0: off)")
-    for i, t in rec["settings"].get("class_token_blocks", {}).items():
-        click.echo(f"block {i} computes only the first {t} token(s) (the class token the classifier reads; "
-                   f"exact, --last-block full: every token)")
-    if rec.get("allocation"):
-        from edgeprune.allocation.report import allocation_lines
-
-        click.echo("\n".join(allocation_lines(rec["allocation"])))
-    click.echo(f"saved {out_path}")

@@ -20,6 +20,22 @@ a ranking: no information the output uses is removed.
 
 :class:`ClassTokenBlock` holds the timm ``Block``'s own submodules under the same names, so the
 state dict keys are those of the timm model (``blocks.11.attn.qkv.weight`` ...).
+
+Whether a prune ends with this block (:func:`class_token_plan`, ``CorpConfig.last_block``,
+``--last-block``):
+
+* ``"auto"`` (default) -- the class-token last block when a budget is given (``--flops`` / ``--params``) and the model is a classifier whose output
+  reads only the class token(s) (timm ``VisionTransformer`` with ``global_pool="token"`` and an
+  affine ``head``); the full block otherwise (plain CORP with ``--sparsity`` stays as the paper
+  defines it; a headless backbone keeps every token, since its users may read the patch tokens).
+* ``"cls"`` -- the class-token last block for any model whose output reads only the class
+  token(s), classifier or not; an error for others.
+* ``"full"`` -- never.
+
+The allocator prices the planned block (``edgeprune.allocation.cost``): pruning its MLP or its
+queries saves almost nothing there, so a budget is spent on the other blocks. The conversion is
+exact (the output changes by float rounding only) and is applied after the compensation and the
+output bias correction (``edgeprune.api.prune``).
 """
 
 from __future__ import annotations
@@ -30,7 +46,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ClassTokenBlock", "output_query_tokens", "to_class_token_block", "to_full_block"]
+from edgeprune.errors import UserError
+from edgeprune.solve.output_bias import classifier_head
+
+__all__ = ["ClassTokenBlock", "output_query_tokens", "to_class_token_block", "to_full_block", "class_token_plan",
+           "LAST_BLOCK_CHOICES"]
 
 _PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
 
@@ -165,3 +185,34 @@ def to_full_block(model: nn.Module) -> int | None:
         setattr(full, name, getattr(ctb, name))
     blocks[len(blocks) - 1] = full
     return ctb.query_tokens
+
+
+#: ``CorpConfig.last_block`` choices (module doc)
+LAST_BLOCK_CHOICES = ("auto", "cls", "full")
+
+
+def class_token_plan(cfg, anatomy) -> dict[int, int]:
+    """``{last block index: T}`` when the prune ends with a class-token last block, else ``{}``.
+
+    Args:
+        cfg: a :class:`~edgeprune.corp.CorpConfig` (``last_block``, ``budget``).
+        anatomy: the model's :class:`~edgeprune.anatomy.ViTAnatomy`, before pruning.
+
+    Raises:
+        UserError: ``last_block="cls"`` for a model whose output reads more than the leading tokens
+            (average/attention pooling, a wrapper such as the ``dinov2-s14`` saliency decoder).
+    """
+    mode = getattr(cfg, "last_block", "full")
+    last = anatomy.blocks[-1]
+    if mode == "full" or last.query_tokens is not None:
+        return {}
+    model = anatomy.model
+    t = output_query_tokens(model) if model is anatomy.vit else None
+    if mode == "cls":
+        if t is None:
+            raise UserError("--last-block cls needs a timm ViT whose output reads only the class token "
+                            "(global_pool='token', no attention pooling, no wrapper around the ViT)")
+        return {last.index: t}
+    if t is None or cfg.budget is None or classifier_head(model) is None:
+        return {}
+    return {last.index: t}

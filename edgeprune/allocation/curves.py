@@ -63,6 +63,8 @@ import torch
 
 from edgeprune.anatomy import BlockAnatomy
 from edgeprune.ranking import mlp_scores, qk_scores, vo_scores
+from edgeprune.solve import mlp_ridge
+from edgeprune.vo import head_channels, rank_heads
 
 
 QK_WEIGHT = 0.2  # Q/K relative logit error -> MLP-output units (measured, docs/allocation.md)
@@ -223,9 +225,6 @@ def v_curve(b: BlockAnatomy, st, cfg, ks: list[int] | None = None) -> Curve:
 
 def heads_curve(b: BlockAnatomy, st, cfg) -> Curve:
     """Error after the fold of keeping the heads ``edgeprune.vo.rank_heads`` keeps, per head count."""
-    from edgeprune.solve import mlp_ridge
-    from edgeprune.vo import head_channels, rank_heads
-
     H, d_v = b.num_heads, b.v_dim
     w_raw = b.proj.weight.detach()
     w = _effective_weight(b.proj, b.ls1)

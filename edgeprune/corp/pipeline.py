@@ -1,0 +1,153 @@
+"""CORP end to end: statistics -> plan -> closed-form solve -> surgery (corp-v1 Alg. 1-3).
+
+:func:`corp_prune` prunes a model in place: MLP hidden channels (ridge-compensated affine fold,
+``edgeprune.solve.mlp_ridge``), attention Q/K head dims (exact per-image logit compensation,
+``edgeprune.solve.qk_logit``), and -- beyond CORP (corp-v1 §3.4 keeps V) -- V/O head dims and
+whole heads with the same ridge fold on ``proj`` (METHODS.md §5, ``edgeprune.vo``).
+
+The orchestrator sits above the strategies it chooses between (the budgeted allocation,
+``edgeprune.allocation``; sequential calibration, ``edgeprune.sequential``); they and it share the
+low-level steps of ``edgeprune.corp.steps`` / ``edgeprune.corp.qk_solvers``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from edgeprune.allocation.greedy import check_budget
+from edgeprune.allocation.select import select_allocation
+from edgeprune.anatomy import ViTAnatomy
+from edgeprune.calibration.collect import StatisticsRequest, collect_statistics
+from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_used
+from edgeprune.corp.qk_solvers import qk_solver_from_grams
+from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
+from edgeprune.errors import UserError
+from edgeprune.plan import pruned_modules
+from edgeprune.ranking import get_criterion
+from edgeprune.sequential import sequential_prune
+from edgeprune.solve import qk_logit
+from edgeprune.solve.output_bias import classifier_head
+from edgeprune.vo import attention_dims
+
+
+def _qk_gram_bytes(anatomy: ViTAnatomy, num_images: int) -> int:
+    return num_images * sum(b.num_heads * 2 * b.qk_dim ** 2 * 4 for b in anatomy.blocks)
+
+
+def check_prunable(anatomy: ViTAnatomy, cfg: CorpConfig) -> CorpConfig:
+    """Every check that needs no calibration pass: the config (once, :meth:`CorpConfig.ensure_valid`),
+    ``dims`` against the model, rounding and fused-layout errors, and a reachable budget.
+
+    Returns:
+        ``cfg``.
+
+    Raises:
+        UserError: as the checks.
+    """
+    cfg.ensure_valid()
+    if cfg.dims is not None and len(cfg.dims) != len(anatomy.blocks):
+        raise UserError(f"dims has {len(cfg.dims)} entries, the model has {len(anatomy.blocks)} blocks")
+    for b in anatomy.blocks:
+        attention_dims(b, cfg)
+        mlp_kept(b, cfg)
+    if cfg.budget is not None:
+        check_budget(anatomy, cfg)
+    return cfg
+
+
+def statistics_request(cfg: CorpConfig, anatomy: ViTAnatomy, num_images: int | None, *, qk_grams: bool,
+                       first_image: int = 0, output_images: int = 0) -> StatisticsRequest:
+    """What CORP's calibration pass collects under ``cfg``: MLP statistics when the compensation or
+    the MLP criterion needs them (``Criterion.needs``), positive counts when the criterion needs
+    "positive", Q/K statistics (per-image Grams when ``qk_grams``), proj-input statistics for V/O
+    and heads."""
+    modules = pruned_modules(cfg)
+    needs = get_criterion(cfg.mlp_criterion, "mlp").needs
+    return StatisticsRequest(
+        mlp="mlp" in modules and (cfg.compensation or bool(needs)), qk="qk" in modules, qk_grams=qk_grams,
+        gram_dtype=torch.float64 if cfg.gram_dtype == "float64" else torch.float32,
+        mlp_second_order=cfg.compensation, vo=bool(modules & {"v", "heads"}), mlp_active="positive" in needs,
+        mlp_tokens=gram_tokens_used(cfg, anatomy, num_images), first_image=first_image,
+        output_images=output_images)
+
+
+def _second_pass_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, progress: bool):
+    """The memory-limited Q/K route: a second pass accumulating each head's exact system.
+
+    Returns:
+        (solver ``f(block, head)``, seconds of the pass).
+    """
+    second = collect_statistics(anatomy, batches(), StatisticsRequest(mlp=False, qk=True, qk_keep=[p.qk_keep for p in plans]),
+                                progress=progress)
+
+    def qk_solve(i: int, h: int):
+        st = second.qk[i]
+        m, lam = qk_logit.solve_logit_compensation(st.k_sys[h], st.rhs[h], cfg.qk_ridge_alpha)
+        return m, lam, {"solver": "direct"}
+
+    return qk_solve, second.seconds
+
+
+def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]], cfg: CorpConfig,
+               num_images: int | None = None, progress: bool = True, *, checked: bool = False) -> dict:
+    """Prune the model of ``anatomy`` in place with CORP.
+
+    Args:
+        anatomy: anatomy of the model to prune (modified in place).
+        batches: a callable returning a fresh iterable of calibration batches (B, C, H, W); called
+            once, or twice when the Q/K Grams would exceed ``cfg.qk_memory_limit_gb``.
+        cfg: :class:`CorpConfig`.
+        num_images: calibration size, if known (for the memory estimate and progress bar).
+        progress: show progress bars.
+        checked: the caller already ran :func:`check_prunable` on this model and config.
+
+    Returns:
+        info dict: ``calibration_seconds``, ``solve_seconds``, ``passes``, ``num_images``,
+        ``blocks`` (per-block lambdas), ``output_sums`` (``(sum, count)`` of the dense model's
+        outputs over the first :func:`bias_correction_used` images, taken in the calibration
+        pass; None when not asked for or not available, e.g. sequential calibration) and
+        ``output_rows`` (those outputs, this process's images in order: the classifier refit's
+        targets).
+
+    Raises:
+        UserError: invalid settings, empty or mis-shaped calibration data.
+    """
+    if not checked:
+        check_prunable(anatomy, cfg)
+    if cfg.sequential:
+        return sequential_prune(anatomy, batches, cfg, num_images=num_images, progress=progress, checked=True)
+    prune_qk = "qk" in pruned_modules(cfg)
+    two_pass = bool(prune_qk and cfg.compensation and num_images is not None
+                    and _qk_gram_bytes(anatomy, num_images) > cfg.qk_memory_limit_gb * 2 ** 30)
+    keep_grams = prune_qk and cfg.compensation and not two_pass
+    output_images = bias_correction_used(cfg) if classifier_head(anatomy.model) is not None else 0
+    request = statistics_request(cfg, anatomy, num_images, qk_grams=keep_grams,
+                                 first_image=getattr(batches, "first_image", 0), output_images=output_images)
+    stats = collect_statistics(anatomy, batches(), request, progress=progress)
+    seconds = stats.seconds
+    t0 = time.perf_counter()
+    allocation = None
+    if cfg.budget is not None:
+        dims, allocation = select_allocation(anatomy, stats, cfg, batches)
+        cfg = cfg.with_dims(dims)
+    plans = plan_corp(anatomy, stats, cfg)
+    passes = 1
+    qk_solve = None
+    if prune_qk and cfg.compensation:
+        if keep_grams:
+            qk_solve = qk_solver_from_grams(stats.qk, plans, cfg)
+        else:
+            solve_time = time.perf_counter() - t0
+            qk_solve, pass_seconds = _second_pass_solver(anatomy, batches, plans, cfg, progress)
+            seconds += pass_seconds
+            passes = 2
+            t0 = time.perf_counter() - solve_time
+    info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
+    return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
+            "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation,
+            "gram_tokens_used": request.mlp_tokens,
+            "output_sums": (stats.output_sum, stats.output_count) if stats.output_sum is not None else None,
+            "output_rows": stats.output_rows}
