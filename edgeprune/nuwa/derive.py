@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from typing import Any, Sequence
 
@@ -51,6 +50,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import new_record
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.errors import UserError
@@ -64,6 +64,7 @@ from edgeprune.nuwa.ofp_mha import BlockFactors, truncate_attention
 from edgeprune.nuwa.ofp_mlp import prune_mlp
 from edgeprune.nuwa.skp import Anchor, SKPConfig, run_skp  # noqa: F401
 from edgeprune.nuwa.svd_cache import get_factors
+from edgeprune.plan import achieved_sparsity
 from edgeprune.surgery import block_dims, shrink_mlp
 
 
@@ -117,16 +118,16 @@ def materialize_anchor(model: nn.Module, keep: Sequence[torch.Tensor]) -> nn.Mod
     return model
 
 
-def check_budget(model: nn.Module, classes, metric: str, frac: float, config: DeriveConfig,
+def check_budget(model: nn.Module, classes, budget: dict, config: DeriveConfig,
                  class_names: Sequence[str] | None = None) -> None:
-    """Raises UserError when the budget is below the smallest derivable model (all dims at
-    ``round_to``), before any training."""
+    """Raises UserError when ``budget`` (:func:`~edgeprune.nuwa.inputs.resolve_budget`) is below
+    the smallest derivable model (all dims at ``round_to``), before any training."""
     probe = copy.deepcopy(model).eval()
     cls = resolve_classes(classes, num_classes(probe), class_names)
     apply_head(probe, cls, config.head)
-    dense_cost = budget_mod.measure(model, metric)
-    budget_mod.check_feasible(budget_mod.CostModel(find_anatomy(probe), metric),
-                              int(math.floor(frac * dense_cost)), dense_cost, config.round_to)
+    dense_cost = budget_mod.measure(model, budget["kind"])
+    budget_mod.check_feasible(budget_mod.PlanCost(find_anatomy(probe), budget["kind"]),
+                              budget_mod.budget_target(budget, dense_cost), dense_cost, config.round_to)
 
 
 def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
@@ -222,22 +223,24 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
     return model.eval()
 
 
-def derive_from(prep: Prepared, *, flops: float | None = None, params: float | None = None,
-                progress: bool = False) -> DeriveResult:
+def derive_from(prep: Prepared, *, flops: float | str | None = None, params: float | str | None = None,
+                budget: dict | None = None, progress: bool = False) -> DeriveResult:
     """Stage 6: pick dims for the budget, build and score the candidates, return the best.
 
+    The budget is one of ``flops=`` / ``params=`` (a fraction of the base model or a count such as
+    ``"2.3G"``, parsed as ``edgeprune prune`` parses them) or ``budget={"kind": K, "value": v}``
+    for any registered budget kind (:func:`~edgeprune.nuwa.inputs.resolve_budget`).
     Candidates are built on the CPU (float64 re-fits) and scored on ``prep.config.device``.
     """
-    from edgeprune.api import achieved_sparsity
-    from edgeprune.artifact import new_record
-
     cfg = prep.config
-    metric, frac = resolve_budget(flops, params)
+    budget = resolve_budget(flops, params, budget=budget)
+    metric = budget["kind"]
     t0 = time.perf_counter()
     dense_cost = budget_mod.measure(prep.base, metric)
-    target = int(math.floor(frac * dense_cost))
+    target = budget_mod.budget_target(budget, dense_cost)
+    frac = budget_mod.keep_fraction(budget, dense_cost)
     an_anchor = find_anatomy(prep.anchor_model)
-    cost = budget_mod.CostModel(an_anchor, metric)
+    cost = budget_mod.PlanCost(an_anchor, metric)
     budget_mod.check_feasible(cost, target, dense_cost, cfg.round_to)
     caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], cfg.round_to)
     grid = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid  # None = adaptive
@@ -290,7 +293,7 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
         head=head,
         derivation={
             "classes": prep.classes, "class_names": prep.class_names, "head": cfg.head,
-            "budget": {"metric": metric, "keep_fraction": frac, "target": target, "achieved": achieved,
+            "budget": {"metric": metric, "value": budget["value"], "keep_fraction": frac, "target": target, "achieved": achieved,
                        "achieved_fraction": achieved / dense_cost,
                        "rounding_step": cfg.round_to * cost.per_neuron(0)},
             "rho": plan.rho,
@@ -308,7 +311,8 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
 
 
 def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
-           flops: float | None = None, params: float | None = None, calibration=None,
+           flops: float | str | None = None, params: float | str | None = None, budget: dict | None = None,
+           calibration=None,
            config: DeriveConfig | None = None, class_names: Sequence[str] | None = None,
            anchor: Anchor | None = None, spec=None, progress: bool = False) -> DeriveResult:
     """Derive a class-specific model from ``model`` under a FLOPs or params budget (NuWa).
@@ -317,7 +321,9 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         model: base classifier (timm ViT family), not modified.
         classes: target classes, indices or names (with ``class_names``).
         images, labels: labeled *train-split* images; only target classes are used.
-        flops, params: fraction of the base model's FLOPs (or params) to keep; exactly one.
+        flops, params: the budget, exactly one: a fraction of the base model's FLOPs (or params)
+            to keep, in (0, 1], or an absolute count (a number > 1 or a string such as ``"2.3G"``);
+            or ``budget={"kind": K, "value": v}`` for any registered budget kind.
         calibration: unlabeled calibration images (tensor or data source) or None (see
             :func:`prepare`).
         config: :class:`DeriveConfig` (SKP steps etc.; ``device`` = where the data passes run,
@@ -332,10 +338,10 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         UserError: bad classes, budget, data or settings, an unknown device or CUDA not
             available (one line).
     """
-    metric, frac = resolve_budget(flops, params)
+    budget = resolve_budget(flops, params, budget=budget)
     cfg = config or DeriveConfig()
     cfg.validate()
-    check_budget(model, classes, metric, frac, cfg, class_names)  # fail before SKP
+    check_budget(model, classes, budget, cfg, class_names)  # fail before SKP
     prep = prepare(model, classes, images, labels, calibration=calibration, config=cfg,
                    class_names=class_names, anchor=anchor, spec=spec, progress=progress)
-    return derive_from(prep, flops=flops, params=params, progress=progress)
+    return derive_from(prep, budget=budget, progress=progress)
