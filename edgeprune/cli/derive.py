@@ -133,6 +133,13 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     save_run(out_path, res.model.cpu(), rec)
 
     # 3. the report
+    _print_report(rec, rows, metric, amount, out_path)
+
+
+def _print_report(rec: dict, rows: list[tuple], metric: str, amount: float, out_path) -> None:
+    """The summary table (params, MFLOPs, target top-1 of base, anchor and derived) and the
+    derivation's dims, budget and timing."""
+    d = rec["derivation"]
     click.echo("")
     click.echo(f"| {'':8} | {'params':>10} | {'MFLOPs':>9} | target top-1 |")
     click.echo(f"|{'-' * 10}|{'-' * 12}|{'-' * 11}|--------------|")

@@ -245,23 +245,40 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
     caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], cfg.round_to)
     grid = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid  # None = adaptive
     plans = budget_mod.plan_candidates(cost, prep.factors, caps, target, grid, cfg.round_to)
-    sliced = prep.info["sliced"]
-    candidates = []
-    best = None
-    for plan in plans:
-        model = build_plan(prep, plan)
-        acc, loss = evaluate_targets(model, prep.val[0], prep.val[1], prep.classes, sliced, cfg.batch_size * 4,
-                                     device=cfg.device)
-        candidates.append({**plan.to_record(), "val_accuracy": acc, "val_loss": loss})
-        if best is None or (acc, -loss) > best[0]:
-            best = ((acc, -loss), plan, model)
-    assert best is not None
-    _, plan, model = best
+    candidates, plan, model = _score_plans(prep, plans)
     achieved = budget_mod.measure(model, metric)
     if achieved > target:  # the cost model and edgeprune.flops disagree: a bug, never a user error
         raise RuntimeError(f"derived model costs {achieved} {metric}, budget {target}")
     search_s = time.perf_counter() - t0
+    budget_rec = {"metric": metric, "value": budget["value"], "keep_fraction": frac, "target": target,
+                  "achieved": achieved, "achieved_fraction": achieved / dense_cost,
+                  "rounding_step": cfg.round_to * cost.per_neuron(0)}
+    record = _derive_record(prep, plan, model, candidates, budget_rec, caps, search_s)
+    return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
+                        candidates=candidates, record=record)
 
+
+def _score_plans(prep: Prepared, plans: list[budget_mod.Plan]) -> tuple[list[dict], budget_mod.Plan, nn.Module]:
+    """Build every plan and score it on the held-out images: (candidate records, best plan, its
+    model); best = highest accuracy, then lowest loss, the earlier plan on a tie."""
+    cfg = prep.config
+    candidates = []
+    best = None
+    for plan in plans:
+        model = build_plan(prep, plan)
+        acc, loss = evaluate_targets(model, prep.val[0], prep.val[1], prep.classes, prep.info["sliced"],
+                                     cfg.batch_size * 4, device=cfg.device)
+        candidates.append({**plan.to_record(), "val_accuracy": acc, "val_loss": loss})
+        if best is None or (acc, -loss) > best[0]:
+            best = ((acc, -loss), plan, model)
+    assert best is not None
+    return candidates, best[1], best[2]
+
+
+def _derive_record(prep: Prepared, plan: budget_mod.Plan, model: nn.Module, candidates: list[dict],
+                   budget_rec: dict, caps: list[int], search_s: float) -> dict[str, Any]:
+    """The run record of a derivation (``edgeprune.artifact.new_record``, method ``nuwa``)."""
+    cfg = prep.config
     base_an, an = find_anatomy(prep.base), find_anatomy(model)
     dense_blocks, blocks = block_dims(base_an), block_dims(an)
     dense_flops, dense_params = model_flops(base_an)["total"], count_params(prep.base)
@@ -275,13 +292,13 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
     head = head_record(model, prep.classes, cfg.head, prep.class_names, num_classes(prep.base))
     a = achieved_sparsity(dense_blocks, blocks)
     a["vo"] = 1.0 - sum(b["v_dim"] * b["num_heads"] for b in blocks) / sum(b["v_dim"] * b["num_heads"] for b in dense_blocks)
-    record = new_record(
+    return new_record(
         "nuwa", base_rec, cfg,
         {"blocks": dense_blocks, "params": dense_params, "flops": dense_flops},
         {"blocks": blocks, "params": params_now, "flops": flops_now},
         calibration=prep.info["calibration"], timing=timing, device=cfg.device,
         targets="both",
-        sparsity={"budget": metric, "keep_fraction": frac},
+        sparsity={"budget": budget_rec["metric"], "keep_fraction": budget_rec["keep_fraction"]},
         achieved_sparsity=a,
         settings={"head": cfg.head, "rho": plan.rho, "rho_fixed": cfg.rho is not None,
                   "key_bias": cfg.key_bias, "ridge_alpha": cfg.ridge_alpha, "refit": cfg.refit,
@@ -293,9 +310,7 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
         head=head,
         derivation={
             "classes": prep.classes, "class_names": prep.class_names, "head": cfg.head,
-            "budget": {"metric": metric, "value": budget["value"], "keep_fraction": frac, "target": target, "achieved": achieved,
-                       "achieved_fraction": achieved / dense_cost,
-                       "rounding_step": cfg.round_to * cost.per_neuron(0)},
+            "budget": budget_rec,
             "rho": plan.rho,
             "anchor": {**prep.anchor.to_record(), "flops": model_flops(anchor_an)["total"],
                        "params": count_params(prep.anchor_model), "blocks": block_dims(anchor_an)},
@@ -306,8 +321,6 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
             "data": prep.info["data"],
         },
     )
-    return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
-                        candidates=candidates, record=record)
 
 
 def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
