@@ -13,6 +13,12 @@ or V-only pruning) and MLP hidden D_mlp:
 which is NuWa's suppl. eq. 13 (``(2 N d + N^2) h (d_qk + d_vo) + 2 N d d_mlp`` counts MACs with
 fc1+fc2 folded into one term). Patch embedding and the head are added once.
 
+Parameters of a block (:func:`block_params`): qkv ``(D + b) H (2 d_qk + d_v)``, proj ``H d_v D + b``,
+fc1 ``(D + b) D_mlp``, fc2 ``D_mlp D + b`` (``b`` = 1 where the layer has a bias). These two
+functions are the one place the formulas live: the budget cost models
+(``edgeprune.allocation.cost``, shared by prune and derive) evaluate them at candidate dims through
+:func:`with_dims`.
+
 A wrapper model with a head of its own outside the ViT (the dinov2-s14 saliency decoder) counts it
 by defining ``head_flops(img_size: tuple[int, int]) -> int``; :func:`model_flops` adds it, so the
 FLOPs ratio of a pruned wrapper compares whole models, not backbones.
@@ -25,6 +31,8 @@ the counter does not see PyTorch's fused CPU attention kernel, so those tests ru
 from __future__ import annotations
 
 import torch.nn as nn
+
+from types import SimpleNamespace
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
 
@@ -52,6 +60,35 @@ def block_flops(b: BlockAnatomy, n: int) -> dict[str, int]:
     }
     out["total"] = sum(out.values())
     return out
+
+
+def block_params(b: BlockAnatomy) -> dict[str, int]:
+    """Parameters of one block's linear layers: keys qkv, proj, mlp (fc1 + fc2), out_bias, total.
+
+    ``qkv``, ``proj`` and ``mlp`` count weights and the biases of the pruned outputs (qkv, fc1);
+    ``out_bias`` counts the biases of the unpruned outputs (proj, fc2: D each where present),
+    which no kept dim changes; ``total`` is the sum of all four (norm parameters and the layer
+    scale are not counted: they sit outside the block's pruned linears).
+    """
+    D, H = b.qkv.in_features, b.num_heads
+    qkv_out = H * (2 * b.qk_dim + b.v_dim)
+    out = {
+        "qkv": (D + (b.qkv.bias is not None)) * qkv_out,
+        "proj": H * b.v_dim * b.proj.out_features,
+        "mlp": (D + (b.fc1.bias is not None)) * b.mlp_hidden + b.mlp_hidden * b.fc2.out_features,
+        "out_bias": (b.proj.out_features if b.proj.bias is not None else 0)
+        + (b.fc2.out_features if b.fc2.bias is not None else 0),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def with_dims(b: BlockAnatomy, dims: dict[str, int], query_tokens: int | None = None) -> SimpleNamespace:
+    """A view of block ``b`` with kept dims ``dims`` (keys heads, qk, v, mlp; all present) for
+    :func:`block_flops` / :func:`block_params`: the same layers (in/out widths, biases), the given
+    head count and dims, and ``query_tokens`` (None = every token)."""
+    return SimpleNamespace(qkv=b.qkv, proj=b.proj, fc1=b.fc1, fc2=b.fc2, num_heads=dims["heads"],
+                           qk_dim=dims["qk"], v_dim=dims["v"], mlp_hidden=dims["mlp"], query_tokens=query_tokens)
 
 
 def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:

@@ -444,11 +444,13 @@ def test_derive_errors():
         derive(model, [0, 2], x, y, flops=0.8, config=cfg)
     with pytest.raises(UserError, match="multiples of 8"):
         derive(model, [0, 1], x, y, flops=0.05, config=cfg)
-    with pytest.raises(UserError, match="exactly one budget"):
+    with pytest.raises(UserError, match="not both"):  # the message of prune
         derive(model, [0, 1], x, y, flops=0.5, params=0.5, config=cfg)
     with pytest.raises(UserError, match="exactly one budget"):
         derive(model, [0, 1], x, y, config=cfg)
-    with pytest.raises(UserError, match=r"\(0, 1\]"):
+    with pytest.raises(UserError, match="must be > 0"):
+        derive(model, [0, 1], x, y, flops=-0.5, config=cfg)
+    with pytest.raises(UserError, match="multiples of 8"):  # 1.5 is a count of FLOPs, as for prune
         derive(model, [0, 1], x, y, flops=1.5, config=cfg)
     with pytest.raises(UserError, match="out of range"):
         derive(model, [0, 9], x, y, flops=0.5, config=cfg)

@@ -34,11 +34,11 @@ from edgeprune.atomic import atomic_write_text
 def corp_sparsity_for(base, frac: float, round_to: int = 8) -> tuple[float | None, int]:
     """Smallest CORP sparsity (step 0.005) whose FLOPs fit ``frac`` of the base model."""
     from edgeprune.anatomy import find_anatomy
-    from edgeprune.nuwa.budget import CostModel
+    from edgeprune.nuwa.budget import PlanCost
     from edgeprune.plan import kept_dim
 
     an = find_anatomy(base)
-    cost = CostModel(an, "flops")
+    cost = PlanCost(an, "flops")
     dense = cost.total([b.qk_dim for b in an.blocks], [b.v_dim for b in an.blocks], [b.mlp_hidden for b in an.blocks])
     target = frac * dense
     for i in range(0, 196):

@@ -14,18 +14,28 @@ model is saved from the CPU. The device is printed and recorded (``device``, ``c
 from __future__ import annotations
 
 import click
+import torch
 
+from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, make_spec, model_options,
                                    out_option, quiet_option)
+from edgeprune.data.labeled import class_names, load_labeled, load_labeled_eval
 from edgeprune.errors import UserError
+from edgeprune.nuwa.config import DeriveConfig
+from edgeprune.nuwa.derive import check_budget, derive
+from edgeprune.nuwa.head import num_classes as head_classes
+from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
+from edgeprune.nuwa.skp import SKPConfig
 
 
 @click.command("derive")
 @model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
 @click.option("--classes", required=True,
               help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag').")
-@click.option("--flops", type=float, default=None, help="Fraction of the base model's FLOPs to keep, in (0, 1].")
-@click.option("--params", type=float, default=None, help="Fraction of the base model's parameters to keep, in (0, 1].")
+@click.option("--flops", default=None, metavar="F",
+              help="FLOPs budget: a fraction of the base model to keep (0.6) or a count (2.3G), as for prune.")
+@click.option("--params", default=None, metavar="P",
+              help="Parameter budget: a fraction of the base model to keep (0.7) or a count (20M).")
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
@@ -66,18 +76,9 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs or params
     budget (--flops / --params).
     """
-    import torch
-
-    from edgeprune.artifact import check_new_dir, save_run
-    from edgeprune.data.labeled import class_names, load_labeled, load_labeled_eval
-    from edgeprune.nuwa.config import DeriveConfig
-    from edgeprune.nuwa.derive import check_budget, derive
-    from edgeprune.nuwa.head import num_classes as head_classes
-    from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
-    from edgeprune.nuwa.skp import SKPConfig
-
     # 1. everything that can be checked without work
-    metric, frac = resolve_budget(flops, params)
+    budget = resolve_budget(flops, params)
+    metric, amount = budget["kind"], float(budget["value"])
     if train_per_class is not None and train_per_class < 1:
         raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
     cfg = DeriveConfig(
@@ -100,8 +101,8 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     names = class_names(spec, train_data)
     cls = resolve_classes(classes, head_classes(base), names)
     tag = "-".join(str(c) for c in cls)
-    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{frac:g}{'-slice' if slice_head else ''}")
-    check_budget(base, cls, metric, frac, cfg, names)
+    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{amount:g}{'-slice' if slice_head else ''}")
+    check_budget(base, cls, budget, cfg, names)
     x, y, train_desc = load_labeled(spec, data, train_data, cls, train_per_class, seed)
     calibration = None
     if calib_dir is not None:
@@ -111,8 +112,8 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     # 2. the work
     click.echo(f"model {model_name}: classes {cls}"
                + (f" ({', '.join(names[c] for c in cls)})" if names else "")
-               + f"; {metric} budget {frac:g}; labeled images: {train_desc}; device {cfg.device}")
-    res = derive(base, cls, x, y, flops=flops, params=params, calibration=calibration, config=cfg,
+               + f"; {metric} budget {amount:g}; labeled images: {train_desc}; device {cfg.device}")
+    res = derive(base, cls, x, y, budget=budget, calibration=calibration, config=cfg,
                  class_names=names, spec=spec, progress=not quiet)
     rec = res.record
     rec["derivation"]["data"]["train_source"] = train_desc
@@ -132,6 +133,13 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     save_run(out_path, res.model.cpu(), rec)
 
     # 3. the report
+    _print_report(rec, rows, metric, amount, out_path)
+
+
+def _print_report(rec: dict, rows: list[tuple], metric: str, amount: float, out_path) -> None:
+    """The summary table (params, MFLOPs, target top-1 of base, anchor and derived) and the
+    derivation's dims, budget and timing."""
+    d = rec["derivation"]
     click.echo("")
     click.echo(f"| {'':8} | {'params':>10} | {'MFLOPs':>9} | target top-1 |")
     click.echo(f"|{'-' * 10}|{'-' * 12}|{'-' * 11}|--------------|")
@@ -141,7 +149,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     b = d["budget"]
     click.echo(f"\nnuwa: rho={d['rho']:g} qk={d['ofp_mha']['qk']} vo={d['ofp_mha']['vo']} mlp={d['ofp_mlp']['mlp']}; "
                f"anchor kept {d['anchor']['kept']} (SKP step {d['anchor']['step']}); "
-               f"{metric} x{b['achieved_fraction']:.3f} (budget {frac:g}); head: {rec['head']['mode']}; "
+               f"{metric} x{b['achieved_fraction']:.3f} (budget {amount:g}); head: {rec['head']['mode']}; "
                f"SVD factors: {d['ofp_mha']['svd_cache']['source']}")
     t = rec["timing"]
     click.echo(f"time: SKP {t['skp_s']:.1f} s, statistics {t['stats_s']:.1f} s, SVD {t['svd_s']:.1f} s, "

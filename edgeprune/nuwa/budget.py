@@ -1,7 +1,10 @@
-"""Budget: turn a FLOPs (or params) fraction into per-block dims (nuwa §3.3, suppl. §6, 9, 11).
+"""Budget: turn a FLOPs (or params) budget into per-block dims (nuwa §3.3, suppl. §6, 9, 11).
 
-Costs follow the core models exactly: FLOPs are :func:`edgeprune.flops.block_flops` (NuWa's suppl.
-eq. 13, counted as 2 x MACs) plus patch embedding and head; params count every weight and bias.
+The budget is parsed as ``edgeprune prune`` parses it (a fraction of the base model or an absolute
+count, :mod:`edgeprune.allocation.budget`) and priced by the same registered cost model
+(:mod:`edgeprune.allocation.cost`, wrapped by :class:`PlanCost`): FLOPs are
+:func:`edgeprune.flops.block_flops` (NuWa's suppl. eq. 13, counted as 2 x MACs) plus patch
+embedding and head; params count every weight and bias (:func:`edgeprune.flops.block_params`).
 Both are affine in each block's MLP width, which makes the MLP allowance a closed form:
 
 1. For a retained-energy ratio rho, OFP-MHA fixes every layer's (qk_dim, v_dim)
@@ -20,17 +23,17 @@ even with every dim at ``round_to`` is a :class:`UserError`.
 from __future__ import annotations
 
 import dataclasses
-import types
+import math
 
 import torch.nn as nn
 
-from edgeprune.anatomy import ViTAnatomy
+from edgeprune.allocation.budget import is_fraction, target_cost
+from edgeprune.allocation.cost import cost_model, dense_cost
+from edgeprune.anatomy import ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
-from edgeprune.flops import block_flops, count_params, model_flops
-from edgeprune.nuwa.ofp_mha import BlockFactors, layer_dims, retained_energy
+from edgeprune.nuwa.ofp_mha import BlockFactors, energy_ratios, layer_dims, retained_energy
 from edgeprune.nuwa.ofp_mlp import uniform_mlp_dims
 
-METRICS = ("flops", "params")
 DEFAULT_NUM_RHO = 16
 
 
@@ -42,8 +45,6 @@ def rho_candidates(factors: list[BlockFactors], n: int = DEFAULT_NUM_RHO, round_
     trained attention, e.g. 0.995 at rank 8 of 64). ``n`` of them, evenly spaced in rank order,
     plus 1.0 (no attention pruning) and 0.0 (every dim at ``round_to``) form the grid.
     """
-    from edgeprune.nuwa.ofp_mha import energy_ratios
-
     levels = set()
     for f in factors:
         for s in (f.qk_s, f.vo_s):
@@ -63,7 +64,7 @@ class Plan:
 
     Attributes:
         rho: retained energy ratio; qk, vo, mlp: per-block dims;
-        cost: the plan's cost in the budget's metric; energy_qk, energy_vo: per-layer mean
+        cost: the plan's cost in the budget's kind; energy_qk, energy_vo: per-layer mean
         retained energy.
     """
 
@@ -82,58 +83,59 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-class CostModel:
-    """Cost of the model in ``anatomy`` with per-block (qk, vo, mlp) dims replaced.
+def _exact(x: float) -> int | float:
+    """A whole-number cost as an int (FLOPs and params: the plans' costs and the MLP arithmetic
+    stay integers), any other cost as it is."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
+class PlanCost:
+    """NuWa's view of a registered budget cost model (:mod:`edgeprune.allocation.cost`, the one
+    prune's allocator uses): the cost of the model in ``anatomy`` with per-block (qk, vo, mlp) dims
+    replaced, every block keeping its heads.
 
     Args:
         anatomy: the model whose fixed parts (embedding, norms, head -- after head slicing) count.
-        metric: "flops" or "params".
+        kind: a registered budget kind ("flops", "params", ...).
+
+    Raises:
+        UserError: unknown kind.
     """
 
-    def __init__(self, anatomy: ViTAnatomy, metric: str) -> None:
-        if metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}")
-        self.anatomy, self.metric = anatomy, metric
-        self.n = anatomy.num_tokens
-        if metric == "flops":
-            f = model_flops(anatomy)
-            self.fixed = f["total"] - sum(b["total"] for b in f["blocks"])
-        else:
-            self.fixed = count_params(anatomy.model) - sum(self._block_params(i, b.qk_dim, b.v_dim, b.mlp_hidden)
-                                                           for i, b in enumerate(anatomy.blocks))
+    def __init__(self, anatomy: ViTAnatomy, kind: str) -> None:
+        self.anatomy, self.kind = anatomy, kind
+        self.model = cost_model(kind, anatomy)
+        self.fixed = _exact(self.model.fixed_cost())
 
-    def _block_params(self, i: int, qk: int, vo: int, mlp: int) -> int:
-        b = self.anatomy.blocks[i]
-        D, H = b.qkv.in_features, b.num_heads
-        qkv_out = H * (2 * qk + vo)
-        p = D * qkv_out + (qkv_out if b.qkv.bias is not None else 0)
-        p += H * vo * D + (D if b.proj.bias is not None else 0)
-        p += D * mlp + (mlp if b.fc1.bias is not None else 0)
-        p += mlp * b.fc2.out_features + (b.fc2.out_features if b.fc2.bias is not None else 0)
-        return p
-
-    def block(self, i: int, qk: int, vo: int, mlp: int) -> int:
+    def block(self, i: int, qk: int, vo: int, mlp: int) -> int | float:
         """Cost of block i with the given dims."""
-        if self.metric == "params":
-            return self._block_params(i, qk, vo, mlp)
         b = self.anatomy.blocks[i]
-        ns = types.SimpleNamespace(qkv=types.SimpleNamespace(in_features=b.qkv.in_features),
-                                   num_heads=b.num_heads, qk_dim=qk, v_dim=vo, mlp_hidden=mlp)
-        return int(block_flops(ns, self.n)["total"])
+        return _exact(self.model.block_cost(b, {"heads": b.num_heads, "qk": qk, "v": vo, "mlp": mlp}))
 
-    def total(self, qk: list[int], vo: list[int], mlp: list[int]) -> int:
+    def total(self, qk: list[int], vo: list[int], mlp: list[int]) -> int | float:
         return self.fixed + sum(self.block(i, q, v, m) for i, (q, v, m) in enumerate(zip(qk, vo, mlp)))
 
-    def per_neuron(self, i: int) -> int:
+    def per_neuron(self, i: int) -> int | float:
         """Cost of one more MLP channel in block i (the same in every block of a plain ViT)."""
         return self.block(i, 8, 8, 1) - self.block(i, 8, 8, 0)
 
 
-def measure(model: nn.Module, metric: str) -> int:
-    """The model's actual cost (edgeprune.flops / count_params)."""
-    from edgeprune.anatomy import find_anatomy
+def measure(model: nn.Module, kind: str) -> int | float:
+    """The model's actual cost in the units of budget kind ``kind`` (for flops and params:
+    ``edgeprune.flops.model_flops`` / ``count_params``)."""
+    return _exact(dense_cost(kind, find_anatomy(model)))
 
-    return int(model_flops(find_anatomy(model))["total"]) if metric == "flops" else count_params(model)
+
+def budget_target(budget: dict, dense: int | float) -> int:
+    """The absolute budget of a derivation: ``floor(value x dense)`` for a fraction, ``floor(value)``
+    for a count (:func:`edgeprune.allocation.budget.target_cost`)."""
+    return int(math.floor(target_cost(budget, dense)))
+
+
+def keep_fraction(budget: dict, dense: int | float) -> float:
+    """The budget as a fraction of the base model (the value itself when it is one)."""
+    v = float(budget["value"])
+    return v if is_fraction(budget) else v / dense
 
 
 def mlp_caps(anchor_sizes: list[int], round_to: int = 8) -> list[int]:
@@ -142,7 +144,7 @@ def mlp_caps(anchor_sizes: list[int], round_to: int = 8) -> list[int]:
     return [max(round_to, (a // round_to) * round_to) for a in anchor_sizes]
 
 
-def plan_for_dims(cost: CostModel, qk: list[int], vo: list[int], caps: list[int], budget: int,
+def plan_for_dims(cost: PlanCost, qk: list[int], vo: list[int], caps: list[int], budget: int,
                   round_to: int = 8) -> tuple[list[int], int] | None:
     """MLP dims that fill ``budget`` given attention dims, or None if infeasible."""
     attn_only = cost.total(qk, vo, [0] * len(qk))
@@ -152,29 +154,29 @@ def plan_for_dims(cost: CostModel, qk: list[int], vo: list[int], caps: list[int]
     rest = budget - attn_only
     if rest < 0:
         return None
-    mlp = uniform_mlp_dims(caps, rest // per, round_to)
+    mlp = uniform_mlp_dims(caps, int(rest // per), round_to)
     if mlp is None:
         return None
     return mlp, cost.total(qk, vo, mlp)
 
 
-def minimum_cost(cost: CostModel, round_to: int = 8) -> int:
+def minimum_cost(cost: PlanCost, round_to: int = 8) -> int:
     """Cost with every qk/v/mlp dim at ``round_to`` (the smallest model NuWa can derive)."""
     L = len(cost.anatomy.blocks)
     return cost.total([round_to] * L, [round_to] * L, [round_to] * L)
 
 
-def check_feasible(cost: CostModel, budget: int, dense_cost: int, round_to: int = 8) -> None:
+def check_feasible(cost: PlanCost, budget: int, dense_cost: int, round_to: int = 8) -> None:
     """Raises UserError when even the smallest derivable model exceeds the budget."""
     low = minimum_cost(cost, round_to)
     if low > budget:
         raise UserError(
-            f"the {cost.metric} budget {budget / dense_cost:.3g} of the base model cannot be met with dims "
+            f"the {cost.kind} budget {budget / dense_cost:.3g} of the base model cannot be met with dims "
             f"that are multiples of {round_to}: the smallest derivable model keeps "
-            f"{low / dense_cost:.3f}; raise --{cost.metric}")
+            f"{low / dense_cost:.3f}; raise --{cost.kind}")
 
 
-def plan_candidates(cost: CostModel, factors: list[BlockFactors], caps: list[int], budget: int,
+def plan_candidates(cost: PlanCost, factors: list[BlockFactors], caps: list[int], budget: int,
                     rho_grid: tuple[float, ...] | list[float] | None = None,
                     round_to: int = 8) -> list[Plan]:
     """Feasible, distinct, non-dominated plans for the rho values of ``rho_grid`` (descending;
@@ -205,8 +207,8 @@ def plan_candidates(cost: CostModel, factors: list[BlockFactors], caps: list[int
     if not plans:
         grid = sorted(set(float(r) for r in rho_grid), reverse=True)
         if len(grid) == 1:
-            raise UserError(f"--rho {grid[0]:g} leaves too little of the {cost.metric} budget for the MLPs "
+            raise UserError(f"--rho {grid[0]:g} leaves too little of the {cost.kind} budget for the MLPs "
                             f"(each needs >= {round_to} channels); lower --rho or raise the budget")
         raise UserError(f"no retained-energy ratio in the grid ({len(grid)} values, {grid[0]:g} .. {grid[-1]:g}) "
-                        f"meets the {cost.metric} budget; include lower values or raise the budget")
+                        f"meets the {cost.kind} budget; include lower values or raise the budget")
     return plans

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from typing import Any, Sequence
 
@@ -51,6 +50,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import new_record
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.errors import UserError
@@ -64,6 +64,7 @@ from edgeprune.nuwa.ofp_mha import BlockFactors, truncate_attention
 from edgeprune.nuwa.ofp_mlp import prune_mlp
 from edgeprune.nuwa.skp import Anchor, SKPConfig, run_skp  # noqa: F401
 from edgeprune.nuwa.svd_cache import get_factors
+from edgeprune.plan import achieved_sparsity
 from edgeprune.surgery import block_dims, shrink_mlp
 
 
@@ -117,16 +118,16 @@ def materialize_anchor(model: nn.Module, keep: Sequence[torch.Tensor]) -> nn.Mod
     return model
 
 
-def check_budget(model: nn.Module, classes, metric: str, frac: float, config: DeriveConfig,
+def check_budget(model: nn.Module, classes, budget: dict, config: DeriveConfig,
                  class_names: Sequence[str] | None = None) -> None:
-    """Raises UserError when the budget is below the smallest derivable model (all dims at
-    ``round_to``), before any training."""
+    """Raises UserError when ``budget`` (:func:`~edgeprune.nuwa.inputs.resolve_budget`) is below
+    the smallest derivable model (all dims at ``round_to``), before any training."""
     probe = copy.deepcopy(model).eval()
     cls = resolve_classes(classes, num_classes(probe), class_names)
     apply_head(probe, cls, config.head)
-    dense_cost = budget_mod.measure(model, metric)
-    budget_mod.check_feasible(budget_mod.CostModel(find_anatomy(probe), metric),
-                              int(math.floor(frac * dense_cost)), dense_cost, config.round_to)
+    dense_cost = budget_mod.measure(model, budget["kind"])
+    budget_mod.check_feasible(budget_mod.PlanCost(find_anatomy(probe), budget["kind"]),
+                              budget_mod.budget_target(budget, dense_cost), dense_cost, config.round_to)
 
 
 def prepare(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
@@ -222,43 +223,62 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
     return model.eval()
 
 
-def derive_from(prep: Prepared, *, flops: float | None = None, params: float | None = None,
-                progress: bool = False) -> DeriveResult:
+def derive_from(prep: Prepared, *, flops: float | str | None = None, params: float | str | None = None,
+                budget: dict | None = None, progress: bool = False) -> DeriveResult:
     """Stage 6: pick dims for the budget, build and score the candidates, return the best.
 
+    The budget is one of ``flops=`` / ``params=`` (a fraction of the base model or a count such as
+    ``"2.3G"``, parsed as ``edgeprune prune`` parses them) or ``budget={"kind": K, "value": v}``
+    for any registered budget kind (:func:`~edgeprune.nuwa.inputs.resolve_budget`).
     Candidates are built on the CPU (float64 re-fits) and scored on ``prep.config.device``.
     """
-    from edgeprune.api import achieved_sparsity
-    from edgeprune.artifact import new_record
-
     cfg = prep.config
-    metric, frac = resolve_budget(flops, params)
+    budget = resolve_budget(flops, params, budget=budget)
+    metric = budget["kind"]
     t0 = time.perf_counter()
     dense_cost = budget_mod.measure(prep.base, metric)
-    target = int(math.floor(frac * dense_cost))
+    target = budget_mod.budget_target(budget, dense_cost)
+    frac = budget_mod.keep_fraction(budget, dense_cost)
     an_anchor = find_anatomy(prep.anchor_model)
-    cost = budget_mod.CostModel(an_anchor, metric)
+    cost = budget_mod.PlanCost(an_anchor, metric)
     budget_mod.check_feasible(cost, target, dense_cost, cfg.round_to)
     caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], cfg.round_to)
     grid = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid  # None = adaptive
     plans = budget_mod.plan_candidates(cost, prep.factors, caps, target, grid, cfg.round_to)
-    sliced = prep.info["sliced"]
-    candidates = []
-    best = None
-    for plan in plans:
-        model = build_plan(prep, plan)
-        acc, loss = evaluate_targets(model, prep.val[0], prep.val[1], prep.classes, sliced, cfg.batch_size * 4,
-                                     device=cfg.device)
-        candidates.append({**plan.to_record(), "val_accuracy": acc, "val_loss": loss})
-        if best is None or (acc, -loss) > best[0]:
-            best = ((acc, -loss), plan, model)
-    assert best is not None
-    _, plan, model = best
+    candidates, plan, model = _score_plans(prep, plans)
     achieved = budget_mod.measure(model, metric)
     if achieved > target:  # the cost model and edgeprune.flops disagree: a bug, never a user error
         raise RuntimeError(f"derived model costs {achieved} {metric}, budget {target}")
     search_s = time.perf_counter() - t0
+    budget_rec = {"metric": metric, "value": budget["value"], "keep_fraction": frac, "target": target,
+                  "achieved": achieved, "achieved_fraction": achieved / dense_cost,
+                  "rounding_step": cfg.round_to * cost.per_neuron(0)}
+    record = _derive_record(prep, plan, model, candidates, budget_rec, caps, search_s)
+    return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
+                        candidates=candidates, record=record)
 
+
+def _score_plans(prep: Prepared, plans: list[budget_mod.Plan]) -> tuple[list[dict], budget_mod.Plan, nn.Module]:
+    """Build every plan and score it on the held-out images: (candidate records, best plan, its
+    model); best = highest accuracy, then lowest loss, the earlier plan on a tie."""
+    cfg = prep.config
+    candidates = []
+    best = None
+    for plan in plans:
+        model = build_plan(prep, plan)
+        acc, loss = evaluate_targets(model, prep.val[0], prep.val[1], prep.classes, prep.info["sliced"],
+                                     cfg.batch_size * 4, device=cfg.device)
+        candidates.append({**plan.to_record(), "val_accuracy": acc, "val_loss": loss})
+        if best is None or (acc, -loss) > best[0]:
+            best = ((acc, -loss), plan, model)
+    assert best is not None
+    return candidates, best[1], best[2]
+
+
+def _derive_record(prep: Prepared, plan: budget_mod.Plan, model: nn.Module, candidates: list[dict],
+                   budget_rec: dict, caps: list[int], search_s: float) -> dict[str, Any]:
+    """The run record of a derivation (``edgeprune.artifact.new_record``, method ``nuwa``)."""
+    cfg = prep.config
     base_an, an = find_anatomy(prep.base), find_anatomy(model)
     dense_blocks, blocks = block_dims(base_an), block_dims(an)
     dense_flops, dense_params = model_flops(base_an)["total"], count_params(prep.base)
@@ -272,13 +292,13 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
     head = head_record(model, prep.classes, cfg.head, prep.class_names, num_classes(prep.base))
     a = achieved_sparsity(dense_blocks, blocks)
     a["vo"] = 1.0 - sum(b["v_dim"] * b["num_heads"] for b in blocks) / sum(b["v_dim"] * b["num_heads"] for b in dense_blocks)
-    record = new_record(
+    return new_record(
         "nuwa", base_rec, cfg,
         {"blocks": dense_blocks, "params": dense_params, "flops": dense_flops},
         {"blocks": blocks, "params": params_now, "flops": flops_now},
         calibration=prep.info["calibration"], timing=timing, device=cfg.device,
         targets="both",
-        sparsity={"budget": metric, "keep_fraction": frac},
+        sparsity={"budget": budget_rec["metric"], "keep_fraction": budget_rec["keep_fraction"]},
         achieved_sparsity=a,
         settings={"head": cfg.head, "rho": plan.rho, "rho_fixed": cfg.rho is not None,
                   "key_bias": cfg.key_bias, "ridge_alpha": cfg.ridge_alpha, "refit": cfg.refit,
@@ -290,9 +310,7 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
         head=head,
         derivation={
             "classes": prep.classes, "class_names": prep.class_names, "head": cfg.head,
-            "budget": {"metric": metric, "keep_fraction": frac, "target": target, "achieved": achieved,
-                       "achieved_fraction": achieved / dense_cost,
-                       "rounding_step": cfg.round_to * cost.per_neuron(0)},
+            "budget": budget_rec,
             "rho": plan.rho,
             "anchor": {**prep.anchor.to_record(), "flops": model_flops(anchor_an)["total"],
                        "params": count_params(prep.anchor_model), "blocks": block_dims(anchor_an)},
@@ -303,12 +321,11 @@ def derive_from(prep: Prepared, *, flops: float | None = None, params: float | N
             "data": prep.info["data"],
         },
     )
-    return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
-                        candidates=candidates, record=record)
 
 
 def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
-           flops: float | None = None, params: float | None = None, calibration=None,
+           flops: float | str | None = None, params: float | str | None = None, budget: dict | None = None,
+           calibration=None,
            config: DeriveConfig | None = None, class_names: Sequence[str] | None = None,
            anchor: Anchor | None = None, spec=None, progress: bool = False) -> DeriveResult:
     """Derive a class-specific model from ``model`` under a FLOPs or params budget (NuWa).
@@ -317,7 +334,9 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         model: base classifier (timm ViT family), not modified.
         classes: target classes, indices or names (with ``class_names``).
         images, labels: labeled *train-split* images; only target classes are used.
-        flops, params: fraction of the base model's FLOPs (or params) to keep; exactly one.
+        flops, params: the budget, exactly one: a fraction of the base model's FLOPs (or params)
+            to keep, in (0, 1], or an absolute count (a number > 1 or a string such as ``"2.3G"``);
+            or ``budget={"kind": K, "value": v}`` for any registered budget kind.
         calibration: unlabeled calibration images (tensor or data source) or None (see
             :func:`prepare`).
         config: :class:`DeriveConfig` (SKP steps etc.; ``device`` = where the data passes run,
@@ -332,10 +351,10 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         UserError: bad classes, budget, data or settings, an unknown device or CUDA not
             available (one line).
     """
-    metric, frac = resolve_budget(flops, params)
+    budget = resolve_budget(flops, params, budget=budget)
     cfg = config or DeriveConfig()
     cfg.validate()
-    check_budget(model, classes, metric, frac, cfg, class_names)  # fail before SKP
+    check_budget(model, classes, budget, cfg, class_names)  # fail before SKP
     prep = prepare(model, classes, images, labels, calibration=calibration, config=cfg,
                    class_names=class_names, anchor=anchor, spec=spec, progress=progress)
-    return derive_from(prep, flops=flops, params=params, progress=progress)
+    return derive_from(prep, budget=budget, progress=progress)

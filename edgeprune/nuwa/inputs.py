@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from edgeprune.allocation.budget import make_budget, validate_budget
 from edgeprune.errors import UserError
 from edgeprune.nuwa.head import target_logits, target_predictions
 
@@ -46,18 +47,27 @@ def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
     return out
 
 
-def resolve_budget(flops: float | None, params: float | None) -> tuple[str, float]:
-    """(metric, fraction) from exactly one of flops / params in (0, 1].
+def resolve_budget(flops=None, params=None, budget: dict | None = None, **kinds) -> dict:
+    """The derivation's budget ``{"kind": K, "value": v}`` from exactly one of ``flops=``,
+    ``params=``, ``<kind>=`` (another registered budget kind), parsed as ``edgeprune prune``
+    parses them (:func:`edgeprune.allocation.budget.make_budget`): a fraction of the base model in
+    (0, 1] or an absolute count with an optional k/M/G/T suffix (``"2.3G"``); or a ready budget
+    dict ``budget=`` (checked with :func:`edgeprune.allocation.budget.validate_budget`).
 
     Raises:
-        UserError: neither or both given, or a fraction outside (0, 1].
+        UserError: none or several given, an unknown kind, or a bad value.
     """
-    if (flops is None) == (params is None):
-        raise UserError("give exactly one budget: --flops FRACTION or --params FRACTION (of the base model, to keep)")
-    metric, frac = ("flops", flops) if flops is not None else ("params", params)
-    if not 0.0 < float(frac) <= 1.0:
-        raise UserError(f"--{metric} is the fraction of the base model's {metric} to keep, in (0, 1]; got {frac}")
-    return metric, float(frac)
+    if budget is not None:
+        given = [k for k, v in {"flops": flops, "params": params, **kinds}.items() if v is not None]
+        if given:
+            raise UserError(f"give exactly one budget: budget= or --{given[0]}, not both")
+        validate_budget(budget)
+        return {"kind": budget["kind"], "value": budget["value"]}
+    budget = make_budget(flops, params, **kinds)
+    if budget is None:
+        raise UserError("give exactly one budget: --flops or --params (a fraction of the base model to keep, "
+                        "e.g. 0.6, or a count, e.g. 2.3G)")
+    return budget
 
 
 def split_labeled(images: torch.Tensor, labels: torch.Tensor, classes: Sequence[int], val_size: int,
