@@ -908,7 +908,7 @@ def test_allocate_with_hand_made_curves_known_optimum_and_report(tiny_anatomy):
     assert rep["blocks"] == [{"index": 0, "dims": {"mlp": 128}, "proxy_error": {"mlp": 0.0}},
                              {"index": 1, "dims": {"mlp": 64}, "proxy_error": {"mlp": 3.5}}]
     assert rep["error_kind"] == ["compensated"]
-    assert rep["normalisation"] == "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)"
+    assert rep["normalisation"] == "residual (METHODS.md §5; edgeprune.allocation.curves.normalise)"
     # exactly 1% under the budget is within the tolerance (T * 0.99 == achieved in float64)
     edge = 828056.5656565657
     assert edge * (1 - 0.01) == target and dense == 959040.0

@@ -320,7 +320,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         "uniform_sparsity": uniform_sparsity, "uniform_error_before_fill": uniform_plain_error,
         "error_kind": sorted({c.kind for c in curves}),
         # record text kept byte-identical (the module is now edgeprune.allocation.curves)
-        "normalisation": "residual (METHODS.md §5; edgeprune.allocation.errors.normalise)",
+        "normalisation": "residual (METHODS.md §5; edgeprune.allocation.curves.normalise)",
         "blocks": per_block,
         "seconds": time.perf_counter() - t0,
     }
