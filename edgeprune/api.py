@@ -24,7 +24,7 @@ from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import new_record
 from edgeprune.calibration.collect import calibration_device
 from edgeprune.corp.config import CorpConfig, bias_correction_used
-from edgeprune.corp.pipeline import check_prunable, corp_prune
+from edgeprune.pipeline import check_prunable, corp_prune
 from edgeprune.data.sources import TensorSource
 from edgeprune.distributed import all_reduce_sum, distributed_info, is_distributed, shard_calibration
 from edgeprune.errors import UserError

@@ -11,7 +11,8 @@ import torch
 from edgeprune.allocation.select import candidates, output_error, select_allocation
 from edgeprune.anatomy import find_anatomy
 from edgeprune.calibration.collect import collect_statistics
-from edgeprune.corp import CorpConfig, corp_prune
+from edgeprune.corp import CorpConfig
+from edgeprune.pipeline import corp_prune
 from edgeprune.errors import UserError
 from tests.conftest import needs_fmnist
 

@@ -10,7 +10,8 @@ import torch
 from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.artifact import load_run, save_run
-from edgeprune.corp import CorpConfig, apply_corp, corp_prune
+from edgeprune.corp import CorpConfig, apply_corp
+from edgeprune.pipeline import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.layers import PrunedAttention
 from edgeprune.plan import BlockPlan, kept_dim

@@ -13,7 +13,8 @@ import torch
 
 from edgeprune._compat import import_timm
 from edgeprune.anatomy import find_anatomy
-from edgeprune.corp import CorpConfig, corp_prune, get_qk_solver, list_qk_solvers, register_qk_solver
+from edgeprune.corp import CorpConfig, get_qk_solver, list_qk_solvers, register_qk_solver
+from edgeprune.pipeline import corp_prune, statistics_request
 from edgeprune.corp.qk_solvers import solve_direct
 from edgeprune.errors import UserError
 from edgeprune.ranking import Criterion, get_criterion, list_criteria, register_criterion
@@ -53,7 +54,6 @@ def test_a_registered_criterion_decides_the_kept_channels():
 
 
 def test_a_criterion_declares_the_statistics_collected():
-    from edgeprune.corp import statistics_request
 
     an = find_anatomy(_tiny())
     for name, mlp, positive in (("toy", False, False), ("magnitude", False, False), ("energy", True, False),

@@ -22,7 +22,8 @@ from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics
-from edgeprune.corp import CorpConfig, corp_prune
+from edgeprune.corp import CorpConfig
+from edgeprune.pipeline import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.plan import pruned_indices
 from edgeprune.sequential import CrossStatistics, embed_stream, sequential_prune

@@ -11,7 +11,8 @@ import torch
 from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.calibration.collect import collect_statistics
-from edgeprune.corp import CorpConfig, apply_corp, corp_prune
+from edgeprune.corp import CorpConfig, apply_corp
+from edgeprune.pipeline import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.layers import PrunedAttention
 from edgeprune.plan import BlockPlan, achieved_sparsity, pruned_indices, resolve_sparsities

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import edgeprune.corp as corp  # noqa: E402
+import edgeprune.pipeline as corp  # noqa: E402  (the pipeline's names of the CORP steps)
 from edgeprune.api import prune  # noqa: E402
 from edgeprune.solve import mlp_ridge  # noqa: E402
 from edgeprune.zoo.registry import get_model_spec  # noqa: E402
@@ -47,7 +47,7 @@ MODELS = {"deit_small": "deit_small_patch16_224", "deit_base": "deit_base_patch1
 
 
 class PhaseTimer:
-    """Wraps CORP's phase functions (module attributes) with wall-clock timers for one prune."""
+    """Wraps CORP's phase functions (as ``edgeprune.pipeline`` names them) with wall-clock timers for one prune."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

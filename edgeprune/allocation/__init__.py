@@ -1,14 +1,18 @@
 """Budgeted allocation (``--flops`` / ``--params``): kept dims per block and module under a budget.
 
-``allocate(anatomy, stats, cfg) -> (dims, report)`` is what ``edgeprune.corp.corp_prune`` calls
-when ``CorpConfig.budget`` is set (METHODS.md §5 "Budgeted allocation"; docs/allocation.md).
-Submodules: ``budget`` (parsing), ``cost`` (cost models: FLOPs, params; a registry for latency
-tables), ``errors`` (E(k) curves from the calibration statistics), ``greedy`` (the allocator).
+``greedy.allocate(anatomy, stats, cfg) -> (dims, report)`` is what ``edgeprune.pipeline.corp_prune``
+calls when ``CorpConfig.budget`` is set (METHODS.md §5 "Budgeted allocation"; docs/allocation.md).
+Submodules: ``budget`` (the one budget parser, prune and derive), ``cost`` (the cost-model
+registry: FLOPs, params; latency next), ``curves`` (E(k) error curves from the calibration
+statistics), ``greedy`` (the allocator), ``select`` / ``measure`` (candidates checked on images).
+
+This file hands on only the budget and cost names, which sit below the CORP steps; the allocator
+is imported from ``edgeprune.allocation.greedy`` (it uses the CORP steps, which use the budget
+check: importing it here would loop).
 """
 
-from edgeprune.allocation.budget import make_budget, parse_budget_value
+from edgeprune.allocation.budget import make_budget, parse_budget_value, validate_budget
 from edgeprune.allocation.cost import COST_MODELS, CostModel, cost_model, register_cost_model
-from edgeprune.allocation.greedy import allocate
 
-__all__ = ["allocate", "make_budget", "parse_budget_value", "COST_MODELS", "CostModel", "cost_model",
+__all__ = ["make_budget", "parse_budget_value", "validate_budget", "COST_MODELS", "CostModel", "cost_model",
            "register_cost_model"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from edgeprune.allocation.budget import validate_budget
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
@@ -183,7 +184,7 @@ class CorpConfig:
         if not self.sequential_memory_gb >= 0:
             raise UserError(f"the sequential stream memory limit must be >= 0 GiB, got {self.sequential_memory_gb!r}")
         if self.budget is not None:
-            check_budget_setting(self.budget)
+            validate_budget(self.budget)
         self.__dict__["_valid_as"] = repr(self)
         return self
 
@@ -228,22 +229,6 @@ class CorpConfig:
         if valid:
             new.__dict__["_valid_as"] = repr(new)
         return new
-
-
-def check_budget_setting(budget) -> None:
-    """The budget field's shape and value.
-
-    INTEGRATOR: the one call site of the budget check (``CorpConfig.validate``); switch this body
-    to ``edgeprune.allocation.budget.validate_budget(budget)`` when that exists.
-
-    Raises:
-        UserError: not ``{"kind": "flops" | "params", "value": v > 0}``.
-    """
-    if not isinstance(budget, dict) or budget.get("kind") not in ("flops", "params"):
-        raise UserError(f"budget must be {{'kind': 'flops' | 'params', 'value': v}}, got {budget!r}")
-    v = budget.get("value")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise UserError(f"the {budget['kind']} budget must be > 0, got {v!r}")
 
 
 #: "every calibration image" for the output bias correction (more than any calibration set)
