@@ -224,3 +224,31 @@ def fold_logit_compensation(wq: torch.Tensor, bq: torch.Tensor | None, wk: torch
     bq64 = None if bq64 is None else bq64 * scale
     cast = lambda t, ref: None if t is None else t.to(ref.dtype)  # noqa: E731
     return wq64.to(wq.dtype), cast(bq64, wq), wk64.to(wk.dtype), cast(bk64, wk)
+
+
+def first_order_change(k_sys: torch.Tensor, lam: float, m: torch.Tensor, dk: torch.Tensor,
+                       drhs: torch.Tensor) -> torch.Tensor:
+    """The change of M, to first order, when K and the right side change by dK, dr (issue 29).
+
+    From ``(K + lam I) vec(M) = vec(r)``: ``vec(dM) = (K + lam I)^-1 (vec(dr) - dK vec(M))`` up to
+    terms of order ``||(K + lam I)^-1 dK||^2``; in norm
+
+        ||dM||_F <= (||dr||_F + ||dK||_2 ||M||_F) / (lambda_min(K) + lam),
+
+    i.e. ``||dM|| / ||M|| <= kappa (eps_r + eps_K)`` with ``kappa = (lambda_max + lam) /
+    (lambda_min + lam) <= 1 + d'^2 / alpha`` (the ridge rule): 1e6 for d' = 32 at alpha = 1e-3, so
+    the a-priori norm bound is vacuous; the linearised change from measured dK, dr is not
+    (docs/prune_cost.md, "CUDA and CPU prunes").
+
+    Args:
+        k_sys: K (d'^2, d'^2); lam: the ridge used; m: the solution M (d', d');
+        dk: dK (d'^2, d'^2); drhs: dr (d', d').
+
+    Returns:
+        dM (d', d') float64.
+    """
+    d = m.shape[0]
+    a = k_sys.double().clone()
+    a.diagonal().add_(lam)
+    v = drhs.double().reshape(-1, 1) - dk.double() @ m.double().reshape(-1, 1)
+    return torch.linalg.solve(a, v).reshape(d, d)
