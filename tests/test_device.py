@@ -60,21 +60,117 @@ def _folded(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().double().cpu() for k, v in model.state_dict().items()}
 
 
+def _qk_forms(model) -> list[torch.Tensor]:
+    """Per block and head the bias-augmented logit form ``[W_Q|b_Q]^T [W_K|b_K]`` ((D+1) x (D+1),
+    float64): what the Q/K fold defines exactly (the SVD factors of I + M are defined only up to
+    a rotation within equal singular values, so W_Q and W_K alone are not comparable)."""
+    from edgeprune.anatomy import find_anatomy
+
+    forms = []
+    for b in find_anatomy(model).blocks:
+        w = b.qkv.weight.detach().double().cpu()
+        bias = torch.zeros(w.shape[0], dtype=torch.float64) if b.qkv.bias is None else b.qkv.bias.detach().double().cpu()
+        x = torch.cat([w, bias[:, None]], 1)
+        hq = b.num_heads * b.qk_dim
+        for h in range(b.num_heads):
+            rows = slice(h * b.qk_dim, (h + 1) * b.qk_dim)
+            forms.append(x[:hq][rows].T @ x[hq:2 * hq][rows])
+    return forms
+
+
+#: relative change of the Q/K systems between devices that float32 products justify: per Gram
+#: entry ~ sqrt(n) * 2^-24 (n = 50 tokens here: 4e-7) from the products, plus the device's own
+#: float32 activations (a few GEMMs deep, same order); 1e-5 leaves a margin of ~10
+STATS_RTOL = 1e-5
+
+
+def _qk_form_bounds(model, x: torch.Tensor, plans, cfg) -> list[float]:
+    """Per head, the derived bound on ``||d form||_F / ||form||_F`` between the CPU and the CUDA
+    prune (docs/prune_cost.md, "CUDA and CPU prunes"). The Q/K systems measured on both devices
+    must agree to :data:`STATS_RTOL`; their difference, carried through the solve to first order
+    (``qk_logit.first_order_change``) and through the fold (``dF = scale Xq^T dM Xk``, exact:
+    the form is linear in M), predicts the change of the form; the bound is twice that (room
+    for the second-order terms) plus 1e-7 (the float32 storage of the folded weights)."""
+    from edgeprune.anatomy import find_anatomy
+    from edgeprune.calibration.collect import collect_statistics
+    from edgeprune.plan import pruned_indices
+    from edgeprune.solve import qk_logit
+
+    an = find_anatomy(copy.deepcopy(model))
+    st = {dev: collect_statistics(an, [x[:32], x[32:]], mlp=False, qk=True, progress=False, device=dev)
+          for dev in ("cpu", "cuda")}
+    bounds = []
+    for b in an.blocks:
+        gq, gk = st["cpu"].qk[b.index].grams()
+        gq2, gk2 = st["cuda"].qk[b.index].grams()
+        w = b.qkv.weight.detach().double()
+        bias = torch.zeros(w.shape[0], dtype=torch.float64) if b.qkv.bias is None else b.qkv.bias.detach().double()
+        xw = torch.cat([w, bias[:, None]], 1)
+        hq = b.num_heads * b.qk_dim
+        for h in range(b.num_heads):
+            keep = plans[b.index].qk_keep[h]
+            prune_idx = pruned_indices(keep, b.qk_dim)
+            k1, r1 = qk_logit.kronecker_system(gq[:, h], gk[:, h], keep, prune_idx)
+            k2, r2 = qk_logit.kronecker_system(gq2[:, h], gk2[:, h], keep, prune_idx)
+            assert float((k2 - k1).norm()) <= STATS_RTOL * float(k1.norm()), (b.index, h)
+            assert float((r2 - r1).norm()) <= STATS_RTOL * float(r1.norm()), (b.index, h)
+            m, lam = qk_logit.solve_logit_compensation(k1, r1, cfg.qk_ridge_alpha)
+            dm = qk_logit.first_order_change(k1, lam, m, k2 - k1, r2 - r1)
+            xq = xw[:hq][h * b.qk_dim:(h + 1) * b.qk_dim][keep]
+            xk = xw[hq:2 * hq][h * b.qk_dim:(h + 1) * b.qk_dim][keep]
+            scale = (len(keep) / b.qk_dim) ** 0.5
+            form = scale * xq.T @ (torch.eye(len(keep), dtype=torch.float64) + m) @ xk
+            bounds.append(2 * float((scale * xq.T @ dm @ xk).norm()) / float(form.norm()) + 1e-7)
+    return bounds
+
+
 @needs_cuda
 def test_prune_on_cuda_matches_cpu(fmnist_model):
-    """Statistics on the GPU (float32 products into float64 sums, TF32 off), solves in float64:
-    the folded weights agree with the CPU run to 1e-4 relative, with the same kept indices."""
+    """Issue 29 item 2: what is exact and what is not between a CUDA and a CPU prune.
+
+    Exact: the kept indices (one tie-break rule, ``edgeprune.solve.topk``), hence every tensor
+    that is a selection of dense weights (V rows of qkv, fc1, everything not pruned) is bitwise
+    equal. Not exact: the folds, which solve ridge systems built from float32 products of float32
+    activations computed by different kernels. The Q/K fold is compared through the per-head
+    logit forms it defines, within the derived bound (``_qk_form_bounds``); the MLP fold (fc2)
+    within 1e-4 relative (measured well inside on an H100, issue 29)."""
+    from edgeprune.anatomy import find_anatomy
     from edgeprune.api import prune
+    from edgeprune.calibration.collect import collect_statistics
+    from edgeprune.corp import CorpConfig, plan_corp
 
     x = _images(48)
-    cpu = prune(fmnist_model, x, target="both", sparsity=0.5, device="cpu")
-    gpu = prune(fmnist_model, x, target="both", sparsity=0.5, device="cuda")
+    cfg = CorpConfig.from_target("both", 0.5)
+    plans = {}
+    for dev in ("cpu", "cuda"):
+        an = find_anatomy(copy.deepcopy(fmnist_model))
+        plans[dev] = plan_corp(an, collect_statistics(an, [x[:32], x[32:]], progress=False, device=dev), cfg)
+    for pc, pg in zip(plans["cpu"], plans["cuda"]):
+        for name in ("mlp_keep", "qk_keep"):
+            a, b = getattr(pc, name), getattr(pg, name)
+            assert (a is None) == (b is None), (pc.index, name)
+            assert a is None or torch.equal(a, b), (pc.index, name, "kept indices differ between CPU and CUDA")
+
+    cpu = prune(fmnist_model, x, target="both", sparsity=0.5, device="cpu", batch_size=32)
+    gpu = prune(fmnist_model, x, target="both", sparsity=0.5, device="cuda", batch_size=32)
     assert gpu.record["device"] == "cuda"
     a, b = _folded(cpu.model), _folded(gpu.model)
     assert a.keys() == b.keys()
+    qk_rows = {f"{pre}.attn.qkv.{kind}": 2 * blk.num_heads * blk.qk_dim
+               for blk in find_anatomy(cpu.model).blocks for pre in [f"blocks.{blk.index}"]
+               for kind in ("weight", "bias")}
     for k in a:
         assert a[k].shape == b[k].shape, k
-        assert float((a[k] - b[k]).norm()) <= 1e-4 * max(float(a[k].norm()), 1e-12), k
+        if k in qk_rows:  # Q/K rows: compared through the logit forms below; V rows: selections
+            assert torch.equal(a[k][qk_rows[k]:], b[k][qk_rows[k]:]), k
+        elif ".mlp.fc2." in k or k.startswith("head."):  # MLP fold; head bias: output bias correction
+            assert float((a[k] - b[k]).norm()) <= 1e-4 * max(float(a[k].norm()), 1e-12), k
+        else:
+            assert torch.equal(a[k], b[k]), k
+    bounds = _qk_form_bounds(fmnist_model, x, plans["cpu"], cfg)
+    for j, (fa, fb, bound) in enumerate(zip(_qk_forms(cpu.model), _qk_forms(gpu.model), bounds)):
+        rel = float((fa - fb).norm()) / float(fa.norm())
+        assert rel <= bound, (j, rel, bound)
 
 
 @needs_cuda

@@ -137,3 +137,30 @@ def test_fused_qk_grams_equal_per_head_products():
     assert torch.allclose(gk.double(), rk, rtol=1e-5, atol=1e-5)
     score = (torch.diagonal(rq, dim1=-2, dim2=-1) * torch.diagonal(rk, dim1=-2, dim2=-1)).mean(0)
     assert torch.allclose(st.logit_energy, score, rtol=1e-5)
+
+
+def test_bench_prune_cost_reports_the_issue_29_bounds():
+    """tools/bench_prune_cost.py marks each row against its bound (CPU: deit_small both@0.5,
+    default settings, 1-2 threads, <= 2.0x at 256-767 images, <= 1.5x from 768) and prints one
+    met / NOT met / not measured line per bound. No timing is run here."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_prune_cost.py"
+    spec = importlib.util.spec_from_file_location("bench_prune_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = dict(model="deit_small", images=256, threads=1, device="cpu", gram_tokens=None, sparsity=0.5,
+               qk_solver="auto", ratio=1.9)
+    assert bench.verdict(row) == "met (<= 2x)"
+    assert bench.verdict({**row, "ratio": 2.1}) == "NOT met (<= 2x)"
+    assert bench.verdict({**row, "images": 768, "ratio": 1.6}) == "NOT met (<= 1.5x)"
+    assert bench.verdict({**row, "images": 1024, "threads": 2, "ratio": 1.4}) == "met (<= 1.5x)"
+    for other in ({"images": 64}, {"threads": 4}, {"gram_tokens": 64}, {"model": "deit_base"},
+                  {"sparsity": 0.3}, {"qk_solver": "cg"}):
+        assert bench.verdict({**row, **other}) == "-", other
+    assert bench.verdict({**row, "device": "cuda", "ratio": 2.9}) == "met (<= 3x)"
+    lines = bench.summary([row, {**row, "threads": 2, "ratio": 2.05}, {**row, "images": 1024, "ratio": 1.3}])
+    assert lines[0].startswith("bound cpu deit_small 256-767 images <= 2x: NOT met (2 rows, worst 2.05x)")
+    assert lines[1].startswith("bound cpu deit_small >= 768 images <= 1.5x: met (1 rows")
+    assert all("not measured" in line for line in lines[2:])

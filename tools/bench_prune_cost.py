@@ -11,7 +11,9 @@ so that load from other processes hits both alike. Printed per row: the median d
 seconds, the median prune seconds and its phases -- statistics (the calibration pass), ranking
 (``plan_corp``), solve (MLP / proj ridge fits and Q/K systems), surgery (folding and shrinking
 the modules), other (copying the model, structure summaries, the record) -- the median of the
-per-repeat ratios prune / dense (the issue's yardstick: <= 1.5), the same ratio of process CPU
+per-repeat ratios prune / dense, whether the row meets its bound (issue 29: CPU, deit_small
+both@0.5, default settings, 1 and 2 threads: <= 2.0x at 256-767 images, <= 1.5x from 768;
+CUDA: <= 3x; a summary line per bound follows the table), the same ratio of process CPU
 time (less sensitive to other processes on a shared machine; at 1 thread it is the wall ratio of
 an idle machine), and the peak memory of the
 prune (host RSS; on a GPU also ``torch.cuda.max_memory_allocated``). The Q/K solver each head
@@ -44,6 +46,36 @@ from runners.base import peak_rss_mb, reset_peak_rss  # noqa: E402
 
 MODELS = {"deit_small": "deit_small_patch16_224", "deit_base": "deit_base_patch16_224",
           "deit_tiny": "deit_tiny_patch16_224"}
+
+#: The CPU bounds (issue 29): (model, smallest calibration size it applies from, max ratio) for
+#: deit_small both@0.5, default settings (gram_tokens auto), 1 and 2 threads. <= 2.0x one dense
+#: pass at 256 images (the exact float32 MLP statistics alone cost 0.6-0.7 of a dense pass,
+#: docs/prune_cost.md) and <= 1.5x from 768 images. The GPU bound: <= 3x for deit_small and
+#: deit_base at 256 and 1024 images.
+CPU_BOUNDS = (("deit_small", 256, 767, 2.0), ("deit_small", 768, None, 1.5))
+GPU_BOUNDS = (("deit_small", 256, None, 3.0), ("deit_base", 256, None, 3.0))
+
+
+def bound_for(r: dict) -> float | None:
+    """The issue-29 bound on the ratio for this row, or None (no bound: other model, size below
+    the bounds, a non-default ``--gram-tokens``, another sparsity or Q/K solver)."""
+    if r["gram_tokens"] is not None or r.get("sparsity", 0.5) != 0.5 or r.get("qk_solver", "auto") != "auto":
+        return None
+    table = CPU_BOUNDS if r["device"] == "cpu" else GPU_BOUNDS
+    if r["device"] == "cpu" and r["threads"] not in (1, 2):
+        return None
+    for model, lo, hi, limit in table:
+        if r["model"] == model and r["images"] >= lo and (hi is None or r["images"] <= hi):
+            return limit
+    return None
+
+
+def verdict(r: dict) -> str:
+    """``met (<= 2.0x)`` / ``NOT met (<= 1.5x)`` on the median wall ratio, ``-`` without a bound."""
+    limit = bound_for(r)
+    if limit is None:
+        return "-"
+    return f"{'met' if r['ratio'] <= limit else 'NOT met'} (<= {limit:g}x)"
 
 
 class PhaseTimer:
@@ -153,6 +185,7 @@ def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -
     ratios = [p["prune_s"] / d for p, d in zip(prunes, dense)]
     cpu_ratios = [p["prune_cpu_s"] / d for p, d in zip(prunes, dense_cpu)]
     return {"model": model_key, "images": n, "threads": threads, "device": str(device),
+            "sparsity": args.sparsity, "qk_solver": args.qk_solver,
             "gram_tokens": args.gram_tokens_now, "gram_tokens_used": prunes[-1]["gram_tokens_used"],
             "dense_s": statistics.median(dense), **med, "ratio": statistics.median(ratios),
             "cpu_ratio": statistics.median(cpu_ratios), "dense_cpu_s": statistics.median(dense_cpu),
@@ -169,12 +202,28 @@ def fmt(r: dict) -> str:
             f"{r['dense_s']:.1f} | "
             f"{r['prune_s']:.1f} | {r['statistics_s']:.1f} | {r['ranking_s']:.2f} | {r['solve_s']:.2f} | "
             f"{r['surgery_s']:.2f} | {r['other_s']:.2f} | **{r['ratio']:.2f}** | {r['cpu_ratio']:.2f} | {r['peak_rss_mb']:.0f} | {gpu} | "
-            f"{solvers} |")
+            f"{solvers} | {verdict(r)} |")
 
 
 HEADER = ("| model | images | MLP tokens / image | device | threads | dense s | prune s | statistics s | ranking s | "
-          "solve s | surgery s | other s | ratio | CPU-time ratio | peak RSS MiB | peak GPU MiB | Q/K solvers |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "solve s | surgery s | other s | ratio | CPU-time ratio | peak RSS MiB | peak GPU MiB | Q/K solvers | "
+          "bound |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """One line per bound of the issue: met / not met over every measured row it applies to."""
+    out = []
+    for device, table in (("cpu", CPU_BOUNDS), ("cuda", GPU_BOUNDS)):
+        for model, lo, hi, limit in table:
+            span = f"{lo}-{hi}" if hi is not None else f">= {lo}"
+            hits = [r for r in rows if r["device"].split(":")[0] == device and bound_for(r) == limit
+                    and r["model"] == model and r["images"] >= lo and (hi is None or r["images"] <= hi)]
+            state = ("not measured" if not hits else
+                     "met" if all(r["ratio"] <= limit for r in hits) else "NOT met")
+            worst = f", worst {max(r['ratio'] for r in hits):.2f}x" if hits else ""
+            out.append(f"bound {device} {model} {span} images <= {limit:g}x: {state} ({len(hits)} rows{worst})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_case(model_key, n, t, device, args)
                         rows.append(r)
                         print(fmt(r), flush=True)
+    for line in summary(rows):
+        print(line, flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows,
+                                               "bounds": summary(rows)}, indent=1))
     return 0
 
 

@@ -52,12 +52,6 @@ class QKStatistics:
         self._gq: list[torch.Tensor] = []
         self._gk: list[torch.Tensor] = []
 
-    def to(self, device: torch.device | str) -> "QKStatistics":
-        """Move the accumulators to ``device`` (in place). Returns self."""
-        self._score = self._score.to(device)
-        self._gq, self._gk = [t.to(device) for t in self._gq], [t.to(device) for t in self._gk]
-        return self
-
     @torch.no_grad()
     def add_batch(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Add queries and keys of shape (B, H, n, d) (one row per token, per image).
@@ -106,6 +100,23 @@ class QKStatistics:
         """Bytes held by the stored Grams."""
         return sum(t.numel() * t.element_size() for t in self._gq + self._gk)
 
+    def to(self, device: torch.device | str) -> "QKStatistics":
+        """Move the score sums and the stored Grams to ``device`` (in place); returns self.
+
+        Call it once, after the pass: Grams not yet on ``device`` are concatenated into one
+        tensor per side first, so the data moves in one copy each (no per-batch transfers);
+        Grams already there are left as they are (no copy). Later
+        ``add_batch`` calls must bring activations on ``device``.
+        """
+        device = torch.device(device)
+        self._score = self._score.to(device)
+        if any(t.device != device for t in self._gq + self._gk):
+            gq, gk = (torch.cat(lst) if len(lst) > 1 else lst[0] for lst in (self._gq, self._gk))
+            self._gq, self._gk = [gq.to(device)], [gk.to(device)]
+        if self.grams_device is not None:
+            self.grams_device = device
+        return self
+
 
 class QKSystemStatistics:
     """Accumulates the exact Q/K compensation system for a known kept set, image by image.
@@ -122,34 +133,41 @@ class QKSystemStatistics:
     """
 
     def __init__(self, keep: torch.Tensor, qk_dim: int, device: torch.device | str = "cpu") -> None:
-        from edgeprune.solve.qk_logit import kronecker_system  # local: solve depends on nothing here
+        from edgeprune.solve.qk_logit import kronecker_systems  # local: solve depends on nothing here
 
-        self._kron = kronecker_system
-        self.keep = keep
+        self._kron = kronecker_systems
         self.num_heads, self.kept = keep.shape
-        self.prune = torch.stack([pruned_indices(k, qk_dim) for k in keep])
+        # the index sets live where the system accumulates: moved once, not per batch
+        self.keep = keep.to(device)
+        self.prune = torch.stack([pruned_indices(k, qk_dim) for k in keep]).to(device)
         d2 = self.kept * self.kept
         self.k_sys = torch.zeros(self.num_heads, d2, d2, dtype=torch.float64, device=device)
         self.rhs = torch.zeros(self.num_heads, self.kept, self.kept, dtype=torch.float64, device=device)
         self.num_images = 0
         self.qk_dim = qk_dim
 
-    def to(self, device: torch.device | str) -> "QKSystemStatistics":
-        """Move the accumulators to ``device`` (in place). Returns self."""
-        self.k_sys, self.rhs = self.k_sys.to(device), self.rhs.to(device)
-        self.keep, self.prune = self.keep.to(device), self.prune.to(device)
-        return self
-
     @torch.no_grad()
     def add_batch(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Add queries and keys (B, H, n, d)."""
+        """Add queries and keys (B, H, n, d): float64 Grams and one batched system assembly for
+        all heads (``qk_logit.kronecker_systems``), summed into the float64 system on its device.
+
+        Raises:
+            ValueError: shapes disagree with (H, d); activations on another device than the system.
+        """
+        if q.shape != k.shape or q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.qk_dim:
+            raise ValueError(f"expected q, k of shape (B, {self.num_heads}, n, {self.qk_dim}), "
+                             f"got {tuple(q.shape)} and {tuple(k.shape)}")
+        if q.device != self.k_sys.device:
+            raise ValueError(f"activations on {q.device}, the Q/K system on {self.k_sys.device} "
+                             "(construct it with device= the calibration pass's device)")
         qd, kd = q.double(), k.double()
-        gq = qd.transpose(-1, -2) @ qd
-        gk = kd.transpose(-1, -2) @ kd
-        if self.keep.device != gq.device:
-            self.keep, self.prune = self.keep.to(gq.device), self.prune.to(gq.device)
-        for h in range(self.num_heads):
-            ks, rhs = self._kron(gq[:, h], gk[:, h], self.keep[h], self.prune[h])
-            self.k_sys[h] += ks
-            self.rhs[h] += rhs
+        ks, rhs = self._kron(qd.transpose(-1, -2) @ qd, kd.transpose(-1, -2) @ kd, self.keep, self.prune)
+        self.k_sys += ks
+        self.rhs += rhs
         self.num_images += q.shape[0]
+
+    def to(self, device: torch.device | str) -> "QKSystemStatistics":
+        """Move the system, its right side and the index sets to ``device`` (in place); returns self."""
+        for name in ("k_sys", "rhs", "keep", "prune"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self

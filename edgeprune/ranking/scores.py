@@ -12,6 +12,7 @@ from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics
 from edgeprune.errors import UserError
 from edgeprune.ranking.registry import get_criterion
+from edgeprune.solve.topk import stable_top_k
 
 QK_CRITERIA = ("logit",)
 
@@ -56,9 +57,11 @@ def qk_scores(stats: QKStatistics, criterion: str = "logit") -> torch.Tensor:
 
 
 def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim, sorted ascending (int64).
+    """Indices of the k largest scores along the last dim, sorted ascending (int64, on the CPU).
 
-    Ties are broken towards the lower index (stable), so results are deterministic.
+    Selected by :func:`edgeprune.solve.topk.stable_top_k`, the one tie-break rule: scores in
+    float64 on the CPU, stable sort, an exact tie goes to the lower index (device-independent).
+    Near ties (scores closer than their float32 round-off, ~1e-6 relative) are not merged and
+    may rank differently on another device; ``edgeprune.solve.topk`` says why.
     """
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.sort(order, dim=-1).values
+    return stable_top_k(scores, k)
