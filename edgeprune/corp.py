@@ -20,6 +20,7 @@ from edgeprune.errors import UserError
 from edgeprune.plan import BlockPlan, check_dims, dims_override, kept_dim, pruned_indices, pruned_modules
 from edgeprune.ranking import MLP_CRITERIA, VO_CRITERIA, mlp_scores, top_k_indices
 from edgeprune.solve import mlp_ridge, qk_logit, qk_logit_cg
+from edgeprune.solve.head_refit import check_refit_request
 from edgeprune.solve.qk_choice import cg_is_cheaper
 from edgeprune.surgery import shrink_mlp
 from edgeprune.vo import LAYOUTS, attention_dims, attention_sparsities, plan_attention, prune_attention
@@ -209,6 +210,7 @@ class CorpConfig:
             raise UserError(f"bias correction images must be an int >= 0 (0 = off), got {k!r}")
         if self.head_refit is not None and not isinstance(self.head_refit, bool):
             raise UserError(f"head refit must be True, False or None (auto), got {self.head_refit!r}")
+        check_refit_request(self.head_refit, bias_correction_used(self))  # issue 32
         from edgeprune.last_block import LAST_BLOCK_CHOICES
 
         if self.last_block not in LAST_BLOCK_CHOICES:

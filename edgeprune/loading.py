@@ -29,12 +29,18 @@ def load_base_model(record: dict) -> nn.Module:
 
     Raises:
         UserError: the checkpoint is gone or changed ("checkpoint X changed since the run was made
-            ..."), an unknown model.
+            ..."), the record names no checkpoint (the hint: a dense ``eval --model NAME
+            --checkpoint PATH``), an unknown model.
     """
-    from edgeprune.zoo.registry import spec_from_record
+    from edgeprune.zoo.registry import MissingWeightsError, spec_from_record
 
     spec = spec_from_record(record["base_model"])
-    return spec.create(pretrained=not spec.random_init)
+    try:
+        return spec.create(pretrained=not spec.random_init)
+    except MissingWeightsError:
+        raise UserError(f"the run's record names no checkpoint for its dense base model {spec.name}, so it "
+                        f"cannot be rebuilt to compare against (evaluate the dense model on its own with "
+                        f"'--model {spec.name} --checkpoint PATH')") from None
 
 
 def load_target(run_dir: str | os.PathLike | None, model_name: str | None,

@@ -238,7 +238,13 @@ def _torch_factory(target: str, path: Path, kind: str, opts: RunnerOptions) -> R
         model, _rec, spec = load_target(path, None)
         label = path.name
     else:
-        model, _rec, spec = load_target(None, target, None, opts.random_init)
+        from edgeprune.zoo.registry import MissingWeightsError
+
+        try:
+            model, _rec, spec = load_target(None, target, None, opts.random_init)
+        except MissingWeightsError:  # bench has no --checkpoint: name what it takes
+            raise UserError(f"{target}: no weights to benchmark -- pass --random-init (latency only), or a "
+                            "run directory or .onnx file") from None
         label = target
     kwargs: dict[str, Any] = {"cuda_graphs": bool(opts.cuda_graphs)}
     if opts.precision is not None:

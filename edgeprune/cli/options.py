@@ -56,26 +56,54 @@ def model_options(default: str | None = None, help: str | None = None) -> Callab
     return deco
 
 
+def _split_items(text: str) -> list[str]:
+    """Split ``K=V,K=V`` on the commas outside JSON brackets and strings."""
+    items, depth, quoted, escaped, start = [], 0, False, False, 0
+    for i, ch in enumerate(text):
+        if quoted:
+            escaped = not escaped and ch == "\\"
+            if ch == '"' and not escaped:
+                quoted = False
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
+
+
 def parse_model_kwargs(text: str | None) -> dict[str, Any] | None:
-    """``"depth=6,global_pool=avg"`` -> ``{"depth": 6, "global_pool": "avg"}`` (JSON values, else
-    strings); None for None or an empty string.
+    """``"depth=6,global_pool=avg,x={"a":1,"b":2}"`` -> ``{"depth": 6, "global_pool": "avg",
+    "x": {"a": 1, "b": 2}}``: values are JSON, else plain strings; commas inside JSON brackets or
+    strings do not split. None for None or an empty string.
 
     Raises:
-        UserError: an item without ``=``, or an empty key.
+        UserError: an item without ``=``, an empty key, or a value that starts like JSON (``{``,
+            ``[`` or ``"``) but is not valid JSON ("invalid JSON for KEY").
     """
     import json
 
     if not text:
         return None
     out: dict[str, Any] = {}
-    for item in text.split(","):
+    for item in _split_items(text):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--model-kwargs wants key=value pairs separated by commas, got {item!r}")
+        key, value = key.strip(), value.strip()
         try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value.strip()
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as err:
+            if value[:1] in ("{", "[", '"'):
+                raise UserError(f"--model-kwargs: invalid JSON for {key}: {value!r} ({err.msg} at "
+                                f"character {err.pos})") from None
+            out[key] = value
     return out
 
 
@@ -209,6 +237,27 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
         raise UserError("--img-size/--model-kwargs go with --model, not a run directory (it records its own)")
     kw = _extra(load_target, img_size, model_kwargs)
     return load_target(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
+
+
+def check_budget_options(ctx: click.Context) -> None:
+    """``prune``: a ``--flops`` / ``--params`` budget with a sparsity option typed beside it
+    (``--sparsity`` counts only when given, not its default) is refused before any work
+    (:func:`edgeprune.option_checks.refuse_sparsities_with_budget`).
+
+    Raises:
+        UserError: naming the budget and the sparsity options.
+    """
+    from click.core import ParameterSource
+
+    from edgeprune.option_checks import refuse_sparsities_with_budget
+
+    p = ctx.params
+    budget = "--flops" if p.get("flops") is not None else "--params" if p.get("params") is not None else None
+    given = {"--sparsity": p.get("sparsity") if ctx.get_parameter_source("sparsity") != ParameterSource.DEFAULT
+             else None}
+    given.update({f"--{k.replace('_', '-')}": p.get(k)
+                  for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
+    refuse_sparsities_with_budget(budget, given)
 
 
 def check_readable_dir(path: Any, what: str) -> None:
