@@ -89,9 +89,9 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
     """Write ``model.safetensors`` and ``run.json`` into a new directory, atomically.
 
     Everything is written into a temporary sibling directory first and renamed into place, so an
-    interrupted or failed save leaves no half-written run directory. ``record["weights_sha256"]``
-    is set to the sha256 of the written ``model.safetensors`` (:func:`load_run` refuses weights
-    that no longer match it).
+    interrupted or failed save leaves no half-written run directory. The written ``run.json`` is
+    ``record`` plus ``weights_sha256``, the sha256 of the written ``model.safetensors``
+    (:func:`load_run` refuses weights that no longer match it); ``record`` itself is not changed.
 
     Raises:
         UserError: the directory already exists.
@@ -107,7 +107,7 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
             state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
             # deterministic bytes (sorted names and metadata): identical runs, identical files
             atomic.write_safetensors(tmp / WEIGHTS, state, {"format": "pt", "edgeprune_record": RECORD})
-            record["weights_sha256"] = file_sha256(tmp / WEIGHTS)
+            record = {**record, "weights_sha256": file_sha256(tmp / WEIGHTS)}  # the caller's dict untouched
             (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
             if out.exists():
                 raise UserError(f"output directory {out} appeared while saving; not overwriting it")

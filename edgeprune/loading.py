@@ -38,9 +38,10 @@ def load_base_model(record: dict) -> nn.Module:
     try:
         return spec.create(pretrained=not spec.random_init)
     except MissingWeightsError:
-        raise UserError(f"the run's record names no checkpoint for its dense base model {spec.name}, so it "
-                        f"cannot be rebuilt to compare against (evaluate the dense model on its own with "
-                        f"'--model {spec.name} --checkpoint PATH')") from None
+        raise UserError(f"the run's record names no checkpoint for its dense base model {spec.name} "
+                        "(base_model.checkpoint is null), so the dense model cannot be rebuilt for this "
+                        f"command ('edgeprune eval --model {spec.name} --checkpoint PATH' evaluates it "
+                        "on its own)") from None
 
 
 def load_target(run_dir: str | os.PathLike | None, model_name: str | None,

@@ -80,8 +80,8 @@ def _check_base_model(path, base: Any) -> None:
 
 
 def _check_blocks(path, blocks: Any) -> None:
-    if not isinstance(blocks, list) or not blocks:
-        raise _bad(path, "blocks", "a non-empty list of per-block dims", blocks)
+    if not isinstance(blocks, list):
+        raise _bad(path, "blocks", "a list of per-block dims", blocks)
     for i, b in enumerate(blocks):
         if not isinstance(b, dict):
             raise _bad(path, f"blocks[{i}]", "an object", b)
@@ -107,7 +107,7 @@ def validate_record(rec: Any, path: str | os.PathLike) -> dict:
         raise UserError(f"{path}: not a run record (a JSON object), got {type(rec).__name__}")
     for key in ("base_model", "blocks"):
         if key not in rec:
-            raise UserError(f"{path}: field {key!r} is missing (the run directory is damaged)")
+            raise UserError(f"{path} has no {key!r} entry (the run directory is damaged)")
     _check_base_model(path, rec["base_model"])
     _check_blocks(path, rec["blocks"])
     _check(path, rec, "weights_sha256", _sha_or_none, "a sha256 hex digest")

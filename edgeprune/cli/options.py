@@ -48,9 +48,11 @@ def model_options(default: str | None = None, help: str | None = None) -> Callab
             click.option("--num-classes", type=click.IntRange(min=1), default=None, metavar="N",
                          help="Classifier outputs of a timm model [the model's own]."),
             click.option("--img-size", type=click.IntRange(min=1), default=None, metavar="N",
-                         help="Input image size of a timm model, where the model supports it [the model's own]."),
+                         help="Input image size of a timm model, where the model supports it: at least, and a "
+                              "multiple of, its patch size [the model's own]."),
             click.option("--model-kwargs", default=None, metavar="K=V,...", callback=_kwargs_callback,
-                         help="Further timm.create_model keywords of a timm model (values as JSON), "
+                         help="Further timm.create_model keywords of a timm model (values as JSON, else plain "
+                              "strings; a value starting with { [ or \" must be valid JSON), "
                               "e.g. depth=6,drop_path_rate=0."),
         )
     return deco
@@ -242,10 +244,11 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
 def check_budget_options(ctx: click.Context) -> None:
     """``prune``: a ``--flops`` / ``--params`` budget with a sparsity option typed beside it
     (``--sparsity`` counts only when given, not its default) is refused before any work
-    (:func:`edgeprune.option_checks.refuse_sparsities_with_budget`).
+    (:func:`edgeprune.option_checks.refuse_sparsities_with_budget`), and so is ``--check-images``
+    without a budget (it would be ignored).
 
     Raises:
-        UserError: naming the budget and the sparsity options.
+        UserError: naming the budget and the conflicting options.
     """
     from click.core import ParameterSource
 
@@ -258,6 +261,9 @@ def check_budget_options(ctx: click.Context) -> None:
     given.update({f"--{k.replace('_', '-')}": p.get(k)
                   for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
     refuse_sparsities_with_budget(budget, given)
+    if budget is None and p.get("check_images") is not None:
+        raise UserError("--check-images goes with --flops/--params (it measures the budget's candidate "
+                        "allocations); without a budget there is nothing to measure")
 
 
 def check_readable_dir(path: Any, what: str) -> None:
