@@ -82,7 +82,8 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
     from edgeprune.allocation.budget import make_budget
 
     budget = make_budget(settings.pop("flops", None), settings.pop("params", None))
-    refuse_sparsities_with_budget(budget and f"{budget['kind']}=", {f"{k}=": settings.get(k) for k in _SPARSITY_KEYS})
+    refuse_sparsities_with_budget(budget and f"{budget['kind']}=",
+                                  {f"{k}=": settings.get(k) for k in _SPARSITY_KEYS})  # issue 32
     if budget is not None:
         settings["budget"] = budget
         sparsity = None  # the budget replaces the sparsity

@@ -51,7 +51,8 @@ def cli() -> None:
       edgeprune bench fm50.onnx --device cpu
 
     Errors are one line: 'error: <what> (<how to fix>)'; exit status 2 for a usage mistake,
-    1 for a fault of the environment (disk full, missing backend), 130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM).
+    1 for a fault of the environment (disk full, missing backend), 130 when interrupted (Ctrl-C),
+    143 when terminated (SIGTERM).
     """
 
 
