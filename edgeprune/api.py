@@ -30,8 +30,9 @@ from edgeprune.distributed import all_reduce_sum, distributed_info, is_distribut
 from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
 from edgeprune.layers.class_token_block import class_token_plan, to_class_token_block
+from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.plan import achieved_sparsity  # noqa: F401  (re-exported: nuwa, tools)
-from edgeprune.solve.head_refit import fit_head, refit_statistics
+from edgeprune.solve.head_refit import fit_head, refit_note, refit_statistics
 from edgeprune.solve.output_bias import classifier_head, fold_output_bias, output_sums
 from edgeprune.surgery import block_dims
 from edgeprune.torch_device import resolve_device
@@ -122,6 +123,8 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
             ``params``, a bad budget value.
     """
     budget = make_budget(settings.pop("flops", None), settings.pop("params", None))
+    refuse_sparsities_with_budget(budget and f"{budget['kind']}=",
+                                  {f"{k}=": settings.get(k) for k in _SPARSITY_KEYS})  # issue 32
     if budget is not None:
         settings["budget"] = budget
         sparsity = None  # the budget replaces the sparsity
@@ -325,7 +328,8 @@ class _BiasCorrection:
         if head is None:
             raise RuntimeError("output correction: the pruned model lost its classifier")
         first = getattr(self.batches, "first_image", 0)
-        refit = self.refit and dense[1] >= 2  # a refit needs images in 2 folds
+        note = refit_note(dense[1]) if self.refit else None  # too few images: the bias alone, said
+        refit = self.refit and note is None
         inputs: list[torch.Tensor] = []  # the head's inputs of the pruned pass
         hook = head.register_forward_hook(lambda _m, args, _out: inputs.append(args[0].detach())) if refit else None
         try:
@@ -357,5 +361,7 @@ class _BiasCorrection:
                           alpha=alpha if finite else None,
                           cv_error={(f"{a:g}" if a != float("inf") else "bias only"): e for a, e in fit["cv_error"].items()},
                           weight_change=float((fit["weight"] - w0).norm() / w0.norm().clamp_min(1e-300)))
+        if note:
+            record["note"] = note
         record["seconds"] = time.perf_counter() - t0
         return record

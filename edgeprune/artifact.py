@@ -31,8 +31,9 @@ from safetensors.torch import load_file
 
 from edgeprune import atomic
 from edgeprune._version import __version__
-from edgeprune.atomic import atomic_dir
+from edgeprune.atomic import atomic_dir, file_sha256
 from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.run_record import validate_record
 from edgeprune.surgery import apply_structure
 from edgeprune.zoo.registry import spec_from_record
 
@@ -94,7 +95,9 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
     """Write ``model.safetensors`` and ``run.json`` into a new directory, atomically.
 
     Everything is written into a temporary sibling directory first and renamed into place, so an
-    interrupted or failed save leaves no half-written run directory.
+    interrupted or failed save leaves no half-written run directory. The written ``run.json`` is
+    ``record`` plus ``weights_sha256``, the sha256 of the written ``model.safetensors``
+    (:func:`load_run` refuses weights that no longer match it); ``record`` itself is not changed.
 
     Raises:
         UserError: the directory already exists.
@@ -106,6 +109,7 @@ def save_run(path: str | os.PathLike, model: nn.Module, record: dict[str, Any]) 
             state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
             # deterministic bytes (sorted names and metadata): identical runs, identical files
             atomic.write_safetensors(tmp / WEIGHTS, state, {"format": "pt", "edgeprune_record": RECORD})
+            record = {**record, "weights_sha256": file_sha256(tmp / WEIGHTS)}  # the caller's dict untouched
             (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
             if out.exists():
                 raise UserError(f"output directory {out} appeared while saving; not overwriting it")
@@ -176,29 +180,67 @@ def read_record(path: str | os.PathLike) -> dict[str, Any]:
     """The run record of a run directory.
 
     Raises:
-        UserError: not a run directory, or an unreadable record.
+        UserError: not a run directory, an unreadable record, or a field of the wrong type or
+            value (:func:`edgeprune.run_record.validate_record`: one line naming field and file).
     """
     p = Path(path)
     if not (p / RECORD).is_file() or not (p / WEIGHTS).is_file():
         raise UserError(f"{p} is not an edgeprune run directory (needs {RECORD} and {WEIGHTS})")
     try:
         rec = json.loads((p / RECORD).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UserError(f"cannot read {p / RECORD}: {err}") from None
-    for key in ("base_model", "blocks"):
-        if key not in rec:
-            raise UserError(f"{p / RECORD} has no {key!r} entry")
-    return rec
+    return validate_record(rec, p / RECORD)
+
+
+def check_weights(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Refuse a run's ``model.safetensors`` whose sha256 differs from ``record["weights_sha256"]``
+    (recorded by :func:`save_run`; records of older runs have none and are not checked).
+
+    Raises:
+        UserError: the file changed since the run was saved (damaged or altered), or cannot be read.
+    """
+    want = record.get("weights_sha256")
+    if not want:
+        return
+    f = Path(path) / WEIGHTS
+    try:
+        got = file_sha256(f)
+    except OSError as err:
+        raise UserError(f"cannot read {f}: {err.strerror or err}") from None
+    if got != want:
+        raise UserError(f"{f} changed since the run was saved (sha256 {got[:12]}... != recorded "
+                        f"{want[:12]}...): the weights are damaged or were altered")
+
+
+def _load_weights(f: Path) -> dict:
+    """The tensors of a run's weights file; a truncated, empty or garbled file is named as damaged.
+
+    Raises:
+        UserError: the file is not a readable safetensors file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError) as err:
+        if isinstance(err, OSError) and err.errno is not None and err.errno not in (errno.EIO, errno.EINVAL):
+            raise UserError(f"cannot read {f}: {err.strerror or err}") from None
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{f} is damaged (truncated, empty or not a safetensors file: {reason})") from None
 
 
 def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a run's model (eval mode, float32, CPU) and return it with its record.
 
     Raises:
-        UserError: not a run directory, or weights that do not fit the recorded structure.
+        UserError: not a run directory, a damaged record or weights file, weights changed since the
+            run was saved (``weights_sha256``), or weights that do not fit the recorded structure.
     """
     p = Path(path)
     rec = read_record(p)
+    check_weights(p, rec)
     spec = spec_from_record(rec["base_model"])
     model = spec.create(pretrained=False)
     try:
@@ -209,7 +251,7 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
             from edgeprune.nuwa.head import apply_head_structure
 
             apply_head_structure(model, rec["head"])
-        state = load_file(str(p / WEIGHTS))
+        state = _load_weights(p / WEIGHTS)
         model.load_state_dict(state, strict=True)
     except (ValueError, RuntimeError, KeyError) as err:
         raise UserError(f"{p}: weights do not fit the recorded model: {str(err).splitlines()[0]}") from None

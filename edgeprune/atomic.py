@@ -5,6 +5,12 @@ moved into place with ``os.replace`` / ``os.rename`` only once complete; on any 
 KeyboardInterrupt, the temporary is removed and the destination is left as it was. Temporaries
 made by :mod:`tempfile` are private (0600 files, 0700 folders); the finished output gets the
 permissions a plain ``open()`` / ``mkdir()`` would have given it under the current umask.
+
+Temporaries are named ``.<dest name>.ep<host>-<pid>.<random><suffix>`` (suffix ``.tmp``) (:func:`temp_prefix`): a
+process killed without a chance to clean up (SIGKILL, power loss) leaves one behind, and the next
+write into the same folder removes those whose process is gone (:func:`remove_stale_temporaries`;
+only this host's, only ours, never one of a live process). SIGTERM is handled like Ctrl-C by the
+command line (``edgeprune.cli.main``), so the ``except BaseException`` clean-up below runs for it.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -34,6 +42,53 @@ def default_dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temp_prefix(dest: Path) -> str:
+    """The prefix of ``dest``'s temporaries: ``.<name>.ep<host hash>-<pid>.`` (see module doc)."""
+    return f".{dest.name}.ep{_host_tag()}-{os.getpid()}."
+
+
+_TEMP = re.compile(r"\..+\.ep([0-9a-f]{8})-(\d+)\.[a-z0-9_]{8}\.[A-Za-z0-9]+")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporaries (files and folders) that killed edgeprune processes of this host left
+    in ``folder``; returns what was removed. A temporary of a live process, of another host, or not
+    named by :func:`temp_prefix` is left alone; errors are ignored (it is tidying, not the write).
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    host = _host_tag()
+    for e in entries:
+        m = _TEMP.fullmatch(e.name)
+        if m is None or m.group(1) != host or int(m.group(2)) == os.getpid() or _alive(int(m.group(2))):
+            continue
+        p = Path(e.path)
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike[str], *, suffix: str = ".tmp") -> Iterator[Path]:
     """A temporary file path next to ``dest``; the file there replaces ``dest`` on a clean exit.
@@ -48,7 +103,8 @@ def atomic_path(dest: str | os.PathLike[str], *, suffix: str = ".tmp") -> Iterat
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix, dir=dest.parent)
+    remove_stale_temporaries(dest.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(dest), suffix=suffix, dir=dest.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -189,7 +245,8 @@ def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    remove_stale_temporaries(dest.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), suffix=".tmp", dir=dest.parent))
     try:
         yield tmp
         os.chmod(tmp, default_dir_mode())

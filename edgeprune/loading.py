@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from edgeprune.artifact import load_run
 from edgeprune.errors import UserError
-from edgeprune.zoo.registry import get_model_spec, spec_from_record
+from edgeprune.zoo.registry import MissingWeightsError, get_model_spec, spec_from_record
 
 #: torch seed for ``--random-init`` models (``ModelSpec.seed``'s default).
 RANDOM_INIT_SEED = 0
@@ -32,10 +32,17 @@ def load_base_model(record: dict) -> nn.Module:
 
     Raises:
         UserError: the checkpoint is gone or changed ("checkpoint X changed since the run was made
-            ..."), an unknown model.
+            ..."), the record names no checkpoint (the hint: a dense ``eval --model NAME
+            --checkpoint PATH``), an unknown model.
     """
     spec = spec_from_record(record["base_model"])
-    return spec.create(pretrained=not spec.random_init)
+    try:
+        return spec.create(pretrained=not spec.random_init)
+    except MissingWeightsError:
+        raise UserError(f"the run's record names no checkpoint for its dense base model {spec.name} "
+                        "(base_model.checkpoint is null), so the dense model cannot be rebuilt for this "
+                        f"command ('edgeprune eval --model {spec.name} --checkpoint PATH' evaluates it "
+                        "on its own)") from None
 
 
 def load_run_or_model(run_dir: str | os.PathLike | None, model_name: str | None,

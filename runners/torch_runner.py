@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.loading import load_run_or_model
+from edgeprune.zoo.registry import MissingWeightsError
 from runners.attention_kernels import attention_kernels, describe
 from runners.base import Runner, peak_rss_mb
 from runners.registry import Backend, RunnerOptions, make_runner, register_backend
@@ -258,7 +259,11 @@ class TorchBackend(Backend):
             model, _rec, spec = load_run_or_model(path, None)
             label = path.name
         else:
-            model, _rec, spec = load_run_or_model(None, target, None, opts.random_init)
+            try:
+                model, _rec, spec = load_run_or_model(None, target, None, opts.random_init)
+            except MissingWeightsError:  # bench has no --checkpoint: name what it takes
+                raise UserError(f"{target}: no weights to benchmark -- pass --random-init (latency only), or a "
+                                "run directory or .onnx file") from None
             label = target
         kwargs: dict[str, Any] = {"cuda_graphs": bool(opts.cuda_graphs)}
         if opts.precision is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -95,8 +96,11 @@ def test_save_run_writes_exactly_the_weights_and_the_record(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted([WEIGHTS, RECORD])
     text = (out / RECORD).read_text()
     assert text.endswith("}\n") and text.startswith('{\n  "method"')  # indent 2
+    sha = hashlib.sha256((out / WEIGHTS).read_bytes()).hexdigest()  # issue 32: the weights' own hash
     assert list(json.loads(text).items()) == [("method", "m"), ("base_model", {"name": "x"}), ("blocks", []),
-                                              ("tuple", [1, 2]), ("path", str(tmp_path))]  # order kept
+                                              ("tuple", [1, 2]), ("path", str(tmp_path)),
+                                              ("weights_sha256", sha)]  # order kept
+    assert "weights_sha256" not in rec  # the caller's record is not changed
     with safe_open(str(out / WEIGHTS), "pt") as f:
         assert f.metadata() == {"format": "pt", "edgeprune_record": RECORD}
         assert sorted(f.keys()) == sorted(model.state_dict())
@@ -224,7 +228,7 @@ def test_load_run_rebuilds_a_pruned_structure_and_refuses_weights_that_do_not_fi
     rec = {"base_model": base, "blocks": dims, "head": {"mode": "slice", "classes": [2, 0], "num_classes": 2}}
     save_run(tmp_path / "run", model, rec)
     loaded, rec2 = load_run(tmp_path / "run")
-    assert rec2 == json.loads(json.dumps(rec)) and not loaded.training
+    assert rec2 == {**json.loads(json.dumps(rec)), "weights_sha256": rec2["weights_sha256"]} and not loaded.training
     assert block_dims(find_anatomy(loaded)) == dims
     sd, sd2 = model.state_dict(), loaded.state_dict()
     assert list(sd) == list(sd2) and all(torch.equal(sd[k], sd2[k]) for k in sd)
@@ -234,6 +238,9 @@ def test_load_run_rebuilds_a_pruned_structure_and_refuses_weights_that_do_not_fi
     # a weight file that lacks one tensor is refused (strict load), naming the run
     weights = load_file(str(tmp_path / "run" / WEIGHTS))
     save_file({k: v for k, v in weights.items() if k != "blocks.1.mlp.fc2.bias"}, str(tmp_path / "run" / WEIGHTS))
+    with pytest.raises(UserError, match=r"model.safetensors changed since the run was saved"):  # recorded sha256
+        load_run(tmp_path / "run")
+    (tmp_path / "run" / RECORD).write_text(json.dumps(rec))  # a run without weights_sha256 (older edgeprune)
     with pytest.raises(UserError, match=r"run: weights do not fit the recorded model: Error\(s\) in loading"):
         load_run(tmp_path / "run")
     save_file(weights, str(tmp_path / "run" / WEIGHTS))

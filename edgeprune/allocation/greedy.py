@@ -225,11 +225,15 @@ def cheapest(anatomy, cfg) -> tuple[float, float, float]:
 
 
 def check_budget(anatomy, cfg) -> None:
-    """Raises UserError when ``cfg.budget`` is below the cheapest reachable allocation (call before
-    the calibration pass; :func:`allocate` checks again)."""
+    """Raises UserError when ``cfg.budget`` is below the cheapest reachable allocation or above the
+    dense model (call before the calibration pass; :func:`allocate` checks again)."""
     if cfg.budget is None:
         return
     floor, dense, target = cheapest(anatomy, cfg)
+    if target > dense * (1 + 1e-9):  # issue 32: nothing to prune (not a --round-to matter)
+        kind = cfg.budget["kind"]
+        raise UserError(f"the {kind} budget {cfg.budget['value']:g} ({target:,.0f}) is above the dense model "
+                        f"({dense:,.0f} {kind}): nothing to prune (give a fraction < 1 or a smaller count)")
     if floor > target:
         kind = cfg.budget["kind"]
         raise UserError(f"the {kind} budget {cfg.budget['value']:g} ({target:,.0f}) is below the cheapest "

@@ -5,11 +5,17 @@
 * :class:`~edgeprune.errors.UserError` -> ``error: <message>`` on stderr, exit ``err.exit_code``
   (2 for a user mistake, 1 for a :class:`~edgeprune.errors.RuntimeFault` of the environment);
 * a click usage error (unknown option, bad value) -> one ``error: ...`` line, exit 2;
-* Ctrl-C -> ``interrupted``, exit 130 (outputs are written atomically: nothing half-written);
+* Ctrl-C -> ``interrupted``, exit 130; SIGTERM (``kill``, a job scheduler, torchrun stopping its
+  other ranks) -> ``terminated``, exit 143 -- both unwind like an exception, so the temporary of
+  an output being written is removed (outputs are written atomically: nothing half-written);
 * an ``OSError`` while writing (disk full, read-only file system, no permission) -> ``error:
   cannot write <path>: <reason> (free space / choose a writable -o)``, exit 1; safetensors'
   own I/O error (``SafetensorError``) -> one line, exit 1;
 * anything else is a bug and keeps its traceback.
+
+Under torchrun (``RANK`` set, ``WORLD_SIZE`` > 1) only rank 0 prints these lines: every rank
+checks the same input and fails alike, and one message is enough (docs/distributed.md says what
+torchrun prints after it).
 
 The commands live in one module per group: :mod:`.prune`, :mod:`.evalinfo` (eval, info),
 :mod:`.heal`, :mod:`.derive`, :mod:`.deploy` (export, verify), :mod:`.device` (build, bench,
@@ -19,7 +25,10 @@ devices), :mod:`.quantize`.
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import sys
+import threading
 
 import click
 
@@ -49,7 +58,8 @@ def cli() -> None:
       edgeprune bench fm50.onnx --device cpu
 
     Errors are one line: 'error: <what> (<how to fix>)'; exit status 2 for a usage mistake,
-    1 for a fault of the environment (disk full, missing backend), 130 when interrupted.
+    1 for a fault of the environment (disk full, missing backend), 130 when interrupted (Ctrl-C),
+    143 when terminated (SIGTERM).
     """
 
 
@@ -70,8 +80,31 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so that the clean-up of a write in progress runs
+    (``except BaseException`` of :mod:`edgeprune.atomic`), as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one clean-up; a second SIGTERM waits for it
+    raise Terminated
+
+
+def _is_quiet_rank() -> bool:
+    """A torchrun rank other than 0 (from the environment: the group may not exist yet)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0
+    except ValueError:
+        return False
+
+
+def _say(line: str) -> None:
+    if not _is_quiet_rank():
+        click.echo(line, err=True)
+
+
 def _fail(message: str, code: int) -> None:
-    click.echo(f"error: {_first_line(message)}", err=True)
+    _say(f"error: {_first_line(message)}")
     sys.exit(code)
 
 
@@ -87,15 +120,29 @@ def main(argv: list[str] | None = None) -> None:
     """Run the ``edgeprune`` command line (``argv`` defaults to ``sys.argv[1:]``).
 
     Exits with the status of the command: 0, 1 (environment fault or a failed check), 2 (user
-    mistake), 130 (interrupted). Every error is one ``error: ...`` line on stderr.
+    mistake), 130 (interrupted), 143 (SIGTERM). Every error is one ``error: ...`` line on stderr.
     """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="edgeprune", standalone_mode=False)
     except UserError as err:
         _fail(str(err) or type(err).__name__, getattr(err, "exit_code", 2))
     except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("interrupted", err=True)
+        _say("interrupted")
         sys.exit(130)
+    except Terminated:
+        _say("terminated")
+        sys.exit(143)
     except click.exceptions.Exit as err:
         sys.exit(err.exit_code)
     except click.ClickException as err:

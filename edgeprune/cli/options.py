@@ -53,32 +53,62 @@ def model_options(default: str | None = None, help: str | None = None) -> Callab
             click.option("--num-classes", type=click.IntRange(min=1), default=None, metavar="N",
                          help="Classifier outputs of a timm model [the model's own]."),
             click.option("--img-size", type=click.IntRange(min=1), default=None, metavar="N",
-                         help="Input image size of a timm model, where the model supports it [the model's own]."),
+                         help="Input image size of a timm model, where the model supports it: at least, and a "
+                              "multiple of, its patch size [the model's own]."),
             click.option("--model-kwargs", default=None, metavar="K=V,...", callback=_kwargs_callback,
-                         help="Further timm.create_model keywords of a timm model (values as JSON), "
+                         help="Further timm.create_model keywords of a timm model (values as JSON, else plain "
+                              "strings; a value starting with { [ or \" must be valid JSON), "
                               "e.g. depth=6,drop_path_rate=0."),
         )
     return deco
 
 
+def _split_items(text: str) -> list[str]:
+    """Split ``K=V,K=V`` on the commas outside JSON brackets and strings."""
+    items, depth, quoted, escaped, start = [], 0, False, False, 0
+    for i, ch in enumerate(text):
+        if quoted:
+            escaped = not escaped and ch == "\\"
+            if ch == '"' and not escaped:
+                quoted = False
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
+
+
 def parse_model_kwargs(text: str | None) -> dict[str, Any] | None:
-    """``"depth=6,global_pool=avg"`` -> ``{"depth": 6, "global_pool": "avg"}`` (JSON values, else
-    strings); None for None or an empty string.
+    """``"depth=6,global_pool=avg,x={"a":1,"b":2}"`` -> ``{"depth": 6, "global_pool": "avg",
+    "x": {"a": 1, "b": 2}}``: values are JSON, else plain strings; commas inside JSON brackets or
+    strings do not split. None for None or an empty string.
 
     Raises:
-        UserError: an item without ``=``, or an empty key.
+        UserError: an item without ``=``, an empty key, or a value that starts like JSON (``{``,
+            ``[`` or ``"``) but is not valid JSON ("invalid JSON for KEY").
     """
     if not text:
         return None
     out: dict[str, Any] = {}
-    for item in text.split(","):
+    for item in _split_items(text):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--model-kwargs wants key=value pairs separated by commas, got {item!r}")
+        key, value = key.strip(), value.strip()
         try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value.strip()
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as err:
+            if value[:1] in ("{", "[", '"'):
+                raise UserError(f"--model-kwargs: invalid JSON for {key}: {value!r} ({err.msg} at "
+                                f"character {err.pos})") from None
+            out[key] = value
     return out
 
 
@@ -184,6 +214,31 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
         raise UserError("--img-size/--model-kwargs go with --model, not a run directory (it records its own)")
     kw = _extra(load_run_or_model, img_size, model_kwargs)
     return load_run_or_model(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
+
+
+def check_budget_options(ctx: click.Context) -> None:
+    """``prune``: a ``--flops`` / ``--params`` budget with a sparsity option typed beside it
+    (``--sparsity`` counts only when given, not its default) is refused before any work
+    (:func:`edgeprune.option_checks.refuse_sparsities_with_budget`), and so is ``--check-images``
+    without a budget (it would be ignored).
+
+    Raises:
+        UserError: naming the budget and the conflicting options.
+    """
+    from click.core import ParameterSource
+
+    from edgeprune.option_checks import refuse_sparsities_with_budget
+
+    p = ctx.params
+    budget = "--flops" if p.get("flops") is not None else "--params" if p.get("params") is not None else None
+    given = {"--sparsity": p.get("sparsity") if ctx.get_parameter_source("sparsity") != ParameterSource.DEFAULT
+             else None}
+    given.update({f"--{k.replace('_', '-')}": p.get(k)
+                  for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
+    refuse_sparsities_with_budget(budget, given)
+    if budget is None and p.get("check_images") is not None:
+        raise UserError("--check-images goes with --flops/--params (it measures the budget's candidate "
+                        "allocations); without a budget there is nothing to measure")
 
 
 def check_readable_dir(path: Any, what: str) -> None:

@@ -11,8 +11,8 @@ from edgeprune import api
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
-                                   fmt_metric, make_spec, model_options, out_option, quiet_option)
+from edgeprune.cli.options import (calibration_options, check_budget_options, check_readable_dir, device_option,
+                                   eval_options, fmt_metric, make_spec, model_options, out_option, quiet_option)
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.errors import UserError
@@ -96,6 +96,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     params, FLOPs and quality of both.
     """
     # 1. everything that can be checked without work
+    check_budget_options(click.get_current_context())
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     overrides = {k: v for k, v in (("v_sparsity", v_sparsity), ("head_sparsity", head_sparsity),
@@ -111,15 +112,16 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                              **overrides)
     amount = (f"{config.budget['kind']}{float(config.budget['value']):g}" if config.budget else f"{sparsity:g}")
     out_path = check_new_dir(out or f"runs/{model_name}-{config.target}-{amount}{'-nocomp' if no_compensation else ''}")
-    # under torchrun: one process group for the command (METHODS.md §5 "Distributed statistics")
-    click.get_current_context().with_resource(process_group(device))
-    main = is_main_process()  # rank 0 (or a single process) evaluates, writes and reports
-    quiet = quiet or not main
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
     n = calib_size if calib_size is not None else spec.default_calib_size
     calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
+    # under torchrun: one process group for the command (METHODS.md §5 "Distributed statistics"),
+    # started once the input is checked (a bad input fails every rank alike, before the rendezvous)
+    click.get_current_context().with_resource(process_group(device))
+    main = is_main_process()  # rank 0 (or a single process) evaluates, writes and reports
+    quiet = quiet or not main
     ev = None
     if not no_eval and main:
         ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
@@ -202,3 +204,5 @@ def _report_correction(bc: dict | None) -> None:
         why = "" if bc.get("kind", "bias") == "bias" else " (cross-validation preferred it to a classifier refit)"
         click.echo(f"output bias correction: mean output shift |c| = {bc['shift_norm']:.4g} over {bc['images']} "
                    f"calibration images folded into the classifier bias{why} (--bias-correction 0: off)")
+        if bc.get("note"):
+            click.echo(f"output correction: {bc['note']}")

@@ -18,6 +18,7 @@ from edgeprune.layers.class_token_block import LAST_BLOCK_CHOICES
 from edgeprune.plan import check_dims, check_sparsity, resolve_sparsities
 from edgeprune.ranking import get_criterion
 from edgeprune.solve import mlp_ridge, qk_logit
+from edgeprune.solve.head_refit import check_refit_request
 from edgeprune.vo import LAYOUTS, attention_sparsities
 
 
@@ -205,6 +206,7 @@ class CorpConfig:
             raise UserError(f"bias correction images must be an int >= 0 (0 = off), got {k!r}")
         if self.head_refit is not None and not isinstance(self.head_refit, bool):
             raise UserError(f"head refit must be True, False or None (auto), got {self.head_refit!r}")
+        check_refit_request(self.head_refit, bias_correction_used(self))  # issue 32
 
     def ensure_valid(self) -> "CorpConfig":
         """``self``, validated unless it passed :meth:`validate` unchanged (the one check per call).

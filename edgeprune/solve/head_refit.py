@@ -17,7 +17,16 @@ with ``lam = alpha tr(G_ff) / D`` (scale-free, as every ridge in edgeprune). ``a
 gives ``W* = W0`` and ``b* = b0 + mean(y_dense - y_pruned)``: exactly the output bias correction.
 alpha is chosen by K-fold cross-validation over the images (image i in fold ``i mod K``) among
 :data:`ALPHAS` and infinity (the bias correction itself), so the refit is used only where it
-predicts the dense outputs of held-out calibration images better than the constant does. Every
+predicts the dense outputs of held-out calibration images better than the constant does.
+
+Small calibration sets degrade gracefully (issue 32): a cross-validation training split whose
+centred features have no spread (a single image: ``G_ff = 0`` and ``G_fy = 0``) has the exact
+solution ``W* = W0``, the bias correction, and is solved as such (no singular system); the refit
+itself needs :data:`MIN_IMAGES` images (every training split then holds two). With fewer, the
+output correction folds the bias alone and its record carries a ``note`` saying so
+(:func:`refit_note`); asking for the refit explicitly with fewer correction images than that
+(``--head-refit --bias-correction 2``, or ``--head-refit`` with the correction off) is refused
+before any work (:func:`check_refit_request`). Every
 quantity is a sum over images (:class:`RefitStatistics`), so under torchrun the ranks' sums are
 all-reduced and every rank fits the same head. (Our addition: docs/methods.md "Classifier refit".)
 """
@@ -27,12 +36,46 @@ from __future__ import annotations
 import math
 import torch
 
-__all__ = ["ALPHAS", "FOLDS", "RefitStatistics", "refit_statistics", "fit_head"]
+from edgeprune.errors import UserError
+
+__all__ = ["ALPHAS", "FOLDS", "MIN_IMAGES", "RefitStatistics", "refit_statistics", "fit_head", "refit_note",
+           "check_refit_request"]
 
 #: scale-free ridge strengths tried by the cross-validation (plus infinity = bias only)
 ALPHAS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 #: folds of the cross-validation
 FOLDS = 8
+#: fewest calibration images the refit runs on (each cross-validation training split holds >= 2)
+MIN_IMAGES = 3
+
+
+def refit_note(images: int) -> str | None:
+    """Why the refit is skipped for ``images`` correction images (None: it runs)."""
+    if images >= MIN_IMAGES:
+        return None
+    return (f"classifier refit skipped: {images} calibration image(s), the refit needs at least {MIN_IMAGES}; "
+            "the bias correction alone was folded")
+
+
+def check_refit_request(head_refit: bool | None, images: int) -> None:
+    """Refuse an explicit refit (``head_refit=True``) that cannot run: the output correction off
+    (``images == 0``) or fewer than :data:`MIN_IMAGES` correction images asked for.
+
+    Args:
+        head_refit: True (asked), False (off) or None (auto: degrades with a note).
+        images: the correction's images (``edgeprune.corp.bias_correction_used``).
+
+    Raises:
+        UserError: naming ``--head-refit`` and ``--bias-correction``.
+    """
+    if head_refit is not True:
+        return
+    if images == 0:
+        raise UserError("--head-refit needs the output correction on: add --bias-correction N "
+                        f"(N >= {MIN_IMAGES}; the correction is off without --flops/--params)")
+    if images < MIN_IMAGES:
+        raise UserError(f"--head-refit needs --bias-correction >= {MIN_IMAGES} (its cross-validation fits on "
+                        f"all images but one fold), got {images}")
 
 
 class RefitStatistics:
@@ -72,9 +115,9 @@ class RefitStatistics:
 def _solve(n, sf, sy, sff, sfy, w0: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(W, b) from summed statistics (module doc); alpha = inf: W0 and the bias correction."""
     mf, my = sf / n, sy / n
-    if math.isinf(alpha):
-        return w0, my - w0 @ mf
     gff = sff - n * torch.outer(mf, mf)
+    if math.isinf(alpha) or float(torch.diagonal(gff).sum()) <= 1e-9 * float(torch.diagonal(sff).sum()):
+        return w0, my - w0 @ mf  # bias only; features without spread (one image): its exact solution
     gfy = sfy - n * torch.outer(mf, my)
     D = gff.shape[0]
     lam = alpha * float(torch.diagonal(gff).sum().clamp_min(1e-300)) / D

@@ -44,6 +44,13 @@ from edgeprune.zoo.entries import TIMM_CALIB_SIZE, ZOO, zoo_entry  # noqa: E402
 from edgeprune.zoo.families import refused_family, supported_timm_names  # noqa: E402
 
 ZOO_NAMES = tuple(ZOO)
+
+
+class MissingWeightsError(UserError):
+    """A timm model without weights: no checkpoint and not random-init. Its message hints
+    ``--checkpoint PATH``; commands without that option (``bench``, ``eval RUN_DIR``) catch it and
+    say what they accept instead."""
+
 #: default torch seed of a spec's model construction (random-init weights).
 DEFAULT_SEED = 0
 
@@ -148,9 +155,13 @@ class ModelSpec:
             raise UserError(f"{self.name}: timm.create_model does not accept {kwargs} "
                             f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})"
                             " (check --img-size / --model-kwargs)") from None
+        pe = getattr(model, "patch_embed", None)
+        patch = getattr(pe, "patch_size", None)
+        if self.img_size is not None and isinstance(patch, (tuple, list)) and patch:
+            check_img_size(self.name, self.img_size, int(max(patch)), bool(getattr(pe, "dynamic_img_pad", False)))
         if pretrained and not self.random_init:
             if not self.checkpoint:
-                raise UserError(f"{self.name}: no weights -- pass --checkpoint PATH "
+                raise MissingWeightsError(f"{self.name}: no weights -- pass --checkpoint PATH "
                                 "(safetensors or timm weights file); edgeprune downloads nothing")
             self.checkpoint_sha256 = load_checkpoint(model, self.checkpoint, self.name,
                                                      expected_sha256=self.checkpoint_sha256)
@@ -238,6 +249,41 @@ def _check_model_kwargs(model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kw
 
 
+def _name_patch_size(name: str, model_kwargs: dict[str, Any]) -> int | None:
+    """The patch side a timm ViT name (``..._patch16_...``) or ``patch_size=`` keyword gives, or None."""
+    import re
+
+    p = model_kwargs.get("patch_size")
+    if isinstance(p, int) and not isinstance(p, bool):
+        return p
+    if isinstance(p, (list, tuple)) and p and all(isinstance(v, int) for v in p):
+        return max(p)
+    m = re.search(r"patch(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def check_img_size(name: str, img_size: int | None, patch: int | None, padded: bool = False) -> None:
+    """Refuse an input side that the patch embedding cannot cut into whole patches.
+
+    Args:
+        name: the model (for the message). img_size: the side asked for (None: the model's own).
+        patch: the patch side (None: unknown, nothing checked).
+        padded: the model pads the image to whole patches itself (timm ``dynamic_img_pad``).
+
+    Raises:
+        UserError: ``img_size`` below the patch side, or (unpadded) not a multiple of it.
+    """
+    if img_size is None or not patch:
+        return
+    if img_size < patch:
+        raise UserError(f"--img-size {img_size} is smaller than the patch size {patch} of {name} "
+                        f"(use a multiple of {patch}, e.g. {patch * max(1, 224 // patch)})")
+    if not padded and img_size % patch:
+        low = img_size - img_size % patch
+        raise UserError(f"--img-size {img_size} is not a multiple of the patch size {patch} of {name} "
+                        f"(use {low} or {low + patch})")
+
+
 def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool = False,
                    num_classes: int | None = None, *, img_size: int | None = None,
                    model_kwargs: dict[str, Any] | None = None, seed: int = DEFAULT_SEED,
@@ -273,6 +319,7 @@ def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool =
     if name not in timm.list_models():
         raise _unknown_model(name)
     kw = _check_model_kwargs(model_kwargs)
+    check_img_size(name, img_size, _name_patch_size(name, kw), bool(kw.get("dynamic_img_pad")))
     if checkpoint:
         checkpoint = str(Path(checkpoint).expanduser().resolve())
     cfg = timm.models.get_pretrained_cfg(name)
