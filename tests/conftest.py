@@ -9,7 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+#: torch threads per test process: the cores shared among pytest-xdist's workers (``-n N``), at most 2
+#: (the tensors are small); also handed to the ``edgeprune`` subprocesses some tests start.
+TEST_THREADS = max(1, min(2, _cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(TEST_THREADS)
 
 FMNIST_DIR = Path(os.environ.get("EDGEPRUNE_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 HAS_FMNIST = (FMNIST_DIR / "train-images-idx3-ubyte.gz").exists() or (FMNIST_DIR / "train-images-idx3-ubyte").exists()
