@@ -130,3 +130,16 @@ def torchrun_beside(args: list, work, nproc: int = 2, timeout: float = 300) -> t
         raise
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     return result, stdout
+
+
+#: The test files that take longest (measured with ``--durations``), slowest first. With
+#: ``-n auto --dist loadfile`` (README's test command) each file runs on one worker, files handed out
+#: in collection order: these start first so that no long file starts last and runs on alone.
+SLOW_FILES = ("test_readme.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the tests of :data:`SLOW_FILES` to the front (in that order); every file's own order stays."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
