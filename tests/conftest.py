@@ -132,10 +132,12 @@ def torchrun_beside(args: list, work, nproc: int = 2, timeout: float = 300) -> t
     return result, stdout
 
 
-#: The test files that take longest (measured with ``--durations``), slowest first. With
-#: ``-n auto --dist loadfile`` (README's test command) each file runs on one worker, files handed out
-#: in collection order: these start first so that no long file starts last and runs on alone.
-SLOW_FILES = ("test_readme.py",)
+#: The test files that take longest (measured with ``--durations``, slowest first). README's test
+#: command (``-n auto --dist loadfile --no-loadscope-reorder``) runs each file on one worker and hands
+#: files out in collection order: these start first, so that no long file starts last and runs alone.
+SLOW_FILES = ("test_readme.py", "test_gram_tokens.py", "test_quantize.py", "test_allocation_select.py",
+              "test_allocation.py", "test_heal.py", "test_method_properties.py", "test_corp_pipeline.py",
+              "test_cli.py", "test_quantize_dynamic.py", "test_onnx_export.py")
 
 
 def pytest_collection_modifyitems(config, items):
