@@ -26,6 +26,13 @@ def setup(fmnist_model, fmnist_calib):
     return fmnist_model, an, x, cfg, stats
 
 
+@pytest.fixture(scope="module")
+def selection(setup):
+    """``select_allocation`` with the module's config, computed once: (dims, report); tests only read it."""
+    _model, an, x, cfg, stats = setup
+    return select_allocation(an, stats, cfg, lambda: x.split(32))
+
+
 def _measured(model, x, cfg, dims):
     """Output error of a real prune with the given dims, computed independently of select.py."""
     m = copy.deepcopy(model)
@@ -35,12 +42,12 @@ def _measured(model, x, cfg, dims):
 
 
 @needs_fmnist
-def test_selection_keeps_the_candidate_with_the_lowest_measured_error(setup):
+def test_selection_keeps_the_candidate_with_the_lowest_measured_error(setup, selection):
     model, an, x, cfg, stats = setup
     with torch.no_grad():
         cands = candidates(an, stats, cfg, x[:48], model(x[:48]))
     assert "uniform" in cands and len(cands) >= 2
-    dims, report = select_allocation(an, stats, cfg, lambda: x.split(32))
+    dims, report = selection
     sel = report["selection"]
     assert set(sel["measured_output_error"]) == set(cands) and sel["images"] == 48
     # the reported errors are those of real prunes with those dims
@@ -97,9 +104,9 @@ def test_measured_curves_equal_single_unit_prunes_and_keep_the_proxy_shape(setup
 
 
 @needs_fmnist
-def test_measured_candidate_is_offered_and_judged_like_the_others(setup):
+def test_measured_candidate_is_offered_and_judged_like_the_others(setup, selection):
     model, an, x, cfg, stats = setup
-    dims, report = select_allocation(an, stats, cfg, lambda: x.split(32))
+    dims, report = selection
     sel = report["selection"]
     units = sel["sensitivity"]["units"]
     assert len(units) == 2 * len(an.blocks)  # target both: MLP and Q/K of every block
@@ -164,9 +171,9 @@ def test_second_anchor_measures_each_unit_where_the_first_allocation_put_it(setu
 
 
 @needs_fmnist
-def test_two_anchors_offer_one_more_candidate_and_never_choose_worse(setup):
+def test_two_anchors_offer_one_more_candidate_and_never_choose_worse(setup, selection):
     _model, an, x, cfg, stats = setup
-    _d1, rep1 = select_allocation(an, stats, cfg, lambda: x.split(32))
+    _d1, rep1 = selection
     _d2, rep2 = select_allocation(an, stats, dataclasses.replace(cfg, allocation_anchors=2), lambda: x.split(32))
     e1, e2 = rep1["selection"]["measured_output_error"], rep2["selection"]["measured_output_error"]
     assert set(e1) <= set(e2)

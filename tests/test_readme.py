@@ -2,9 +2,11 @@
 
 * the two set-up blocks are what ``.ci/run`` executes (CI runs them for real in a fresh venv;
   here we check that the README and ``.ci/run`` say the same thing);
-* the worked example runs line by line in a temporary directory, as a user would type it;
-* the on-device block runs too: with TensorRT and a GPU it must succeed, without them each line
-  must stop with one ``error:`` line naming TensorRT and exit 1 (an environment fault);
+* the worked example runs line by line in a temporary directory, as a user would type it (once per
+  test session: a module fixture, whose outputs the on-device block reads);
+* the on-device block runs too, on the worked example's quantized ONNX (copied): with TensorRT and a
+  GPU it must succeed, without them each line must stop with one ``error:`` line naming TensorRT and
+  exit 1 (an environment fault);
 * the Python API block is executed as-is.
 """
 
@@ -13,11 +15,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import TEST_THREADS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -42,7 +47,7 @@ def _run_cli(line: str, cwd: Path) -> subprocess.CompletedProcess:
     assert argv[0] == "edgeprune", line
     exe = Path(sys.executable).parent / "edgeprune"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from edgeprune.cli import main; main()"]
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS))
     return subprocess.run(cmd + argv[1:], cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -53,25 +58,42 @@ def test_readme_has_the_expected_blocks():
 
 
 def test_setup_blocks_match_ci():
-    """CI installs and tests exactly as the README says (modulo pip's -q)."""
-    ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "")
+    """CI installs and tests exactly as the README says (modulo pip's and pytest's -q, and pytest's
+    ``-p no:cacheprovider``)."""
+    ci = (ROOT / ".ci" / "run").read_text().replace(" -q", "").replace(" -p no:cacheprovider", "")
     install, tests = _blocks("bash")[:2]
     for cmd in [c.strip() for c in install.split("&&")] + [c.strip() for c in tests.split("&&")]:
         if cmd.startswith("pip install") or cmd.startswith("python -m pytest"):
-            core = cmd.replace("python -m pytest -q tests", "python -m pytest")
-            assert core.split(" tests")[0] in ci, f"README command not in .ci/run: {cmd}"
+            assert cmd.replace(" -q", "") in ci, f"README command not in .ci/run: {cmd}"
     assert "edgeprune prune" in ci
 
 
-@pytest.mark.slow
-def test_worked_example_runs(tmp_path):
+@pytest.fixture(scope="module")
+def worked_example(tmp_path_factory):
+    """The worked example run once, line by line, in a fresh directory (stops at the first failure).
+
+    Returns:
+        (directory, [(line, CompletedProcess)]); tests only read the directory.
+    """
+    cwd = tmp_path_factory.mktemp("readme-worked-example")
+    results = []
     for line in _edgeprune_lines(_blocks("bash")[2]):
-        res = _run_cli(line, tmp_path)
+        results.append((line, _run_cli(line, cwd)))
+        if results[-1][1].returncode != 0:
+            break
+    return cwd, results
+
+
+@pytest.mark.slow
+def test_worked_example_runs(worked_example):
+    cwd, results = worked_example
+    assert len(results) == len(_edgeprune_lines(_blocks("bash")[2]))
+    for line, res in results:
         assert res.returncode == 0, f"{line}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
         assert "Traceback" not in res.stderr, line
-    assert (tmp_path / "runs" / "fm50" / "run.json").is_file()
-    assert (tmp_path / "runs" / "fm50-int8.onnx").is_file()
-    assert (tmp_path / "runs" / "fm50-int8-cpu.onnx").is_file()
+    assert (cwd / "runs" / "fm50" / "run.json").is_file()
+    assert (cwd / "runs" / "fm50-int8.onnx").is_file()
+    assert (cwd / "runs" / "fm50-int8-cpu.onnx").is_file()
 
 
 def _have_tensorrt() -> bool:
@@ -85,12 +107,10 @@ def _have_tensorrt() -> bool:
 
 
 @pytest.mark.slow
-def test_device_block_runs_or_names_what_is_missing(tmp_path):
-    # the engine is built from the quantized ONNX of the worked example
-    for line in _edgeprune_lines(_blocks("bash")[2])[1:]:
-        if line.startswith("edgeprune prune") or " export " in f" {line} " or " quantize " in f" {line} ":
-            res = _run_cli(line.replace("--eval-size 2000", "--no-eval"), tmp_path)
-            assert res.returncode == 0, f"{line}\n{res.stderr[-2000:]}"
+def test_device_block_runs_or_names_what_is_missing(worked_example, tmp_path):
+    # the engine is built from the quantized ONNX of the worked example (in a copy of its runs/)
+    assert (worked_example[0] / "runs" / "fm50-int8.onnx").is_file(), "the worked example made no fm50-int8.onnx"
+    shutil.copytree(worked_example[0] / "runs", tmp_path / "runs")
     for line in _edgeprune_lines(_blocks("bash")[3]):
         res = _run_cli(line, tmp_path)
         if _have_tensorrt():
