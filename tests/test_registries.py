@@ -13,14 +13,13 @@ import torch
 
 from edgeprune._compat import import_timm
 from edgeprune.anatomy import find_anatomy
-from edgeprune.corp import CorpConfig, get_qk_solver, list_qk_solvers, register_qk_solver
+from edgeprune.corp import CorpConfig, get_qk_solver, list_qk_solvers, register_qk_solver, unregister_qk_solver
 from edgeprune.pipeline import corp_prune, statistics_request
 from edgeprune.corp.qk_solvers import solve_direct
 from edgeprune.errors import UserError
-from edgeprune.ranking import Criterion, get_criterion, list_criteria, register_criterion
+from edgeprune.ranking import Criterion, get_criterion, list_criteria, register_criterion, unregister_criterion
 
 
-@register_criterion("toy")
 class ToyCriterion(Criterion):
     """Scores channel j by j: the highest indices are kept (no statistics needed)."""
 
@@ -29,6 +28,16 @@ class ToyCriterion(Criterion):
 
     def scores(self, stats, weight):
         return torch.arange(weight.shape[1], dtype=torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def toy_criterion():
+    """The toy criterion is registered for this file's tests only (the registration is the one
+    line a new criterion needs); other test files see the built-in criteria alone."""
+    register_criterion("toy")(ToyCriterion)
+    yield
+    unregister_criterion("toy")
+    assert "toy" not in list_criteria()
 
 
 def _tiny():
@@ -93,9 +102,7 @@ def test_a_registered_qk_solver_is_used_for_every_head():
         for k, v in ref.state_dict().items():
             assert torch.equal(v, model.state_dict()[k]), k
     finally:
-        from edgeprune.corp import qk_solvers
-
-        qk_solvers._SOLVERS.pop("counting", None)
+        unregister_qk_solver("counting")
     assert "counting" not in list_qk_solvers()
     with pytest.raises(UserError):
         get_qk_solver("counting")

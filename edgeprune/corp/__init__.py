@@ -10,7 +10,7 @@ pipeline that puts them together with the budgeted allocation and sequential cal
 
 from edgeprune.corp.config import ALL_IMAGES, CorpConfig, bias_correction_used, gram_tokens_used
 from edgeprune.corp.qk_solvers import (QKHeadSystem, QKSolve, get_qk_solver, list_qk_solvers, qk_solver_from_grams,
-                                       register_qk_solver)
+                                       register_qk_solver, unregister_qk_solver)
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp, prunes_attention
 from edgeprune.solve.qk_choice import cg_is_cheaper
 from edgeprune.vo import LAYOUTS
@@ -19,5 +19,5 @@ from edgeprune.vo import LAYOUTS
 QK_SOLVERS = list_qk_solvers()
 
 __all__ = ["CorpConfig", "ALL_IMAGES", "bias_correction_used", "gram_tokens_used", "QKHeadSystem", "QKSolve",
-           "register_qk_solver", "get_qk_solver", "list_qk_solvers", "qk_solver_from_grams", "QK_SOLVERS",
+           "register_qk_solver", "unregister_qk_solver", "get_qk_solver", "list_qk_solvers", "qk_solver_from_grams", "QK_SOLVERS",
            "apply_corp", "mlp_kept", "plan_corp", "prunes_attention", "cg_is_cheaper", "LAYOUTS"]

@@ -66,6 +66,11 @@ def register_qk_solver(name: str, needs_ridge: bool = False) -> Callable:
     return wrap
 
 
+def unregister_qk_solver(name: str) -> None:
+    """Remove the Q/K solver registered as ``name`` (no error if there is none)."""
+    _SOLVERS.pop(name, None)
+
+
 def list_qk_solvers() -> tuple[str, ...]:
     """Registered Q/K solver names, in registration order."""
     return tuple(_SOLVERS)

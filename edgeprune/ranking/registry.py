@@ -75,6 +75,12 @@ def register_criterion(name: str) -> Callable[[type], type]:
     return wrap
 
 
+def unregister_criterion(name: str) -> None:
+    """Remove the criterion registered as ``name`` (no error if there is none): for criteria that
+    live only as long as a test or an experiment."""
+    _CRITERIA.pop(name, None)
+
+
 def list_criteria(kind: str | None = None) -> tuple[str, ...]:
     """Registered criterion names, in registration order (those ranking ``kind`` when given)."""
     return tuple(n for n, c in _CRITERIA.items() if kind is None or kind in c.applies_to)
