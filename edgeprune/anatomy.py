@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch.nn as nn
 
+from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import ClassTokenBlock
 from edgeprune.layers.pruned_attention import PrunedAttention
@@ -109,8 +110,6 @@ def _pair(v) -> tuple[int, int]:
 
 def _timm_classes() -> dict[str, tuple[type, ...]]:
     """The exact classes edgeprune reproduces (looked up in the installed timm)."""
-    from edgeprune._compat import import_timm
-
     import_timm()
     from timm.layers import Mlp, PatchEmbed
     from timm.layers.attention import Attention
