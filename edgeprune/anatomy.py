@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch.nn as nn
 
+from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import ClassTokenBlock
 from edgeprune.layers.pruned_attention import PrunedAttention
@@ -109,8 +110,6 @@ def _pair(v) -> tuple[int, int]:
 
 def _timm_classes() -> dict[str, tuple[type, ...]]:
     """The exact classes edgeprune reproduces (looked up in the installed timm)."""
-    from edgeprune._compat import import_timm
-
     import_timm()
     from timm.layers import Mlp, PatchEmbed
     from timm.layers.attention import Attention
@@ -220,6 +219,27 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
     if not hasattr(vit, "blocks") and hasattr(model, "backbone"):
         vit = model.backbone
     name = type(model).__name__
+    _check_vit(vit, name)
+    pe = vit.patch_embed
+    in_chans = int(pe.proj.in_channels) if hasattr(pe, "proj") else 3
+    blocks = [_block_anatomy(i, blk, len(vit.blocks), name) for i, blk in enumerate(vit.blocks)]
+    if not blocks:
+        raise UnsupportedModelError(f"{name} has no transformer blocks")
+    return ViTAnatomy(
+        model=model, vit=vit, blocks=blocks, embed_dim=int(vit.embed_dim) if hasattr(vit, "embed_dim") else blocks[0].qkv.in_features,
+        num_prefix_tokens=int(getattr(vit, "num_prefix_tokens", 1)),
+        num_patches=int(pe.num_patches), img_size=_pair(pe.img_size), in_chans=in_chans,
+        patch_size=_pair(pe.patch_size),
+    )
+
+
+def _check_vit(vit: nn.Module, name: str) -> None:
+    """Model-level checks of :func:`find_anatomy`: blocks and a patch embedding with a fixed image
+    size, no unsupported feature (:func:`unsupported_features`).
+
+    Raises:
+        UnsupportedModelError: naming the first problem (``name``: the model's class name).
+    """
     missing = [a for a in ("blocks", "patch_embed") if not hasattr(vit, a)]
     if missing:
         raise UnsupportedModelError(
@@ -235,66 +255,86 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
         if getattr(pe, attr, None) is None:
             raise UnsupportedModelError(
                 f"{name}: patch_embed has no fixed {attr} (dynamic image size is not supported)")
-    in_chans = int(pe.proj.in_channels) if hasattr(pe, "proj") else 3
-    blocks = []
-    for i, blk in enumerate(vit.blocks):
-        where = f"{name} block {i}"
-        if isinstance(blk, ClassTokenBlock) and i != len(vit.blocks) - 1:
-            raise UnsupportedModelError(f"{where} computes only the class token but is not the last block")
-        attn = getattr(blk, "attn", None)
-        mlp = getattr(blk, "mlp", None)
-        if attn is None:
-            raise UnsupportedModelError(f"{where} has no attn module")
-        if mlp is None:
-            raise UnsupportedModelError(f"{where} has no mlp module")
-        qkv = getattr(attn, "qkv", None)
-        proj = getattr(attn, "proj", None)
-        if not isinstance(qkv, nn.Linear):
-            raise UnsupportedModelError(f"{where} has no fused attn.qkv Linear")
-        if not isinstance(proj, nn.Linear):
-            raise UnsupportedModelError(f"{where} has no attn.proj Linear")
-        for norm in ("q_norm", "k_norm", "norm"):
-            if not isinstance(getattr(attn, norm, nn.Identity()), nn.Identity):
-                raise UnsupportedModelError(f"{where} uses attn.{norm} (QK/scale norm is not supported)")
-        if getattr(attn, "gate", None) is not None:
-            raise UnsupportedModelError(f"{where} uses a gated attention (not supported)")
-        num_heads = int(getattr(attn, "num_heads", 0))
-        if num_heads < 1:
-            raise UnsupportedModelError(f"{where}: attn has no num_heads")
-        if isinstance(attn, PrunedAttention):
-            qk_dim, v_dim = attn.qk_dim, attn.v_dim
-        else:
-            qk_dim = v_dim = int(attn.head_dim)
-            if qkv.out_features != 3 * num_heads * qk_dim:
-                raise UnsupportedModelError(f"{where}: attn.qkv has {qkv.out_features} outputs, "
-                                            f"expected 3*num_heads*head_dim")
-        if "glu" in type(mlp).__name__.lower():
-            raise UnsupportedModelError(f"{where}: mlp is {type(mlp).__name__} (gated/GLU MLPs are not supported)")
-        fc1 = getattr(mlp, "fc1", None)
-        fc2 = getattr(mlp, "fc2", None)
-        act = getattr(mlp, "act", None)
-        if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear) or act is None:
-            raise UnsupportedModelError(
-                f"{where}: mlp is {type(mlp).__name__}, needs fc1/act/fc2 Linears (GLU MLPs are not supported)")
-        if fc1.out_features != fc2.in_features:
-            raise UnsupportedModelError(f"{where}: mlp.fc1 and mlp.fc2 disagree on the hidden dim")
-        if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
-            raise UnsupportedModelError(f"{where}: mlp has a hidden norm (not supported)")
-        ls1 = getattr(blk, "ls1", None)
-        ls2 = getattr(blk, "ls2", None)
-        blocks.append(BlockAnatomy(
-            index=i, block=blk, attn=attn, qkv=qkv, proj=proj, num_heads=num_heads,
-            head_dim=_dense_head_dim(attn), qk_dim=qk_dim, v_dim=v_dim, mlp=mlp,
-            fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features,
-            ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
-            ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
-            query_tokens=blk.query_tokens if isinstance(blk, ClassTokenBlock) else None,
-        ))
-    if not blocks:
-        raise UnsupportedModelError(f"{name} has no transformer blocks")
-    return ViTAnatomy(
-        model=model, vit=vit, blocks=blocks, embed_dim=int(vit.embed_dim) if hasattr(vit, "embed_dim") else blocks[0].qkv.in_features,
-        num_prefix_tokens=int(getattr(vit, "num_prefix_tokens", 1)),
-        num_patches=int(pe.num_patches), img_size=_pair(pe.img_size), in_chans=in_chans,
-        patch_size=_pair(pe.patch_size),
+
+
+def _block_anatomy(i: int, blk: nn.Module, num_blocks: int, name: str) -> BlockAnatomy:
+    """The :class:`BlockAnatomy` of block ``i`` of ``num_blocks`` (a class-token block only last).
+
+    Raises:
+        UnsupportedModelError: a missing or unsupported attention or MLP piece, named.
+    """
+    where = f"{name} block {i}"
+    if isinstance(blk, ClassTokenBlock) and i != num_blocks - 1:
+        raise UnsupportedModelError(f"{where} computes only the class token but is not the last block")
+    attn = getattr(blk, "attn", None)
+    mlp = getattr(blk, "mlp", None)
+    if attn is None:
+        raise UnsupportedModelError(f"{where} has no attn module")
+    if mlp is None:
+        raise UnsupportedModelError(f"{where} has no mlp module")
+    qkv, proj, num_heads, qk_dim, v_dim = _attention_parts(attn, where)
+    fc1, act, fc2 = _mlp_parts(mlp, where)
+    ls1 = getattr(blk, "ls1", None)
+    ls2 = getattr(blk, "ls2", None)
+    return BlockAnatomy(
+        index=i, block=blk, attn=attn, qkv=qkv, proj=proj, num_heads=num_heads,
+        head_dim=_dense_head_dim(attn), qk_dim=qk_dim, v_dim=v_dim, mlp=mlp,
+        fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features,
+        ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
+        ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
+        query_tokens=blk.query_tokens if isinstance(blk, ClassTokenBlock) else None,
     )
+
+
+def _attention_parts(attn: nn.Module, where: str) -> tuple[nn.Linear, nn.Linear, int, int, int]:
+    """``(qkv, proj, num_heads, qk_dim, v_dim)`` of a block's attention (timm's fused-qkv
+    ``Attention`` or a :class:`PrunedAttention`).
+
+    Raises:
+        UnsupportedModelError: no fused qkv / proj Linear, a q/k/scale norm, a gate, no heads, or a
+            qkv width that does not match the heads.
+    """
+    qkv = getattr(attn, "qkv", None)
+    proj = getattr(attn, "proj", None)
+    if not isinstance(qkv, nn.Linear):
+        raise UnsupportedModelError(f"{where} has no fused attn.qkv Linear")
+    if not isinstance(proj, nn.Linear):
+        raise UnsupportedModelError(f"{where} has no attn.proj Linear")
+    for norm in ("q_norm", "k_norm", "norm"):
+        if not isinstance(getattr(attn, norm, nn.Identity()), nn.Identity):
+            raise UnsupportedModelError(f"{where} uses attn.{norm} (QK/scale norm is not supported)")
+    if getattr(attn, "gate", None) is not None:
+        raise UnsupportedModelError(f"{where} uses a gated attention (not supported)")
+    num_heads = int(getattr(attn, "num_heads", 0))
+    if num_heads < 1:
+        raise UnsupportedModelError(f"{where}: attn has no num_heads")
+    if isinstance(attn, PrunedAttention):
+        qk_dim, v_dim = attn.qk_dim, attn.v_dim
+    else:
+        qk_dim = v_dim = int(attn.head_dim)
+        if qkv.out_features != 3 * num_heads * qk_dim:
+            raise UnsupportedModelError(f"{where}: attn.qkv has {qkv.out_features} outputs, "
+                                        f"expected 3*num_heads*head_dim")
+    return qkv, proj, num_heads, qk_dim, v_dim
+
+
+def _mlp_parts(mlp: nn.Module, where: str) -> tuple[nn.Linear, nn.Module, nn.Linear]:
+    """``(fc1, act, fc2)`` of a block's plain MLP.
+
+    Raises:
+        UnsupportedModelError: a gated/GLU MLP, missing Linears or activation, mismatched hidden
+            dims, or a hidden norm.
+    """
+    if "glu" in type(mlp).__name__.lower():
+        raise UnsupportedModelError(f"{where}: mlp is {type(mlp).__name__} (gated/GLU MLPs are not supported)")
+    fc1 = getattr(mlp, "fc1", None)
+    fc2 = getattr(mlp, "fc2", None)
+    act = getattr(mlp, "act", None)
+    if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear) or act is None:
+        raise UnsupportedModelError(
+            f"{where}: mlp is {type(mlp).__name__}, needs fc1/act/fc2 Linears (GLU MLPs are not supported)")
+    if fc1.out_features != fc2.in_features:
+        raise UnsupportedModelError(f"{where}: mlp.fc1 and mlp.fc2 disagree on the hidden dim")
+    if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
+        raise UnsupportedModelError(f"{where}: mlp has a hidden norm (not supported)")
+    return fc1, act, fc2

@@ -244,12 +244,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         UserError: bad settings, unsupported model, empty or mis-shaped calibration data, both
             ``config`` and keyword settings given, an unknown device or CUDA not available.
     """
-    if config is None:
-        config = corp_config(None if target is _UNSET else target,
-                             0.5 if sparsity is _UNSET else sparsity, **settings)
-    elif target is not _UNSET or sparsity is not _UNSET or settings:
-        raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
-    config.ensure_valid()
+    config = _config_argument(config, target, sparsity, settings)
 
     device = work_device(config, resolve_device(device))
     if not inplace:
@@ -271,12 +266,38 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         to_class_token_block(anatomy.vit, next(iter(last_block.values())))
     bias_record = correction.fold(model, info.get("output_sums"), info.get("output_rows"))
     seconds = time.perf_counter() - t0
-    pruned = structure_summary(model)
+    record = _prune_record(config, base_record, dense, structure_summary(model), info, last_block, bias_record,
+                           source=description, batch_size=batch_size, calibration_info=calibration_info,
+                           seconds=seconds, device=device)
+    return PruneResult(model=model.eval(), record=record)
+
+
+def _config_argument(config: CorpConfig | None, target: Any, sparsity: Any, settings: dict) -> CorpConfig:
+    """:func:`prune`'s ``config``, or the one its keyword settings build; validated (once).
+
+    Raises:
+        UserError: both a config and keyword settings, or invalid settings.
+    """
+    if config is None:
+        config = corp_config(None if target is _UNSET else target,
+                             0.5 if sparsity is _UNSET else sparsity, **settings)
+    elif target is not _UNSET or sparsity is not _UNSET or settings:
+        raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
+    config.ensure_valid()
+    return config
+
+
+def _prune_record(config: CorpConfig, base_record: dict, dense: dict, pruned: dict, info: dict, last_block: Any,
+                  bias_record: dict | None, *, source: str, batch_size: int, calibration_info: dict | None,
+                  seconds: float, device: Any) -> dict[str, Any]:
+    """:func:`prune`'s run record (:func:`edgeprune.artifact.new_record`) from the structure before
+    and after, CORP's ``info`` and the calibration description (``source``: the data's,
+    ``calibration_info``: the caller's); ``seconds``: the whole prune's wall time."""
     requested = requested_sparsity(config)
-    record = new_record(
+    return new_record(
         "corp" if config.compensation else "uncompensated",
         base_record, config, dense, pruned,
-        calibration={"source": description, "num_images": info["num_images"], "passes": info["passes"],
+        calibration={"source": source, "num_images": info["num_images"], "passes": info["passes"],
                      "batch_size": batch_size, **(calibration_info or {}), **distributed_info()},
         timing={"total_s": seconds, "calibration_s": info["calibration_seconds"],
                 "solve_s": info["solve_seconds"]},
@@ -289,7 +310,6 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         **({"allocation": info["allocation"]} if info.get("allocation") else {}),
         **({"bias_correction": bias_record} if bias_record else {}),
     )
-    return PruneResult(model=model.eval(), record=record)
 
 
 class _BiasCorrection:

@@ -34,7 +34,7 @@ from edgeprune._version import __version__
 from edgeprune.atomic import atomic_dir, file_sha256
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.run_record import validate_record
-from edgeprune.surgery import apply_structure
+from edgeprune.surgery import apply_head_structure, apply_structure
 from edgeprune.zoo.registry import spec_from_record
 
 WEIGHTS = "model.safetensors"
@@ -246,10 +246,6 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     try:
         apply_structure(model, rec["blocks"])
         if rec.get("head"):  # NuWa: head suppressed or sliced to the target classes
-            # not at module top: edgeprune.nuwa's __init__ imports nuwa.derive, which imports
-            # this module (an import loop through the package)
-            from edgeprune.nuwa.head import apply_head_structure
-
             apply_head_structure(model, rec["head"])
         state = _load_weights(p / WEIGHTS)
         model.load_state_dict(state, strict=True)

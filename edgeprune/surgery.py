@@ -7,7 +7,8 @@ Pure module plumbing -- the weights come from ``edgeprune.solve``. Two operation
   given fused qkv / proj weights, number of heads and per-head qk_dim / v_dim.
 
 :func:`apply_structure` rebuilds the pruned shapes (random weights) from the per-block dims of a
-run record, so a saved state dict can be loaded strictly.
+run record, so a saved state dict can be loaded strictly; :func:`apply_head_structure` does the same
+for a classifier head that NuWa sliced to its target classes (:mod:`edgeprune.nuwa.head` cuts it).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
+from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import to_class_token_block
 from edgeprune.layers.pruned_attention import PrunedAttention
+
+_HEAD_NAMES = ("head", "head_dist")  # classifier heads: timm's, and the distilled DeiT's
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -142,4 +146,46 @@ def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Modu
     t = dims[-1].get("query_tokens")
     if t is not None and anatomy.blocks[-1].query_tokens is None:
         to_class_token_block(anatomy.vit, int(t))
+    return model
+
+
+# -- the classifier head (NuWa slices it; load_run rebuilds the sliced shape) -----------------
+
+def backbone_vit(model: nn.Module) -> nn.Module:
+    """The timm ViT itself: ``model``, or its ``.backbone`` for a wrapper (``dinov2-s14``)."""
+    return model.backbone if not hasattr(model, "blocks") and hasattr(model, "backbone") else model
+
+
+def classifier_heads(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(owner, attribute, Linear) of every classifier head.
+
+    Raises:
+        UserError: the model has no Linear classifier head (e.g. a saliency model).
+    """
+    vit = backbone_vit(model)
+    heads = [(vit, n, getattr(vit, n)) for n in _HEAD_NAMES if isinstance(getattr(vit, n, None), nn.Linear)]
+    if not heads:
+        raise UserError(f"{type(model).__name__} has no Linear classifier head; NuWa derives classifiers")
+    return heads
+
+
+def apply_head_structure(model: nn.Module, head: dict | None) -> nn.Module:
+    """Give a freshly built base model the head shape of a run record's ``head`` entry, in place.
+
+    For ``load_run``: call after ``apply_structure`` and before ``load_state_dict``. A no-op
+    without a ``head`` entry or when the shape already matches. Weights are left random.
+    """
+    if not head or head.get("num_classes") is None:
+        return model
+    k = int(head["num_classes"])
+    try:
+        heads = classifier_heads(model)
+    except UserError:
+        return model
+    for owner, name, lin in heads:
+        if lin.out_features != k:
+            setattr(owner, name, nn.Linear(lin.in_features, k, bias=lin.bias is not None))
+    vit = backbone_vit(model)
+    if hasattr(vit, "num_classes"):
+        vit.num_classes = k
     return model

@@ -23,6 +23,7 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from edgeprune.errors import UserError
+from edgeprune.zoo.registry import spec_from_record
 
 class ArrayCalibrationReader(CalibrationDataReader):
     """Yields ``{input_name: (B, C, H, W) float32}`` batches of a calibration array.
@@ -127,8 +128,6 @@ def spec_from_metadata(meta: Mapping[str, Any]):
     Raises:
         UserError: the recorded name is not a known model.
     """
-    from edgeprune.zoo.registry import spec_from_record
-
     base = meta.get("base_model")
     if not isinstance(base, Mapping) or not base.get("name"):
         return None

@@ -134,8 +134,44 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
         UserError: bad ``input_shape``/opset/exporter, a model that does not take the input, an
             existing file with ``overwrite=False``.
     """
-    import onnx
+    path, input_shape = _checked_target(path, input_shape, batch_size, exporter, overwrite)
+    was_training = model.training
+    model.eval()
+    try:
+        dummy = _tracing_input(model, input_shape, batch_size)
+        if opset not in _TORCHSCRIPT_OPSETS and exporter == "torchscript":
+            raise UserError(f"opset {opset} is not supported (use {_TORCHSCRIPT_OPSETS.start}.."
+                            f"{_TORCHSCRIPT_OPSETS.stop - 1}; 17 for TensorRT 10.x)")
 
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        try:
+            raw = tmpdir / "raw.onnx"
+            _export_raw(model, dummy, raw, opset, dynamic_batch, exporter)
+            proto = _load_exported(raw, model, dummy, opset, exporter)
+            if fold_constants:
+                proto = _clean_graph(proto)
+            _stamp_metadata(proto, metadata, input_shape, opset, dynamic_batch, batch_size, exporter)
+            final, external = _save_model(proto, tmpdir / path.name, path.name + ".data")
+            del proto
+            _check_and_move(final, external, path)
+        finally:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    finally:
+        model.train(was_training)
+    return path
+
+
+def _checked_target(path: str | os.PathLike, input_shape: Sequence[int], batch_size: int, exporter: str,
+                    overwrite: bool) -> tuple[Path, tuple[int, ...]]:
+    """Step 1 of :func:`export_onnx`: check the arguments and the destination, create its folder.
+
+    Returns:
+        ``(Path(path), input_shape as a tuple of ints)``.
+
+    Raises:
+        UserError: bad ``input_shape``/``batch_size``/``exporter``, an existing file with
+            ``overwrite=False``, a directory at ``path``.
+    """
     path = Path(path)
     input_shape = tuple(int(s) for s in input_shape)
     if len(input_shape) != 3 or min(input_shape) < 1:
@@ -149,83 +185,107 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
     if path.is_dir():
         raise UserError(f"{path} is a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
+    return path, input_shape
 
-    was_training = model.training
-    model.eval()
+
+def _tracing_input(model: nn.Module, input_shape: tuple[int, ...], batch_size: int) -> torch.Tensor:
+    """The tracing input: seeded noise, ``(batch_size, C, H, W)`` float32, on the model's device."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn((batch_size, *input_shape), generator=gen).to(device)
+
+
+def _export_raw(model: nn.Module, dummy: torch.Tensor, raw: Path, opset: int, dynamic_batch: bool,
+                exporter: str) -> None:
+    """Run the chosen torch exporter into ``raw``.
+
+    Raises:
+        UserError: the model does not take ``dummy`` or returns no single tensor (one line);
+            any other export failure is re-raised as it is.
+    """
     try:
-        param = next(model.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-        gen = torch.Generator().manual_seed(0)
-        dummy = torch.randn((batch_size, *input_shape), generator=gen).to(device)
-        if opset not in _TORCHSCRIPT_OPSETS and exporter == "torchscript":
-            raise UserError(f"opset {opset} is not supported (use {_TORCHSCRIPT_OPSETS.start}.."
-                            f"{_TORCHSCRIPT_OPSETS.stop - 1}; 17 for TensorRT 10.x)")
+        if exporter == "torchscript":
+            _torchscript_export(model, dummy, raw, opset, dynamic_batch)
+        else:
+            _dynamo_export(model, dummy, raw, opset, dynamic_batch)
+    except UserError:
+        raise
+    except Exception:
+        # Say so in one line if the model simply does not take this input (or returns no
+        # single tensor); anything else is a real export problem: re-raise it.
+        _single_tensor_output(model, dummy)
+        raise
 
-        tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-        try:
-            raw = tmpdir / "raw.onnx"
-            try:
-                if exporter == "torchscript":
-                    _torchscript_export(model, dummy, raw, opset, dynamic_batch)
-                else:
-                    _dynamo_export(model, dummy, raw, opset, dynamic_batch)
-            except UserError:
-                raise
-            except Exception:
-                # Say so in one line if the model simply does not take this input (or returns no
-                # single tensor); anything else is a real export problem: re-raise it.
-                _single_tensor_output(model, dummy)
-                raise
-            proto = onnx.load(str(raw), load_external_data=True)
-            if len(proto.graph.output) != 1:
-                _single_tensor_output(model, dummy)
-                raise UserError(f"the model has {len(proto.graph.output)} outputs; "
-                                "ONNX export needs one tensor output")
-            got_opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), None)
-            if got_opset != opset:
-                raise UserError(f"the {exporter} exporter produced opset {got_opset}, not {opset}; "
-                                "use the torchscript exporter or another opset")
-            if fold_constants:
-                proto = _clean_graph(proto)
 
-            md = dict(metadata or {})
-            md.update({
-                "input_name": INPUT_NAME,
-                "input_shape": ["batch" if dynamic_batch else batch_size, *input_shape],
-                "input_dtype": "float32",
-                "output_name": OUTPUT_NAME,
-                "output_shape": _output_shape_of(proto),
-                "opset": opset,
-                "dynamic_batch": bool(dynamic_batch),
-                "exporter": f"torch.onnx ({exporter})",
-                "torch_version": torch.__version__,
-            })
-            md.setdefault("edgeprune_version", _edgeprune_version())
-            del proto.metadata_props[:]
-            for key, value in encode_metadata(md).items():
-                entry = proto.metadata_props.add()
-                entry.key, entry.value = key, value
-            proto.producer_name = "edgeprune"
-            proto.producer_version = _edgeprune_version()
+def _load_exported(raw: Path, model: nn.Module, dummy: torch.Tensor, opset: int, exporter: str):
+    """The exported graph as an ``onnx.ModelProto``, checked: one output, the requested opset.
 
-            final = tmpdir / path.name
-            data_name = path.name + ".data"
-            external = _weights_bytes(proto) > PROTOBUF_LIMIT
-            if external:
-                onnx.save_model(proto, str(final), save_as_external_data=True,
-                                all_tensors_to_one_file=True, location=data_name,
-                                size_threshold=1024)
-            else:
-                onnx.save_model(proto, str(final))
-            del proto
-            onnx.checker.check_model(str(final))  # path-based: works above 2 GB too
+    Raises:
+        UserError: more than one output, or the exporter produced another opset.
+    """
+    import onnx
 
-            # Move into place: data first, then the graph file (the file users open).
-            if external:
-                os.replace(tmpdir / data_name, path.parent / data_name)
-            os.replace(final, path)
-        finally:
-            shutil.rmtree(tmpdir, ignore_errors=True)
-    finally:
-        model.train(was_training)
-    return path
+    proto = onnx.load(str(raw), load_external_data=True)
+    if len(proto.graph.output) != 1:
+        _single_tensor_output(model, dummy)
+        raise UserError(f"the model has {len(proto.graph.output)} outputs; "
+                        "ONNX export needs one tensor output")
+    got_opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), None)
+    if got_opset != opset:
+        raise UserError(f"the {exporter} exporter produced opset {got_opset}, not {opset}; "
+                        "use the torchscript exporter or another opset")
+    return proto
+
+
+def _stamp_metadata(proto, metadata: Mapping[str, Any] | None, input_shape: tuple[int, ...], opset: int,
+                    dynamic_batch: bool, batch_size: int, exporter: str) -> None:
+    """Replace ``proto``'s metadata by ``metadata`` plus the input/output/exporter entries, in place;
+    producer ``edgeprune``."""
+    md = dict(metadata or {})
+    md.update({
+        "input_name": INPUT_NAME,
+        "input_shape": ["batch" if dynamic_batch else batch_size, *input_shape],
+        "input_dtype": "float32",
+        "output_name": OUTPUT_NAME,
+        "output_shape": _output_shape_of(proto),
+        "opset": opset,
+        "dynamic_batch": bool(dynamic_batch),
+        "exporter": f"torch.onnx ({exporter})",
+        "torch_version": torch.__version__,
+    })
+    md.setdefault("edgeprune_version", _edgeprune_version())
+    del proto.metadata_props[:]
+    for key, value in encode_metadata(md).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    proto.producer_name = "edgeprune"
+    proto.producer_version = _edgeprune_version()
+
+
+def _save_model(proto, final: Path, data_name: str) -> tuple[Path, bool]:
+    """Write ``proto`` to ``final`` (weights to ``data_name`` beside it above the 2 GB protobuf
+    limit). Returns ``(final, whether the weights went to the external file)``."""
+    import onnx
+
+    external = _weights_bytes(proto) > PROTOBUF_LIMIT
+    if external:
+        onnx.save_model(proto, str(final), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name,
+                        size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(final))
+    return final, external
+
+
+def _check_and_move(final: Path, external: bool, path: Path) -> None:
+    """Check the written file with the ONNX checker, then move it (data first) to ``path``."""
+    import onnx
+
+    onnx.checker.check_model(str(final))  # path-based: works above 2 GB too
+
+    # Move into place: data first, then the graph file (the file users open).
+    if external:
+        data_name = path.name + ".data"
+        os.replace(final.parent / data_name, path.parent / data_name)
+    os.replace(final, path)

@@ -251,12 +251,8 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
     logger, errors = make_logger()
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_file.resolve())):
-        msgs = [str(parser.get_error(i)).strip().replace("\n", " ") for i in range(parser.num_errors)]
-        shown = "; ".join(msgs[:3]) + (f"; ... ({len(msgs) - 3} more)" if len(msgs) > 3 else "")
-        raise UserError(f"TensorRT {trt_version} cannot parse {onnx_file.name}: "
-                        f"{shown or 'unknown parser error'}")
+    parser = trt.OnnxParser(network, logger)  # holds the weights the network points to: kept until built
+    _parse_onnx(parser, onnx_file, trt_version)
 
     config = builder.create_builder_config()
     apply_settings(config, builder, network, settings)
@@ -269,15 +265,7 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
         raise UserError(f"TensorRT engine build failed for {onnx_file.name} on {prof.name}: {detail}")
     build_s = time.perf_counter() - t0
 
-    # A stale sidecar must never describe the new engine: drop it before replacing the engine.
-    sidecar_path(out).unlink(missing_ok=True)
-    atomic_write_bytes(out, memoryview(serialized))
-    try:
-        # The builder added its new timings to the config's cache object.
-        atomic_write_bytes(cache_path, memoryview(config.get_timing_cache().serialize()))
-    except OSError as err:
-        print(f"warning: cannot write timing cache {cache_path}: {err}", file=sys.stderr)
-
+    _write_engine(out, serialized, config, cache_path)
     sidecar = {
         "format": "edgeprune-trt-engine/1",
         "engine": out.name,
@@ -295,3 +283,29 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
     }
     atomic_write_bytes(sidecar_path(out), (json.dumps(sidecar, indent=2) + "\n").encode())
     return out
+
+
+def _parse_onnx(parser: trt.OnnxParser, onnx_file: Path, trt_version: str) -> None:
+    """Parse ``onnx_file`` into the parser's network.
+
+    Raises:
+        UserError: the parser's first three errors, on one line.
+    """
+    if not parser.parse_from_file(str(onnx_file.resolve())):
+        msgs = [str(parser.get_error(i)).strip().replace("\n", " ") for i in range(parser.num_errors)]
+        shown = "; ".join(msgs[:3]) + (f"; ... ({len(msgs) - 3} more)" if len(msgs) > 3 else "")
+        raise UserError(f"TensorRT {trt_version} cannot parse {onnx_file.name}: "
+                        f"{shown or 'unknown parser error'}")
+
+
+def _write_engine(out: Path, serialized: trt.IHostMemory, config: trt.IBuilderConfig, cache_path: Path) -> None:
+    """Write the serialized engine to ``out`` (its old sidecar removed first) and the config's
+    timing cache, with the builder's new timings, to ``cache_path`` (a failure there: a warning)."""
+    # A stale sidecar must never describe the new engine: drop it before replacing the engine.
+    sidecar_path(out).unlink(missing_ok=True)
+    atomic_write_bytes(out, memoryview(serialized))
+    try:
+        # The builder added its new timings to the config's cache object.
+        atomic_write_bytes(cache_path, memoryview(config.get_timing_cache().serialize()))
+    except OSError as err:
+        print(f"warning: cannot write timing cache {cache_path}: {err}", file=sys.stderr)

@@ -206,9 +206,6 @@ def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **opti
 def _engine_profile(targets: tuple[str, ...]) -> Any:
     """The profile recorded in the first engine target's sidecar (the settings it was built
     for), or ``None`` when no target is an engine with a sidecar."""
-    from devices import BenchSettings, ProfileError, load_profile, profile_from_record
-    from exporters.tensorrt import read_sidecar
-
     for t in targets:
         if Path(t).suffix.lower() not in (".engine", ".plan", ".trt") or not Path(t).is_file():
             continue

@@ -283,7 +283,28 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         raise UserError(f"the {kind} budget {cfg.budget['value']:g} ({target:,.0f}) is below the cheapest "
                         f"allocation for target {cfg.target} with --round-to {cfg.round_to} "
                         f"({floor.total:,.0f} = {floor.total / dense_cost:.3f} of the dense model)")
-    greedy = dense_state
+    candidates, uniform = _candidates(dense_state, anatomy, curves, cfg, base, cost, target)
+    if only is not None:
+        if only not in candidates:
+            raise UserError(f"no {only!r} allocation meets this budget")
+        candidates = {only: candidates[only]}
+    chosen = min(candidates, key=lambda k: (candidates[k].error, k != "greedy"))
+    st = candidates[chosen]
+    keys = [k for keys in allocation_modules(cfg) for k in keys]
+    dims = [{k: int(d[k]) for k in keys} for d in st.dims]
+    report = _report(anatomy, cfg, plan, cost, curves, candidates, chosen, dims, dense_cost, target, uniform, t0)
+    return dims, report
+
+
+def _candidates(greedy: _State, anatomy, curves: list[Curve], cfg, base, cost, target: float
+                ) -> tuple[dict[str, _State], tuple[float | None, float | None]]:
+    """The allocations :func:`allocate` chooses from: ``greedy`` (the dense state, descended to the
+    budget, then filled back to it) and, where one meets the budget, the uniform one (filled).
+
+    Returns:
+        ``({"greedy": ..., ["uniform": ...]}, (uniform sparsity, uniform proxy error before the
+        fill))``, the pair ``(None, None)`` without a uniform candidate.
+    """
     _descend(greedy, target)
     _fill(greedy, target)
     candidates = {"greedy": greedy}
@@ -296,14 +317,14 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         uniform_plain_error = st.error
         _fill(st, target)
         candidates["uniform"] = st
-    if only is not None:
-        if only not in candidates:
-            raise UserError(f"no {only!r} allocation meets this budget")
-        candidates = {only: candidates[only]}
-    chosen = min(candidates, key=lambda k: (candidates[k].error, k != "greedy"))
+    return candidates, (uniform_sparsity, uniform_plain_error)
+
+
+def _report(anatomy, cfg, plan: dict, cost, curves: list[Curve], candidates: dict[str, _State], chosen: str,
+            dims: list[dict], dense_cost: float, target: float, uniform: tuple, t0: float) -> dict:
+    """:func:`allocate`'s JSON-able report of the ``chosen`` candidate (see there); ``uniform`` as
+    :func:`_candidates` returns it, ``t0`` the ``perf_counter`` at the start."""
     st = candidates[chosen]
-    keys = [k for keys in allocation_modules(cfg) for k in keys]
-    dims = [{k: int(d[k]) for k in keys} for d in st.dims]
     fc, pc = FlopsCost(anatomy, plan), ParamsCost(anatomy)
     flops, params = total_cost(fc, anatomy, st.dims), total_cost(pc, anatomy, st.dims)
     dense_flops = total_cost(FlopsCost(anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
@@ -312,7 +333,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     for i, d in enumerate(dims):
         errs = {"+".join(c.keys): round(c.errors[st.pos[u]], 8) for u, c in enumerate(curves) if c.block == i}
         per_block.append({"index": i, "dims": d, "proxy_error": errs})
-    report = {
+    return {
         "budget": dict(cfg.budget), "cost_model": cost.name,
         "dense_cost": dense_cost, "target_cost": target, "achieved_cost": st.total,
         "within_tolerance": bool(target * (1 - TOLERANCE) <= st.total <= target),
@@ -321,14 +342,13 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
         "chosen": chosen,
         "class_token_blocks": {str(i): t for i, t in plan.items()},
         "proxy_error": {k: v.error for k, v in candidates.items()},
-        "uniform_sparsity": uniform_sparsity, "uniform_error_before_fill": uniform_plain_error,
+        "uniform_sparsity": uniform[0], "uniform_error_before_fill": uniform[1],
         "error_kind": sorted({c.kind for c in curves}),
         # record text kept byte-identical (the module is now edgeprune.allocation.curves)
         "normalisation": "residual (METHODS.md §5; edgeprune.allocation.curves.normalise)",
         "blocks": per_block,
         "seconds": time.perf_counter() - t0,
     }
-    return dims, report
 
 
 def _dense(b) -> dict[str, int]:

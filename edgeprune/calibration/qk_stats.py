@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from edgeprune.plan import pruned_indices
+from edgeprune.solve import qk_logit
 
 
 class QKStatistics:
@@ -133,9 +134,7 @@ class QKSystemStatistics:
     """
 
     def __init__(self, keep: torch.Tensor, qk_dim: int, device: torch.device | str = "cpu") -> None:
-        from edgeprune.solve.qk_logit import kronecker_systems  # local: solve depends on nothing here
-
-        self._kron = kronecker_systems
+        self._kron = qk_logit.kronecker_systems  # looked up per instance (tests swap it)
         self.num_heads, self.kept = keep.shape
         # the index sets live where the system accumulates: moved once, not per batch
         self.keep = keep.to(device)

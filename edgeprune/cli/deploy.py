@@ -12,17 +12,19 @@ import sys
 from pathlib import Path
 
 import click
+import torch
 
+from edgeprune.artifact import check_writable
+from edgeprune.calibration.collect import exact_fp32
 from edgeprune.cli.options import device_option, load_model, model_options
 from edgeprune.errors import UserError
+from exporters.onnx import build_metadata, export_onnx, read_metadata
+from exporters.verify import format_quantized_report, format_report, verify_onnx, verify_quantized
+from runners.report import to_json
 
 
 def _quick_check(path: Path, model, input_shape) -> dict:
     """ONNX Runtime vs PyTorch on 2 seeded noise images (also exercises the dynamic batch)."""
-    import torch
-
-    from exporters.verify import verify_onnx
-
     x = torch.randn(2, *input_shape, generator=torch.Generator().manual_seed(1))
     return verify_onnx(path, model, x, atol=1e-3)
 
@@ -47,9 +49,6 @@ def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | 
     The file holds everything a deployer needs as metadata (base model, method, sparsities,
     per-block dims, input name/shape, preprocessing); read it with onnx or `edgeprune verify`.
     """
-    from edgeprune.artifact import check_writable
-    from exporters.onnx import build_metadata, export_onnx
-
     if output.exists() and not force:
         raise UserError(f"{output} exists (use --force to overwrite)")
     if output.suffix != ".onnx":
@@ -110,18 +109,10 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
 
     Exits 1 when the check fails.
     """
-    import torch
-
-    from edgeprune.calibration.collect import exact_fp32
-    from exporters.onnx import read_metadata
-    from exporters.verify import format_report, verify_onnx
-
     meta = read_metadata(onnx_file)  # missing / corrupt file -> one-line error first
     model, _record, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
                                       model_kwargs)
     if json_out is not None:
-        from edgeprune.artifact import check_writable
-
         check_writable(json_out.parent)
     base = meta.get("base_model")
     onnx_base = base.get("name") if isinstance(base, dict) else None
@@ -130,8 +121,6 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
     model.to(device)
     click.get_current_context().with_resource(exact_fp32(torch.device(device)))  # TF32 off until exit
     if meta.get("precision") in ("int8", "fp16"):
-        from exporters.verify import format_quantized_report, verify_quantized
-
         report = verify_quantized(onnx_file, model, spec.eval_source(str(data) if data else None, n=n),
                                   max_drop=max_drop, batch_size=batch_size,
                                   output_kind=getattr(spec, "output_kind", None))
@@ -148,8 +137,6 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
     if device != "cpu":
         click.echo(f"PyTorch side on {device}")
     if json_out is not None:
-        from runners.report import to_json
-
         to_json(report, json_out)
     if not report["passed"]:
         sys.exit(1)

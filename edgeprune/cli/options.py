@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import click
+from click.core import ParameterSource
 
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
+from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.torch_device import resolve_device  # noqa: F401 (the --device callback; re-exported)
 from edgeprune.zoo.registry import get_model_spec
 
@@ -225,10 +227,6 @@ def check_budget_options(ctx: click.Context) -> None:
     Raises:
         UserError: naming the budget and the conflicting options.
     """
-    from click.core import ParameterSource
-
-    from edgeprune.option_checks import refuse_sparsities_with_budget
-
     p = ctx.params
     budget = "--flops" if p.get("flops") is not None else "--params" if p.get("params") is not None else None
     given = {"--sparsity": p.get("sparsity") if ctx.get_parameter_source("sparsity") != ParameterSource.DEFAULT

@@ -9,10 +9,12 @@ raised as :class:`~edgeprune.errors.UserError` and printed by the one error hand
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
+from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.options import eval_options
 from edgeprune.errors import UserError
 
@@ -97,10 +99,6 @@ def quantize_cmd(model: Path, precision: str, mode: str, output: Path, calib_dir
     if rep.get("float_size_bytes"):
         click.echo(f"size: {rep['size_bytes'] / 2**20:.2f} MiB ({rep['size_bytes'] / rep['float_size_bytes']:.2f}x fp32)")
     if json_out is not None:
-        import json
-
-        from edgeprune.atomic import atomic_write_text
-
         atomic_write_text(json_out, json.dumps({"output": str(result.path), "config": cfg.to_record(), **rep},
                                                indent=2, default=str) + "\n")
         click.echo(f"wrote {json_out}")

@@ -12,21 +12,19 @@ from typing import Any, Sequence
 
 import torch
 
+from edgeprune.data.sources import FolderSource, list_image_folder, subset
 from edgeprune.errors import UserError
+from edgeprune.zoo.entries import zoo_entry
 
 
 
 def _zoo_split(spec: Any, split: str, data: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A zoo model's labeled split in memory (Fashion-MNIST for ``fmnist-vit``), else None."""
-    from edgeprune.zoo.entries import zoo_entry
-
     entry = zoo_entry(spec.name)
     return entry.labeled_split(split, data) if entry is not None else None
 
 
 def _dataset(spec: Any) -> str:
-    from edgeprune.zoo.entries import zoo_entry
-
     entry = zoo_entry(spec.name)
     return (entry.dataset if entry is not None else None) or spec.name
 
@@ -67,8 +65,6 @@ def load_labeled(spec: Any, data: str | None, train_data: str | None, classes: S
         raise UserError(f"{spec.name} is not a classifier; NuWa derives classifiers")
     if train_data is None:
         raise UserError(f"{spec.name}: pass --train-data DIR (an ImageFolder with one sub-folder per class)")
-    from edgeprune.data.sources import FolderSource, list_image_folder, subset
-
     files, labels, _ = list_image_folder(train_data)
     chosen_f: list = []
     chosen_l: list = []
@@ -102,8 +98,6 @@ def load_labeled_eval(spec: Any, data: str | None, eval_data: str | None, classe
         return x, y, f"{_dataset(spec)} test split, {len(x)} images of the target classes"
     if eval_data is None:
         return None
-    from edgeprune.data.sources import FolderSource, list_image_folder
-
     files, labels, _ = list_image_folder(eval_data)
     pairs = [(f, lbl) for f, lbl in zip(files, labels) if lbl in classes][:n]
     if not pairs:
@@ -116,13 +110,9 @@ def load_labeled_eval(spec: Any, data: str | None, eval_data: str | None, classe
 def class_names(spec: Any, train_data: str | None = None) -> list[str] | None:
     """Names of the base model's classes where known: Fashion-MNIST's for ``fmnist-vit``, the
     sub-folder names of ``train_data`` for timm models, else None."""
-    from edgeprune.zoo.entries import zoo_entry
-
     entry = zoo_entry(spec.name)
     if entry is not None and entry.class_names:
         return list(entry.class_names)
     if train_data is not None:
-        from edgeprune.data.sources import list_image_folder
-
         return list_image_folder(train_data)[2] or None
     return None

