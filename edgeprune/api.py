@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from edgeprune.allocation.budget import make_budget
+from edgeprune.allocation.budget import budget_kinds, make_budget
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import new_record
 from edgeprune.calibration.collect import calibration_device
@@ -110,8 +110,9 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
     """A :class:`CorpConfig` from the Python API's keyword arguments (``target=``, ``sparsity=``,
     ``mlp_sparsity=``, ``criterion=``, ``ridge_alpha=`` ...). ``None`` values mean "default".
 
-    ``flops=`` / ``params=`` (a fraction of the dense model in (0, 1], or an absolute count; a
-    number or a string such as ``"2.3G"``) set a budget (``CorpConfig.budget``) that replaces
+    ``flops=`` / ``params=`` / ``<kind>=`` for any kind registered with
+    ``edgeprune.allocation.cost.register_cost_model`` (a fraction of the dense model in (0, 1], or an
+    absolute count; a number or a string such as ``"2.3G"``) set a budget (``CorpConfig.budget``) that replaces
     ``sparsity``: the allocator chooses the kept dims of the target's modules
     (``edgeprune.allocation``, METHODS.md §5 "Budgeted allocation").
 
@@ -122,7 +123,7 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
         UserError: unknown setting, bad target or sparsity, invalid settings, both ``flops`` and
             ``params``, a bad budget value.
     """
-    budget = make_budget(settings.pop("flops", None), settings.pop("params", None))
+    budget = make_budget(**{kind: settings.pop(kind) for kind in budget_kinds() if kind in settings})
     refuse_sparsities_with_budget(budget and f"{budget['kind']}=",
                                   {f"{k}=": settings.get(k) for k in _SPARSITY_KEYS})  # issue 32
     if budget is not None:

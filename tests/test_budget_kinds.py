@@ -84,6 +84,21 @@ def test_toy_kind_drives_the_allocator(mlp_width_kind):
     assert greedy.allocate(an, stats, cfg)[0] == dims
 
 
+def test_toy_kind_is_a_keyword_of_the_python_prune(mlp_width_kind):
+    """The registered kind reaches ``edgeprune.prune`` as a keyword like ``flops=`` (no list of kinds
+    in the API): the pruned model's MLP width meets it, and the record names the kind."""
+    from edgeprune.api import prune
+
+    model = tiny_vit()
+    x = torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    dense_mlp = sum(b.mlp_hidden for b in find_anatomy(model).blocks)
+    res = prune(model, x, mlp_width=0.5, target="both", round_to=8, last_block="full", batch_size=8)
+    assert res.record["allocation"]["budget"] == {"kind": "mlp_width", "value": 0.5}
+    pruned = find_anatomy(res.model).blocks
+    assert sum(b.mlp_hidden for b in pruned) <= 0.5 * dense_mlp
+    assert res.record["allocation"]["achieved_cost"] == sum(b.mlp_hidden for b in pruned)
+
+
 def test_validate_budget_refuses_bad_budgets():
     for ok in ({"kind": "flops", "value": 0.5}, {"kind": "params", "value": 2e7}):
         validate_budget(ok)
