@@ -53,7 +53,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                   "tests/test_qk_cg.py::test_cg_zero_rhs_gives_zero_compensation",
                   "tests/test_qk_cg.py::test_ridge_lambda_without_forming_the_system_equals_mean_diagonal",
                   "tests/test_cg_mutants.py"]),
-    "ranking": (["edgeprune/ranking.py"],
+    "ranking": (["edgeprune/ranking/scores.py", "edgeprune/ranking/builtin.py"],
                 ["tests/test_known_answers.py", "tests/test_mutation_extras.py"]),
     "plan": (["edgeprune/plan.py"],
              ["tests/test_known_answers.py", "tests/test_mutation_extras.py",
@@ -91,7 +91,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # select.py / measure.py are not mutated: they fold real models and measure output errors
     # (tests/test_allocation_select.py), too slow per mutant
     "allocation": (["edgeprune/allocation/budget.py", "edgeprune/allocation/cost.py",
-                    "edgeprune/allocation/errors.py", "edgeprune/allocation/greedy.py",
+                    "edgeprune/allocation/curves.py", "edgeprune/allocation/greedy.py",
                     "edgeprune/allocation/report.py"],
                    # (the rest of test_allocation.py prunes models or runs the CLI: 0.2-30 s per test)
                    ["tests/test_allocation_mutants.py",
