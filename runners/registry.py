@@ -91,6 +91,8 @@ class Backend:
         requires: import names it needs (for :func:`backend_available`).
         precisions: the ``--precision`` values a bench may ask of it.
         cuda_graphs: whether it can replay CUDA graphs (``--cuda-graphs``).
+        reads_onnx_for_tensorrt: an ONNX file's precision is read as TensorRT reads it (Q/DQ int8
+            and fp16 as TensorRT builds them) rather than as ONNX Runtime runs it.
     """
 
     name: str = ""
@@ -99,6 +101,7 @@ class Backend:
     requires: tuple[str, ...] = ()
     precisions: tuple[str, ...] = ONNX_PRECISIONS
     cuda_graphs: bool = False
+    reads_onnx_for_tensorrt: bool = False
 
     def create(self, target: str, path: Path, kind: str, opts: RunnerOptions) -> Runner:
         """The runner for ``target`` (of ``kind``, already checked to be in :attr:`kinds`).
@@ -131,10 +134,11 @@ class Backend:
                             f"{self.name} (use {', '.join(self.precisions)})")
 
     def bench_model_precision(self, target: str, kind: str) -> str | None:
-        """The precision an ONNX target holds (``fp32``/``fp16``/``int8``), ``None`` otherwise."""
+        """The precision an ONNX target holds (``fp32``/``fp16``/``int8``), ``None`` otherwise
+        (read as this backend reads it: :attr:`reads_onnx_for_tensorrt`)."""
         if kind != "onnx" or not Path(target).is_file():
             return None
-        return onnx_precision(target, for_tensorrt=False)
+        return onnx_precision(target, for_tensorrt=self.reads_onnx_for_tensorrt)
 
     def bench_open(self, target: str, kind: str, cfg: Any, profile: Any, workdir: Path,
                    info: dict[str, Any]) -> Runner:

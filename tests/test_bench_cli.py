@@ -350,3 +350,23 @@ def test_bench_user_errors(work, tmp_path):
     assert_error(invoke("bench", d / "dense.onnx", "--device", "nano"), "unknown device 'nano'")
     r = invoke("bench", d / "dense.onnx", "--batch-sizes", "1,x")
     assert r.exit_code == 2 and "comma-separated integers" in r.output
+
+
+def test_each_backend_reads_an_onnx_precision_as_it_runs_it(tmp_path):
+    """A dynamically quantized ONNX is int8 to ONNX Runtime, and refused by the TensorRT backend
+    (TensorRT cannot build DynamicQuantizeLinear): each backend reads the file its own way."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from runners.registry import get_backend
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    outs = [helper.make_tensor_value_info(n, t, s) for n, t, s in
+            (("y", TensorProto.UINT8, [2, 4]), ("scale", TensorProto.FLOAT, []), ("zp", TensorProto.UINT8, []))]
+    graph = helper.make_graph([helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "scale", "zp"])], "g", [x], outs)
+    path = tmp_path / "dynamic.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert get_backend("onnxruntime").bench_model_precision(str(path), "onnx") == "int8"
+    with pytest.raises(UserError, match="dynamically quantized"):
+        get_backend("tensorrt").bench_model_precision(str(path), "onnx")
+    assert get_backend("tensorrt").bench_model_precision(str(path), "engine") is None

@@ -17,7 +17,6 @@ from typing import Any, Sequence
 import exporters.tensorrt as trt_build
 from devices import load_profile
 from edgeprune.errors import RuntimeFault, UserError
-from exporters.tensorrt_settings import onnx_precision
 from runners.base import Runner
 from runners.registry import Backend, RunnerOptions, make_runner, register_backend
 from runners.tensorrt.runner import TrtRunner
@@ -46,6 +45,7 @@ class TensorRTBackend(Backend):
     runner = "runners.tensorrt.runner:TrtRunner"
     kinds = ("engine",)
     cuda_graphs = True
+    reads_onnx_for_tensorrt = True
 
     def check(self) -> None:
         trt_build.tensorrt_version()
@@ -71,11 +71,6 @@ class TensorRTBackend(Backend):
         if not profile.uses_tensorrt:
             raise UserError(f"the tensorrt backend needs a TensorRT device profile, and {profile.name!r} "
                             f"runs {profile.backend} (use e.g. --device rtx3090)")
-
-    def bench_model_precision(self, target: str, kind: str) -> str | None:
-        if kind != "onnx" or not Path(target).is_file():
-            return None
-        return onnx_precision(target, for_tensorrt=True)
 
     def bench_open(self, target: str, kind: str, cfg: Any, profile: Any, workdir: Path,
                    info: dict[str, Any]) -> Runner:
