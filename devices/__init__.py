@@ -23,8 +23,10 @@ from devices.profile import (
     BuildSettings,
     DeviceProfile,
     ProfileError,
+    PruningRules,
     load_profile_file,
     profile_from_dict,
+    pruning_rules,
 )
 
 __all__ = [
@@ -33,11 +35,13 @@ __all__ = [
     "BuildSettings",
     "DeviceProfile",
     "ProfileError",
+    "PruningRules",
     "list_profiles",
     "load_profile",
     "load_profile_file",
     "profile_from_dict",
     "profile_from_record",
+    "pruning_rules",
     "shipped_profile_path",
 ]
 
@@ -99,6 +103,8 @@ def profile_from_record(record: Mapping[str, Any]) -> DeviceProfile:
         data["build"] = dict(record["build"])
     if record.get("onnxruntime"):
         data["onnxruntime"] = dict(record["onnxruntime"])
+    if record.get("pruning"):
+        data["pruning"] = dict(record["pruning"])
     src = record.get("source")
     return profile_from_dict(data, label=f"recorded profile {name!r}", default_name=name,
                              source=Path(src) if src else None)

@@ -35,6 +35,12 @@ A profile is one TOML file (the shipped ones live next to this module: ``rtx3090
     precision = "fp32"              # "fp32" (default), "fp16" or "int8": what the benchmarked
                                     # ONNX must be (int8: it has Q/DQ nodes); run as-is
 
+    [pruning]                       # optional: the structures this device's kernels reward
+    mlp_round_to = 64               # kept MLP widths are multiples of this (default: 8 CPU, 64 GPU)
+    head_dim_round_to = 16          # kept Q/K and V head dims: multiples of this (8 CPU, 16 GPU)
+    qk_equals_v = true              # Q/K and V head dims must be equal (fused attention kernels;
+                                    # default false CPU, true GPU)
+
 Every field is checked on load; a bad one raises :class:`ProfileError` (a
 :class:`~edgeprune.errors.UserError`) naming the file and the field, e.g.
 ``orin-nx.toml: build.precision must be one of fp16, fp32, int8 (got 'fp8')``. Unknown keys are errors
@@ -90,6 +96,21 @@ class BenchSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class PruningRules:
+    """What the device's kernels reward (``[pruning]``, issue 30 item 3): the grid of kept MLP
+    widths, the grid of head dims, and whether Q/K and V head dims must be equal."""
+
+    mlp_round_to: int
+    head_dim_round_to: int
+    qk_equals_v: bool
+
+
+#: ``[pruning]`` defaults per backend: CPUs run any multiple of 8 at full speed; GPU kernels
+#: (TensorRT, fused attention) want wide tiles and q/k/v of one head dim (issue 30 measurements).
+DEFAULT_PRUNING = {"onnxruntime": PruningRules(8, 8, False), "tensorrt": PruningRules(64, 16, True)}
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceProfile:
     """One validated device profile."""
 
@@ -108,6 +129,8 @@ class DeviceProfile:
     ort_threads: int = 0
     ort_precision: str = "fp32"
     source: Path | None = None
+    pruning: PruningRules | None = None
+    """``[pruning]`` rules; ``None`` only for profiles built by hand (then the backend's defaults)."""
 
     @property
     def precision(self) -> str:
@@ -152,6 +175,7 @@ class DeviceProfile:
             },
             "source": None if self.source is None else str(self.source),
         }
+        d["pruning"] = pruning_rules(self)
         if self.backend == "onnxruntime":
             d["onnxruntime"] = {"threads": self.ort_threads, "precision": self.ort_precision}
         if self.build is not None:
@@ -204,7 +228,7 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
     Raises:
         ProfileError: a missing, unknown or invalid field.
     """
-    top = Section(label, "", data, ("device", "build", "bench", "onnxruntime"))
+    top = Section(label, "", data, ("device", "build", "bench", "onnxruntime", "pruning"))
     dev_t = top.table_("device", required=True)
     build_t = top.table_("build")
     bench_t = top.table_("bench", required=True)
@@ -296,7 +320,29 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
                             cuda_graphs=cuda_graphs),
         gpu_names=gpu_names, tensorrt=trt_version, jetpack=jetpack, ort_threads=ort_threads,
         ort_precision=ort_precision, source=source,
+        pruning=_pruning_section(label, top.table_("pruning"), DEFAULT_PRUNING[backend]),
     )
+
+
+def _pruning_section(label: str, table: Mapping[str, Any] | None, default: PruningRules) -> PruningRules:
+    """The ``[pruning]`` table (each field optional, defaulting to the backend's ``default``).
+
+    Raises:
+        ProfileError: an unknown key or a bad value (round_to values must be >= 1).
+    """
+    if table is None:
+        return default
+    p = Section(label, "pruning", table, ("mlp_round_to", "head_dim_round_to", "qk_equals_v"))
+    return PruningRules(mlp_round_to=p.integer("mlp_round_to", default.mlp_round_to, lo=1),
+                        head_dim_round_to=p.integer("head_dim_round_to", default.head_dim_round_to, lo=1),
+                        qk_equals_v=p.boolean("qk_equals_v", default.qk_equals_v))
+
+
+def pruning_rules(profile: DeviceProfile) -> dict[str, Any]:
+    """The profile's pruning rules as the dict a latency table stores in ``rules``:
+    ``{"mlp_round_to": int, "head_dim_round_to": int, "qk_equals_v": bool}``."""
+    rules = profile.pruning or DEFAULT_PRUNING.get(profile.backend, DEFAULT_PRUNING["onnxruntime"])
+    return dataclasses.asdict(rules)
 
 
 def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:
