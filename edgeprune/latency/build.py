@@ -1,0 +1,245 @@
+"""Build a latency table for one model on one device profile (``edgeprune latency-table``).
+
+:func:`build_table` times every grid entry (:mod:`edgeprune.latency.grid`) with the chosen timing
+backend (:mod:`edgeprune.latency.measure`), then the whole dense model once, and writes the
+:class:`~edgeprune.latency.table.LatencyTable`.
+
+Cache key and resume: the table's ``key`` holds the model dims, tokens, batch, precision, backend
+and its version, the device name (CPU model or GPU name) and threads. After every measured entry
+the partial table is saved atomically to the output (``meta["complete"] = false``); a rerun with
+the same key and grid resumes, skipping the entries already measured. An existing output with a
+different key (or grid) is refused unless ``force`` (then it is rebuilt from scratch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import math
+from pathlib import Path
+from typing import Any
+
+from devices import pruning_rules
+from edgeprune._version import __version__
+from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.latency.grid import Grid, make_grid, shape_of
+from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
+from edgeprune.latency.table import LatencyTable
+from edgeprune.progress import progress
+
+#: key fields that must match for a partial table to be resumed
+KEY_FIELDS = ("embed_dim", "depth", "num_heads", "head_dim", "mlp_hidden", "tokens", "batch", "precision",
+              "backend", "backend_version", "device_name", "profile", "threads")
+
+
+@dataclasses.dataclass
+class BuildOptions:
+    """Settings of one table build (``None``: the profile's).
+
+    Attributes:
+        batch: images per timed batch (default: the largest of the profile's bench batch sizes
+            up to 8, else its smallest).
+        threads: intra-op threads (CPU backends).
+        precision: the backend's precision.
+        backend: timing backend name (:func:`~edgeprune.latency.measure.list_timers`).
+        warmup, iterations: per entry (default: the profile's ``[bench]``); the timed runs of an
+            entry also stop after ``max_seconds`` (at least ``min_iterations``).
+        force: replace an existing output built with another key.
+        grid: keyword limits for :func:`~edgeprune.latency.grid.make_grid` (``max_mlp``, ...).
+    """
+
+    batch: int | None = None
+    threads: int | None = None
+    precision: str | None = None
+    backend: str | None = None
+    warmup: int | None = None
+    iterations: int | None = None
+    max_seconds: float | None = None
+    force: bool = False
+    grid: dict = dataclasses.field(default_factory=dict)
+
+
+def default_batch(profile: Any) -> int:
+    """The profile's table batch: its largest bench batch size <= 8, else its smallest."""
+    sizes = sorted(profile.bench.batch_sizes)
+    small = [b for b in sizes if b <= 8]
+    return small[-1] if small else sizes[0]
+
+
+def settings_for(profile: Any, opts: BuildOptions) -> tuple[Timer, TimingSettings, int]:
+    """``(timer, settings, batch)`` for ``opts`` on ``profile``, checked before any work.
+
+    Raises:
+        UserError: bad batch / threads, unknown backend.
+        RuntimeFault: the backend cannot time here (the message says what is missing; for a
+            TensorRT profile it names the command to run on the device).
+    """
+    batch = default_batch(profile) if opts.batch is None else opts.batch
+    if batch < 1:
+        raise UserError(f"--batch must be >= 1, got {batch}")
+    if opts.threads is not None and opts.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {opts.threads}")
+    backend = opts.backend or profile.backend
+    timer = get_timer(backend)
+    on_gpu = profile.uses_tensorrt
+    s = TimingSettings(device="cuda" if on_gpu else "cpu",
+                       threads=opts.threads if opts.threads is not None else profile.threads,
+                       precision=opts.precision or profile.precision,
+                       warmup=profile.bench.warmup if opts.warmup is None else opts.warmup,
+                       iterations=profile.bench.iterations if opts.iterations is None else opts.iterations,
+                       cuda_graphs=bool(profile.bench.cuda_graphs and on_gpu), profile=profile,
+                       max_seconds=opts.max_seconds)
+    if s.iterations < 1 or s.warmup < 0:
+        raise UserError(f"need --iterations >= 1 and --warmup >= 0, got {s.iterations}, {s.warmup}")
+    reason = timer.unavailable(s)
+    if reason is not None:
+        raise RuntimeFault(unavailable_message(profile, backend, reason))
+    return timer, s, batch
+
+
+def unavailable_message(profile: Any, backend: str, reason: str) -> str:
+    """One line: why ``backend`` cannot time here, and (TensorRT) the command to run on the device."""
+    first = reason.splitlines()[0] if reason else "not available"
+    if backend == "tensorrt":
+        return (f"profile {profile.name} times with TensorRT on its GPU, which is not here ({first}); run "
+                f"`edgeprune latency-table --model M --random-init --device {profile.name} -o {profile.name}.json` "
+                "on the device and copy the file (prune --latency-table FILE)")
+    return f"backend {backend} cannot time here: {first}"
+
+
+def make_key(shape: dict[str, int], profile: Any, timer: Timer, s: TimingSettings, batch: int) -> dict[str, Any]:
+    """The table's cache key (:data:`KEY_FIELDS`)."""
+    return {**shape, "batch": batch, "precision": s.precision, "backend": timer.name,
+            "backend_version": timer.version(), "device_name": timer.device_name(s),
+            "profile": profile.name, "threads": s.threads}
+
+
+def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings) -> LatencyTable:
+    """A table with every entry unmeasured (NaN), ``meta["complete"] = False``."""
+    nan = math.nan
+    attn = [[[nan for _ in grid.v] for _ in grid.qk] for _ in grid.heads]
+    return LatencyTable(
+        key=key, rules=rules, mlp={"widths": list(grid.mlp), "ms": [nan] * len(grid.mlp)},
+        attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
+        fixed_ms=nan, dense_model_ms=nan, measured={"mlp": [], "attn": [], "model": False},
+        meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "edgeprune": __version__, "complete": False,
+              "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": "p50",
+                           "max_seconds": s.max_seconds, "min_iterations": s.min_iterations,
+                           "cuda_graphs": s.cuda_graphs, "input": "(batch, tokens, embed_dim) noise"}})
+
+
+def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSettings, force: bool) -> LatencyTable:
+    """The partial table at ``out`` when its key, rules and grid match; else a fresh one.
+
+    Raises:
+        UserError: ``out`` exists with another key / grid (or is not a table) and not ``force``.
+    """
+    fresh = empty_table(key, rules, grid, s)
+    if not out.exists() or force:
+        return fresh
+    hint = "(use --force to replace it, or another -o)"
+    try:
+        old = LatencyTable.load(out, allow_partial=True)
+    except UserError as err:
+        raise UserError(f"{out} exists and is not a latency table this command can resume: {err} {hint}") from None
+    differ = [k for k in KEY_FIELDS if old.key.get(k) != key.get(k)]
+    if differ:
+        raise UserError(f"{out} exists with another key ({differ[0]}: {old.key.get(differ[0])!r} there, "
+                        f"{key.get(differ[0])!r} now) {hint}")
+    same_grid = (old.rules == rules and old.mlp["widths"] == fresh.mlp["widths"]
+                 and all(old.attn[a] == fresh.attn[a] for a in ("heads", "qk", "v")))
+    if not same_grid:
+        raise UserError(f"{out} exists with another grid or pruning rules {hint}")
+    return old
+
+
+def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
+    """Everything to time, in order: MLP widths, attention points, then the whole model."""
+    return ([("mlp", (w,)) for w in grid.mlp] + [("attn", p) for p in grid.attn_points()] + [("model", ())])
+
+
+def _is_measured(t: LatencyTable, kind: str, dims: tuple[int, ...]) -> bool:
+    if kind == "mlp":
+        return dims[0] in t.measured["mlp"]
+    if kind == "attn":
+        return list(dims) in t.measured["attn"]
+    return bool(t.measured.get("model"))
+
+
+def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any, timer: Timer,
+                s: TimingSettings, batch: int) -> None:
+    """Time one entry and record it in ``t`` (value and ``measured``)."""
+    D, T = t.key["embed_dim"], t.key["tokens"]
+    tmpl = anatomy.blocks[0]
+    if kind == "mlp":
+        ms = timer.time(mlp_subblock(tmpl, D, dims[0]), (batch, T, D), s)
+        t.mlp["ms"][t.mlp["widths"].index(dims[0])] = ms
+        t.measured["mlp"].append(dims[0])
+    elif kind == "attn":
+        h, q, v = dims
+        ms = timer.time(attn_subblock(tmpl, D, h, q, v), (batch, T, D), s)
+        t.attn["ms"][t.attn["heads"].index(h)][t.attn["qk"].index(q)][t.attn["v"].index(v)] = ms
+        t.measured["attn"].append([h, q, v])
+    else:
+        shape = (batch, anatomy.in_chans, *anatomy.img_size)
+        t.dense_model_ms = timer.time(anatomy.model, shape, s)
+        t.measured["model"] = True
+
+
+def finish(t: LatencyTable) -> LatencyTable:
+    """Fill ``fixed_ms`` = dense model - depth x (attn + mlp dense), clamped at >= 0 (the
+    unclamped value goes to ``meta["fixed_ms_unclamped"]``); mark complete."""
+    k = t.key
+    block = t.mlp_ms(k["mlp_hidden"]) + t.attn_ms(k["num_heads"], k["head_dim"], k["head_dim"])
+    raw = float(t.dense_model_ms) - k["depth"] * block
+    t.fixed_ms = max(0.0, raw)
+    t.meta["fixed_ms_unclamped"] = raw
+    t.meta["complete"] = True
+    t.meta["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return t
+
+
+def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path, *,
+                show_progress: bool = True) -> LatencyTable:
+    """Time the grid of ``anatomy``'s (dense) block shape on ``profile`` and write the table.
+
+    Args:
+        anatomy: :class:`~edgeprune.anatomy.ViTAnatomy` of the dense model (its ``model`` is
+            timed whole once).
+        profile: a :class:`~devices.DeviceProfile` (backend, batch sizes, precision, threads,
+            bench settings, pruning rules).
+        opts: :class:`BuildOptions`.
+        out: the JSON file (saved after every entry; resumed when it holds a partial table of the
+            same key).
+        show_progress: a progress bar / progress lines (:mod:`edgeprune.progress`).
+
+    Returns:
+        The complete :class:`LatencyTable` (also at ``out``).
+
+    Raises:
+        UserError: bad options, a pruned / non-uniform model, an existing output of another key
+            without ``opts.force``; RuntimeFault: the backend is absent (see :func:`settings_for`).
+    """
+    out = Path(out)
+    timer, s, batch = settings_for(profile, opts)
+    shape = shape_of(anatomy)
+    rules = pruning_rules(profile)
+    grid = make_grid(shape, rules, **opts.grid)
+    t = start_or_resume(out, make_key(shape, profile, timer, s, batch), rules, grid, s, opts.force)
+    todo = [e for e in _entries(grid) if not _is_measured(t, *e)]
+    bar = progress(None, desc="latency table", enabled=show_progress, total=len(todo), unit="entry")
+    try:
+        for kind, dims in todo:
+            bar.set_postfix(entry=f"{kind}{list(dims) if dims else ''}")
+            _time_entry(t, kind, dims, anatomy, timer, s, batch)
+            t.save(out)
+            bar.update(1)
+    finally:
+        bar.close()
+    t = finish(t)
+    t.save(out)
+    return t
+
+
+__all__ = ["BuildOptions", "KEY_FIELDS", "build_table", "default_batch", "settings_for"]

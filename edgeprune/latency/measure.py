@@ -1,0 +1,307 @@
+"""Time one transformer sub-block (or a whole model) on a backend (issue 30, item 1).
+
+Sub-blocks (built with random weights around copies of the model's own norms, activation and
+LayerScales, so they run the same kernels as the model's blocks):
+
+* attention: ``x + ls1(proj(attn(norm1(x))))`` with an :class:`~edgeprune.layers.PrunedAttention`
+  of (kept heads, per-head Q/K dim, per-head V dim);
+* MLP: ``x + ls2(fc2(act(fc1(norm2(x)))))`` of a kept width.
+
+The input is ``(batch, tokens, D)``. Backends are a registry (:func:`register_timer`,
+:func:`get_timer`, :func:`list_timers`): ``torch`` (CPU or CUDA, CUDA graphs where asked,
+:class:`runners.torch_runner.TorchRunner`), ``onnxruntime`` (the module exported to a temporary
+ONNX file with :func:`exporters.onnx.export_onnx` and timed with
+:class:`runners.onnxruntime_runner.OrtRunner`), ``tensorrt`` (one small engine per entry,
+:func:`exporters.tensorrt.build_engine` + :class:`runners.tensorrt.runner.TrtRunner`). Each times
+``warmup`` untimed runs and then reports the median (p50) of ``iterations`` timed runs, in ms.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from devices.gpu import local_gpu
+from edgeprune.errors import UserError
+from edgeprune.layers.pruned_attention import PrunedAttention
+from exporters.onnx import export_onnx
+from exporters.ort_session import import_onnxruntime
+from exporters.tensorrt import build_engine, tensorrt_version
+from runners.base import Runner, summarize_latencies
+from runners.onnxruntime_runner import OrtRunner
+from runners.tensorrt.runner import TrtRunner
+from runners.torch_runner import TorchRunner
+
+# ---------------------------------------------------------------------------------------------
+# sub-blocks
+
+
+def _or_identity(m: nn.Module | None) -> nn.Module:
+    return nn.Identity() if m is None else copy.deepcopy(m)
+
+
+class AttnSubBlock(nn.Module):
+    """``x + ls1(proj(attn(norm1(x))))``: (B, N, D) -> (B, N, D)."""
+
+    def __init__(self, norm: nn.Module, attn: nn.Module, ls: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.attn, self.ls = norm, attn, ls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ls(self.attn(self.norm(x)))
+
+
+class MlpSubBlock(nn.Module):
+    """``x + ls2(fc2(act(fc1(norm2(x)))))``: (B, N, D) -> (B, N, D)."""
+
+    def __init__(self, norm: nn.Module, fc1: nn.Linear, act: nn.Module, fc2: nn.Linear, ls: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.act, self.fc2, self.ls = norm, fc1, act, fc2, ls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ls(self.fc2(self.act(self.fc1(self.norm(x)))))
+
+
+def attn_subblock(template: Any, embed_dim: int, heads: int, qk: int, v: int, seed: int = 0) -> AttnSubBlock:
+    """Attention sub-block shaped like ``template`` (a :class:`~edgeprune.anatomy.BlockAnatomy`:
+    its norm1, ls1 and bias flags) with ``heads`` heads of Q/K dim ``qk`` and V dim ``v``; random
+    weights (seeded)."""
+    torch.manual_seed(seed)
+    attn = PrunedAttention(embed_dim, heads, qk, v, qkv_bias=template.qkv.bias is not None,
+                           proj_bias=template.proj.bias is not None, dense_head_dim=template.head_dim)
+    return AttnSubBlock(_or_identity(template.block.norm1), attn, _or_identity(template.ls1)).eval()
+
+
+def mlp_subblock(template: Any, embed_dim: int, width: int, seed: int = 0) -> MlpSubBlock:
+    """MLP sub-block shaped like ``template`` (its norm2, activation, ls2, bias flags) of hidden
+    width ``width``; random weights (seeded)."""
+    torch.manual_seed(seed)
+    fc1 = nn.Linear(embed_dim, width, bias=template.fc1.bias is not None)
+    fc2 = nn.Linear(width, embed_dim, bias=template.fc2.bias is not None)
+    return MlpSubBlock(_or_identity(template.block.norm2), fc1, copy.deepcopy(template.act), fc2,
+                       _or_identity(template.ls2)).eval()
+
+
+class _AsImage(nn.Module):
+    """Presents a (B, N, D) module as one taking (B, 1, N, D), so that the image exporter
+    (:func:`exporters.onnx.export_onnx`, input (C, H, W)) exports it unchanged."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# settings, registry
+
+
+@dataclasses.dataclass
+class TimingSettings:
+    """How to time: the profile's backend settings.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"`` (torch); ORT runs its CPU provider, TensorRT the GPU.
+        threads: intra-op threads (``None``: the backend's default).
+        precision: ``fp32``/``fp16``/... as the backend names it.
+        warmup, iterations: untimed runs, then timed runs (p50 reported).
+        max_seconds: stop the timed runs once they took this long (``None``: no limit), after at
+            least ``min_iterations`` of them.
+        cuda_graphs: torch on CUDA / TensorRT: replay CUDA graphs.
+        profile: the :class:`~devices.DeviceProfile` (TensorRT builds follow it).
+    """
+
+    device: str = "cpu"
+    threads: int | None = None
+    precision: str = "fp32"
+    warmup: int = 5
+    iterations: int = 20
+    cuda_graphs: bool = False
+    profile: Any = None
+    max_seconds: float | None = None
+    min_iterations: int = 5
+
+
+class Timer:
+    """One backend's way to time a module. Subclasses set ``name`` and implement :meth:`runner`."""
+
+    name = "?"
+
+    def unavailable(self, s: TimingSettings) -> str | None:
+        """Why this backend cannot time here (``None``: it can)."""
+        return None
+
+    def version(self) -> str:
+        """The backend library's version (part of a table's key)."""
+        raise NotImplementedError
+
+    def device_name(self, s: TimingSettings) -> str:
+        """The CPU model or GPU name timings are taken on (part of a table's key)."""
+        return cpu_name()
+
+    def open(self, module: nn.Module, x: np.ndarray, s: TimingSettings, workdir: Path) -> tuple[Runner, np.ndarray]:
+        """A :class:`~runners.base.Runner` for ``module`` and the input it takes for ``x``
+        (batch first; a (B, N, D) sub-block exported as an image takes (B, 1, N, D))."""
+        raise NotImplementedError
+
+    def time(self, module: nn.Module, input_shape: Sequence[int], s: TimingSettings) -> float:
+        """p50 ms of ``module`` on a seeded random input of ``input_shape`` (batch first)."""
+        x = np.random.default_rng(0).standard_normal(tuple(input_shape), dtype=np.float32)
+        with tempfile.TemporaryDirectory(prefix="edgeprune-latency-") as tmp:
+            r, x = self.open(module, x, s, Path(tmp))
+            try:
+                r.prepare(x)
+                for _ in range(s.warmup):
+                    r.time_once(x)
+                lat = _timed_runs(r, x, s)
+            finally:
+                r.close()
+        return summarize_latencies(lat)["p50"]
+
+
+def _timed_runs(r: Runner, x: np.ndarray, s: TimingSettings) -> list[float]:
+    """Up to ``s.iterations`` timed runs (ms), fewer once ``s.max_seconds`` is spent (at least
+    ``s.min_iterations``)."""
+    lat: list[float] = []
+    for _ in range(s.iterations):
+        lat.append(r.time_once(x))
+        if (s.max_seconds is not None and len(lat) >= s.min_iterations
+                and sum(lat) >= 1000.0 * s.max_seconds):
+            break
+    return lat
+
+
+_TIMERS: dict[str, Timer] = {}
+
+
+def register_timer(name: str) -> Callable[[type[Timer]], type[Timer]]:
+    """Class decorator: register a :class:`Timer` under ``name``."""
+    def deco(cls: type[Timer]) -> type[Timer]:
+        cls.name = name
+        _TIMERS[name] = cls()
+        return cls
+    return deco
+
+
+def list_timers() -> list[str]:
+    """Names of the registered timing backends."""
+    return sorted(_TIMERS)
+
+
+def get_timer(name: str) -> Timer:
+    """The timing backend ``name``.
+
+    Raises:
+        UserError: unknown name (the message lists the known ones).
+    """
+    if name not in _TIMERS:
+        raise UserError(f"unknown latency backend {name!r} (one of {', '.join(list_timers())})")
+    return _TIMERS[name]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()`` / machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def export_for_timing(module: nn.Module, x: np.ndarray, path: Path) -> tuple[Path, np.ndarray]:
+    """Export ``module`` (image (B, C, H, W) input, or a (B, N, D) sub-block) to ``path`` with the
+    project's exporter (dynamic batch, the graph clean-up of ``edgeprune export``).
+
+    Returns:
+        ``(path, input)``: ``x``, reshaped to (B, 1, N, D) for a sub-block.
+    """
+    if x.ndim == 3:
+        module, x = _AsImage(module), x[:, None]
+    export_onnx(module.cpu().float(), path, x.shape[1:], batch_size=int(x.shape[0]))
+    return path, x
+
+
+@register_timer("torch")
+class TorchTimer(Timer):
+    """Eager PyTorch on the CPU or CUDA (:class:`~runners.torch_runner.TorchRunner`; CUDA graphs
+    when the settings ask for them)."""
+
+    def unavailable(self, s: TimingSettings) -> str | None:
+        if s.device.startswith("cuda") and not torch.cuda.is_available():
+            return f"no CUDA GPU is visible to torch {torch.__version__}"
+        return None
+
+    def version(self) -> str:
+        return torch.__version__
+
+    def device_name(self, s: TimingSettings) -> str:
+        if s.device.startswith("cuda"):
+            return torch.cuda.get_device_name(torch.device(s.device))
+        return cpu_name()
+
+    def open(self, module: nn.Module, x: np.ndarray, s: TimingSettings, workdir: Path) -> tuple[Runner, np.ndarray]:
+        return TorchRunner(module, device=s.device, threads=s.threads, precision=s.precision,
+                           cuda_graphs=s.cuda_graphs, label="latency-entry"), x
+
+
+@register_timer("onnxruntime")
+class OrtTimer(Timer):
+    """ONNX Runtime's CPU provider on the module exported to a temporary ONNX file
+    (:class:`~runners.onnxruntime_runner.OrtRunner`); fp32 only (fp16 / int8 ONNX files are
+    made by ``edgeprune quantize``, which a table cannot run per entry)."""
+
+    def unavailable(self, s: TimingSettings) -> str | None:
+        try:
+            import_onnxruntime()
+        except UserError as err:
+            return str(err)
+        if s.precision != "fp32":
+            return f"latency tables on onnxruntime time fp32 only (got precision {s.precision})"
+        return None
+
+    def version(self) -> str:
+        return str(import_onnxruntime().__version__)
+
+    def open(self, module: nn.Module, x: np.ndarray, s: TimingSettings, workdir: Path) -> tuple[Runner, np.ndarray]:
+        path, x = export_for_timing(module, x, workdir / "entry.onnx")
+        return OrtRunner(path, providers="cpu", threads=s.threads, label="latency-entry"), x
+
+
+@register_timer("tensorrt")
+class TensorRTTimer(Timer):
+    """TensorRT: one small engine per entry, built for the profile (:func:`exporters.tensorrt.
+    build_engine`, the profile's precision and timing cache) and timed with
+    :class:`~runners.tensorrt.runner.TrtRunner` (CUDA graphs where the profile says so)."""
+
+    def unavailable(self, s: TimingSettings) -> str | None:
+        try:
+            tensorrt_version()
+        except UserError as err:
+            return str(err)
+        if local_gpu() is None:
+            return "no NVIDIA GPU found"
+        return None
+
+    def version(self) -> str:
+        return tensorrt_version()
+
+    def device_name(self, s: TimingSettings) -> str:
+        gpu = local_gpu()
+        return gpu.name if gpu is not None else "?"
+
+    def open(self, module: nn.Module, x: np.ndarray, s: TimingSettings, workdir: Path) -> tuple[Runner, np.ndarray]:
+        path, x = export_for_timing(module, x, workdir / "entry.onnx")
+        engine = build_engine(path, s.profile, workdir / "entry.engine", precision=s.precision)
+        return TrtRunner(engine, cuda_graphs=s.cuda_graphs, model="latency-entry"), x
