@@ -146,3 +146,281 @@ def test_load_refuses_a_malformed_grid(tmp_path: Path) -> None:
     p.write_text(json.dumps(d))
     with pytest.raises(UserError, match="mlp.widths must be"):
         LatencyTable.load(p)
+
+
+# -- profiles: [pruning] ------------------------------------------------------------------------
+
+def test_shipped_profiles_pruning_rules() -> None:
+    import devices
+
+    assert devices.pruning_rules(devices.load_profile("cpu")) == {
+        "mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False}
+    for name in ("orin-nx", "rtx3090"):
+        assert devices.pruning_rules(devices.load_profile(name)) == {
+            "mlp_round_to": 64, "head_dim_round_to": 16, "qk_equals_v": True}
+
+
+def _cpu_toml(tmp_path: Path, extra: str) -> Path:
+    import devices
+
+    text = devices.shipped_profile_path("cpu").read_text()
+    text = text[: text.index("[pruning]")] + extra
+    p = tmp_path / "cpu2.toml"
+    p.write_text(text)
+    return p
+
+
+def test_pruning_section_defaults_and_overrides(tmp_path: Path) -> None:
+    import json as _json
+
+    import devices
+
+    assert devices.pruning_rules(devices.load_profile(_cpu_toml(tmp_path, ""))) == {
+        "mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False}  # no section: backend defaults
+    p = devices.load_profile(_cpu_toml(tmp_path, "[pruning]\nmlp_round_to = 32\nqk_equals_v = true\n"))
+    assert devices.pruning_rules(p) == {"mlp_round_to": 32, "head_dim_round_to": 8, "qk_equals_v": True}
+    assert devices.profile_from_record(_json.loads(_json.dumps(p.to_dict()))) == p
+
+
+@pytest.mark.parametrize("extra,match", [("[pruning]\nmlp_round_to = 0\n", "pruning.mlp_round_to must be >= 1"),
+                                         ("[pruning]\nqk_equals_v = 1\n", "pruning.qk_equals_v must be true or false"),
+                                         ("[pruning]\nmlp_round = 8\n", "unknown key pruning.mlp_round")])
+def test_bad_pruning_field_is_named(tmp_path: Path, extra: str, match: str) -> None:
+    import devices
+
+    with pytest.raises(UserError, match=match):
+        devices.load_profile(_cpu_toml(tmp_path, extra))
+
+
+# -- grid -------------------------------------------------------------------------------------
+
+DEIT_S = {"embed_dim": 384, "depth": 12, "num_heads": 6, "head_dim": 64, "mlp_hidden": 1536, "tokens": 197}
+
+
+def test_grid_for_deit_small_on_cpu_is_bounded_and_on_the_rules() -> None:
+    from edgeprune.latency.grid import make_grid
+
+    g = make_grid(DEIT_S, {"mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False})
+    assert g.mlp[0] == 8 and g.mlp[-1] == 1536 and len(g.mlp) <= 16
+    assert all(w % 8 == 0 for w in g.mlp) and g.mlp == sorted(set(g.mlp))
+    assert g.heads == [1, 2, 3, 4, 5, 6]
+    assert g.qk[0] == 8 and g.qk[-1] == 64 and all(d % 8 == 0 for d in g.qk) and g.qk == g.v
+    assert g.count() == len(g.mlp) + 6 * len(g.qk) * len(g.v) <= 120
+
+
+def test_gpu_grid_times_only_the_diagonal() -> None:
+    from edgeprune.latency.grid import make_grid
+
+    g = make_grid(DEIT_S, {"mlp_round_to": 64, "head_dim_round_to": 16, "qk_equals_v": True})
+    assert g.mlp[0] == 64 and g.mlp[-1] == 1536 and all(w % 64 == 0 for w in g.mlp)
+    assert g.qk == [16, 32, 48, 64]
+    assert all(q == v for _, q, v in g.attn_points()) and len(g.attn_points()) == 6 * 4
+
+
+def test_grid_keeps_a_dense_width_off_the_rule() -> None:
+    from edgeprune.latency.grid import make_grid
+
+    g = make_grid({**DEIT_S, "mlp_hidden": 100, "head_dim": 20},
+                  {"mlp_round_to": 64, "head_dim_round_to": 16, "qk_equals_v": False})
+    assert g.mlp == [64, 100] and g.qk == [16, 20]
+
+
+# -- building: a fake backend that counts calls -------------------------------------------------
+
+class _Counting:
+    """Registered as a timing backend: ms = a known function of the module's shape; counts calls,
+    and can fail after N calls (an interrupted build)."""
+
+    calls: list = []
+    fail_after: int | None = None
+
+
+def _fake_timer():
+    import torch.nn as nn
+
+    from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
+
+    if "fake-count" in list_timers():
+        return
+
+    @register_timer("fake-count")
+    class FakeTimer(Timer):
+        def version(self) -> str:
+            return "1"
+
+        def device_name(self, s) -> str:
+            return "fake-device"
+
+        def time(self, module: nn.Module, input_shape, s) -> float:
+            if _Counting.fail_after is not None and len(_Counting.calls) >= _Counting.fail_after:
+                raise KeyboardInterrupt
+            if isinstance(module, MlpSubBlock):
+                key, ms = ("mlp", module.fc1.out_features), 1.0 + module.fc1.out_features / 100.0
+            elif isinstance(module, AttnSubBlock):
+                a = module.attn
+                key = ("attn", a.num_heads, a.qk_dim, a.v_dim)
+                ms = 2.0 + a.num_heads * (2 * a.qk_dim + a.v_dim) / 100.0
+            else:
+                key, ms = ("model",), 50.0
+            _Counting.calls.append(key)
+            return ms
+
+
+@pytest.fixture
+def tiny_vit(timm):
+    from edgeprune.anatomy import find_anatomy
+
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval()
+    return find_anatomy(m)
+
+
+def _opts(**kw):
+    from edgeprune.latency.build import BuildOptions
+
+    base = dict(backend="fake-count", threads=1, batch=2, warmup=0, iterations=1,
+                grid={"max_mlp": 3, "max_dims": 2, "max_heads": 2})
+    base.update(kw)
+    return BuildOptions(**base)
+
+
+def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
+    import devices
+    from edgeprune.latency.build import build_table
+
+    _fake_timer()
+    out = tmp_path / "t.json"
+    _Counting.calls, _Counting.fail_after = [], 4
+    with pytest.raises(KeyboardInterrupt):
+        build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
+    first = list(_Counting.calls)
+    assert len(first) == 4
+    with pytest.raises(UserError, match="incomplete"):
+        LatencyTable.load(out)
+    part = LatencyTable.load(out, allow_partial=True)
+    assert len(part.measured["mlp"]) + len(part.measured["attn"]) == 4
+    _Counting.calls, _Counting.fail_after = [], None
+    t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
+    assert not set(first) & set(_Counting.calls)  # nothing timed twice
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 1
+    assert len(first) + len(_Counting.calls) == total
+    assert LatencyTable.load(out).complete
+    assert t.mlp_ms(768) == 1.0 + 7.68 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0
+    assert t.fixed_ms == pytest.approx(50.0 - 2 * t.block_ms(t.dense_dims()))
+    _Counting.calls = []
+    build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
+    assert _Counting.calls == []  # a complete table of the same key: nothing to time
+
+
+def test_another_key_is_refused_without_force(tmp_path: Path, tiny_vit) -> None:
+    import devices
+    from edgeprune.latency.build import build_table
+
+    _fake_timer()
+    out = tmp_path / "t.json"
+    _Counting.calls, _Counting.fail_after = [], None
+    build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
+    before = out.read_bytes()
+    _Counting.calls = []
+    with pytest.raises(UserError, match="another key .*batch") as err:
+        build_table(tiny_vit, devices.load_profile("cpu"), _opts(batch=4), out, show_progress=False)
+    assert _Counting.calls == [] and out.read_bytes() == before and "\n" not in str(err.value)
+    with pytest.raises(UserError, match="another grid"):
+        build_table(tiny_vit, devices.load_profile("cpu"), _opts(grid={"max_mlp": 4}), out, show_progress=False)
+    t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(batch=4, force=True), out, show_progress=False)
+    assert t.key["batch"] == 4 and LatencyTable.load(out).key["batch"] == 4
+
+
+def test_a_pruned_or_mixed_model_is_refused(tiny_vit) -> None:
+    from edgeprune.latency.grid import shape_of
+
+    assert shape_of(tiny_vit) == {"embed_dim": 192, "depth": 2, "num_heads": 3, "head_dim": 64,
+                                  "mlp_hidden": 768, "tokens": 5}
+    tiny_vit.blocks[1].mlp_hidden = 384  # as a model with a pruned MLP reads
+    with pytest.raises(UserError, match="blocks of one shape"):
+        shape_of(tiny_vit)
+    tiny_vit.blocks[1].mlp_hidden = 768
+    tiny_vit.blocks[0].qk_dim = 32
+    with pytest.raises(UserError, match="needs the dense model"):
+        shape_of(tiny_vit)
+
+
+# -- a real build (torch CPU backend) -----------------------------------------------------------
+
+def test_real_tiny_build_matches_the_whole_model(tmp_path: Path, tiny_vit) -> None:
+    import devices
+    from edgeprune.latency.build import build_table
+    from edgeprune.latency.measure import TimingSettings, get_timer
+
+    out = tmp_path / "t.json"
+    t = build_table(tiny_vit, devices.load_profile("cpu"),
+                    _opts(backend="torch", batch=4, warmup=2, iterations=15), out, show_progress=False)
+    assert t.complete and t.key["backend"] == "torch" and t.rules["mlp_round_to"] == 8
+    assert all(math.isfinite(x) and x > 0 for x in t.mlp["ms"])
+    assert sorted(t.measured["mlp"]) == t.mlp["widths"] and t.measured["model"] is True
+    # the blocks are timed apart from the model: together they cannot take much longer than it
+    blocks = t.key["depth"] * t.block_ms(t.dense_dims())
+    assert blocks < 1.6 * t.dense_model_ms and t.fixed_ms >= 0
+    # the whole model timed again, independently: the table's dense prediction is near it
+    again = get_timer("torch").time(tiny_vit.model, (4, 3, 32, 32), TimingSettings(threads=1, warmup=2, iterations=15))
+    assert 0.5 < t.dense_ms() / again < 2.0
+    assert LatencyTable.load(out).dense_ms() == pytest.approx(t.dense_ms())
+
+
+@pytest.mark.parametrize("shape,module", [((2, 5, 192), "attn"), ((2, 5, 192), "mlp")])
+def test_onnxruntime_timer_times_a_sub_block(tiny_vit, shape, module) -> None:
+    pytest.importorskip("onnxruntime")
+    from edgeprune.latency.measure import TimingSettings, attn_subblock, get_timer, mlp_subblock
+
+    m = attn_subblock(tiny_vit.blocks[0], 192, 2, 16, 32) if module == "attn" else mlp_subblock(tiny_vit.blocks[0], 192, 64)
+    ms = get_timer("onnxruntime").time(m, shape, TimingSettings(threads=1, warmup=1, iterations=3))
+    assert math.isfinite(ms) and ms > 0
+
+
+def test_sub_blocks_compute_the_block_formula(tiny_vit) -> None:
+    import torch
+
+    from edgeprune.latency.measure import attn_subblock, mlp_subblock
+
+    b = tiny_vit.blocks[0]
+    x = torch.randn(2, 5, 192)
+    a = attn_subblock(b, 192, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(a(x), x + a.attn(b.block.norm1(x)), atol=1e-6)
+        m = mlp_subblock(b, 192, 768)
+        assert torch.allclose(m(x), x + m.fc2(b.act(m.fc1(b.block.norm2(x)))), atol=1e-6)
+    assert m.fc1.out_features == 768 and a.attn.qkv.out_features == 3 * (2 * 64 + 64)
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def _cli(*args):
+    from tests.conftest import run_cli
+
+    return run_cli(["latency-table", *args])
+
+
+@pytest.mark.parametrize("args,code,match", [
+    (["--device", "nope"], 2, "unknown device 'nope'"),
+    (["--batch", "0"], 2, "--batch must be >= 1"),
+    (["--threads", "0"], 2, "--threads must be >= 1"),
+    (["--backend", "cuda-magic"], 2, "Invalid value for '--backend'"),
+    (["--device", "orin-nx"], 1, "run `edgeprune latency-table --model vit_tiny_patch16_224 --device orin-nx"),
+])
+def test_cli_bad_input_is_one_line(tmp_path: Path, args, code, match) -> None:
+    r = _cli("--model", "vit_tiny_patch16_224", "--random-init", "-o", tmp_path / "t.json", *args)
+    assert r.exit_code == code, r.output
+    assert match in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_cli_builds_resumes_and_refuses_another_key(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    base = ["--model", "vit_tiny_patch16_224", "--random-init", "--img-size", "32", "--model-kwargs", "depth=1",
+            "--backend", "torch", "--threads", "1", "--warmup", "0", "--iterations", "3", "--quiet", "-o", out]
+    r = _cli(*base)
+    assert r.exit_code == 0, r.output
+    assert "entries on" in r.stdout and LatencyTable.load(out).complete
+    r = _cli(*base[:-2], "--batch", "2", "-o", out)
+    assert r.exit_code == 2 and "exists with another key (batch" in r.stderr and "--force" in r.stderr
+    r = _cli(*base[:-2], "-o", tmp_path)
+    assert r.exit_code == 2 and "is a folder" in r.stderr

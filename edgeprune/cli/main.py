@@ -37,6 +37,7 @@ from edgeprune.cli.derive import derive_cmd
 from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
 from edgeprune.cli.evalinfo import eval_cmd, info_cmd
 from edgeprune.cli.heal import heal_cmd
+from edgeprune.cli.latency_table import latency_table_cmd
 from edgeprune.cli.prune import prune_cmd
 from edgeprune.cli.quantize import quantize_cmd
 from edgeprune.errors import UserError
@@ -68,7 +69,7 @@ def _register() -> None:
                       ("derive", derive_cmd), ("export", export_cmd), ("verify", verify_cmd)):
         cli.add_command(cmd, name=name)
     for name, cmd in (("quantize", quantize_cmd), ("build", build_cmd), ("bench", bench_cmd),
-                      ("devices", devices_cmd)):
+                      ("devices", devices_cmd), ("latency-table", latency_table_cmd)):
         cli.add_command(cmd, name=name)
 
 

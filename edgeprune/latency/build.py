@@ -66,7 +66,7 @@ def default_batch(profile: Any) -> int:
     return small[-1] if small else sizes[0]
 
 
-def settings_for(profile: Any, opts: BuildOptions) -> tuple[Timer, TimingSettings, int]:
+def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Timer, TimingSettings, int]:
     """``(timer, settings, batch)`` for ``opts`` on ``profile``, checked before any work.
 
     Raises:
@@ -93,16 +93,16 @@ def settings_for(profile: Any, opts: BuildOptions) -> tuple[Timer, TimingSetting
         raise UserError(f"need --iterations >= 1 and --warmup >= 0, got {s.iterations}, {s.warmup}")
     reason = timer.unavailable(s)
     if reason is not None:
-        raise RuntimeFault(unavailable_message(profile, backend, reason))
+        raise RuntimeFault(unavailable_message(profile, backend, reason, model))
     return timer, s, batch
 
 
-def unavailable_message(profile: Any, backend: str, reason: str) -> str:
+def unavailable_message(profile: Any, backend: str, reason: str, model: str = "M") -> str:
     """One line: why ``backend`` cannot time here, and (TensorRT) the command to run on the device."""
-    first = reason.splitlines()[0] if reason else "not available"
+    first = reason.splitlines()[0].split(": ")[0] if reason else "not available"
     if backend == "tensorrt":
         return (f"profile {profile.name} times with TensorRT on its GPU, which is not here ({first}); run "
-                f"`edgeprune latency-table --model M --random-init --device {profile.name} -o {profile.name}.json` "
+                f"`edgeprune latency-table --model {model} --device {profile.name} -o {profile.name}.json` "
                 "on the device and copy the file (prune --latency-table FILE)")
     return f"backend {backend} cannot time here: {first}"
 

@@ -1,0 +1,70 @@
+"""``edgeprune latency-table``: time a model's block structures on a device profile (issue 30).
+
+Writes a :class:`~edgeprune.latency.table.LatencyTable` JSON (docs/latency.md). Every input is
+checked before any timing: the profile, batch / threads, the backend being present here (a
+TensorRT profile off its device: one line naming the command to run there), the output folder,
+an existing output of another key (``--force`` replaces it; the same key resumes it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from devices import load_profile
+from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import check_writable
+from edgeprune.cli.options import load_model, model_options, quiet_option
+from edgeprune.errors import UserError
+from edgeprune.latency.build import BuildOptions, build_table, settings_for
+from edgeprune.latency.measure import list_timers
+
+
+@click.command("latency-table")
+@model_options()
+@click.option("--device", "device", default="cpu", show_default=True, metavar="PROFILE",
+              help="Device profile (shipped name or .toml path): backend, batch, precision, threads, pruning rules.")
+@click.option("--batch", type=int, default=None, metavar="N",
+              help="Images per timed batch [the profile's largest bench batch size <= 8].")
+@click.option("--threads", type=int, default=None, metavar="N", help="Intra-op threads (CPU) [the profile's].")
+@click.option("--precision", default=None, metavar="P", help="Backend precision [the profile's].")
+@click.option("--backend", default=None, type=click.Choice(list_timers()), help="Timing backend [the profile's].")
+@click.option("--warmup", type=int, default=None, metavar="N", help="Untimed runs per entry [the profile's].")
+@click.option("--iterations", type=int, default=None, metavar="N",
+              help="Timed runs per entry, p50 reported [the profile's].")
+@click.option("--max-seconds", type=click.FloatRange(min=0.01), default=2.0, show_default=True, metavar="S",
+              help="Stop an entry's timed runs after S seconds (at least 5 runs): bounds the build time.")
+@click.option("-o", "--out", type=click.Path(), required=True, metavar="TABLE.json", help="The table to write.")
+@click.option("--force", is_flag=True, help="Replace an existing table of another key (the same key resumes).")
+@quiet_option
+def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, device, batch,
+                      threads, precision, backend, warmup, iterations, max_seconds, out, force, quiet) -> None:
+    """Time one block of the model's shape for each kept structure on a grid (MLP widths, kept
+    heads, Q/K and V head dims) on the profile's backend, plus the dense model whole; write the
+    latency table for `prune --latency`.
+
+    \b
+    The output is saved after every entry: rerunning the same command resumes an interrupted build.
+    """
+    if model_name is None:
+        raise UserError("--model is required (the dense model whose blocks are timed)")
+    profile = load_profile(device)
+    opts = BuildOptions(batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
+                        iterations=iterations, max_seconds=max_seconds, force=force)
+    settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent here: before any work
+    out_path = Path(out)
+    if out_path.is_dir():
+        raise UserError(f"-o {out} is a folder; give the table's file name (e.g. {out_path / 'table.json'})")
+    check_writable(out_path.parent)
+    model, _rec, _spec = load_model(None, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
+    anatomy = find_anatomy(model.eval())
+    t0 = time.perf_counter()
+    table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
+    k = table.key
+    n = len(table.measured["mlp"]) + len(table.measured["attn"]) + 1
+    click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
+               f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
+               f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "
+               f"blocks {k['depth']} x {table.block_ms(table.dense_dims()):.2f} ms, fixed {table.fixed_ms:.2f} ms")
