@@ -424,3 +424,124 @@ def test_cli_builds_resumes_and_refuses_another_key(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "exists with another key (batch" in r.stderr and "--force" in r.stderr
     r = _cli(*base[:-2], "-o", tmp_path)
     assert r.exit_code == 2 and "is a folder" in r.stderr
+
+
+def test_statistic_min_is_the_fastest_run_and_is_part_of_resume(tmp_path: Path, tiny_vit) -> None:
+    import devices
+    from edgeprune.latency.build import build_table
+    from edgeprune.latency.measure import TimingSettings, Timer
+
+    class Seq:
+        """A runner whose time_once returns a fixed sequence."""
+
+        def __init__(self) -> None:
+            self.seq = iter([9.0, 5.0, 7.0, 3.0, 8.0])
+
+        def prepare(self, x) -> None: ...
+
+        def time_once(self, x) -> float:
+            return next(self.seq)
+
+        def close(self) -> None: ...
+
+    class SeqTimer(Timer):
+        def open(self, module, x, s, workdir):
+            return Seq(), x
+
+    t = SeqTimer()
+    assert t.time(None, (1, 2), TimingSettings(warmup=0, iterations=5, statistic="min")) == 3.0
+    assert t.time(None, (1, 2), TimingSettings(warmup=0, iterations=5)) == 7.0
+    assert t.time(None, (1, 2), TimingSettings(warmup=1, iterations=4)) == 5.0 + (7.0 - 5.0) / 2  # p50 of 5,7,3,8
+    _fake_timer()
+    out = tmp_path / "t.json"
+    build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
+    with pytest.raises(UserError, match="another statistic"):
+        build_table(tiny_vit, devices.load_profile("cpu"), _opts(statistic="min"), out, show_progress=False)
+
+
+def _drifting_timer():
+    """A backend whose every run costs a known function of the module's shape times a machine
+    load that steps up and down every 7 runs (as on a box shared with other jobs)."""
+    from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
+
+    if "fake-drift" in list_timers():
+        return
+
+    def cost(module) -> float:
+        if isinstance(module, MlpSubBlock):
+            return 1.0 + module.fc1.out_features / 100.0
+        if isinstance(module, AttnSubBlock):
+            a = module.attn
+            return 2.0 + a.num_heads * (2 * a.qk_dim + a.v_dim) / 100.0
+        return 60.0
+
+    class Run:
+        calls = 0
+
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def prepare(self, x) -> None: ...
+
+        def time_once(self, x) -> float:
+            Run.calls += 1
+            return self.ms * (1.0 + (Run.calls // 7) % 3)
+
+        def close(self) -> None: ...
+
+    @register_timer("fake-drift")
+    class DriftTimer(Timer):
+        def version(self) -> str:
+            return "1"
+
+        def device_name(self, s) -> str:
+            return "fake-device"
+
+        def open(self, module, x, s, workdir):
+            return Run(cost(module)), x
+
+
+def test_interleave_cancels_a_drifting_load(tmp_path: Path, tiny_vit) -> None:
+    import devices
+    from edgeprune.latency.build import build_table
+
+    _drifting_timer()
+    cpu = devices.load_profile("cpu")
+    plain = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5), tmp_path / "a.json",
+                        show_progress=False)
+    il = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, interleave=True), tmp_path / "b.json",
+                     show_progress=False)
+    true = [1.0 + w / 100.0 for w in il.mlp["widths"]]
+    rel_il = [ms / il.mlp["ms"][-1] for ms in il.mlp["ms"]]
+    rel_plain = [ms / plain.mlp["ms"][-1] for ms in plain.mlp["ms"]]
+    assert rel_il == pytest.approx([c / true[-1] for c in true], rel=1e-9)
+    assert rel_plain != pytest.approx([c / true[-1] for c in true], rel=1e-3)  # the drift shows without it
+    h, d = il.key["num_heads"], il.key["head_dim"]
+    for (a, q, v) in il.measured["attn"]:
+        want = (2.0 + a * (2 * q + v) / 100.0) / (2.0 + h * 3 * d / 100.0)
+        assert il.attn_ms(a, q, v) / il.attn_ms(h, d, d) == pytest.approx(want, rel=1e-9)
+    assert il.meta["settings"]["interleave"] is True and LatencyTable.load(tmp_path / "b.json").complete
+    with pytest.raises(UserError, match="another interleave"):
+        build_table(tiny_vit, cpu, _opts(backend="fake-drift"), tmp_path / "b.json", show_progress=False)
+
+
+def test_cpu_clock_counts_compute_not_waiting() -> None:
+    import time as _time
+
+    from edgeprune.latency.measure import TimingSettings, time_once
+
+    class Sleeper:
+        def time_once(self, x) -> float:
+            t0 = _time.perf_counter()
+            _time.sleep(0.05)  # the core held by someone else: wall time, no CPU time of ours
+            return (_time.perf_counter() - t0) * 1000.0
+
+    assert time_once(Sleeper(), None, TimingSettings()) >= 50.0
+    assert time_once(Sleeper(), None, TimingSettings(clock="cpu")) < 10.0
+
+
+@pytest.mark.parametrize("args,match", [(["--clock", "cpu", "--threads", "2"], "--clock cpu measures one CPU thread"),
+                                        (["--clock", "cpu"], "--clock cpu measures one CPU thread")])
+def test_cli_cpu_clock_needs_one_thread(tmp_path: Path, args, match) -> None:
+    r = _cli("--model", "vit_tiny_patch16_224", "--random-init", "-o", tmp_path / "t.json", *args)
+    assert r.exit_code == 2 and match in r.stderr, r.output

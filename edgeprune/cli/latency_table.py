@@ -36,11 +36,20 @@ from edgeprune.latency.measure import list_timers
               help="Timed runs per entry, p50 reported [the profile's].")
 @click.option("--max-seconds", type=click.FloatRange(min=0.01), default=2.0, show_default=True, metavar="S",
               help="Stop an entry's timed runs after S seconds (at least 5 runs): bounds the build time.")
+@click.option("--statistic", type=click.Choice(["p50", "min"]), default="p50", show_default=True,
+              help="What an entry reports of its timed runs (min: steadier on a machine shared with other work).")
+@click.option("--interleave", is_flag=True,
+              help="Time each entry side by side with the dense sub-block and keep the ratios: steady "
+                   "on a machine whose load drifts (about 2x the time).")
+@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="cpu: this thread's CPU time per run (with --threads 1 on a CPU profile): steady on a "
+                   "machine shared with other jobs.")
 @click.option("-o", "--out", type=click.Path(), required=True, metavar="TABLE.json", help="The table to write.")
 @click.option("--force", is_flag=True, help="Replace an existing table of another key (the same key resumes).")
 @quiet_option
 def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, device, batch,
-                      threads, precision, backend, warmup, iterations, max_seconds, out, force, quiet) -> None:
+                      threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave, clock,
+                      out, force, quiet) -> None:
     """Time one block of the model's shape for each kept structure on a grid (MLP widths, kept
     heads, Q/K and V head dims) on the profile's backend, plus the dense model whole; write the
     latency table for `prune --latency`.
@@ -52,7 +61,8 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
         raise UserError("--model is required (the dense model whose blocks are timed)")
     profile = load_profile(device)
     opts = BuildOptions(batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
-                        iterations=iterations, max_seconds=max_seconds, force=force)
+                        iterations=iterations, max_seconds=max_seconds, statistic=statistic,
+                        interleave=interleave, clock=clock, force=force)
     settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent here: before any work
     out_path = Path(out)
     if out_path.is_dir():

@@ -22,8 +22,10 @@ from typing import Any
 from devices import pruning_rules
 from edgeprune._version import __version__
 from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.latency import relative
 from edgeprune.latency.grid import Grid, make_grid, shape_of
 from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
+from edgeprune.latency.relative import References
 from edgeprune.latency.table import LatencyTable
 from edgeprune.progress import progress
 
@@ -44,6 +46,10 @@ class BuildOptions:
         backend: timing backend name (:func:`~edgeprune.latency.measure.list_timers`).
         warmup, iterations: per entry (default: the profile's ``[bench]``); the timed runs of an
             entry also stop after ``max_seconds`` (at least ``min_iterations``).
+        statistic: ``p50`` or ``min`` of an entry's timed runs.
+        clock: ``wall`` or ``cpu`` (thread CPU time; one thread on the CPU only).
+        interleave: time each entry against the dense sub-block round by round and keep the
+            ratios (:mod:`edgeprune.latency.relative`; steady on a machine whose load drifts).
         force: replace an existing output built with another key.
         grid: keyword limits for :func:`~edgeprune.latency.grid.make_grid` (``max_mlp``, ...).
     """
@@ -55,6 +61,9 @@ class BuildOptions:
     warmup: int | None = None
     iterations: int | None = None
     max_seconds: float | None = None
+    statistic: str = "p50"
+    interleave: bool = False
+    clock: str = "wall"
     force: bool = False
     grid: dict = dataclasses.field(default_factory=dict)
 
@@ -88,13 +97,29 @@ def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Ti
                        warmup=profile.bench.warmup if opts.warmup is None else opts.warmup,
                        iterations=profile.bench.iterations if opts.iterations is None else opts.iterations,
                        cuda_graphs=bool(profile.bench.cuda_graphs and on_gpu), profile=profile,
-                       max_seconds=opts.max_seconds)
+                       max_seconds=opts.max_seconds, statistic=opts.statistic, clock=opts.clock)
+    _check_way(s)
     if s.iterations < 1 or s.warmup < 0:
         raise UserError(f"need --iterations >= 1 and --warmup >= 0, got {s.iterations}, {s.warmup}")
     reason = timer.unavailable(s)
     if reason is not None:
         raise RuntimeFault(unavailable_message(profile, backend, reason, model))
     return timer, s, batch
+
+
+def _check_way(s: TimingSettings) -> None:
+    """Statistic and clock.
+
+    Raises:
+        UserError: an unknown statistic or clock, or the CPU clock where it does not measure the
+            run (a GPU, or more than one thread).
+    """
+    if s.statistic not in ("p50", "min"):
+        raise UserError(f"--statistic must be p50 or min, got {s.statistic!r}")
+    if s.clock not in ("wall", "cpu"):
+        raise UserError(f"--clock must be wall or cpu, got {s.clock!r}")
+    if s.clock == "cpu" and (s.device != "cpu" or s.threads != 1):
+        raise UserError("--clock cpu measures one CPU thread: it needs a CPU profile and --threads 1")
 
 
 def unavailable_message(profile: Any, backend: str, reason: str, model: str = "M") -> str:
@@ -114,7 +139,7 @@ def make_key(shape: dict[str, int], profile: Any, timer: Timer, s: TimingSetting
             "profile": profile.name, "threads": s.threads}
 
 
-def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings) -> LatencyTable:
+def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleave: bool = False) -> LatencyTable:
     """A table with every entry unmeasured (NaN), ``meta["complete"] = False``."""
     nan = math.nan
     attn = [[[nan for _ in grid.v] for _ in grid.qk] for _ in grid.heads]
@@ -124,19 +149,23 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings) -> Latenc
         fixed_ms=nan, dense_model_ms=nan, measured={"mlp": [], "attn": [], "model": False},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
-              "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": "p50",
+              "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic, "interleave": interleave,
+                           "clock": s.clock,
                            "max_seconds": s.max_seconds, "min_iterations": s.min_iterations,
                            "cuda_graphs": s.cuda_graphs, "input": "(batch, tokens, embed_dim) noise"}})
 
 
-def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSettings, force: bool) -> LatencyTable:
-    """The partial table at ``out`` when its key, rules and grid match; else a fresh one.
+def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSettings,
+                    opts: BuildOptions) -> LatencyTable:
+    """The partial table at ``out`` when its key, rules, grid and way of timing match; else a
+    fresh one.
 
     Raises:
-        UserError: ``out`` exists with another key / grid (or is not a table) and not ``force``.
+        UserError: ``out`` exists with another key / grid / statistic / interleaving (or is not a
+            table) and not ``opts.force``.
     """
-    fresh = empty_table(key, rules, grid, s)
-    if not out.exists() or force:
+    fresh = empty_table(key, rules, grid, s, opts.interleave)
+    if not out.exists() or opts.force:
         return fresh
     hint = "(use --force to replace it, or another -o)"
     try:
@@ -147,6 +176,10 @@ def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSett
     if differ:
         raise UserError(f"{out} exists with another key ({differ[0]}: {old.key.get(differ[0])!r} there, "
                         f"{key.get(differ[0])!r} now) {hint}")
+    for name in ("statistic", "interleave", "clock"):
+        was, now = old.meta.get("settings", {}).get(name), fresh.meta["settings"][name]
+        if was != now:
+            raise UserError(f"{out} exists with another {name} ({was} there, {now} now) {hint}")
     same_grid = (old.rules == rules and old.mlp["widths"] == fresh.mlp["widths"]
                  and all(old.attn[a] == fresh.attn[a] for a in ("heads", "qk", "v")))
     if not same_grid:
@@ -167,24 +200,42 @@ def _is_measured(t: LatencyTable, kind: str, dims: tuple[int, ...]) -> bool:
     return bool(t.measured.get("model"))
 
 
-def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any, timer: Timer,
-                s: TimingSettings, batch: int) -> None:
-    """Time one entry and record it in ``t`` (value and ``measured``)."""
+def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any,
+                  batch: int) -> tuple[Any, tuple[int, ...]]:
+    """``(module, input shape)`` of one entry: a sub-block of ``dims`` or the whole model."""
     D, T = t.key["embed_dim"], t.key["tokens"]
-    tmpl = anatomy.blocks[0]
     if kind == "mlp":
-        ms = timer.time(mlp_subblock(tmpl, D, dims[0]), (batch, T, D), s)
+        return mlp_subblock(anatomy.blocks[0], D, dims[0]), (batch, T, D)
+    if kind == "attn":
+        return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
+    return anatomy.model, (batch, anatomy.in_chans, *anatomy.img_size)
+
+
+def _record(t: LatencyTable, kind: str, dims: tuple[int, ...], ms: float) -> None:
+    """Store one entry's time in ``t`` and mark it measured."""
+    if kind == "mlp":
         t.mlp["ms"][t.mlp["widths"].index(dims[0])] = ms
         t.measured["mlp"].append(dims[0])
     elif kind == "attn":
         h, q, v = dims
-        ms = timer.time(attn_subblock(tmpl, D, h, q, v), (batch, T, D), s)
         t.attn["ms"][t.attn["heads"].index(h)][t.attn["qk"].index(q)][t.attn["v"].index(v)] = ms
         t.measured["attn"].append([h, q, v])
     else:
-        shape = (batch, anatomy.in_chans, *anatomy.img_size)
-        t.dense_model_ms = timer.time(anatomy.model, shape, s)
+        t.dense_model_ms = ms
         t.measured["model"] = True
+
+
+def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any, timer: Timer,
+                s: TimingSettings, batch: int, refs: References | None) -> None:
+    """Time one entry (alone, or interleaved with ``refs``) and record it in ``t``."""
+    module, shape = _entry_module(t, kind, dims, anatomy, batch)
+    if refs is None:
+        _record(t, kind, dims, timer.time(module, shape, s))
+        return
+    ratio, ref_ms = refs.time_entry(kind, module, shape)
+    relative.record(t, kind, dims, ratio, ref_ms)
+    _record(t, kind, dims, float("nan"))
+    relative.apply(t)
 
 
 def finish(t: LatencyTable) -> LatencyTable:
@@ -226,17 +277,20 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
     shape = shape_of(anatomy)
     rules = pruning_rules(profile)
     grid = make_grid(shape, rules, **opts.grid)
-    t = start_or_resume(out, make_key(shape, profile, timer, s, batch), rules, grid, s, opts.force)
+    t = start_or_resume(out, make_key(shape, profile, timer, s, batch), rules, grid, s, opts)
     todo = [e for e in _entries(grid) if not _is_measured(t, *e)]
+    refs = References(timer, anatomy, t.key, s, batch) if opts.interleave and todo else None
     bar = progress(None, desc="latency table", enabled=show_progress, total=len(todo), unit="entry")
     try:
         for kind, dims in todo:
             bar.set_postfix(entry=f"{kind}{list(dims) if dims else ''}")
-            _time_entry(t, kind, dims, anatomy, timer, s, batch)
+            _time_entry(t, kind, dims, anatomy, timer, s, batch, refs)
             t.save(out)
             bar.update(1)
     finally:
         bar.close()
+        if refs is not None:
+            refs.close()
     t = finish(t)
     t.save(out)
     return t

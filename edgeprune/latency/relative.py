@@ -1,0 +1,136 @@
+"""Interleaved timing against a reference, for machines whose load drifts (``--interleave``).
+
+On a machine shared with other work the time of one module drifts with the load by more than the
+differences a table must resolve (a 2-core box shared by several jobs: 2x within minutes). As in
+the project's pair benchmark (``edgeprune bench A --vs B``), ratios measured side by side are
+steady where absolute times are not: each entry runs interleaved with a reference -- the dense
+sub-block of its kind (the whole model: against both dense sub-blocks) -- round by round, and
+records the median per-round ratio entry / reference (statistic ``min``: fastest entry run /
+fastest reference run -- on a box where other jobs preempt a run about every other time, the
+median is polluted and the minimum is not). The table's times are
+then ``ratio x reference``, the reference being the median of all its per-entry p50s over the
+build, so every entry is on one load level. Resume keeps the ratios (``meta["relative"]``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.nn as nn
+
+from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, mlp_subblock, time_once
+from edgeprune.latency.table import LatencyTable
+from runners.base import summarize_latencies
+
+
+def _noise(shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+
+
+class References:
+    """The dense attention and MLP sub-blocks, opened once on ``timer`` for a whole build.
+
+    Args:
+        timer: the timing backend.
+        anatomy: the model's anatomy (block 0 is the template).
+        key: the table's key (dims, tokens).
+        s: timing settings; batch: images per batch.
+    """
+
+    def __init__(self, timer: Timer, anatomy: Any, key: dict, s: TimingSettings, batch: int) -> None:
+        self.timer, self.s = timer, s
+        self._tmp = tempfile.TemporaryDirectory(prefix="edgeprune-latency-ref-")
+        D, T, tmpl = key["embed_dim"], key["tokens"], anatomy.blocks[0]
+        x = _noise((batch, T, D))
+        self.runners: dict[str, tuple[Any, np.ndarray]] = {}
+        for kind, module in (("attn", attn_subblock(tmpl, D, key["num_heads"], key["head_dim"], key["head_dim"])),
+                             ("mlp", mlp_subblock(tmpl, D, key["mlp_hidden"]))):
+            work = Path(self._tmp.name) / kind
+            work.mkdir()
+            r, xr = timer.open(module, x, s, work)
+            r.prepare(xr)
+            self.runners[kind] = (r, xr)
+
+    def close(self) -> None:
+        """Close the reference runners and remove their files."""
+        for r, _ in self.runners.values():
+            r.close()
+        self._tmp.cleanup()
+
+    def _refs(self, kind: str) -> list[tuple[Any, np.ndarray]]:
+        return list(self.runners.values()) if kind == "model" else [self.runners[kind]]
+
+    def time_entry(self, kind: str, module: nn.Module, shape: tuple[int, ...]) -> tuple[float, float]:
+        """Time ``module`` (entry ``kind``: ``mlp``, ``attn`` or ``model``) interleaved with its
+        reference(s).
+
+        Returns:
+            ``(ratio, reference ms)``: with statistic ``p50`` the median per-round ratio and the
+            reference's median time; with ``min``, fastest entry run / fastest reference run and
+            the latter (references summed per round for the model).
+        """
+        s, refs = self.s, self._refs(kind)
+        with tempfile.TemporaryDirectory(prefix="edgeprune-latency-") as tmp:
+            r, x = self.timer.open(module, _noise(shape), s, Path(tmp))
+            try:
+                r.prepare(x)
+                for _ in range(s.warmup):
+                    time_once(r, x, s)
+                    for q, xq in refs:
+                        time_once(q, xq, s)
+                ent_ms, ref_ms = self._rounds(r, x, refs)
+            finally:
+                r.close()
+        if s.statistic == "min":
+            return min(ent_ms) / min(ref_ms), min(ref_ms)
+        ratios = [e / ref for e, ref in zip(ent_ms, ref_ms)]
+        return summarize_latencies(ratios)["p50"], statistics.median(ref_ms)
+
+    def _rounds(self, r: Any, x: np.ndarray, refs: list[tuple[Any, np.ndarray]]) -> tuple[list[float], list[float]]:
+        """Timed rounds (entry, then its references): up to ``iterations``, fewer once
+        ``max_seconds`` is spent (at least ``min_iterations``). Returns both time lists (ms)."""
+        s = self.s
+        ent_ms: list[float] = []
+        ref_ms: list[float] = []
+        for _ in range(s.iterations):
+            ent_ms.append(time_once(r, x, s))
+            ref_ms.append(sum(time_once(q, xq, s) for q, xq in refs))
+            if (s.max_seconds is not None and len(ent_ms) >= s.min_iterations
+                    and sum(ent_ms) + sum(ref_ms) >= 1000 * s.max_seconds):
+                break
+        return ent_ms, ref_ms
+
+
+def record(t: LatencyTable, kind: str, dims: tuple[int, ...], ratio: float, ref_ms: float) -> None:
+    """Store one entry's ratio (and its reference time) in ``t.meta["relative"]``."""
+    rel = t.meta.setdefault("relative", {"mlp": {}, "attn": {}, "model": None,
+                                         "reference_ms": {"mlp": [], "attn": []}})
+    if kind == "model":
+        rel["model"] = ratio
+    else:
+        rel[kind][",".join(map(str, dims))] = ratio
+        rel["reference_ms"][kind].append(ref_ms)
+
+
+def apply(t: LatencyTable) -> None:
+    """Set the table's times from the recorded ratios: ``ratio x median reference`` (the model:
+    ``ratio x (attention + MLP reference)``); unmeasured entries stay NaN."""
+    rel = t.meta.get("relative")
+    if not rel:
+        return
+    ref = {k: statistics.median(v) if v else None for k, v in rel["reference_ms"].items()}
+    for w, ratio in rel["mlp"].items():
+        t.mlp["ms"][t.mlp["widths"].index(int(w))] = ratio * ref["mlp"]
+    for hqv, ratio in rel["attn"].items():
+        h, q, v = (int(p) for p in hqv.split(","))
+        t.attn["ms"][t.attn["heads"].index(h)][t.attn["qk"].index(q)][t.attn["v"].index(v)] = ratio * ref["attn"]
+    if rel.get("model") is not None and None not in ref.values():
+        t.dense_model_ms = rel["model"] * (ref["attn"] + ref["mlp"])
+    t.meta["reference_ms"] = ref
+
+
+__all__ = ["References", "apply", "record"]
