@@ -235,6 +235,16 @@ class _Counting:
     fail_after: int | None = None
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _unregister_fake_timers():
+    """The fake backends registered by this module's tests leave the registry afterwards."""
+    yield
+    from edgeprune.latency.measure import unregister_timer
+
+    for name in ("fake-count", "fake-drift"):
+        unregister_timer(name)
+
+
 def _fake_timer():
     import torch.nn as nn
 

@@ -213,6 +213,11 @@ def register_timer(name: str) -> Callable[[type[Timer]], type[Timer]]:
     return deco
 
 
+def unregister_timer(name: str) -> None:
+    """Remove a registered timing backend (tests); an unknown name is ignored."""
+    _TIMERS.pop(name, None)
+
+
 def list_timers() -> list[str]:
     """Names of the registered timing backends."""
     return sorted(_TIMERS)
