@@ -287,7 +287,7 @@ def tiny_vit(timm):
 def _opts(**kw):
     from edgeprune.latency.build import BuildOptions
 
-    base = dict(backend="fake-count", threads=1, batch=2, warmup=0, iterations=1,
+    base = dict(backend="fake-count", threads=1, batch=2, warmup=0, iterations=1, clock="wall",
                 grid={"max_mlp": 3, "max_dims": 2, "max_heads": 2})
     base.update(kw)
     return BuildOptions(**base)
@@ -363,7 +363,8 @@ def test_real_tiny_build_matches_the_whole_model(tmp_path: Path, tiny_vit) -> No
 
     out = tmp_path / "t.json"
     t = build_table(tiny_vit, devices.load_profile("cpu"),
-                    _opts(backend="torch", batch=4, warmup=2, iterations=15), out, show_progress=False)
+                    _opts(backend="torch", batch=4, warmup=2, iterations=15, clock="auto"), out, show_progress=False)
+    assert t.meta["settings"]["clock"] == "cpu"  # one CPU thread: its CPU time
     assert t.complete and t.key["backend"] == "torch" and t.rules["mlp_round_to"] == 8
     assert all(math.isfinite(x) and x > 0 for x in t.mlp["ms"])
     assert sorted(t.measured["mlp"]) == t.mlp["widths"] and t.measured["model"] is True
@@ -371,7 +372,8 @@ def test_real_tiny_build_matches_the_whole_model(tmp_path: Path, tiny_vit) -> No
     blocks = t.key["depth"] * t.block_ms(t.dense_dims())
     assert blocks < 1.6 * t.dense_model_ms and t.fixed_ms >= 0
     # the whole model timed again, independently: the table's dense prediction is near it
-    again = get_timer("torch").time(tiny_vit.model, (4, 3, 32, 32), TimingSettings(threads=1, warmup=2, iterations=15))
+    again = get_timer("torch").time(tiny_vit.model, (4, 3, 32, 32),
+                                    TimingSettings(threads=1, warmup=2, iterations=15, clock="cpu"))
     assert 0.5 < t.dense_ms() / again < 2.0
     assert LatencyTable.load(out).dense_ms() == pytest.approx(t.dense_ms())
 
@@ -555,3 +557,12 @@ def test_cpu_clock_counts_compute_not_waiting() -> None:
 def test_cli_cpu_clock_needs_one_thread(tmp_path: Path, args, match) -> None:
     r = _cli("--model", "vit_tiny_patch16_224", "--random-init", "-o", tmp_path / "t.json", *args)
     assert r.exit_code == 2 and match in r.stderr, r.output
+
+
+@pytest.mark.parametrize("threads,clock", [(1, "cpu"), (2, "wall"), (None, "wall")])
+def test_auto_clock_is_cpu_for_one_cpu_thread(threads, clock) -> None:
+    import devices
+    from edgeprune.latency.build import BuildOptions, settings_for
+
+    _t, s, _b = settings_for(devices.load_profile("cpu"), BuildOptions(threads=threads))
+    assert s.clock == clock

@@ -34,16 +34,16 @@ from edgeprune.latency.measure import list_timers
 @click.option("--warmup", type=int, default=None, metavar="N", help="Untimed runs per entry [the profile's].")
 @click.option("--iterations", type=int, default=None, metavar="N",
               help="Timed runs per entry, p50 reported [the profile's].")
-@click.option("--max-seconds", type=click.FloatRange(min=0.01), default=2.0, show_default=True, metavar="S",
+@click.option("--max-seconds", type=click.FloatRange(min=0.01), default=1.0, show_default=True, metavar="S",
               help="Stop an entry's timed runs after S seconds (at least 5 runs): bounds the build time.")
 @click.option("--statistic", type=click.Choice(["p50", "min"]), default="p50", show_default=True,
               help="What an entry reports of its timed runs (min: steadier on a machine shared with other work).")
 @click.option("--interleave", is_flag=True,
               help="Time each entry side by side with the dense sub-block and keep the ratios: steady "
                    "on a machine whose load drifts (about 2x the time).")
-@click.option("--clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
-              help="cpu: this thread's CPU time per run (with --threads 1 on a CPU profile): steady on a "
-                   "machine shared with other jobs.")
+@click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
+              help="cpu: this thread's CPU time per run (--threads 1 on a CPU profile): steady on a machine "
+                   "shared with other jobs; wall: elapsed time; auto: cpu where it applies, else wall.")
 @click.option("-o", "--out", type=click.Path(), required=True, metavar="TABLE.json", help="The table to write.")
 @click.option("--force", is_flag=True, help="Replace an existing table of another key (the same key resumes).")
 @quiet_option

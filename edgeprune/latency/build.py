@@ -47,7 +47,8 @@ class BuildOptions:
         warmup, iterations: per entry (default: the profile's ``[bench]``); the timed runs of an
             entry also stop after ``max_seconds`` (at least ``min_iterations``).
         statistic: ``p50`` or ``min`` of an entry's timed runs.
-        clock: ``wall`` or ``cpu`` (thread CPU time; one thread on the CPU only).
+        clock: ``wall``, ``cpu`` (thread CPU time; one thread on the CPU only) or ``auto``
+            (``cpu`` for one thread on the CPU, else ``wall``).
         interleave: time each entry against the dense sub-block round by round and keep the
             ratios (:mod:`edgeprune.latency.relative`; steady on a machine whose load drifts).
         force: replace an existing output built with another key.
@@ -63,7 +64,7 @@ class BuildOptions:
     max_seconds: float | None = None
     statistic: str = "p50"
     interleave: bool = False
-    clock: str = "wall"
+    clock: str = "auto"
     force: bool = False
     grid: dict = dataclasses.field(default_factory=dict)
 
@@ -98,6 +99,8 @@ def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Ti
                        iterations=profile.bench.iterations if opts.iterations is None else opts.iterations,
                        cuda_graphs=bool(profile.bench.cuda_graphs and on_gpu), profile=profile,
                        max_seconds=opts.max_seconds, statistic=opts.statistic, clock=opts.clock)
+    if s.clock == "auto":
+        s.clock = "cpu" if s.device == "cpu" and s.threads == 1 else "wall"
     _check_way(s)
     if s.iterations < 1 or s.warmup < 0:
         raise UserError(f"need --iterations >= 1 and --warmup >= 0, got {s.iterations}, {s.warmup}")
