@@ -152,7 +152,8 @@ def time_once(r: Runner, x: np.ndarray, s: TimingSettings) -> float:
 
 
 class Timer:
-    """One backend's way to time a module. Subclasses set ``name`` and implement :meth:`runner`."""
+    """One backend's way to time a module. Subclasses (registered with :func:`register_timer`)
+    implement :meth:`version` and :meth:`open`; :meth:`time` does the rest."""
 
     name = "?"
 
