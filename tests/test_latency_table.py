@@ -566,3 +566,17 @@ def test_auto_clock_is_cpu_for_one_cpu_thread(threads, clock) -> None:
 
     _t, s, _b = settings_for(devices.load_profile("cpu"), BuildOptions(threads=threads))
     assert s.clock == clock
+
+
+def test_cli_refuses_an_unrelated_existing_file_and_an_unwritable_folder(tmp_path: Path) -> None:
+    out = tmp_path / "model.onnx"
+    out.write_bytes(b"not a table")
+    args = ["--model", "vit_tiny_patch16_224", "--random-init", "--img-size", "32", "--model-kwargs", "depth=1",
+            "--backend", "torch", "--threads", "1", "--quiet"]
+    r = _cli(*args, "-o", out)
+    assert r.exit_code == 2 and "is not a latency table" in r.stderr and "--force" in r.stderr
+    assert out.read_bytes() == b"not a table"
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = _cli(*args, "-o", blocker / "sub" / "t.json")
+    assert r.exit_code == 2 and "is a file, not a folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
