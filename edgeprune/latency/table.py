@@ -1,0 +1,265 @@
+"""A measured per-block latency table of one model shape on one device (issue 30, items 1 and 7).
+
+The table holds the time of one transformer block's two sub-blocks, measured on a grid of kept
+structures:
+
+* MLP sub-block ``x + ls2(fc2(act(fc1(norm2(x)))))`` at each kept MLP width;
+* attention sub-block ``x + ls1(proj(attn(norm1(x))))`` at each (kept heads, per-head Q/K dim,
+  per-head V dim); with the profile rule ``qk_equals_v`` only the diagonal ``qk == v`` is measured
+  (off-diagonal entries are NaN, stored as ``null``),
+
+plus ``fixed_ms`` (patch embedding, position embedding, final norm, head: the dense model measured
+whole minus ``depth`` dense blocks). Between grid points the time is interpolated piecewise-linearly
+along each axis (multilinearly in (heads, qk, v)), so a prediction equals the measured value at a
+measured point. Units: milliseconds per batch of ``key["batch"]`` images.
+
+The JSON written by :meth:`LatencyTable.save` is the dataclass as a dict plus ``"format"``; it is
+what ``edgeprune latency-table`` writes and ``prune --latency-table`` reads (tables may be built on
+another machine and copied).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import json
+import math
+import os
+from typing import Any, Sequence
+
+from edgeprune.atomic import atomic_write_text
+from edgeprune.errors import UserError
+
+FORMAT = "edgeprune-latency-table/1"
+
+#: ``key`` fields that describe the model's shape (checked against a model by ``check_model``).
+SHAPE_KEYS = ("embed_dim", "depth", "num_heads", "head_dim", "mlp_hidden", "tokens")
+
+
+def _bracket(grid: Sequence[int], x: float, axis: str) -> tuple[int, int, float]:
+    """``(lo, hi, t)`` with ``x = (1 - t) * grid[lo] + t * grid[hi]``; ``lo == hi, t = 0`` at a
+    grid point.
+
+    Raises:
+        UserError: ``x`` outside ``[grid[0], grid[-1]]``.
+    """
+    if not grid or x < grid[0] or x > grid[-1]:
+        lo_hi = f"{grid[0]}..{grid[-1]}" if grid else "empty"
+        raise UserError(f"latency table: {axis} = {x:g} is outside the table's measured range "
+                        f"({lo_hi}) (build a table for this model: edgeprune latency-table)")
+    i = bisect.bisect_left(grid, x)
+    if grid[i] == x:
+        return i, i, 0.0
+    lo, hi = i - 1, i
+    return lo, hi, (x - grid[lo]) / (grid[hi] - grid[lo])
+
+
+def _multilinear(brackets: Sequence[tuple[int, int, float]], value) -> float:
+    """Sum of ``value(*corner)`` over the 2^n corners weighted by the product of the per-axis
+    linear weights; corners of weight 0 are skipped (so a NaN there is never read)."""
+    total = 0.0
+    for choice in itertools.product((0, 1), repeat=len(brackets)):
+        w = 1.0
+        idx = []
+        for (lo, hi, t), c in zip(brackets, choice):
+            w *= t if c else 1.0 - t
+            idx.append(hi if c else lo)
+        if w == 0.0:
+            continue
+        v = value(*idx)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            raise UserError("latency table: the prediction needs an entry that was not measured "
+                            f"(grid index {tuple(idx)}) (rebuild the table: edgeprune latency-table)")
+        total += w * float(v)
+    return total
+
+
+@dataclasses.dataclass
+class LatencyTable:
+    """Measured sub-block latencies of one model shape on one device, backend, batch and precision.
+
+    Attributes:
+        key: what the timings depend on: ``embed_dim, depth, num_heads, head_dim, mlp_hidden,
+            tokens, batch, precision, backend, backend_version, device_name, profile, threads``.
+        rules: the profile's pruning rules ``{"mlp_round_to", "head_dim_round_to", "qk_equals_v"}``.
+        mlp: ``{"widths": [int ascending], "ms": [float]}``: MLP sub-block ms per kept width.
+        attn: ``{"heads": [...], "qk": [...], "v": [...], "ms": [heads][qk][v]}`` attention
+            sub-block ms (NaN / None where not measured: off the diagonal under ``qk_equals_v``).
+        fixed_ms: everything outside the blocks, ``dense_model_ms - depth * (attn + mlp dense)``,
+            clamped at >= 0.
+        dense_model_ms: the dense model timed whole on the same backend.
+        measured: which grid points were timed: ``{"mlp": [widths], "attn": [[h, qk, v], ...]}``.
+        meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic).
+    """
+
+    key: dict
+    rules: dict
+    mlp: dict
+    attn: dict
+    fixed_ms: float
+    dense_model_ms: float
+    measured: dict = dataclasses.field(default_factory=dict)
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    # -- prediction -------------------------------------------------------------------------
+    def mlp_ms(self, width: int) -> float:
+        """Predicted MLP sub-block ms at kept width ``width`` (piecewise-linear in the width).
+
+        Raises:
+            UserError: ``width`` outside the table's widths.
+        """
+        widths = self.mlp["widths"]
+        b = _bracket(widths, width, "mlp width")
+        return _multilinear([b], lambda i: self.mlp["ms"][i])
+
+    def attn_ms(self, heads: int, qk: int, v: int) -> float:
+        """Predicted attention sub-block ms at (kept heads, per-head Q/K dim, per-head V dim).
+
+        Multilinear in (heads, qk, v) between the grid points; with ``rules["qk_equals_v"]``
+        (only ``qk == v`` measured) bilinear in (heads, d) along the diagonal.
+
+        Raises:
+            UserError: a dim outside the grid, or ``qk != v`` on a table that measured only
+                ``qk == v``.
+        """
+        ms = self.attn["ms"]
+        bh = _bracket(self.attn["heads"], heads, "kept heads")
+        if self.rules.get("qk_equals_v"):
+            if qk != v:
+                raise UserError(f"latency table: qk dim {qk} != v dim {v}, but this table measured only "
+                                "qk == v (its device profile's rule qk_equals_v)")
+            bd = _bracket(self.attn["qk"], qk, "qk/v head dim")
+            return _multilinear([bh, bd], lambda i, j: ms[i][j][j])
+        bq = _bracket(self.attn["qk"], qk, "qk head dim")
+        bv = _bracket(self.attn["v"], v, "v head dim")
+        return _multilinear([bh, bq, bv], lambda i, j, k: ms[i][j][k])
+
+    def block_ms(self, dims: dict[str, int]) -> float:
+        """Predicted ms of one block with kept dims ``{"mlp", "qk", "v", "heads"}``.
+
+        The MLP part plus the attention part (:meth:`mlp_ms`, :meth:`attn_ms`); equals the
+        measured sum at a measured point. Missing keys default to the dense dims of ``key``.
+
+        Raises:
+            UserError: a dim outside the grid's range (or qk != v where only qk == v was measured).
+        """
+        k = self.key
+        mlp = dims.get("mlp", k["mlp_hidden"])
+        heads = dims.get("heads", k["num_heads"])
+        qk = dims.get("qk", k["head_dim"])
+        v = dims.get("v", k["head_dim"])
+        return self.mlp_ms(mlp) + self.attn_ms(heads, qk, v)
+
+    def dense_dims(self) -> dict[str, int]:
+        """The dense block's dims ``{"mlp", "qk", "v", "heads"}`` (from ``key``)."""
+        k = self.key
+        return {"mlp": k["mlp_hidden"], "qk": k["head_dim"], "v": k["head_dim"], "heads": k["num_heads"]}
+
+    def dense_ms(self) -> float:
+        """Predicted dense model ms: ``fixed_ms + depth * block_ms(dense dims)``."""
+        return float(self.fixed_ms) + int(self.key["depth"]) * self.block_ms(self.dense_dims())
+
+    # -- checks and files --------------------------------------------------------------------
+    def check_model(self, anatomy: Any) -> None:
+        """Check that ``anatomy`` (an :class:`~edgeprune.anatomy.ViTAnatomy` of the *dense* model)
+        has the shape this table was measured for.
+
+        Raises:
+            UserError: one line naming the first field that differs.
+        """
+        b0 = anatomy.blocks[0]
+        have = {"embed_dim": anatomy.embed_dim, "depth": len(anatomy.blocks), "num_heads": b0.num_heads,
+                "head_dim": b0.head_dim, "mlp_hidden": b0.mlp_hidden, "tokens": anatomy.num_tokens}
+        for name in SHAPE_KEYS:
+            if int(self.key.get(name, -1)) != int(have[name]):
+                raise UserError(f"latency table is for {name} = {self.key.get(name)}, the model has "
+                                f"{have[name]} (build a table for this model: edgeprune latency-table)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict (NaN as ``None``) with ``"format"``."""
+        d = dataclasses.asdict(self)
+        d["attn"] = dict(d["attn"])
+        d["attn"]["ms"] = [[[None if (x is None or math.isnan(x)) else float(x) for x in row] for row in plane]
+                           for plane in self.attn["ms"]]
+        return {"format": FORMAT, **d}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the table as JSON atomically (``edgeprune.atomic``)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n", fsync=True)
+
+    @classmethod
+    def from_dict(cls, d: Any, label: str = "latency table") -> "LatencyTable":
+        """Validate a parsed JSON document and build the table.
+
+        Raises:
+            UserError: wrong format or a missing / malformed field (one line naming it).
+        """
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise UserError(f"{label} is not an edgeprune latency table (expected \"format\": \"{FORMAT}\")")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in d and n not in ("measured", "meta")]
+        if missing:
+            raise UserError(f"{label}: missing field {missing[0]!r}")
+        t = cls(**{n: d[n] for n in names if n in d})
+        t._validate(label)
+        t.attn["ms"] = [[[math.nan if x is None else float(x) for x in row] for row in plane]
+                        for plane in t.attn["ms"]]
+        return t
+
+    def _validate(self, label: str) -> None:
+        """Shape checks of :meth:`from_dict` (raises UserError naming the field)."""
+        def fail(what: str) -> UserError:
+            return UserError(f"{label}: {what}")
+        for name in (*SHAPE_KEYS, "batch"):
+            if not isinstance(self.key, dict) or not isinstance(self.key.get(name), int):
+                raise fail(f"key.{name} must be an integer")
+        for name in ("mlp_round_to", "head_dim_round_to", "qk_equals_v"):
+            if not isinstance(self.rules, dict) or name not in self.rules:
+                raise fail(f"rules.{name} is missing")
+        _ascending(self.mlp.get("widths") if isinstance(self.mlp, dict) else None, "mlp.widths", fail)
+        if not isinstance(self.mlp.get("ms"), list) or len(self.mlp["ms"]) != len(self.mlp["widths"]):
+            raise fail("mlp.ms must be a list as long as mlp.widths")
+        if not isinstance(self.attn, dict):
+            raise fail("attn must be an object")
+        for axis in ("heads", "qk", "v"):
+            _ascending(self.attn.get(axis), f"attn.{axis}", fail)
+        ms = self.attn.get("ms")
+        shape = (len(self.attn["heads"]), len(self.attn["qk"]), len(self.attn["v"]))
+        if not (isinstance(ms, list) and len(ms) == shape[0]
+                and all(isinstance(p, list) and len(p) == shape[1] for p in ms)
+                and all(isinstance(r, list) and len(r) == shape[2] for p in ms for r in p)):
+            raise fail(f"attn.ms must be a nested list of shape {list(shape)} (heads x qk x v)")
+        for name in ("fixed_ms", "dense_model_ms"):
+            if not isinstance(getattr(self, name), (int, float)):
+                raise fail(f"{name} must be a number")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "LatencyTable":
+        """Read a table written by :meth:`save`.
+
+        Raises:
+            UserError: missing file, not JSON, or not a latency table (one line).
+        """
+        label = f"latency table {str(path)!r}"
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            raise UserError(f"{label} not found (make one with: edgeprune latency-table)") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"{label} cannot be read: {err}") from None
+        except json.JSONDecodeError as err:
+            raise UserError(f"{label} is not JSON ({err.msg} at line {err.lineno})") from None
+        return cls.from_dict(data, label)
+
+
+def _ascending(values: Any, name: str, fail) -> None:
+    """Raise ``fail(...)`` unless ``values`` is a non-empty strictly ascending list of ints >= 0."""
+    if (not isinstance(values, list) or not values
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in values)
+            or any(a >= b for a, b in zip(values, values[1:]))):
+        raise fail(f"{name} must be a non-empty ascending list of integers")
+
+
+__all__ = ["FORMAT", "LatencyTable", "SHAPE_KEYS"]
