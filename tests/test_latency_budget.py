@@ -189,3 +189,13 @@ def test_latency_check_verdict():
     assert absolute["meets_budget"] and absolute["compared"] == "ms"
     assert latency_check(lat, None, "no backend")["not_measured"] == "no backend"
     json.dumps(ok)
+
+
+def test_derive_refuses_latency_budgets(tmp_path):
+    from edgeprune.nuwa.budget import PlanCost
+
+    with pytest.raises(UserError, match="derive does not take latency budgets yet"):
+        PlanCost(find_anatomy(small_vit()), "latency")
+    table = make_table(tmp_path / "t.json", head_ms=0.05)
+    assert_one_line_error(run_cli(["derive", "--classes", "0,1", "--latency", "0.5", "--latency-table", table,
+                                   "-o", str(tmp_path / "d")]), "derive does not take latency budgets yet")
