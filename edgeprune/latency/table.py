@@ -176,12 +176,17 @@ class LatencyTable:
                 raise UserError(f"latency table is for {name} = {self.key.get(name)}, the model has "
                                 f"{have[name]} (build a table for this model: edgeprune latency-table)")
 
+    @property
+    def complete(self) -> bool:
+        """Whether every entry was measured (a partial table is what an interrupted build left)."""
+        return bool(self.meta.get("complete", True))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (NaN as ``None``) with ``"format"``."""
         d = dataclasses.asdict(self)
-        d["attn"] = dict(d["attn"])
-        d["attn"]["ms"] = [[[None if (x is None or math.isnan(x)) else float(x) for x in row] for row in plane]
-                           for plane in self.attn["ms"]]
+        d["attn"]["ms"] = [[[_num_out(x) for x in row] for row in plane] for plane in self.attn["ms"]]
+        d["mlp"]["ms"] = [_num_out(x) for x in self.mlp["ms"]]
+        d["fixed_ms"], d["dense_model_ms"] = _num_out(self.fixed_ms), _num_out(self.dense_model_ms)
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -203,8 +208,9 @@ class LatencyTable:
             raise UserError(f"{label}: missing field {missing[0]!r}")
         t = cls(**{n: d[n] for n in names if n in d})
         t._validate(label)
-        t.attn["ms"] = [[[math.nan if x is None else float(x) for x in row] for row in plane]
-                        for plane in t.attn["ms"]]
+        t.attn["ms"] = [[[_num_in(x) for x in row] for row in plane] for plane in t.attn["ms"]]
+        t.mlp["ms"] = [_num_in(x) for x in t.mlp["ms"]]
+        t.fixed_ms, t.dense_model_ms = _num_in(t.fixed_ms), _num_in(t.dense_model_ms)
         return t
 
     def _validate(self, label: str) -> None:
@@ -230,16 +236,22 @@ class LatencyTable:
                 and all(isinstance(p, list) and len(p) == shape[1] for p in ms)
                 and all(isinstance(r, list) and len(r) == shape[2] for p in ms for r in p)):
             raise fail(f"attn.ms must be a nested list of shape {list(shape)} (heads x qk x v)")
-        for name in ("fixed_ms", "dense_model_ms"):
-            if not isinstance(getattr(self, name), (int, float)):
-                raise fail(f"{name} must be a number")
+        numbers = [self.fixed_ms, self.dense_model_ms, *self.mlp["ms"], *(x for p in ms for r in p for x in r)]
+        if not all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in numbers):
+            raise fail("times (fixed_ms, dense_model_ms, mlp.ms, attn.ms) must be numbers or null")
+        if not isinstance(self.measured, dict) or not isinstance(self.meta, dict):
+            raise fail("measured and meta must be objects")
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "LatencyTable":
+    def load(cls, path: str | os.PathLike[str], *, allow_partial: bool = False) -> "LatencyTable":
         """Read a table written by :meth:`save`.
 
+        Args:
+            allow_partial: accept a table whose build was interrupted (``edgeprune latency-table``
+                resumes it); by default such a table is refused.
+
         Raises:
-            UserError: missing file, not JSON, or not a latency table (one line).
+            UserError: missing file, not JSON, not a latency table, or incomplete (one line).
         """
         label = f"latency table {str(path)!r}"
         try:
@@ -251,7 +263,21 @@ class LatencyTable:
             raise UserError(f"{label} cannot be read: {err}") from None
         except json.JSONDecodeError as err:
             raise UserError(f"{label} is not JSON ({err.msg} at line {err.lineno})") from None
-        return cls.from_dict(data, label)
+        table = cls.from_dict(data, label)
+        if not allow_partial and not table.complete:
+            raise UserError(f"{label} is incomplete: its build was interrupted (rerun the same "
+                            "edgeprune latency-table command to resume it)")
+        return table
+
+
+def _num_out(x: Any) -> float | None:
+    """A time for JSON: NaN / None (not measured) -> None."""
+    return None if x is None or math.isnan(float(x)) else float(x)
+
+
+def _num_in(x: Any) -> float:
+    """A time from JSON: None -> NaN."""
+    return math.nan if x is None else float(x)
 
 
 def _ascending(values: Any, name: str, fail) -> None:
