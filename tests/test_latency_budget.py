@@ -199,3 +199,26 @@ def test_derive_refuses_latency_budgets(tmp_path):
     table = make_table(tmp_path / "t.json", head_ms=0.05)
     assert_one_line_error(run_cli(["derive", "--classes", "0,1", "--latency", "0.5", "--latency-table", table,
                                    "-o", str(tmp_path / "d")]), "derive does not take latency budgets yet")
+
+
+def test_prune_latency_records_predicted_and_measured(tmp_path):
+    """A table of this CPU on onnxruntime: the pruned model is benched against the dense one
+    (interleaved) and the record holds predicted and measured latency; another device: not measured."""
+    pytest.importorskip("onnxruntime")
+    from edgeprune.latency.verify import cpu_name, record_latency_check
+
+    model = small_vit()
+    x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    table = make_table(tmp_path / "t.json", head_ms=0.05, dim_ms=0.01, mlp_ms=0.004,
+                       shape={"device_name": cpu_name()}, batch=2)
+    res = edgeprune.prune(model, x, target="all", sparsity=None, latency=0.6, latency_table=table,
+                          allocation_check_images=0)
+    lines = record_latency_check(res.record, model, res.model, (3, 16, 16), iterations=3, warmup=1)
+    chk = res.record["latency_check"]
+    assert chk["measured"]["dense_ms"] > 0 and chk["measured"]["pruned_ms"] > 0 and chk["interleaved"]
+    assert chk["predicted_ms"] <= chk["budget_ms"] and chk["backend"] == "onnxruntime"
+    assert any("measured" in ln for ln in lines)
+    other = make_table(tmp_path / "o.json", head_ms=0.05, dim_ms=0.01, mlp_ms=0.004)  # "hand-made" device
+    res.record["allocation"]["latency"]["table"] = other
+    lines = record_latency_check(res.record, model, res.model, (3, 16, 16))
+    assert res.record["latency_check"]["measured"] is None and "not measured" in lines[-1]
