@@ -222,3 +222,30 @@ def test_prune_latency_records_predicted_and_measured(tmp_path):
     res.record["allocation"]["latency"]["table"] = other
     lines = record_latency_check(res.record, model, res.model, (3, 16, 16))
     assert res.record["latency_check"]["measured"] is None and "not measured" in lines[-1]
+
+
+def test_qk_solutions_are_reused_across_candidates(model_and_stats):
+    """A budgeted prune solves the same (block, head, kept dims) again for another candidate and
+    for the chosen one: the solution is kept on the statistics and returned equal (a copy)."""
+    from edgeprune.corp import CorpConfig, plan_corp, qk_solver_from_grams, register_qk_solver, unregister_qk_solver
+    from edgeprune.corp.qk_solvers import solve_direct
+
+    _, an, stats = model_and_stats
+    calls = []
+
+    @register_qk_solver("counting-memo")
+    def counting(system, alpha):
+        calls.append(1)
+        return solve_direct(system, alpha)
+
+    try:
+        cfg = CorpConfig.from_target("attn", 0.5, qk_solver="counting-memo")
+        plans = plan_corp(an, stats, cfg)
+        first = qk_solver_from_grams(stats.qk, plans, cfg)(1, 2)
+        again = qk_solver_from_grams(stats.qk, plans, cfg)(1, 2)
+        assert len(calls) == 1 and torch.equal(first[0], again[0]) and first[0] is not again[0]
+        other = CorpConfig.from_target("attn", 0.25, qk_solver="counting-memo", round_to=4)  # 12 kept: solved
+        qk_solver_from_grams(stats.qk, plan_corp(an, stats, other), other)(1, 2)
+        assert len(calls) == 2
+    finally:
+        unregister_qk_solver("counting-memo")

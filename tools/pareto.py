@@ -133,7 +133,8 @@ def write(rows: list[dict], args, key: dict) -> None:
     cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     text = (f"Command: `{cmd}`\n\nMachine: {cpu_name()} ({os.cpu_count()} cores, {platform.system()}); "
             f"table backend {key.get('backend')} {key.get('backend_version')}, batch {key.get('batch')}, "
-            f"threads {key.get('threads')}; CUDA: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not measured (no GPU)'}"
+            f"threads {key.get('threads')}; CUDA: "
+            f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not measured (no GPU)'}"
             f"; dense top-1 {_pct(rows[0]['dense_top1']) if rows else '-'}%.\n\n" + head + "\n"
             + "\n".join(_row_md(r) for r in rows) + "\n")
     out.with_suffix(".md").write_text(text)

@@ -134,9 +134,9 @@ def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None
 
 
 def record_latency_check(rec: dict, dense: nn.Module, pruned: nn.Module, input_shape,
-                         iterations: int = 20, warmup: int = 3) -> list[str]:
-    """Bench (where possible), put ``rec["latency_check"]`` and return the lines to print
-    (a ``warning: ...`` line when the measured latency misses the budget by > 10%).
+                         iterations: int = 20, warmup: int = 3, measure: bool = True) -> list[str]:
+    """Bench (where possible and ``measure``), put ``rec["latency_check"]`` and return the lines to
+    print (a ``warning: ...`` line when the measured latency misses the budget by > 10%).
 
     Raises:
         UserError: the record has no latency allocation.
@@ -146,7 +146,7 @@ def record_latency_check(rec: dict, dense: nn.Module, pruned: nn.Module, input_s
         raise UserError("no latency allocation in this run record (prune with --latency)")
     lat = {**lat, "absolute": rec["allocation"]["budget"].get("unit") is not None}
     key = load_table(lat["table"]).key
-    reason = why_not_measured(key)
+    reason = why_not_measured(key) if measure else "not asked (--no-verify-latency)"
     measured = None
     if reason is None:
         with torch.no_grad():
