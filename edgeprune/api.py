@@ -215,8 +215,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings
     as keywords (``target="both", sparsity=0.5, mlp_sparsity=..., attn_sparsity=...,
     compensation=, criterion=, ridge_alpha=, qk_ridge_alpha=, round_to=, gram_dtype=,
-    qk_solver=`` and any other CorpConfig field, or ``flops=`` / ``params=`` for a budget instead
-    of a sparsity, see :func:`corp_config`), which build one with
+    qk_solver=`` and any other CorpConfig field, or ``flops=`` / ``params=`` / ``latency=`` (with
+    ``latency_table=``) for a budget instead of a sparsity, see :func:`corp_config`), which build one with
     :meth:`CorpConfig.from_target`; not both.
 
     Args:

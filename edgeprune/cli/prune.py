@@ -34,7 +34,7 @@ def _target_help() -> str:
 @click.command("prune")
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
-              help=_target_help() + " [both; all with --flops/--params]")
+              help=_target_help() + " [both; all with --flops/--params/--latency]")
 @click.option("--sparsity", type=float, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
 @click.option("--mlp-sparsity", type=float, default=None, help="Override the MLP sparsity (selects the MLP).")
