@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.allocation.budget import budget_kinds, make_budget
+from edgeprune.allocation.latency_cost import config_defaults
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import new_record
 from edgeprune.calibration.collect import calibration_device
@@ -112,7 +113,8 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
 
     ``flops=`` / ``params=`` / ``<kind>=`` for any kind registered with
     ``edgeprune.allocation.cost.register_cost_model`` (a fraction of the dense model in (0, 1], or an
-    absolute count; a number or a string such as ``"2.3G"``) set a budget (``CorpConfig.budget``) that replaces
+    absolute count; a number or a string such as ``"2.3G"``; ``latency=0.5`` or ``"12ms"`` with
+    ``latency_table="t.json"``, docs/latency_budget.md) set a budget (``CorpConfig.budget``) that replaces
     ``sparsity``: the allocator chooses the kept dims of the target's modules
     (``edgeprune.allocation``, METHODS.md §5 "Budgeted allocation").
 
@@ -123,12 +125,15 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
         UserError: unknown setting, bad target or sparsity, invalid settings, both ``flops`` and
             ``params``, a bad budget value.
     """
-    budget = make_budget(**{kind: settings.pop(kind) for kind in budget_kinds() if kind in settings})
+    budget = make_budget(table=settings.pop("latency_table", None),
+                         **{kind: settings.pop(kind) for kind in budget_kinds() if kind in settings})
     refuse_sparsities_with_budget(budget and f"{budget['kind']}=",
                                   {f"{k}=": settings.get(k) for k in _SPARSITY_KEYS})  # issue 32
     if budget is not None:
         settings["budget"] = budget
         sparsity = None  # the budget replaces the sparsity
+        for key, value in config_defaults(budget).items():  # a latency table's rules (fused layout)
+            settings[key] = value if settings.get(key) is None else settings[key]
     if target is None:
         target = DEFAULT_TARGET if budget is None else DEFAULT_BUDGET_TARGET
     kw: dict[str, Any] = {}
@@ -210,8 +215,8 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings
     as keywords (``target="both", sparsity=0.5, mlp_sparsity=..., attn_sparsity=...,
     compensation=, criterion=, ridge_alpha=, qk_ridge_alpha=, round_to=, gram_dtype=,
-    qk_solver=`` and any other CorpConfig field, or ``flops=`` / ``params=`` for a budget instead
-    of a sparsity, see :func:`corp_config`), which build one with
+    qk_solver=`` and any other CorpConfig field, or ``flops=`` / ``params=`` / ``latency=`` (with
+    ``latency_table=``) for a budget instead of a sparsity, see :func:`corp_config`), which build one with
     :meth:`CorpConfig.from_target`; not both.
 
     Args:

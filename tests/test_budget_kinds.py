@@ -56,7 +56,7 @@ def test_toy_kind_is_a_budget_kind_only_while_registered(mlp_width_kind):
     assert make_budget(mlp_width="100") == {"kind": "mlp_width", "value": 100.0}
     assert resolve_budget(mlp_width=0.5) == {"kind": "mlp_width", "value": 0.5}
     unregister_cost_model("mlp_width")
-    with pytest.raises(UserError, match=r"unknown budget kind 'mlp_width' \(choose from flops, params\)"):
+    with pytest.raises(UserError, match=r"unknown budget kind 'mlp_width' \(choose from flops, params, latency\)"):
         validate_budget({"kind": "mlp_width", "value": 0.5})
     with pytest.raises(UserError, match="unknown budget kind 'mlp_width'"):
         make_budget(mlp_width=0.5)
@@ -102,7 +102,8 @@ def test_toy_kind_is_a_keyword_of_the_python_prune(mlp_width_kind):
 def test_validate_budget_refuses_bad_budgets():
     for ok in ({"kind": "flops", "value": 0.5}, {"kind": "params", "value": 2e7}):
         validate_budget(ok)
-    for bad, msg in (({"kind": "latency", "value": 0.5}, r"unknown budget kind 'latency' \(choose from flops, params"),
+    for bad, msg in (({"kind": "latency", "value": 0.5}, "--latency needs a latency table"),  # issue 30: a registered kind
+                     ({"kind": "areal", "value": 0.5}, r"unknown budget kind 'areal' \(choose from flops, params, latency"),
                      ({"kind": "flops", "value": 0}, "the flops budget must be > 0"),
                      ({"kind": "params", "value": -1.0}, "the params budget must be > 0"),
                      ({"kind": "flops", "value": True}, "must be > 0"),

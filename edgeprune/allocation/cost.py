@@ -151,15 +151,18 @@ class ParamsCost:
         return self._fixed
 
 
-def cost_model(kind: str, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None) -> CostModel:
+def cost_model(kind: str, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None,
+               budget: dict | None = None) -> CostModel:
     """The registered cost model for ``kind`` of the model as it will be after pruning
-    (``query_tokens``: see :class:`FlopsCost`).
+    (``query_tokens``: see :class:`FlopsCost`). A factory that declares ``needs_table`` (the
+    latency cost model) is also given the budget dict (``budget=``: its table's path).
 
     Raises:
-        UserError: unknown kind.
+        UserError: unknown kind (or the factory's own errors: a missing table, another model's).
     """
     factory = get_cost_model(kind)
-    return factory(anatomy, query_tokens) if query_tokens else factory(anatomy)
+    extra = {"budget": budget} if getattr(factory, "needs_table", False) else {}
+    return factory(anatomy, query_tokens, **extra) if query_tokens else factory(anatomy, **extra)
 
 
 def total_cost(model: CostModel, anatomy: ViTAnatomy, dims: list[dict[str, int]]) -> float:

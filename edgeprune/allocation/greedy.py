@@ -25,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from edgeprune.allocation.budget import target_cost
-from edgeprune.allocation.cost import CostModel, FlopsCost, ParamsCost, cost_model, total_cost
-from edgeprune.allocation.curves import (Curve, candidate_sizes, heads_curve, mlp_curve, normalise, qk_curve,
-                                         tie_curves, v_curve)
+from edgeprune.allocation.budget import kind_unit, target_cost
+from edgeprune.allocation.cost import CostModel, FlopsCost, ParamsCost, total_cost
+from edgeprune.allocation.curves import Curve, heads_curve, mlp_curve, normalise, qk_curve, tie_curves, v_curve
+from edgeprune.allocation.rules import Grid, budget_cost, check_rules, heads_allocated, unit_grid
 from edgeprune.corp.steps import mlp_kept
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import class_token_plan
@@ -39,20 +39,26 @@ TOLERANCE = 0.01  # the achieved cost should be within 1% under the budget
 
 
 def allocation_modules(cfg) -> list[tuple[str, ...]]:
-    """The allocation units' keys per block: the target's modules, Q/K and V tied when fused."""
+    """The allocation units' keys per block: the target's modules, Q/K and V tied when fused, and
+    whole heads when :func:`edgeprune.allocation.rules.heads_allocated` (a latency budget)."""
     mods = list(target_modules(cfg.target))
     if cfg.layout == "fused" and ("qk" in mods or "v" in mods):
         mods = [m for m in mods if m not in ("qk", "v")] + ["qk+v"]
+    if heads_allocated(cfg):
+        mods.append("heads")
     return [tuple(m.split("+")) for m in mods]
 
 
-def build_curves(anatomy, stats, cfg, qk_weight: float | None = None) -> list[Curve]:
+def build_curves(anatomy, stats, cfg, qk_weight: float | None = None, grid: Grid | None = None) -> list[Curve]:
     """Error curves of every unit (block-major), from the calibration statistics; ``qk_weight``
-    overrides ``errors.QK_WEIGHT``.
+    overrides ``errors.QK_WEIGHT``; ``grid`` the candidate sizes (default
+    :func:`edgeprune.allocation.rules.unit_grid`: ``round_to``, or a latency table's rules).
 
     Raises:
         UserError: a statistic the target needs was not collected.
     """
+    grid = unit_grid(cfg, anatomy) if grid is None else grid
+    mlp_cfg = cfg if grid.round_to["mlp"] == cfg.round_to else dataclasses.replace(cfg, round_to=grid.round_to["mlp"])
     curves = []
     for b in anatomy.blocks:
         for keys in allocation_modules(cfg):
@@ -60,21 +66,22 @@ def build_curves(anatomy, stats, cfg, qk_weight: float | None = None) -> list[Cu
                 st = stats.mlp[b.index] if stats.mlp else None
                 if st is None:
                     raise UserError("budgeted allocation of the MLP needs its calibration statistics")
-                curves.append(mlp_curve(b, st, cfg))
+                curves.append(mlp_curve(b, st, mlp_cfg))
             elif keys == ("qk",):
-                curves.append(qk_curve(b, _need(stats.qk, b, "Q/K"), cfg))
+                curves.append(qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, grid.sizes("qk", b.qk_dim)))
             elif keys == ("v",):
-                curves.append(v_curve(b, _need(stats.vo, b, "V/O"), cfg))
+                curves.append(v_curve(b, _need(stats.vo, b, "V/O"), cfg, grid.sizes("v", b.v_dim)))
             elif keys == ("heads",):
                 curves.append(heads_curve(b, _need(stats.vo, b, "V/O"), cfg))
             else:  # fused: Q/K and V to the same kept dim
-                ks = [k for k in candidate_sizes(min(b.qk_dim, b.v_dim), cfg.round_to)
-                      if k % cfg.round_to == 0 or k == b.qk_dim == b.v_dim]
+                r = grid.round_to["qk"]
+                ks = [k for k in grid.sizes("qk", min(b.qk_dim, b.v_dim)) if k % r == 0 or k == b.qk_dim == b.v_dim]
+                ks = [k for k in ks if k >= grid.lower.get("v", 0)] or ks
                 qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks), v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)
                 normalise([qc, vc], anatomy, stats, qk_weight)
                 curves.append(tie_curves(qc, vc))
     normalise([c for c in curves if len(c.keys) == 1], anatomy, stats, qk_weight)
-    return curves
+    return [grid.restrict(c) for c in curves]
 
 
 def _need(lst, b, what):
@@ -181,20 +188,24 @@ def _fill(st: _State, target: float) -> None:
         st.move(cand[2], cand[3])
 
 
-def _uniform_positions(anatomy, curves: list[Curve], cfg, base, cost, target) -> tuple[list[int], float] | None:
-    """Candidate positions of the smallest uniform sparsity (0.001 grid) whose cost fits, or None."""
+def _uniform_positions(anatomy, curves: list[Curve], cfg, base, cost, target,
+                       grid: Grid | None = None) -> tuple[list[int], float] | None:
+    """Candidate positions of the smallest uniform sparsity (0.001 grid) whose cost fits, or None.
+    Whole heads allocated beside head dims (a latency budget) stay dense in it."""
     blocks = anatomy.blocks
+    round_to = grid.round_to if grid is not None else {k: cfg.round_to for k in ("mlp", "qk", "v")}
+    extra_heads = heads_allocated(cfg)
     for i in range(0, 1000):
         s = i / 1000
         pos = []
         for c in curves:
             b = blocks[c.block]
             if c.keys == ("heads",):
-                k = kept_heads(b.num_heads, s)
+                k = b.num_heads if extra_heads else kept_heads(b.num_heads, s)
             else:
                 dense = min(getattr(b, {"mlp": "mlp_hidden", "qk": "qk_dim", "v": "v_dim"}[key]) for key in c.keys)
                 try:
-                    k = kept_dim(dense, s, cfg.round_to)
+                    k = kept_dim(dense, s, round_to[c.keys[0]])
                 except UserError:
                     return None
             if k not in c.ks:
@@ -208,20 +219,29 @@ def _uniform_positions(anatomy, curves: list[Curve], cfg, base, cost, target) ->
 
 def cheapest(anatomy, cfg) -> tuple[float, float, float]:
     """(cheapest reachable cost, dense cost, absolute target) of ``cfg.budget`` -- no statistics
-    needed: every unit at its smallest candidate (``round_to`` dims, or 1 head)."""
-    cost = cost_model(cfg.budget["kind"], anatomy, class_token_plan(cfg, anatomy))
+    needed: every unit at its smallest candidate (``round_to`` dims, or 1 head; a latency table's
+    rules and smallest measured sizes)."""
+    cost = budget_cost(cfg, anatomy, class_token_plan(cfg, anatomy))
+    grid = unit_grid(cfg, anatomy, cost)
+    check_rules(cfg, grid)
     dims = base_dims(anatomy, cfg)
     for b, d in zip(anatomy.blocks, dims):
         for keys in allocation_modules(cfg):
             if keys == ("heads",):
-                d["heads"] = 1
+                d["heads"] = max(1, grid.lower.get("heads", 1))
                 continue
             attr = {"mlp": "mlp_hidden", "qk": "qk_dim", "v": "v_dim"}
-            k = candidate_sizes(min(getattr(b, attr[key]) for key in keys), cfg.round_to)[0]
+            k = max(grid.sizes(key, min(getattr(b, attr[key2]) for key2 in keys))[0] for key in keys)
             for key in keys:
                 d[key] = k
-    dense = total_cost(cost_model(cfg.budget["kind"], anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
+    dense = total_cost(budget_cost(cfg, anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
     return total_cost(cost, anatomy, dims), dense, target_cost(cfg.budget, dense)
+
+
+def _amount(budget: dict, x: float) -> str:
+    """A cost in the budget's units for messages: ``12.345 ms`` with a unit, else ``1,234``."""
+    unit = kind_unit(budget["kind"])
+    return f"{x:.3f} {unit}" if unit else f"{x:,.0f}"
 
 
 def check_budget(anatomy, cfg) -> None:
@@ -230,15 +250,23 @@ def check_budget(anatomy, cfg) -> None:
     if cfg.budget is None:
         return
     floor, dense, target = cheapest(anatomy, cfg)
+    b, kind = cfg.budget, cfg.budget["kind"]
     if target > dense * (1 + 1e-9):  # issue 32: nothing to prune (not a --round-to matter)
-        kind = cfg.budget["kind"]
-        raise UserError(f"the {kind} budget {cfg.budget['value']:g} ({target:,.0f}) is above the dense model "
-                        f"({dense:,.0f} {kind}): nothing to prune (give a fraction < 1 or a smaller count)")
+        raise UserError(f"the {kind} budget {b['value']:g}{b.get('unit') or ''} ({_amount(b, target)}) is above the "
+                        f"dense model ({_amount(b, dense)} {kind}): nothing to prune (give a fraction < 1 or a "
+                        "smaller count)")
     if floor > target:
-        kind = cfg.budget["kind"]
-        raise UserError(f"the {kind} budget {cfg.budget['value']:g} ({target:,.0f}) is below the cheapest "
-                        f"allocation for target {cfg.target} with --round-to {cfg.round_to} "
-                        f"({floor:,.0f} = {floor / dense:.3f} of the dense model)")
+        raise _below_floor(cfg, anatomy, floor, dense, target)
+
+
+def _below_floor(cfg, anatomy, floor: float, dense: float, target: float) -> UserError:
+    """The one-line error of a budget below the cheapest reachable allocation."""
+    b, kind = cfg.budget, cfg.budget["kind"]
+    grid = unit_grid(cfg, anatomy)
+    how = f"with --round-to {cfg.round_to}" if not grid.rules else f"on the latency table's grid {grid.round_to}"
+    return UserError(f"the {kind} budget {b['value']:g}{b.get('unit') or ''} ({_amount(b, target)}) is below the "
+                     f"cheapest allocation for target {cfg.target} {how} "
+                     f"({_amount(b, floor)} = {floor / dense:.3f} of the dense model)")
 
 
 def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
@@ -269,21 +297,19 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     t0 = time.perf_counter()
     if cfg.budget is None:
         raise UserError("allocate needs a budget (--flops or --params)")
-    kind = cfg.budget["kind"]
     plan = class_token_plan(cfg, anatomy)
-    cost = cost_model(kind, anatomy, plan)  # the pruned model's cost (class-token last block included)
-    curves = build_curves(anatomy, stats, cfg, qk_weight) if curves is None else curves
+    cost = budget_cost(cfg, anatomy, plan)  # the pruned model's cost (class-token last block included)
+    grid = unit_grid(cfg, anatomy, cost)
+    curves = build_curves(anatomy, stats, cfg, qk_weight, grid) if curves is None else curves
     base = base_dims(anatomy, cfg)
     dense_state = _State(anatomy, curves, base, cost, [len(c.ks) - 1 for c in curves])
     # the budget is a fraction of the model as given (not of its class-token variant)
-    dense_cost = total_cost(cost_model(kind, anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
+    dense_cost = total_cost(budget_cost(cfg, anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
     target = target_cost(cfg.budget, dense_cost)
     floor = _State(anatomy, curves, base, cost, [0] * len(curves))
     if floor.total > target:
-        raise UserError(f"the {kind} budget {cfg.budget['value']:g} ({target:,.0f}) is below the cheapest "
-                        f"allocation for target {cfg.target} with --round-to {cfg.round_to} "
-                        f"({floor.total:,.0f} = {floor.total / dense_cost:.3f} of the dense model)")
-    candidates, uniform = _candidates(dense_state, anatomy, curves, cfg, base, cost, target)
+        raise _below_floor(cfg, anatomy, floor.total, dense_cost, target)
+    candidates, uniform = _candidates(dense_state, anatomy, curves, cfg, base, cost, target, grid)
     if only is not None:
         if only not in candidates:
             raise UserError(f"no {only!r} allocation meets this budget")
@@ -293,10 +319,13 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     keys = [k for keys in allocation_modules(cfg) for k in keys]
     dims = [{k: int(d[k]) for k in keys} for d in st.dims]
     report = _report(anatomy, cfg, plan, cost, curves, candidates, chosen, dims, dense_cost, target, uniform, t0)
+    if hasattr(cost, "record"):  # a measured cost model (latency): its table, rules and prediction
+        report[cost.name] = {**cost.record(), **grid.describe(), "heads_allocated": heads_allocated(cfg),
+                             "predicted": st.total, "target": target, "dense": dense_cost}
     return dims, report
 
 
-def _candidates(greedy: _State, anatomy, curves: list[Curve], cfg, base, cost, target: float
+def _candidates(greedy: _State, anatomy, curves: list[Curve], cfg, base, cost, target: float, grid: Grid | None = None
                 ) -> tuple[dict[str, _State], tuple[float | None, float | None]]:
     """The allocations :func:`allocate` chooses from: ``greedy`` (the dense state, descended to the
     budget, then filled back to it) and, where one meets the budget, the uniform one (filled).
@@ -308,7 +337,7 @@ def _candidates(greedy: _State, anatomy, curves: list[Curve], cfg, base, cost, t
     _descend(greedy, target)
     _fill(greedy, target)
     candidates = {"greedy": greedy}
-    uni = _uniform_positions(anatomy, curves, cfg, base, cost, target)
+    uni = _uniform_positions(anatomy, curves, cfg, base, cost, target, grid)
     uniform_sparsity = None
     uniform_plain_error = None
     if uni is not None:

@@ -24,6 +24,7 @@ from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
 from edgeprune.nuwa.head import num_classes as head_classes
+from edgeprune.nuwa.budget import LATENCY_NOT_SUPPORTED
 from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
 from edgeprune.nuwa.skp import SKPConfig
 
@@ -36,6 +37,10 @@ from edgeprune.nuwa.skp import SKPConfig
               help="FLOPs budget: a fraction of the base model to keep (0.6) or a count (2.3G), as for prune.")
 @click.option("--params", default=None, metavar="P",
               help="Parameter budget: a fraction of the base model to keep (0.7) or a count (20M).")
+@click.option("--latency", default=None, metavar="F", hidden=True,
+              help="Not supported by derive yet (NuWa's MLP fill assumes a cost linear in the width).")
+@click.option("--latency-table", "latency_table", default=None, metavar="FILE", hidden=True,
+              help="Not supported by derive yet.")
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
@@ -70,13 +75,15 @@ from edgeprune.nuwa.skp import SKPConfig
 def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params, slice_head, data,
                train_data, train_per_class, calib_dir, calib_size, val_size, skp_steps, skp_batch_size,
                skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha, eval_data, eval_size,
-               no_eval, no_cache, seed, threads, device, out, quiet):
+               no_eval, no_cache, seed, threads, device, out, quiet, latency=None, latency_table=None):
     """Derive a class-specific model with NuWa.
 
     SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs or params
     budget (--flops / --params).
     """
     # 1. everything that can be checked without work
+    if latency is not None or latency_table is not None:
+        raise UserError(LATENCY_NOT_SUPPORTED)
     budget = resolve_budget(flops, params)
     metric, amount = budget["kind"], float(budget["value"])
     if train_per_class is not None and train_per_class < 1:

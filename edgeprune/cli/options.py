@@ -228,14 +228,14 @@ def check_budget_options(ctx: click.Context) -> None:
         UserError: naming the budget and the conflicting options.
     """
     p = ctx.params
-    budget = "--flops" if p.get("flops") is not None else "--params" if p.get("params") is not None else None
+    budget = next((f"--{k}" for k in ("flops", "params", "latency") if p.get(k) is not None), None)
     given = {"--sparsity": p.get("sparsity") if ctx.get_parameter_source("sparsity") != ParameterSource.DEFAULT
              else None}
     given.update({f"--{k.replace('_', '-')}": p.get(k)
                   for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
     refuse_sparsities_with_budget(budget, given)
     if budget is None and p.get("check_images") is not None:
-        raise UserError("--check-images goes with --flops/--params (it measures the budget's candidate "
+        raise UserError("--check-images goes with --flops/--params/--latency (it measures the budget's candidate "
                         "allocations); without a budget there is nothing to measure")
 
 

@@ -17,6 +17,7 @@ from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.errors import UserError
 from edgeprune.evaluate import evaluate
+from edgeprune.latency.verify import record_latency_check
 from edgeprune.plan import TARGETS
 from edgeprune.ranking import list_criteria
 
@@ -33,7 +34,7 @@ def _target_help() -> str:
 @click.command("prune")
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
-              help=_target_help() + " [both; all with --flops/--params]")
+              help=_target_help() + " [both; all with --flops/--params/--latency]")
 @click.option("--sparsity", type=float, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
 @click.option("--mlp-sparsity", type=float, default=None, help="Override the MLP sparsity (selects the MLP).")
@@ -60,6 +61,15 @@ def _target_help() -> str:
                    "kept dims are allocated per block and module.")
 @click.option("--params", default=None, metavar="P",
               help="Parameter budget instead of --sparsity: a fraction (0.5) or a count (20M).")
+@click.option("--latency", default=None, metavar="F",
+              help="Latency budget instead of --sparsity: a fraction of the dense model's latency on the "
+                   "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms); kept heads, "
+                   "head dims and MLP widths are allocated by measured error and the table's times.")
+@click.option("--latency-table", "latency_table", default=None, metavar="FILE",
+              help="The latency table of --latency (made by `edgeprune latency-table --model M --device PROFILE`).")
+@click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
+              help="With --latency: bench the pruned model against the dense one (interleaved) on the table's "
+                   "backend when it is present here, and record predicted vs measured latency.")
 @click.option("--check-images", type=int, default=None, metavar="N",
               help="With --flops/--params: the candidate allocations and the per-unit sensitivities are "
                    "measured on the first N calibration images (0: the proxy alone) [32].")
@@ -89,7 +99,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
               no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None,
-              bias_correction=None, last_block=None, head_refit=None):
+              bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
+              verify_latency=True):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -109,8 +120,9 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     config = api.corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                              compensation=not no_compensation, criterion=criterion, round_to=round_to,
                              qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
-                             **overrides)
-    amount = (f"{config.budget['kind']}{float(config.budget['value']):g}" if config.budget else f"{sparsity:g}")
+                             latency=latency, latency_table=latency_table, **overrides)
+    amount = (f"{config.budget['kind']}{float(config.budget['value']):g}{config.budget.get('unit') or ''}"
+              if config.budget else f"{sparsity:g}")
     out_path = check_new_dir(out or f"runs/{model_name}-{config.target}-{amount}{'-nocomp' if no_compensation else ''}")
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
@@ -142,10 +154,15 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     rec = result.record
     metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
+    latency_lines = []
+    if config.budget and config.budget["kind"] == "latency":  # issue 30 item 6: predicted vs measured
+        latency_lines = record_latency_check(rec, dense, result.model, spec.input_size, measure=verify_latency)
     save_run(out_path, result.model, rec)
 
     # 3. the report
     _report(rec, spec, *metrics, prune_s)
+    for line in latency_lines:
+        click.echo(line, err=line.startswith("warning"))
     click.echo(f"saved {out_path}")
 
 

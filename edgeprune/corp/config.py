@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from edgeprune.allocation.budget import validate_budget
+from edgeprune.allocation.rules import check_heads_setting
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
@@ -55,6 +56,9 @@ class CorpConfig:
         allocation_anchors: 1 = each unit's curve is rescaled to one measurement (at the uniform
             candidate's size); 2 = also measured where the first measured allocation puts the
             unit, the curve through both, and that greedy allocation is one more candidate.
+        allocate_heads: with a budget and target ``all`` / ``v``, whole heads are one more
+            allocation unit per block beside the head dims (``edgeprune.allocation.rules``);
+            None = the budget kind's default (on for ``latency``, off for ``flops`` / ``params``).
         sequential_memory_gb: sequential calibration keeps its two token streams (N x n x D
             float32 each) in memory up to this many GiB, the rest in temporary disk memmaps.
         compensation: fold the closed-form compensation (False = plain removal, same ranking).
@@ -125,6 +129,7 @@ class CorpConfig:
     allocation_check_images: int = 32
     allocation_sensitivity: bool = True
     allocation_anchors: int = 1
+    allocate_heads: bool | None = None
     bias_correction_images: int | None = None
     head_refit: bool | None = None
     last_block: str = "auto"
@@ -186,6 +191,9 @@ class CorpConfig:
             raise UserError(f"the sequential stream memory limit must be >= 0 GiB, got {self.sequential_memory_gb!r}")
         if self.budget is not None:
             validate_budget(self.budget)
+        if self.allocate_heads is not None and not isinstance(self.allocate_heads, bool):
+            raise UserError(f"allocate heads must be True, False or None (auto), got {self.allocate_heads!r}")
+        check_heads_setting(self)
         self.__dict__["_valid_as"] = repr(self)
         return self
 

@@ -117,6 +117,17 @@ def solve_cg(system: QKHeadSystem, alpha: float) -> tuple[torch.Tensor, float, d
     return solve_direct(system, alpha)
 
 
+def _solutions(stats) -> dict | None:
+    """The Q/K solutions kept on one block's statistics object (None where it takes no attribute)."""
+    memo = getattr(stats, "_qk_solutions", None)
+    if memo is None:
+        try:
+            memo = stats._qk_solutions = {}
+        except AttributeError:
+            return None
+    return memo
+
+
 def qk_solver_from_grams(qk_stats, plans, cfg, rhs_fn: Callable | None = None) -> QKSolve:
     """Per-head solver of the exact Q/K system from the stored per-image Grams.
 
@@ -138,14 +149,25 @@ def qk_solver_from_grams(qk_stats, plans, cfg, rhs_fn: Callable | None = None) -
     grams: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def solve(i: int, h: int) -> tuple[torch.Tensor, float, dict]:
+        plan: BlockPlan = plans[i]
+        keep = plan.qk_keep[h]
+        # the same statistics, head, kept dims and solver give the same M: a budgeted prune solves
+        # its candidates' blocks and the chosen one again, so solutions are kept on the statistics
+        memo = _solutions(qk_stats[i]) if rhs_fn is None else None
+        key = (h, tuple(keep.tolist()), cfg.qk_solver, float(cfg.qk_ridge_alpha),
+               torch.get_num_threads())  # "auto" picks its route by the thread count
+        if memo is not None and key in memo:
+            m, lam, info = memo[key]
+            return m.clone(), lam, dict(info)
         if i not in grams:
             grams.clear()  # blocks are solved in order: hold one block's Grams at a time
             grams[i] = qk_stats[i].grams()
         gq, gk = grams[i]
-        plan: BlockPlan = plans[i]
-        keep = plan.qk_keep[h]
         prune = pruned_indices(keep, gq.shape[-1])
         rhs = None if rhs_fn is None else (lambda k, p: rhs_fn(i, h, k, p))
-        return entry.fn(QKHeadSystem(gq[:, h], gk[:, h], keep, prune, rhs), cfg.qk_ridge_alpha)
+        out = entry.fn(QKHeadSystem(gq[:, h], gk[:, h], keep, prune, rhs), cfg.qk_ridge_alpha)
+        if memo is not None:
+            memo[key] = (out[0].clone(), out[1], dict(out[2]))
+        return out
 
     return solve

@@ -28,13 +28,16 @@ import math
 import torch.nn as nn
 
 from edgeprune.allocation.budget import is_fraction, target_cost
-from edgeprune.allocation.cost import cost_model, dense_cost
+from edgeprune.allocation.cost import COST_MODELS, cost_model, dense_cost
 from edgeprune.anatomy import ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
 from edgeprune.nuwa.ofp_mha import BlockFactors, energy_ratios, layer_dims, retained_energy
 from edgeprune.nuwa.ofp_mlp import uniform_mlp_dims
 
 DEFAULT_NUM_RHO = 16
+#: derive refuses budget kinds priced by a measured table (issue 30): its MLP fill is a closed form
+LATENCY_NOT_SUPPORTED = ("derive does not take latency budgets yet (NuWa's MLP fill assumes a cost linear in "
+                         "the MLP width): use --flops or --params, or `edgeprune prune --latency`")
 
 
 def rho_candidates(factors: list[BlockFactors], n: int = DEFAULT_NUM_RHO, round_to: int = 8) -> list[float]:
@@ -99,10 +102,12 @@ class PlanCost:
         kind: a registered budget kind ("flops", "params", ...).
 
     Raises:
-        UserError: unknown kind.
+        UserError: unknown kind, or a kind priced by a measured table (latency: not supported yet).
     """
 
     def __init__(self, anatomy: ViTAnatomy, kind: str) -> None:
+        if getattr(COST_MODELS.get(kind), "needs_table", False):
+            raise UserError(LATENCY_NOT_SUPPORTED)
         self.anatomy, self.kind = anatomy, kind
         self.model = cost_model(kind, anatomy)
         self.fixed = _exact(self.model.fixed_cost())

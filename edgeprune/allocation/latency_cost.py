@@ -1,0 +1,129 @@
+"""The ``latency`` budget kind (issue 30): a cost model read from a measured latency table.
+
+``--latency 0.5 --latency-table t.json`` (a fraction of the table's dense latency) or
+``--latency 12ms`` (absolute milliseconds per batch of the table's ``key["batch"]`` images) is a
+budget ``{"kind": "latency", "value": v[, "unit": "ms"], "table": path}`` that goes through the same
+parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.allocation.budget``,
+``edgeprune.allocation.greedy``): only the prices differ.
+
+* ``block_cost(b, dims)`` = ``table.block_ms(dims)``: the MLP sub-block at the kept width plus the
+  attention sub-block at (kept heads, Q/K dim, V dim), interpolated between the measured grid
+  points (:class:`edgeprune.latency.table.LatencyTable`);
+* ``fixed_cost()`` = ``table.fixed_ms`` (patch embedding, position embedding, final norm, head).
+
+A block that computes only its first T tokens (the class-token last block,
+``edgeprune.layers.class_token_block``) is not in the table (it times full blocks): its time is
+estimated as the full block's times the ratio of its FLOPs with T query tokens to its FLOPs with
+every token (:func:`edgeprune.flops.block_flops`; an estimate, said in the record).
+
+The table also carries the device profile's pruning rules (``rules``: ``mlp_round_to``,
+``head_dim_round_to``, ``qk_equals_v``); the allocator reads them from :attr:`LatencyCost.rules`
+(candidate sizes on those grids, Q/K tied to V) and the grid's smallest measured sizes from
+:meth:`LatencyCost.bounds` (no candidate below them: the table does not extrapolate).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from edgeprune.allocation.cost import register_cost_model
+from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
+from edgeprune.errors import UserError
+from edgeprune.flops import block_flops, with_dims
+from edgeprune.latency.table import LatencyTable
+
+#: the one-line error of a latency budget without a table
+MISSING_TABLE = ("--latency needs a latency table of this model on the target device: make one with "
+                 "`edgeprune latency-table --model MODEL --device PROFILE -o TABLE.json` (on the device) "
+                 "and pass --latency-table TABLE.json")
+
+_CACHE: dict[tuple[str, int], LatencyTable] = {}
+
+
+def load_table(path: str) -> LatencyTable:
+    """The table at ``path``, loaded once per file version (path, mtime).
+
+    Raises:
+        UserError: a missing, unreadable or malformed table (:meth:`LatencyTable.load`).
+    """
+    full = os.path.abspath(os.fspath(path))
+    try:
+        stamp = os.stat(full).st_mtime_ns
+    except OSError:
+        raise UserError(f"latency table {path} not found ({MISSING_TABLE[len('--latency needs '):]})") from None
+    if (full, stamp) not in _CACHE:
+        _CACHE[(full, stamp)] = LatencyTable.load(full)
+    return _CACHE[(full, stamp)]
+
+
+@register_cost_model("latency")
+class LatencyCost:
+    """Predicted latency (ms per batch of ``table.key["batch"]`` images) from a latency table.
+
+    Args:
+        anatomy: the dense model (checked against the table's key: one-line UserError if another shape).
+        query_tokens: ``{block index: T}`` for blocks computing only their first T tokens (module doc).
+        budget: the budget dict; ``budget["table"]`` is the table's path.
+
+    Raises:
+        UserError: no table (:data:`MISSING_TABLE`), a missing / malformed table, or a table of
+            another model shape.
+    """
+
+    name = "latency"
+    unit = "ms"            # absolute latency budgets are written 12ms (edgeprune.allocation.budget)
+    needs_table = True     # the budget dict carries the table's path
+    missing_table = MISSING_TABLE
+    allocates_heads = True  # whole heads are units beside head dims (edgeprune.allocation.rules)
+
+    def __init__(self, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None, *,
+                 budget: dict | None = None) -> None:
+        if not budget or not budget.get("table"):
+            raise UserError(MISSING_TABLE)
+        self.path = str(budget["table"])
+        self.table = load_table(self.path)
+        self.table.check_model(anatomy)
+        self.n = anatomy.num_tokens
+        self.query_tokens = {b.index: b.query_tokens for b in anatomy.blocks if b.query_tokens is not None}
+        self.query_tokens.update(query_tokens or {})
+        self.rules = dict(self.table.rules)
+
+    def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
+        ms = self.table.block_ms(dims)
+        t = self.query_tokens.get(b.index)
+        if t is None:
+            return ms
+        full = with_dims(b, dims, None)
+        return ms * float(block_flops(with_dims(b, dims, t), self.n)["total"]) / float(
+            block_flops(full, self.n)["total"])
+
+    def fixed_cost(self) -> float:
+        return float(self.table.fixed_ms)
+
+    def bounds(self) -> dict[str, int]:
+        """The smallest kept size the table measured per module (``mlp``, ``qk``, ``v``, ``heads``)."""
+        a = self.table.attn
+        return {"mlp": int(min(self.table.mlp["widths"])), "qk": int(min(a["qk"])), "v": int(min(a["v"])),
+                "heads": int(min(a["heads"]))}
+
+    def record(self) -> dict[str, Any]:
+        """What the run record says about the table: path, key, rules, dense latencies (ms)."""
+        return {"table": self.path, "key": dict(self.table.key), "rules": dict(self.rules),
+                "dense_predicted_ms": self.table.dense_ms(), "dense_measured_ms": float(self.table.dense_model_ms),
+                "unit": "ms per batch of key.batch images",
+                "class_token_blocks": ("estimated: full block x FLOPs ratio with the class token only"
+                                       if self.query_tokens else None)}
+
+
+def config_defaults(budget: dict | None) -> dict[str, Any]:
+    """CorpConfig settings a latency budget's table implies when they are not given: the fused
+    layout (Q/K dims = V dims) when its profile's rule ``qk_equals_v`` is set; ``{}`` otherwise
+    (and for other kinds).
+
+    Raises:
+        UserError: a missing / malformed table.
+    """
+    if not budget or budget.get("kind") != "latency" or not budget.get("table"):
+        return {}
+    return {"layout": "fused"} if load_table(budget["table"]).rules.get("qk_equals_v") else {}

@@ -1,0 +1,168 @@
+"""Predicted vs measured latency of a latency-budgeted prune (issue 30, item 6).
+
+After ``edgeprune prune --latency``, where the table's backend runs here and the table was
+measured on this machine's CPU / GPU, the pruned model is benched against the dense one
+*interleaved* (A B A B ..., ``runners.compare.bench_pair``: both see the same load) on the table's
+backend, batch size, precision and threads:
+
+* ``onnxruntime``: both models exported to ONNX in a temporary directory
+  (``exporters.onnx.export_onnx``, fixed batch) and run with ``runners.onnxruntime_runner.OrtRunner``
+  (CPU provider);
+* ``torch``: ``runners.torch_runner.TorchRunner`` on the CPU, or on CUDA with CUDA graphs when
+  the table was measured on this machine's GPU.
+
+The record gets the predicted and measured latencies (p50, ms per batch), their ratios to the
+dense model and whether the measured latency meets the budget; a miss by more than
+:data:`MISS_TOLERANCE` is a one-line warning. Elsewhere (another device, a backend that is not
+installed, TensorRT) the record says why it was not measured.
+"""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from edgeprune.allocation.latency_cost import load_table
+from edgeprune.errors import UserError
+from exporters.onnx import export_onnx
+from runners.compare import bench_pair
+from runners.onnxruntime_runner import OrtRunner
+from runners.registry import backend_available
+from runners.torch_runner import TorchRunner
+
+#: the measured latency may exceed the budget by this fraction before a warning
+MISS_TOLERANCE = 0.10
+#: backends this module can bench (TensorRT engines are built on the device itself)
+VERIFIABLE = ("onnxruntime", "torch")
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def torch_device_for(key: dict) -> str | None:
+    """``"cuda"`` / ``"cpu"`` where a torch table's device is this machine's, else None."""
+    name = str(key.get("device_name", ""))
+    if torch.cuda.is_available() and name == torch.cuda.get_device_name(0):
+        return "cuda"
+    return "cpu" if name == cpu_name() else None
+
+
+def why_not_measured(key: dict) -> str | None:
+    """None when the table's measurements can be repeated here, else the reason (one phrase)."""
+    backend = key.get("backend")
+    if backend not in VERIFIABLE:
+        return f"the table's backend {backend!r} is benched on its device (edgeprune bench there)"
+    missing = backend_available(backend)
+    if missing:
+        return f"the table's backend {backend} is not available here ({missing})"
+    if backend == "torch":
+        if torch_device_for(key) is None:
+            return f"the table was measured on {key.get('device_name')!r}, not on this machine"
+    elif str(key.get("device_name", "")) != cpu_name():
+        return f"the table was measured on {key.get('device_name')!r}, this CPU is {cpu_name()!r}"
+    return None
+
+
+def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdir: Path) -> tuple[Any, Any]:
+    """(dense runner, pruned runner) on the table's backend (module doc)."""
+    batch, threads = int(key["batch"]), key.get("threads")
+    if key["backend"] == "onnxruntime":
+        paths = [export_onnx(m, workdir / f"{n}.onnx", input_shape, dynamic_batch=False, batch_size=batch)
+                 for n, m in (("dense", dense), ("pruned", pruned))]
+        return tuple(OrtRunner(p, providers=("cpu",), threads=threads, label=p.stem) for p in paths)
+    device = torch_device_for(key) or "cpu"
+    precision = str(key.get("precision", "fp32")) if device == "cuda" else "fp32"
+    return tuple(TorchRunner(m, device=device, threads=threads, label=n, input_shape=tuple(input_shape),
+                             precision=precision, cuda_graphs=device == "cuda")
+                 for n, m in (("dense", dense), ("pruned", pruned)))
+
+
+def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, iterations: int = 20,
+                 warmup: int = 3) -> dict[str, float]:
+    """p50 ms per batch of the dense and the pruned model, interleaved, on the table's backend.
+
+    Args:
+        dense, pruned: the two models (CPU, eval mode; not modified).
+        key: the table's key (backend, batch, threads, precision, device_name).
+        input_shape: (C, H, W) of one image.
+
+    Returns:
+        ``{"dense_ms", "pruned_ms", "ratio"}`` (ratio = pruned / dense p50 of the pair).
+    """
+    with tempfile.TemporaryDirectory(prefix="edgeprune-latency-check-") as tmp:
+        ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp))
+        try:
+            (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup)
+        finally:
+            ra.close()
+            rb.close()
+    # the ratio: median over the interleaved pairs of pruned / dense (robust to load drifting)
+    return {"dense_ms": float(res.a.latency_ms["p50"]), "pruned_ms": float(res.b.latency_ms["p50"]),
+            "ratio": 1.0 / float(res.latency_ratio["median"])}
+
+
+def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None = None) -> dict[str, Any]:
+    """The record's ``latency_check``: predicted (from the allocation report's ``latency`` entry),
+    measured (``measured``: :func:`measure_pair`'s dict, or None with ``reason``) and the verdict.
+
+    Fractions are compared as ratios to the dense model (both measured in the same interleaved
+    run), absolute budgets in ms."""
+    dense_pred, predicted, target = alloc_latency["dense"], alloc_latency["predicted"], alloc_latency["target"]
+    out: dict[str, Any] = {"predicted_ms": predicted, "predicted_ratio": predicted / dense_pred,
+                           "budget_ms": target, "budget_ratio": target / dense_pred,
+                           "dense_predicted_ms": dense_pred, "measured": None, "not_measured": reason}
+    if measured is not None:
+        absolute = bool(alloc_latency.get("absolute"))
+        got, want = (measured["pruned_ms"], target) if absolute else (measured["ratio"], target / dense_pred)
+        out.update(measured=measured, measured_over_predicted=measured["pruned_ms"] / predicted,
+                   compared="ms" if absolute else "ratio to dense", miss=got / want - 1.0,
+                   meets_budget=got <= want * (1 + MISS_TOLERANCE))
+    return out
+
+
+def record_latency_check(rec: dict, dense: nn.Module, pruned: nn.Module, input_shape,
+                         iterations: int = 20, warmup: int = 3, measure: bool = True) -> list[str]:
+    """Bench (where possible and ``measure``), put ``rec["latency_check"]`` and return the lines to
+    print (a ``warning: ...`` line when the measured latency misses the budget by > 10%).
+
+    Raises:
+        UserError: the record has no latency allocation.
+    """
+    lat = (rec.get("allocation") or {}).get("latency")
+    if lat is None:
+        raise UserError("no latency allocation in this run record (prune with --latency)")
+    lat = {**lat, "absolute": rec["allocation"]["budget"].get("unit") is not None}
+    key = load_table(lat["table"]).key
+    reason = why_not_measured(key) if measure else "not asked (--no-verify-latency)"
+    measured = None
+    if reason is None:
+        with torch.no_grad():
+            measured = measure_pair(dense.eval(), pruned.eval(), key, input_shape, iterations, warmup)
+    chk = latency_check(lat, measured, reason)
+    chk.update(backend=key.get("backend"), batch=key.get("batch"), threads=key.get("threads"),
+               iterations=iterations, interleaved=True)
+    rec["latency_check"] = chk
+    lines = [f"latency: predicted {chk['predicted_ms']:.3f} ms (x{chk['predicted_ratio']:.3f} of dense) for a "
+             f"budget of {chk['budget_ms']:.3f} ms (x{chk['budget_ratio']:.3f})"]
+    if measured is None:
+        lines.append(f"latency: not measured here: {reason}")
+        return lines
+    lines.append(f"latency: measured {measured['pruned_ms']:.3f} ms vs dense {measured['dense_ms']:.3f} ms "
+                 f"(x{measured['ratio']:.3f}, interleaved on {key['backend']}, batch {key['batch']})")
+    if not chk["meets_budget"]:
+        lines.append(f"warning: the measured latency misses the budget by {100 * chk['miss']:.0f}% "
+                     f"({chk['compared']}; > {100 * MISS_TOLERANCE:.0f}%)")
+    return lines
