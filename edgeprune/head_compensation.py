@@ -153,3 +153,39 @@ def compensate_heads_through_mlp(refit: MLPRefit | None, anatomy: ViTAnatomy, cf
     gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
     stats = collect_fit_statistics(refit.dense, anatomy, refit.indices, batches, gram_dtype)
     return refit_mlps(anatomy, stats, cfg.ridge_alpha)
+
+
+@torch.no_grad()
+def refit_from_streams(b: BlockAnatomy, dense_out, pruned_in, cfg) -> dict:
+    """Sequential calibration's form of the refit (METHODS.md §5 "Sequential calibration"): fc2 of
+    the pruned block ``b`` is refit so that, on the *pruned* stream's input ``x~``, the block
+    reproduces the *dense* stream's output (which also compensates the earlier blocks' errors).
+
+    Args:
+        b: the block, already pruned and folded (updated in place).
+        dense_out: the dense stream after block ``b`` (chunks ``get(j)``: (B, n, D)).
+        pruned_in: the pruned stream before block ``b`` (same chunks and images).
+        cfg: :class:`CorpConfig` (``ridge_alpha``, ``gram_dtype``).
+
+    Returns:
+        the block's solve info (:func:`refit_mlps`).
+    """
+    gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
+    st = OutputFitStatistics(b.fc2.in_features, b.fc2.out_features, gram_dtype)
+    cap: dict[str, torch.Tensor] = {}
+    handles = [b.fc2.register_forward_pre_hook(lambda _m, a: cap.__setitem__("h", a[0])),
+               b.fc2.register_forward_hook(lambda _m, _a, o: cap.__setitem__("o", o))]
+    try:
+        for j in range(len(dense_out)):
+            _add_block(b, (pruned_in.get(j), dense_out.get(j)), cap, st)
+    finally:
+        for h in handles:
+            h.remove()
+    return refit_mlps(_One(b), {b.index: st}, cfg.ridge_alpha)[b.index]
+
+
+class _One:
+    """The ``blocks`` lookup :func:`refit_mlps` needs, for one block."""
+
+    def __init__(self, b: BlockAnatomy) -> None:
+        self.blocks = {b.index: b}

@@ -178,3 +178,19 @@ def test_refit_lowers_held_out_logit_error_of_head_pruning(fmnist_model, fmnist_
         model = prune(fmnist_model, calib[:128], target="heads", sparsity=0.5).model
         errs[refit] = float((_logits(model, x_eval) - _logits(fmnist_model, x_eval)).pow(2).mean())
     assert errs[True] < 0.85 * errs[False], errs
+
+
+def test_sequential_head_prune_refits_and_lowers_block_error(fmnist_model):
+    """Sequential calibration refits fc2 of the blocks that lost heads (pruned-stream input, dense
+    output); a model with the refit switched off has a larger logit error on the calibration set."""
+    x = _images(48, 7)
+    dims = [{"heads": 1}] * 6
+    res = prune(fmnist_model, x, target="heads", sparsity=None, dims=dims, sequential=True)
+    solve = res.record["solve"]
+    assert all("mlp_refit_lambda" in solve[i] for i in range(6))
+    e_on = float((_logits(res.model, x) - _logits(fmnist_model, x)).pow(2).mean())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("edgeprune.sequential.block.refit_from_streams", lambda *a: {})
+        off = prune(fmnist_model, x, target="heads", sparsity=None, dims=dims, sequential=True).model
+    e_off = float((_logits(off, x) - _logits(fmnist_model, x)).pow(2).mean())
+    assert e_on < 0.9 * e_off, (e_on, e_off)
