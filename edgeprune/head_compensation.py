@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
+from edgeprune.distributed import all_reduce_sum, is_distributed
 from edgeprune.plan import BlockPlan
 from edgeprune.solve.attn_heads import OutputFitStatistics, refit_linear
 from edgeprune.surgery import shrink_mlp
@@ -152,6 +153,9 @@ def compensate_heads_through_mlp(refit: MLPRefit | None, anatomy: ViTAnatomy, cf
         return {}
     gram_dtype = torch.float64 if cfg.gram_dtype == "float64" else torch.float32
     stats = collect_fit_statistics(refit.dense, anatomy, refit.indices, batches, gram_dtype)
+    if is_distributed():  # each rank streamed its share of the batches
+        for st in stats.values():
+            st.all_reduce(all_reduce_sum)
     return refit_mlps(anatomy, stats, cfg.ridge_alpha)
 
 

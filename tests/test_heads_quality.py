@@ -194,3 +194,33 @@ def test_sequential_head_prune_refits_and_lowers_block_error(fmnist_model):
         off = prune(fmnist_model, x, target="heads", sparsity=None, dims=dims, sequential=True).model
     e_off = float((_logits(off, x) - _logits(fmnist_model, x)).pow(2).mean())
     assert e_on < 0.9 * e_off, (e_on, e_off)
+
+
+def test_statistics_of_two_shards_add_up_to_one_pass():
+    """What the all-reduce under torchrun does: two processes' statistics (each shifted by its
+    own first batch) summed equal the statistics of one pass over all rows."""
+    h = _rows(2000, 6, 8)
+    h = h[torch.argsort(h[:, 0])]  # batches with different means: the shifts matter
+    t = torch.tanh(h[:, :3]) + 2.0
+    whole = OutputFitStatistics(6, 3, torch.float64)
+    whole.add_batch(h, t)
+    shards = [OutputFitStatistics(6, 3, torch.float64) for _ in range(2)]
+    shards[0].add_batch(h[:200], t[:200])
+    shards[0].add_batch(h[200:700], t[200:700])
+    shards[1].add_batch(h[1500:], t[1500:])
+    shards[1].add_batch(h[700:1500], t[700:1500])
+    parts = shards
+    parts[1].unshift()
+    other = [parts[1]._sum_h, parts[1]._sum_t, parts[1]._hh, parts[1]._th,
+             torch.tensor([parts[1]._tt, float(parts[1].count)], dtype=torch.float64)]
+
+    def reduce_sum(x):  # rank 0's tensor + rank 1's matching one (all_reduce's call order)
+        return x + other.pop(0)
+
+    parts[0].all_reduce(reduce_sum)
+    assert parts[0].count == 2000
+    assert torch.allclose(parts[0].cov_in, whole.cov_in, atol=1e-9)
+    assert torch.allclose(parts[0].cross, whole.cross, atol=1e-9)
+    assert torch.allclose(parts[0].mean_out, whole.mean_out, atol=1e-12)
+    w = torch.ones(3, 6, dtype=torch.float64)
+    assert parts[0].residual(w, None) == pytest.approx(whole.residual(w, None), rel=1e-9)

@@ -82,6 +82,30 @@ class OutputFitStatistics:
         self._tt += float(ct.double().pow(2).sum())
         self.count += h2.shape[0]
 
+    def unshift(self) -> None:
+        """Re-express the sums about a zero shift (in place): sums of several processes, each
+        shifted by its own first batch, can then be added (``edgeprune.distributed``)."""
+        if self._shift_h is None:
+            self._shift_h = torch.zeros(self.in_dim, dtype=torch.float64)
+            self._shift_t = torch.zeros(self.out_dim, dtype=torch.float64)
+            return
+        n, sh, st = self.count, self._shift_h, self._shift_t
+        self._tt += float(2.0 * st @ self._sum_t + n * st @ st)
+        self._hh += torch.outer(sh, self._sum_h) + torch.outer(self._sum_h, sh) + n * torch.outer(sh, sh)
+        self._th += torch.outer(st, self._sum_h) + torch.outer(self._sum_t, sh) + n * torch.outer(st, sh)
+        self._sum_h += n * sh
+        self._sum_t += n * st
+        self._shift_h, self._shift_t = torch.zeros_like(sh), torch.zeros_like(st)
+
+    def all_reduce(self, reduce_sum) -> None:
+        """Sum the statistics over processes (in place) with ``reduce_sum(tensor) -> tensor``
+        (``edgeprune.distributed.all_reduce_sum``)."""
+        self.unshift()
+        self._sum_h, self._sum_t = reduce_sum(self._sum_h), reduce_sum(self._sum_t)
+        self._hh, self._th = reduce_sum(self._hh), reduce_sum(self._th)
+        rest = reduce_sum(torch.tensor([self._tt, float(self.count)], dtype=torch.float64))
+        self._tt, self.count = float(rest[0]), int(rest[1])
+
     def _check(self) -> None:
         if self.count == 0:
             raise RuntimeError("OutputFitStatistics: no rows were added")
