@@ -24,8 +24,8 @@ from edgeprune.calibration.collect import StatisticsRequest, collect_statistics
 from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_used
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
-from edgeprune.head_compensation import compensate_heads_through_mlp, prepare_refit
 from edgeprune.errors import UserError
+from edgeprune.head_compensation import compensate_heads_through_mlp, prepare_refit
 from edgeprune.plan import pruned_modules
 from edgeprune.ranking import get_criterion
 from edgeprune.sequential import sequential_prune
