@@ -25,6 +25,7 @@ from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
 from edgeprune.errors import UserError
+from edgeprune.head_compensation import compensate_heads_through_mlp, prepare_refit
 from edgeprune.plan import pruned_modules
 from edgeprune.ranking import get_criterion
 from edgeprune.sequential import sequential_prune
@@ -145,7 +146,11 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             seconds += pass_seconds
             passes = 2
             t0 = time.perf_counter() - solve_time
+    refit = prepare_refit(anatomy, plans, cfg)  # blocks that lose heads: fc2 refit, one more pass
     info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
+    for i, rec in compensate_heads_through_mlp(refit, anatomy, cfg, batches).items():
+        info[i].update(rec)
+    passes += refit is not None
     return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
             "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation,
             "gram_tokens_used": request.mlp_tokens,

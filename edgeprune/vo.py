@@ -18,7 +18,9 @@ heads' outputs ``A_h V_h`` concatenated head-major) plays the role of the MLP hi
 * Compensation (V dims and heads together, one solve per layer): ``B = Sigma_PS (Sigma_SS + lam
   I)^-1``, ``c = mu_P - B mu_S``, folded as ``W_O,S <- W_O,S + W_O,P B``, ``b_O <- b_O + W_O,P c``
   by the MLP's own solver and fold (``mlp_ridge.ridge_affine_map`` / ``fold_into_linear``). The V
-  rows of P (and the Q/K rows of removed heads) leave ``qkv``.
+  rows of P (and the Q/K rows of removed heads) leave ``qkv``. Blocks that lose whole heads are
+  then compensated once more through the MLP that follows: ``fc2`` is refit to the dense block's
+  output (``edgeprune.head_compensation``, ``edgeprune.solve.attn_heads``; docs/heads.md).
 * Fused layout (``CorpConfig.layout == "fused"``): Q/K and V are pruned to the same kept dim per
   head, so every block ends with qk_dim == v_dim: an ordinary multi-head attention.
 

@@ -13,6 +13,7 @@ from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import mlp_kept
+from edgeprune.head_compensation import refit_from_streams
 from edgeprune.plan import BlockPlan, pruned_indices
 from edgeprune.ranking import mlp_scores, top_k_indices
 from edgeprune.sequential.cross import CrossStatistics
@@ -136,6 +137,8 @@ def prune_block(b: BlockAnatomy, what: dict, cfg, dense: Stream, pruned: Stream,
             def proj_fit(keep, _prune, w, bias):
                 return _two_stream_fit(w, bias, keep, vo_st, vo_x, cfg.ridge_alpha)
         rec.update(prune_attention(b, plan, cfg, vo_st, qk_solve, proj_fit))
+        if comp and what["heads"] < H and pruned is not dense:  # whole heads: fc2 refit (docs/heads.md)
+            rec.update(refit_from_streams(b, dense, pruned, cfg))
     rec["solve_seconds"] = time.perf_counter() - t_solve
     return rec
 
