@@ -1,0 +1,3 @@
+"""placeholder"""
+def refit_writers(*a, **k):
+    raise NotImplementedError
