@@ -13,6 +13,7 @@ from edgeprune.allocation.budget import validate_budget
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
+from edgeprune.embed.settings import check_embed_settings
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import LAST_BLOCK_CHOICES
 from edgeprune.plan import check_dims, check_sparsity, resolve_sparsities
@@ -91,6 +92,9 @@ class CorpConfig:
         last_block: "auto" (default), "cls" or "full": whether the pruned model's last block
             computes only the class token(s) its output reads (``edgeprune.layers.class_token_block``; exact, saves 7% of a ViT-S/14's FLOPs at
             224 px). auto = with a budget, for classifiers with ``global_pool="token"``.
+        embed_sparsity, embed_order, embed_refit: the residual-width slice (``edgeprune.embed``,
+            docs/embed.md): fraction of the embedding dim D removed, [0, 1); "first" (slice, then
+            prune widths on the sliced model) or "last"; ridge re-fit of the writers.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams (a solver registered
@@ -128,6 +132,9 @@ class CorpConfig:
     bias_correction_images: int | None = None
     head_refit: bool | None = None
     last_block: str = "auto"
+    embed_sparsity: float = 0.0  # issue 33: residual-width slice (edgeprune.embed)
+    embed_order: str = "first"
+    embed_refit: bool = False
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
@@ -186,6 +193,7 @@ class CorpConfig:
             raise UserError(f"the sequential stream memory limit must be >= 0 GiB, got {self.sequential_memory_gb!r}")
         if self.budget is not None:
             validate_budget(self.budget)
+        check_embed_settings(self)
         self.__dict__["_valid_as"] = repr(self)
         return self
 
