@@ -60,14 +60,16 @@ def main() -> None:
     ap.add_argument("--calib-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="/tmp/embed_rows.jsonl")
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense model's evaluation row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = get_model_spec(args.model, img_size=args.img_size) if args.img_size else get_model_spec(args.model)
     dense = spec.create(pretrained=True).eval()
     ev = spec.eval_source(None, n=args.eval_size)
-    with torch.no_grad():
-        dense_m = evaluate(spec, dense, ev)
-    emit(args.out, {"config": "dense", "top1": dense_m.get("top1"), "images": args.eval_size})
+    if not args.no_dense:
+        with torch.no_grad():
+            dense_m = evaluate(spec, dense, ev)
+        emit(args.out, {"config": "dense", "top1": dense_m.get("top1"), "images": args.eval_size})
     for seed in [int(s) for s in args.seeds.split(",")]:
         calib = spec.calibration_source(args.calib_size or spec.default_calib_size, seed=seed)
         for name in args.configs.split(","):
