@@ -16,6 +16,7 @@ import torch
 from edgeprune.allocation.budget import is_fraction, target_cost
 from edgeprune.allocation.cost import dense_cost
 from edgeprune.anatomy import ViTAnatomy
+from edgeprune.distributed import is_distributed
 from edgeprune.embed.fold import stream_parts
 from edgeprune.embed.slice import embed_kept_dim, slice_embed
 from edgeprune.errors import UserError
@@ -33,10 +34,14 @@ def embed_budget(config, anatomy: ViTAnatomy):
     Also checks, before any pass, that the model's stream can be sliced at all.
 
     Raises:
-        UserError: a budget with ``embed_order="last"``, a model or a D' the slice cannot handle.
+        UserError: a budget with ``embed_order="last"``, a model or a D' the slice cannot handle, or a
+            torch.distributed run.
     """
     if not config.embed_sparsity:
         return config
+    if is_distributed():
+        raise UserError("--embed-sparsity runs in one process for now (its statistics are not all-reduced); "
+                        "run without torchrun")
     stream_parts(anatomy)
     embed_kept_dim(anatomy.embed_dim, config.embed_sparsity, config.round_to)
     if config.budget is None:
