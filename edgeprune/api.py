@@ -27,6 +27,7 @@ from edgeprune.calibration.collect import calibration_device
 from edgeprune.corp.config import CorpConfig, bias_correction_used
 from edgeprune.pipeline import check_prunable, corp_prune
 from edgeprune.data.sources import TensorSource
+from edgeprune.embed.step import embed_budget, embed_stage, slices_first
 from edgeprune.distributed import all_reduce_sum, distributed_info, is_distributed, shard_calibration
 from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
@@ -264,15 +265,19 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     batches, description, num_images = calibration_batches(calibration, batch_size)
 
     t0 = time.perf_counter()
-    correction = _BiasCorrection(model, batches, bias_correction_used(config), config.sequential,
+    asked, config = config, embed_budget(config, anatomy)  # issue 33: a fraction of the unsliced model
+    correction = _BiasCorrection(model, batches, bias_correction_used(config), config.sequential or slices_first(config),
                                  refit=config.head_refit is not False)
     with calibration_device(device):
+        anatomy, config, embed = embed_stage(anatomy, batches, config, "first")
         info = corp_prune(anatomy, batches, config, num_images=num_images, progress=progress, checked=True)
+        anatomy, config, embed = embed_stage(anatomy, batches, config, "last", embed)
+    info["embed"] = embed
     if last_block:  # exact: the output's tokens are computed as before, the others not at all
         to_class_token_block(anatomy.vit, next(iter(last_block.values())))
     bias_record = correction.fold(model, info.get("output_sums"), info.get("output_rows"))
     seconds = time.perf_counter() - t0
-    record = _prune_record(config, base_record, dense, structure_summary(model), info, last_block, bias_record,
+    record = _prune_record(asked, base_record, dense, structure_summary(model), info, last_block, bias_record,
                            source=description, batch_size=batch_size, calibration_info=calibration_info,
                            seconds=seconds, device=device)
     return PruneResult(model=model.eval(), record=record)
@@ -315,6 +320,7 @@ def _prune_record(config: CorpConfig, base_record: dict, dense: dict, pruned: di
         solve=info["blocks"],
         **({"allocation": info["allocation"]} if info.get("allocation") else {}),
         **({"bias_correction": bias_record} if bias_record else {}),
+        **({"embed": info["embed"]} if info.get("embed") else {}),
     )
 
 

@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from edgeprune import atomic
 from edgeprune._version import __version__
 from edgeprune.atomic import atomic_dir, file_sha256
+from edgeprune.embed.slice import apply_embed_structure
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.run_record import validate_record
 from edgeprune.surgery import apply_head_structure, apply_structure
@@ -244,6 +245,7 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     spec = spec_from_record(rec["base_model"])
     model = spec.create(pretrained=False)
     try:
+        apply_embed_structure(model, rec.get("embed"))  # issue 33: the sliced residual width first
         apply_structure(model, rec["blocks"])
         if rec.get("head"):  # NuWa: head suppressed or sliced to the target classes
             apply_head_structure(model, rec["head"])

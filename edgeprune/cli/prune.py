@@ -87,6 +87,12 @@ def _target_help() -> str:
                    "reads (exact; the other tokens' queries, attention rows, proj and MLP are dropped); "
                    "full: every token [auto: cls with --flops/--params for a timm classifier with "
                    "global_pool='token', else full].")
+@click.option("--embed-sparsity", type=float, default=None, metavar="S",
+              help="Also slice the residual stream (embedding dim D) to D' = (1-S) D, rotated into its principal "
+                   "subspace (docs/embed.md) [0].")
+@click.option("--embed-order", type=click.Choice(["first", "last"]), default=None,
+              help="Slice the stream before (first) or after (last) the width pruning [first].")
+@click.option("--embed-refit", is_flag=True, default=None, help="Ridge re-fit of the writers to the dense stream.")
 @click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
               "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
@@ -100,7 +106,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
               no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None,
               bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
-              verify_latency=True):
+              verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -115,7 +121,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
                                    ("allocation_check_images", check_images),
                                    ("bias_correction_images", bias_correction), ("last_block", last_block),
-                                   ("head_refit", head_refit))
+                                   ("head_refit", head_refit), ("embed_sparsity", embed_sparsity),
+                                   ("embed_order", embed_order), ("embed_refit", embed_refit or None))
                  if v is not None}
     config = api.corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                              compensation=not no_compensation, criterion=criterion, round_to=round_to,
@@ -200,6 +207,10 @@ def _report(rec: dict, spec, dense_m, pruned_m, prune_s: float) -> None:
     if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
     _report_correction(rec.get("bias_correction"))
+    if rec.get("embed"):  # issue 33
+        e = rec["embed"]
+        click.echo(f"residual stream sliced {e['dense_embed_dim']} -> {e['embed_dim']} ({e['rotation']} rotation, "
+                   f"{100 * e['kept_energy']:.2f}% of the readers' moment kept, order {rec['config']['embed_order']})")
     for i, t in rec["settings"].get("class_token_blocks", {}).items():
         click.echo(f"block {i} computes only the first {t} token(s) (the class token the classifier reads; "
                    f"exact, --last-block full: every token)")

@@ -14,6 +14,7 @@ from edgeprune.allocation.rules import check_heads_setting
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
+from edgeprune.embed.settings import check_embed_settings
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import LAST_BLOCK_CHOICES
 from edgeprune.plan import check_dims, check_sparsity, resolve_sparsities
@@ -95,6 +96,9 @@ class CorpConfig:
         last_block: "auto" (default), "cls" or "full": whether the pruned model's last block
             computes only the class token(s) its output reads (``edgeprune.layers.class_token_block``; exact, saves 7% of a ViT-S/14's FLOPs at
             224 px). auto = with a budget, for classifiers with ``global_pool="token"``.
+        embed_sparsity, embed_order, embed_refit: the residual-width slice (``edgeprune.embed``,
+            docs/embed.md): fraction of the embedding dim D removed, [0, 1); "first" (slice, then
+            prune widths on the sliced model) or "last"; ridge re-fit of the writers.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams (a solver registered
@@ -133,6 +137,9 @@ class CorpConfig:
     bias_correction_images: int | None = None
     head_refit: bool | None = None
     last_block: str = "auto"
+    embed_sparsity: float = 0.0  # issue 33: residual-width slice (edgeprune.embed)
+    embed_order: str = "first"
+    embed_refit: bool = False
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
@@ -194,6 +201,7 @@ class CorpConfig:
         if self.allocate_heads is not None and not isinstance(self.allocate_heads, bool):
             raise UserError(f"allocate heads must be True, False or None (auto), got {self.allocate_heads!r}")
         check_heads_setting(self)
+        check_embed_settings(self)
         self.__dict__["_valid_as"] = repr(self)
         return self
 
