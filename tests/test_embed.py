@@ -195,3 +195,6 @@ def test_cli_embed_prune_exports_onnx_of_width_d_prime(tmp_path):
     assert widths == {(96,)}
     r = run_cli(["prune", "--model", "fmnist-vit", "--embed-sparsity", "0.999", "-o", tmp_path / "bad"])
     assert_one_line_error(r, "residual stream")
+    r = run_cli(["heal", run, "--epochs", "1", "--no-eval", "-o", tmp_path / "healed"])
+    assert_one_line_error(r, "sliced residual width")
+    assert not (tmp_path / "healed").exists()

@@ -31,7 +31,8 @@ def check_healable(run_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         UserError: not a run directory, no valid base model, a random-init base model (no real
-            weights to align to), or nothing pruned (sparsity 0).
+            weights to align to), a sliced residual width (``--embed-sparsity``; block alignment
+            would need the rotation), or nothing pruned (sparsity 0).
     """
     run_path = Path(run_dir)
     rec = read_record(run_path)
@@ -41,6 +42,10 @@ def check_healable(run_dir: str | Path) -> dict[str, Any]:
     if base.get("random_init"):
         raise UserError(f"{run_path}: the base model {base['name']} has random weights (--random-init); "
                         "healing needs the dense model's real weights")
+    embed = rec.get("embed") or {}
+    if embed.get("embed_dim", 0) != embed.get("dense_embed_dim", 0):
+        raise UserError(f"{run_path}: heal does not take runs with a sliced residual width yet "
+                        f"(--embed-sparsity: {embed.get('dense_embed_dim')} -> {embed.get('embed_dim')}; docs/embed.md)")
     if "dense_blocks" in rec and not reduced_modules_from_record(rec):
         raise UserError(f"{run_path}: nothing to heal: the run has the dense model's shapes everywhere (sparsity 0)")
     return rec
