@@ -19,7 +19,6 @@ installed, TensorRT) the record says why it was not measured.
 
 from __future__ import annotations
 
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch.nn as nn
 
 from edgeprune.allocation.latency_cost import load_table
 from edgeprune.errors import UserError
+from edgeprune.latency.measure import cpu_name  # the one CPU-name helper (the table's device_name)
 from exporters.onnx import export_onnx
 from runners.compare import bench_pair
 from runners.onnxruntime_runner import OrtRunner
@@ -39,17 +39,6 @@ from runners.torch_runner import TorchRunner
 MISS_TOLERANCE = 0.10
 #: backends this module can bench (TensorRT engines are built on the device itself)
 VERIFIABLE = ("onnxruntime", "torch")
-
-
-def cpu_name() -> str:
-    """This machine's CPU model (``/proc/cpuinfo``), else ``platform.processor()``."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def torch_device_for(key: dict) -> str | None:
