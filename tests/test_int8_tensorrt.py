@@ -208,3 +208,32 @@ def test_fallback_keeps_the_fewest_costliest_within_the_flop_cap():
     assert choose_fallback(rows, 0.25, 0.09) == ["a"]      # b carries 1/3 > 0.25, but a + b = 10% > 9%
     assert choose_fallback(rows, 0.25, 0.5) == ["a", "b"]  # then c, d carry 1/2 each: c would pass 50%
     assert choose_fallback(rows, 0.95, 0.5) == []
+
+
+@needs_fmnist
+def test_tensorrt_build_settings_of_the_new_file(work):
+    """The new file is explicitly quantized to TensorRT: it builds with INT8 + FP16 (the engine
+    itself is built only where TensorRT and a GPU are, below)."""
+    from devices import load_profile
+    from exporters.tensorrt_settings import builder_settings, onnx_input, onnx_precision
+
+    prec = onnx_precision(work["q"].path)
+    assert prec == "int8"
+    name, shape = onnx_input(work["q"].path)
+    for asked in ("int8", None):  # Q/DQ nodes build INT8 + FP16 whatever the profile says
+        s = builder_settings(load_profile("orin-nx"), shape, input_name=name, precision=asked, model_precision=prec)
+        assert s["int8"] and s["fp16"] and s["explicit_quantization"] and s["precision"] == "int8"
+
+
+@needs_fmnist
+def test_tensorrt_engine_of_the_new_file(work, tmp_path):
+    pytest.importorskip("tensorrt", reason="TensorRT is not installed here: the int8 engine is not built")
+    from edgeprune.errors import RuntimeFault
+    from exporters.tensorrt import build_engine
+
+    try:
+        engine = build_engine(work["q"].path, "orin-nx", tmp_path / "int8.engine", force_device=True,
+                              precision="int8")
+    except RuntimeFault as err:  # TensorRT without a GPU
+        pytest.skip(f"no GPU: {err}")
+    assert engine.stat().st_size > 0

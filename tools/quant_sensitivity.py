@@ -57,6 +57,50 @@ def render(model: str, smooth, rows: list[dict], groups: dict, float_top1: float
     return "\n".join(lines)
 
 
+#: recipe variants of ``--variants``: (smoothing, clip kinds, fallback share) -- fallback share 1 = none
+VARIANTS = {
+    "minmax": (None, (), 1.0),
+    "smooth": ("search", (), 1.0),
+    "smooth+clip-fc2": ("search", ("fc2",), 1.0),
+    "smooth+clip-all": ("search", ("qkv", "proj", "fc1", "fc2", "head"), 1.0),
+    "smooth+clip-fc2+fallback": ("search", ("fc2",), 0.25),
+}
+
+
+def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_images: int) -> list[dict]:
+    """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``."""
+    from exporters import sensitivity as sens
+    from exporters.int8_tensorrt import choose_fallback, choose_ranges
+    from exporters.qdq import find_gemms, insert_qdq
+    import dataclasses
+
+    rows = []
+    ev = None
+    for name in names:
+        smooth, clip_kinds, share = VARIANTS[name]
+        model = sens.copy_model(base)
+        gemms = find_gemms(model)
+        stats = sens.calibrate(model, calib, gemms, threads=threads)
+        report = sens.apply_smoothing(model, stats, smooth)
+        ranges, clips = choose_ranges(model, gemms, stats, clip_kinds)
+        fallback: list = []
+        if share < 1:
+            cev = sens.prepare_eval(model, calib[:sens_images], None, list(sens.block_cuts(model, gemms).values()),
+                                    batch_size=batch_size, threads=threads)
+            srows = sens.gemm_sensitivity(model, dataclasses.replace(stats, amax=ranges), cev, gemms,
+                                          batch_size=batch_size, threads=threads)
+            fallback = choose_fallback(srows, share, 0.10)
+        if ev is None:
+            ev = sens.prepare_eval(base, x, y, [], batch_size=batch_size, threads=threads)
+        insert_qdq(model, [g for g in gemms if g.name not in fallback], ranges)
+        c = sens.cost(sens.run_variant(model, ev, None, batch_size=batch_size, threads=threads), ev)
+        rows.append({"variant": name, **c, "float_top1": float(np.mean(ev.float_out.argmax(1) == y)),
+                     "alphas": [r["alpha"] for r in report], "clips": clips, "fallback": fallback})
+        print(f"| {name} | {c['top1'] * 100:.2f} | {c['drop']:+.2f} | {c['agreement'] * 100:.1f} | "
+              f"{c['rel_err']:.2e} | {', '.join(fallback) or '-'} |", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("onnx", type=Path, help="an fp32 ONNX file written by `edgeprune export`")
@@ -65,9 +109,14 @@ def main(argv=None) -> int:
     p.add_argument("--eval-size", type=int, default=500, help="held-out test images")
     p.add_argument("--smooth", default="none,search", help="comma list of none, an alpha, search")
     p.add_argument("--no-singles", action="store_true", help="groups only (kind, block, all)")
+    p.add_argument("--groups", choices=("kinds", "all"), default="all",
+                   help="kinds: one group per GEMM kind and all together; all: also one per block")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--variants", default=None,
+                   help=f"instead of the sensitivity pass: whole-model variants, comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--sensitivity-images", type=int, default=64, help="calibration images of the fallback")
     args = p.parse_args(argv)
 
     import onnx
@@ -86,7 +135,12 @@ def main(argv=None) -> int:
     base = onnx.load(str(args.onnx))
     out: dict = {"command": " ".join(["python tools/quant_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]),
                  "calibration": info, "eval_size": len(x), "settings": {}}
-    for smooth in parse_smooth(args.smooth):
+    if args.variants:
+        print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | kept float |")
+        print("|---|---:|---:|---:|---:|---|", flush=True)
+        out["variants"] = run_variants(base, calib, x, y, args.variants.split(","), args.threads,
+                                       args.batch_size, args.sensitivity_images)
+    for smooth in ([] if args.variants else parse_smooth(args.smooth)):
         model = sens.copy_model(base)
         gemms = find_gemms(model)
         stats = sens.calibrate(model, calib, gemms, threads=args.threads)
@@ -97,7 +151,9 @@ def main(argv=None) -> int:
         rows = [] if args.no_singles else sens.gemm_sensitivity(
             model, stats, ev, gemms, batch_size=args.batch_size, threads=args.threads,
             log=lambda m: print(m, file=sys.stderr, flush=True))
-        groups = sens.group_sensitivity(model, stats, ev, sens.default_groups(gemms),
+        wanted = {k: v for k, v in sens.default_groups(gemms).items()
+                  if args.groups == "all" or not k.startswith("block:")}
+        groups = sens.group_sensitivity(model, stats, ev, wanted,
                                         batch_size=args.batch_size, threads=args.threads)
         print(render(args.onnx.name, smooth, rows, groups, float_top1), "\n", flush=True)
         out["settings"][str(smooth)] = {"rows": rows, "groups": groups, "smoothing": report,
