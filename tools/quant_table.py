@@ -78,20 +78,13 @@ def parse_prune(text: str) -> dict:
     return {"target": "both", "sparsity": v} if kind == "both" else {"flops": v}
 
 
-def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmnist-vit",
-                 gate_size: int = 500, prune: str = "both@0.5",
-                 variants: tuple[str, ...] = VARIANTS, threads: int = 1, img_size: int | None = None,
-                 calib_seeds: tuple[int, ...] = (0,)) -> dict[tuple[str, str], Path]:
-    """Export dense + pruned ``model`` (``prune``: both@S or flops@F) and their fp16 / int8 copies
-    into ``work``; static int8 variants once per calibration seed (``int8@s1`` ... after the first)."""
-    import torch
-
+def _prune_and_export(work: Path, calib_size: int, seed: int, log, model: str, prune: str,
+                      img_size: int | None) -> dict[tuple[str, str], Path]:
+    """Prune ``model`` with CORP and export dense and pruned fp32 ONNX into ``work``."""
     import edgeprune
     from edgeprune.zoo.registry import get_model_spec
     from exporters.onnx import build_metadata, export_onnx
-    from exporters.quantize import QuantizeConfig, quantize_onnx
 
-    torch.set_num_threads(threads)
     spec = get_model_spec(model, img_size=img_size)
     dense = spec.create()
     calib = spec.calibration_source(calib_size, seed=seed)
@@ -102,12 +95,30 @@ def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmni
     md_dense = build_metadata(spec=spec, model=dense, model_name=spec.name)
     md_dense["base_model"] = spec.to_record()
     md_dense["calibration"] = {"num_images": calib_size, "seed": seed}
-    files = {
+    return {
         ("dense", "fp32"): export_onnx(dense, work / "dense-fp32.onnx", spec.input_size, md_dense),
         ("pruned", "fp32"): export_onnx(res.model, work / "pruned-fp32.onnx", spec.input_size,
                                         build_metadata(record=res.record, spec=spec, model=res.model)),
     }
-    for variant in ("dense", "pruned"):
+
+
+def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmnist-vit",
+                 gate_size: int = 500, prune: str = "both@0.5",
+                 variants: tuple[str, ...] = VARIANTS, threads: int = 1, img_size: int | None = None,
+                 calib_seeds: tuple[int, ...] = (0,), onnx_dir: Path | None = None,
+                 quantize: tuple[str, ...] = ("dense", "pruned")) -> dict[tuple[str, str], Path]:
+    """Export dense + pruned ``model`` (``prune``: both@S or flops@F) and their fp16 / int8 copies
+    into ``work``; static int8 variants once per calibration seed (``int8@s1`` ... after the first)."""
+    import torch
+
+    from exporters.quantize import QuantizeConfig, quantize_onnx
+
+    torch.set_num_threads(threads)
+    if onnx_dir is not None:  # exported already (dense.onnx, pruned.onnx): no prune here
+        files = {(v, "fp32"): Path(onnx_dir) / f"{v}.onnx" for v in ("dense", "pruned")}
+    else:
+        files = _prune_and_export(work, calib_size, seed, log, model, prune, img_size)
+    for variant in quantize:
         for precision in variants:
             seeds = calib_seeds if precision.startswith("int8") and precision != "int8-dyn" else calib_seeds[:1]
             for i, s in enumerate(seeds):
@@ -193,10 +204,11 @@ def render(files, acc, lat, batch_sizes, args, machine: str, seconds: float) -> 
         mean = {v: float(np.mean(d)) if d else float("nan") for v, d in drops.items()}
         size_p = files[("pruned", prec)].stat().st_size / fp32_size["pruned"]
         size_d = files[("dense", prec)].stat().st_size / fp32_size["dense"] if ("dense", prec) in files else size_p
+        dense = (f"dense {mean['dense']:+.2f} (" + ", ".join(f"{d:+.2f}" for d in drops["dense"])
+                 + f"; {ok(mean['dense'] <= 0.5)})") if drops["dense"] else "dense not quantized in this run"
         line = (f"- {prec}: top-1 drop vs fp32 pruned {mean['pruned']:+.2f} points (seeds: "
                 + ", ".join(f"{d:+.2f}" for d in drops["pruned"]) + f"; <= 0.5: {ok(mean['pruned'] <= 0.5)}), "
-                f"dense {mean['dense']:+.2f} (" + ", ".join(f"{d:+.2f}" for d in drops["dense"])
-                + f"; {ok(mean['dense'] <= 0.5)}); file size dense {size_d:.2f}x, pruned {size_p:.2f}x fp32 "
+                f"{dense}; file size dense {size_d:.2f}x, pruned {size_p:.2f}x fp32 "
                 f"(<= 0.3: {ok(max(size_p, size_d) <= 0.3)})")
         if lat.get((("pruned", prec), b8)) is not None and dense_fp32[b8]:
             lat_ratio = lat[(("pruned", prec), b8)] / dense_fp32[b8]
@@ -244,6 +256,9 @@ def main(argv=None) -> int:
     p.add_argument("--calib-seeds", default="0", help="calibration seeds of the static int8 variants [0]")
     p.add_argument("--no-latency", action="store_true", help="accuracy and size only (a loaded box)")
     p.add_argument("--marker", default=None, help="doc marker name [the model's]")
+    p.add_argument("--onnx-dir", type=Path, default=None,
+                   help="use DIR/dense.onnx and DIR/pruned.onnx (edgeprune exports) instead of pruning here")
+    p.add_argument("--quantize", default="dense,pruned", help="which fp32 models get the variants [dense,pruned]")
     args = p.parse_args(argv)
     argv_used = sys.argv[1:] if argv is None else list(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -269,9 +284,10 @@ def main(argv=None) -> int:
         files = build_models(Path(tmp), calib_size, args.seed, lambda m: print(m, flush=True),
                              model=args.model, gate_size=args.gate_size, prune=args.prune, variants=variants,
                              threads=args.threads, img_size=args.img_size,
-                             calib_seeds=tuple(int(v) for v in args.calib_seeds.split(",")))
+                             calib_seeds=tuple(int(v) for v in args.calib_seeds.split(",")),
+                             onnx_dir=args.onnx_dir, quantize=tuple(args.quantize.split(",")))
         acc = accuracy(files, x, y, args.threads)
-        print("accuracy done", flush=True)
+        print("accuracy done: " + "; ".join(f"{v} {k} {a['top1'] * 100:.2f}" for (v, k), a in acc.items()), flush=True)
         timed = {k: v for k, v in files.items() if "@" not in k[1]}
         lat = {} if args.no_latency else latency(timed, batch_sizes, args.iterations, args.warmup,
                                                  input_size=tuple(spec.input_size))
