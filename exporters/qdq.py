@@ -38,6 +38,11 @@ KIND_PATTERNS: tuple[tuple[str, str], ...] = (
     ("qkv", "*/attn/qk/*"),
     ("proj", "*/attn/proj/*"), ("fc1", "*/mlp/fc1/*"), ("fc2", "*/mlp/fc2/*"),
     ("patch_embed", "*patch_embed*"), ("head", "*head*"),
+    # a class-token block (edgeprune.layers.class_token_block): its q / kv projections and proj
+    # hang off the block itself
+    ("proj", "*/blocks.?/proj/*"), ("proj", "*/blocks.??/proj/*"),
+    ("qkv", "*/blocks.?/MatMul"), ("qkv", "*/blocks.??/MatMul"),
+    ("qkv", "*/blocks.?/MatMul_1"), ("qkv", "*/blocks.??/MatMul_1"),
 )
 #: Largest int8 magnitude used (symmetric, narrow range: -127..127).
 QMAX = 127.0
