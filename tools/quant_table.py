@@ -26,6 +26,13 @@ Example::
     python tools/quant_table.py                       # ~3-4 minutes on a 2-core box
     python tools/quant_table.py --eval-size 2000 --iterations 30 --no-doc
     python tools/quant_table.py --model dinov2-s14-fmnist --prune flops@0.5 --eval-size 1000 --threads 2 --iterations 20 --warmup 3
+    # issue 31: the new default (int8) vs the earlier one (int8-ort), 3 calibration seeds, accuracy only
+    python tools/quant_table.py --variants int8,int8-ort --calib-seeds 0,1,2 --eval-size 2000 --no-latency
+
+``int8`` is the default static int8 (the TensorRT recipe of ``exporters.int8_tensorrt`` since
+issue 31), ``int8-ort`` the earlier default (``--recipe ort``). With ``--calib-seeds`` every static
+int8 variant is quantized once per calibration seed (rows ``int8@s1`` ...) and the targets give
+the mean drop over the seeds; ``--onnx-dir`` reuses exported ``dense.onnx`` / ``pruned.onnx``.
 """
 
 from __future__ import annotations
