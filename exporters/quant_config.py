@@ -17,6 +17,13 @@ PRECISIONS = ("int8", "fp16")
 #: (DynamicQuantizeLinear + MatMulInteger: each MatMul input's uint8 range is computed at run time,
 #: per tensor and batch; ONNX Runtime CPU only, no calibration set needed).
 MODES = ("static", "dynamic")
+#: static int8 recipes: ``tensorrt`` = exporters.int8_tensorrt (searched SmoothQuant, searched
+#: clipping of fc2 inputs, measured fallback, TensorRT's Q/DQ placement; the default), ``ort`` =
+#: ONNX Runtime ``quantize_static`` (the earlier default; every ONNX Runtime option), ``auto`` =
+#: ``ort`` when an option only that path has is set (asymmetric activations, --calib-method other
+#: than minmax, --smooth-alpha, --auto-exclude, --quantize-attention, --per-tensor, other op
+#: types), else ``tensorrt``.
+RECIPES = ("auto", "tensorrt", "ort")
 CALIB_METHODS = ("minmax", "entropy", "percentile")
 #: Ops that ONNX Runtime quantizes by default here: the matrix products (linear layers, attention
 #: products, patch-embedding conv, classifier). Elementwise ops stay float between Q/DQ pairs.
@@ -74,6 +81,15 @@ class QuantizeConfig:
         preprocess: run ``onnxruntime.quantization.shape_inference.quant_pre_process`` (symbolic
             shape inference + ORT's basic graph optimisations) before int8 quantization.
         threads: ONNX Runtime intra-op threads for evaluation (``None``: ORT's default).
+        recipe: static int8 recipe, :data:`RECIPES` (``auto`` picks ``tensorrt`` unless an
+            ONNX-Runtime-only option is set). With ``tensorrt``, ``smooth_alpha`` None means
+            alpha searched per site, a number one fixed alpha.
+        clip_kinds: ``tensorrt`` recipe: GEMM kinds whose input range is clipped by searched
+            output error (``exporters.qdq.KIND_PATTERNS``; others MinMax).
+        fallback_share: ``tensorrt`` recipe: keep the costliest GEMM float while it carries more
+            than this share of the summed isolated error (1 = no fallback).
+        max_float_flops: ``tensorrt`` recipe: at most this share of GEMM FLOPs kept float by the
+            fallback.
     """
 
     precision: str = "int8"
@@ -97,6 +113,25 @@ class QuantizeConfig:
     calib_chunk_images: int = 32
     preprocess: bool = True
     threads: int | None = None
+    recipe: str = "auto"
+    clip_kinds: tuple[str, ...] = ("fc2",)
+    fallback_share: float = 0.25
+    max_float_flops: float = 0.10
+
+    def resolved_recipe(self) -> str:
+        """``tensorrt`` or ``ort`` for static int8 (see :data:`RECIPES`); ``""`` otherwise."""
+        if self.precision != "int8" or self.mode != "static":
+            return ""
+        if self.recipe != "auto":
+            return self.recipe
+        return "ort" if self._ort_only_options() else "tensorrt"
+
+    def _ort_only_options(self) -> list[str]:
+        flags = {"--asymmetric-activations": not self.activation_symmetric,
+                 "--calib-method": self.calib_method != "minmax", "--smooth-alpha": self.smooth_alpha is not None,
+                 "--auto-exclude": self.auto_exclude > 0, "--quantize-attention": self.quantize_attention,
+                 "--per-tensor": not self.per_channel, "op_types": tuple(self.op_types) != DEFAULT_OP_TYPES}
+        return [k for k, v in flags.items() if v]
 
     def validate(self) -> "QuantizeConfig":
         """Check every field once, before any work; returns ``self``.
@@ -131,6 +166,14 @@ class QuantizeConfig:
             raise UserError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
         if self.smooth_alpha is not None and self.precision != "int8":
             raise UserError("--smooth-alpha applies to int8 (fp16 needs no range migration)")
+        if self.recipe not in RECIPES:
+            raise UserError(f"unknown int8 recipe {self.recipe!r} (use {', '.join(RECIPES)})")
+        bad = [k for k in self._ort_only_options() if k != "--smooth-alpha"]
+        if self.recipe == "tensorrt" and bad:
+            raise UserError(f"{', '.join(bad)} need --recipe ort (the tensorrt recipe is symmetric int8 with "
+                            f"per-channel weights and chooses its own ranges)")
+        if not 0.0 <= self.max_float_flops <= 1.0 or not 0.0 < self.fallback_share <= 1.0:
+            raise UserError("max_float_flops must be in [0, 1] and fallback_share in (0, 1]")
         if any(not p for p in self.exclude):
             raise UserError("--exclude patterns must not be empty")
         return self
@@ -140,4 +183,6 @@ class QuantizeConfig:
         rec = dataclasses.asdict(self)
         rec["op_types"] = list(self.op_types)
         rec["exclude"] = list(self.exclude)
+        rec["clip_kinds"] = list(self.clip_kinds)
+        rec["recipe_used"] = self.resolved_recipe()
         return rec

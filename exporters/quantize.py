@@ -34,7 +34,6 @@ import numpy as np
 import onnx
 import onnxruntime
 
-from edgeprune.atomic import file_sha256
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
 from edgeprune.zoo.entries import zoo_entry
@@ -42,8 +41,10 @@ from exporters import int8
 from exporters.calibration_reader import (ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for,
                                           source_to_array)
 from exporters.fp16 import convert_fp16
-from exporters.onnx import build_metadata, encode_metadata, export_onnx, read_metadata
+from exporters.int8_tensorrt import quantize_tensorrt
+from exporters.onnx import build_metadata, export_onnx, read_metadata
 from exporters.quant_config import QuantizeConfig
+from exporters.quant_metadata import output_metadata, write_with_metadata
 from exporters.smooth import smooth_onnx
 from exporters.verify import quantized_metrics
 
@@ -153,8 +154,8 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
         else:
             done = _convert_fp16(float_path, quant_path, cfg, say)
         report = _measure(float_path, quant_path, meta, data, cfg, out)
-        md = _output_metadata(meta, cfg, src, float_path, done, data.calib_info, report)
-        _write_with_metadata(quant_path, md, tmp / out.name, out)
+        md = output_metadata(meta, cfg, src, float_path, done, data.calib_info, report)
+        write_with_metadata(quant_path, md, tmp / out.name, out)
         float_size = float_path.stat().st_size
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,7 +163,7 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
     report.update({"excluded_nodes": done.excluded, "float_attention_nodes": done.attention,
                    "smoothing": done.smoothing, "calibration": data.calib_info,
                    "size_bytes": out.stat().st_size, "float_size_bytes": float_size,
-                   "sensitivity": done.sensitivity})
+                   "sensitivity": done.sensitivity, "int8_plan": done.plan})
     say(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {cfg.precision})")
     return QuantizeResult(path=out, report=report, config=cfg)
 
@@ -188,6 +189,7 @@ class _Converted:
     smoothing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     sensitivity: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     auto: list[str] = dataclasses.field(default_factory=list)
+    plan: dict[str, Any] | None = None
 
 
 def _gather_data(meta: dict[str, Any], cfg: QuantizeConfig, calibration: np.ndarray | None,
@@ -235,6 +237,13 @@ def _float_model(src: Path, to_export: Any, meta: dict[str, Any], tmp: Path,
 def _quantize_int8(src: Path, float_path: Path, quant_path: Path, calib: np.ndarray | None,
                    cfg: QuantizeConfig, tmp: Path, say: Callable[[str], None]) -> _Converted:
     """Step 3 (int8): smoothing, pre-processing, node selection, quantization, sensitivity pass."""
+    if cfg.resolved_recipe() == "tensorrt":
+        assert calib is not None  # static int8 always gathers calibration images
+        plan = quantize_tensorrt(float_path, quant_path, calib, cfg, log=say)
+        rec = plan.to_record()
+        return _Converted(f"edgeprune exporters.int8_tensorrt (TensorRT Q/DQ), onnx {onnx.__version__}",
+                          [g["node"] for g in rec["gemms"] if g["precision"] != "int8"],
+                          smoothing=rec["smoothing"], plan=rec)
     to_quantize = float_path
     smoothing: list[dict[str, Any]] = []
     if cfg.smooth_alpha is not None:
@@ -315,46 +324,6 @@ def _measure(float_path: Path, quant_path: Path, meta: dict[str, Any], data: _Da
             f"{report['n']} held-out images (max {cfg.max_drop:g}); {out} not written "
             f"(try --auto-exclude N, --exclude PATTERN or --calib-method percentile)")
     return report
-
-
-def _output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_path: Path,
-                     done: _Converted, calib_info: dict[str, Any] | None,
-                     report: dict[str, Any]) -> dict[str, Any]:
-    """Step 5: the output's metadata: the float model's, plus what was done and measured."""
-    md = dict(meta)
-    md.update({
-        "precision": cfg.precision,
-        "quantization": {**cfg.to_record(), "tool": done.tool, "float_model": src.name,
-                         "float_sha256": file_sha256(float_path)},
-        "excluded_nodes": done.excluded,
-    })
-    if done.attention:
-        md["float_attention_nodes"] = done.attention
-    if done.smoothing:
-        md["smoothing"] = done.smoothing
-    if calib_info is not None:
-        md["quant_calibration"] = calib_info
-        md["calibration_sha256"] = calib_info["sha256"]
-    if done.sensitivity:
-        md["sensitivity"] = done.sensitivity
-        md["auto_excluded_nodes"] = done.auto
-    if report:
-        md["quant_eval"] = report
-        md["agreement"] = report["agreement"]
-    return md
-
-
-def _write_with_metadata(quant_path: Path, md: dict[str, Any], final: Path, out: Path) -> None:
-    """Step 6: replace the quantized model's metadata with ``md``, check it, move it to ``out``."""
-    proto = onnx.load(str(quant_path))
-    del proto.metadata_props[:]
-    for key, value in encode_metadata(md).items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value
-    onnx.save_model(proto, str(final))
-    del proto
-    onnx.checker.check_model(str(final))
-    os.replace(final, out)
 
 
 def _input_name(path: Path) -> str:

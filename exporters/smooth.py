@@ -149,6 +149,30 @@ def smoothing_scales(x_absmax: np.ndarray, w_absmax: np.ndarray, alpha: float) -
     return np.clip(s, _S_MIN, _S_MAX)
 
 
+def site_weight_absmax(inits: dict[str, Any], site: SmoothSite) -> np.ndarray:
+    """(C,) max over every consuming weight of ``max_k |W_jk|`` (row j = input channel j)."""
+    from onnx import numpy_helper
+
+    ws = [np.abs(numpy_helper.to_array(inits[name])).max(axis=1) for name in site.weights]
+    return np.max(np.stack(ws), axis=0).astype(np.float64)
+
+
+def fold_site(inits: dict[str, Any], site: SmoothSite, s: np.ndarray) -> None:
+    """Fold the per-channel factors ``s`` (C,) into one site, editing the initializers in place:
+    ``gamma / s``, ``beta / s`` and row ``j`` of every consuming weight times ``s_j``. The
+    LayerNorm's output becomes ``x / s`` and every product ``(x / s) (s W) = x W`` is unchanged."""
+    from onnx import numpy_helper
+
+    gamma = numpy_helper.to_array(inits[site.scale])
+    inits[site.scale].CopyFrom(numpy_helper.from_array((gamma / s).astype(gamma.dtype), site.scale))
+    if site.bias is not None:
+        beta = numpy_helper.to_array(inits[site.bias])
+        inits[site.bias].CopyFrom(numpy_helper.from_array((beta / s).astype(beta.dtype), site.bias))
+    for name in site.weights:
+        w = numpy_helper.to_array(inits[name])
+        inits[name].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(w.dtype), name))
+
+
 def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, batch_size: int = 32,
                 threads: int | None = None) -> list[dict[str, Any]]:
     """Write ``dst``: ``src`` with SmoothQuant's scales folded into every smoothable LayerNorm and
@@ -168,7 +192,6 @@ def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, ba
         UserError: alpha outside [0, 1].
     """
     import onnx
-    from onnx import numpy_helper
 
     if not 0.0 <= float(alpha) <= 1.0:
         raise UserError(f"--smooth-alpha must be in [0, 1], got {alpha}")
@@ -181,17 +204,9 @@ def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, ba
     inits = {t.name: t for t in model.graph.initializer}
     report: list[dict[str, Any]] = []
     for site in sites:
-        ws = {name: numpy_helper.to_array(inits[name]) for name in site.weights}
-        w_absmax = np.max(np.stack([np.abs(w).max(axis=1) for w in ws.values()]), axis=0).astype(np.float64)
         x = amax[site.output]
-        s = smoothing_scales(x, w_absmax, alpha)
-        gamma = numpy_helper.to_array(inits[site.scale])
-        inits[site.scale].CopyFrom(numpy_helper.from_array((gamma / s).astype(gamma.dtype), site.scale))
-        if site.bias is not None:
-            beta = numpy_helper.to_array(inits[site.bias])
-            inits[site.bias].CopyFrom(numpy_helper.from_array((beta / s).astype(beta.dtype), site.bias))
-        for name, w in ws.items():
-            inits[name].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(w.dtype), name))
+        s = smoothing_scales(x, site_weight_absmax(inits, site), alpha)
+        fold_site(inits, site, s)
         after = x / s
         report.append({"norm": site.norm, "channels": int(len(s)),
                        "x_range_before": float(x.max() / max(np.median(x), 1e-30)),

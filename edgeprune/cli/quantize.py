@@ -29,6 +29,10 @@ from edgeprune.errors import UserError
               help="int8: static = QDQ with activation ranges calibrated offline (TensorRT and ONNX Runtime); "
                    "dynamic = activation ranges computed at run time (ONNX Runtime CPU only, no calibration "
                    "set; the more accurate and faster choice for x86 CPUs).")
+@click.option("--recipe", type=click.Choice(["auto", "tensorrt", "ort"]), default="auto", show_default=True,
+              help="static int8: tensorrt = searched SmoothQuant + fc2 clipping + measured float fallback, "
+                   "TensorRT's Q/DQ placement; ort = ONNX Runtime quantize_static (the earlier default); auto = "
+                   "ort when an ONNX-Runtime-only option is given, else tensorrt.")
 @click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
               help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
                    "[the model's own, as for prune].")
@@ -61,7 +65,7 @@ from edgeprune.errors import UserError
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), metavar="FILE",
               help="Also write the report as JSON.")
-def quantize_cmd(model: Path, precision: str, mode: str, output: Path, calib_dir: str | None, calib_size: int | None,
+def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, output: Path, calib_dir: str | None, calib_size: int | None,
                  seed: int | None, calib_method: str, per_tensor: bool, asymmetric_activations: bool,
                  exclude: tuple[str, ...], quantize_attention: bool, smooth_alpha: float | None,
                  auto_exclude: int, eval_data: str | None, eval_size: int | None,
@@ -83,7 +87,7 @@ def quantize_cmd(model: Path, precision: str, mode: str, output: Path, calib_dir
         activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
         quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
         eval_size=eval_size or 1000, eval_data=str(eval_data) if eval_data else None, max_drop=max_drop,
-        threads=threads,
+        threads=threads, recipe=recipe,
     ).validate()
     if json_out is not None and json_out.exists() and not force:
         raise UserError(f"{json_out} exists (use --force to overwrite)")
@@ -96,6 +100,12 @@ def quantize_cmd(model: Path, precision: str, mode: str, output: Path, calib_dir
         click.echo(f"{rep['agreement_metric']} with the float model: {rep['agreement'] * 100:.2f}%")
     else:
         click.echo("no evaluation data for this model: accuracy not measured")
+    plan = rep.get("int8_plan")
+    if plan:
+        floats = [g["node"] for g in plan["gemms"] if g["precision"] != "int8"]
+        click.echo(f"precision per GEMM: {len(plan['gemms']) - len(floats)} of {len(plan['gemms'])} int8, "
+                   f"{plan['int8_flops_share'] * 100:.1f}% of GEMM FLOPs in int8"
+                   + (f"; float (fp16 on TensorRT): {', '.join(floats)}" if floats else ""))
     if rep.get("float_size_bytes"):
         click.echo(f"size: {rep['size_bytes'] / 2**20:.2f} MiB ({rep['size_bytes'] / rep['float_size_bytes']:.2f}x fp32)")
     if json_out is not None:

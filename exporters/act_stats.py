@@ -1,0 +1,120 @@
+"""Activation statistics of GEMM inputs on calibration images, gathered in one streaming pass.
+
+The int8 search (``exporters.int8_search``) and the sensitivity pass (``exporters.sensitivity``)
+need, for every activation tensor a GEMM reads: its per-tensor max ``|x|`` (the MinMax range), its
+per-channel max ``|x_j|`` over the last axis (SmoothQuant's ``max|X_j|``), and a uniform random
+sample of its rows (tokens) to measure a GEMM's output error under a candidate scale or clipping
+range without keeping every token of every image (DINOv2 ViT-S/14 at 224 px: ~2.8 MB per block and
+image). The tensors are exposed as extra graph outputs of the float model and read with ONNX
+Runtime, ``batch_size`` images at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from exporters.ort_session import import_onnxruntime
+
+
+@dataclasses.dataclass
+class ActStats:
+    """Statistics of some activation tensors over the calibration images.
+
+    Attributes:
+        amax: tensor -> max ``|x|`` over all images and positions (float).
+        chan_amax: tensor -> (C,) max ``|x_j|`` per last-axis channel (float64).
+        rows: tensor -> (R, C) float32 sample of rows (all leading axes flattened), uniform over
+            images and tokens (only tensors of rank <= 3: token activations, not images).
+        shapes: tensor -> shape of the tensor for one image (leading axis 1).
+        n_images: calibration images seen.
+    """
+
+    amax: dict[str, float]
+    chan_amax: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]
+    shapes: dict[str, tuple[int, ...]]
+    n_images: int
+
+    def rescale(self, tensor: str, s: np.ndarray) -> None:
+        """Record that ``tensor`` is now ``x / s`` (per last-axis channel): a folded smoothing."""
+        self.chan_amax[tensor] = self.chan_amax[tensor] / s
+        self.amax[tensor] = float(self.chan_amax[tensor].max())
+        if tensor in self.rows:
+            self.rows[tensor] = (self.rows[tensor] / s.astype(np.float32)).astype(np.float32)
+
+
+def collect_stats(model: Any, tensors: Sequence[str], images: np.ndarray, *, batch_size: int = 8,
+                  rows: int = 2048, seed: int = 0, threads: int | None = None) -> ActStats:
+    """Run the float ``model`` (path or ``ModelProto``) on ``images`` (N, C, H, W) and gather
+    :class:`ActStats` of ``tensors``.
+
+    Args:
+        rows: rows sampled per tensor over the whole set (about ``rows / N`` per image).
+        seed: seed of the row sampling.
+
+    Raises:
+        onnxruntime errors: a model ONNX Runtime cannot load (callers pass exported models).
+    """
+    import onnx
+
+    m = onnx.load(str(model)) if isinstance(model, (str, Path)) else _copy(model)
+    have = {o.name for o in m.graph.output}
+    names = list(dict.fromkeys(tensors))
+    for name in names:
+        if name not in have:
+            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    sess = session_from_proto(m, threads)
+    del m
+    in_name = sess.get_inputs()[0].name
+    rng = np.random.default_rng(seed)
+    n = len(images)
+    stats = ActStats({}, {}, {}, {}, n)
+    sampled: dict[str, list[np.ndarray]] = {t: [] for t in names}
+    for i in range(0, n, batch_size):
+        x = np.ascontiguousarray(images[i:i + batch_size], dtype=np.float32)
+        for name, value in zip(names, sess.run(names, {in_name: x})):
+            _update(stats, sampled, name, value, len(x), rows, n, rng)
+    for name, parts in sampled.items():
+        if parts:
+            stats.rows[name] = np.concatenate(parts)[:rows]
+    return stats
+
+
+def _update(stats: ActStats, sampled: dict[str, list[np.ndarray]], name: str, value: np.ndarray, b: int,
+            rows: int, n: int, rng: np.random.Generator) -> None:
+    v = np.asarray(value, dtype=np.float32)
+    stats.shapes.setdefault(name, (1, *v.shape[1:]))
+    if v.ndim == 4:  # an image / feature map: per-tensor range only (channels on axis 1)
+        stats.amax[name] = max(stats.amax.get(name, 0.0), float(np.abs(v).max()))
+        return
+    flat = v.reshape(-1, v.shape[-1])
+    ch = np.abs(flat).max(axis=0).astype(np.float64)
+    stats.chan_amax[name] = ch if name not in stats.chan_amax else np.maximum(stats.chan_amax[name], ch)
+    stats.amax[name] = float(stats.chan_amax[name].max())
+    take = min(len(flat), int(np.ceil(rows * b / max(1, n))))
+    if take:
+        sampled[name].append(flat[rng.choice(len(flat), size=take, replace=False)].copy())
+
+
+def session_from_proto(model: Any, threads: int | None = None) -> Any:
+    """An ONNX Runtime CPU session of an in-memory ``ModelProto`` (all graph optimisations,
+    ``threads`` intra-op threads, ORT's default when None)."""
+    ort = import_onnxruntime()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.inter_op_num_threads = 1
+    if threads:
+        so.intra_op_num_threads = int(threads)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _copy(model: Any) -> Any:
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    return m

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Per-GEMM int8 sensitivity of an exported model: which GEMM, block and kind carry the int8 loss.
+
+Static symmetric int8 as TensorRT runs it (``exporters.qdq``: per-tensor symmetric activations,
+MinMax ranges from the calibration set, per-channel symmetric weights), one GEMM at a time and by
+group (kind, block, all), with and without SmoothQuant (``exporters.sensitivity``). Prints a
+Markdown table per smoothing setting, optionally writes the rows as JSON.
+
+Example (exported files carry the model name, calibration record and preprocessing)::
+
+    edgeprune export runs/dv2-flops05 -o /tmp/dv2/pruned.onnx
+    python tools/quant_sensitivity.py /tmp/dv2/pruned.onnx --calib-size 256 --eval-size 500 \\
+        --smooth none,0.5,search --threads 1 --json /tmp/dv2/sens.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without reinstalling
+    sys.path.insert(0, str(REPO))
+
+
+def parse_smooth(text: str) -> list:
+    """``none,0.5,search`` -> ``[None, 0.5, "search"]``."""
+    out: list = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        out.append(None if part == "none" else part if part == "search" else float(part))
+    return out
+
+
+def render(model: str, smooth, rows: list[dict], groups: dict, float_top1: float | None) -> str:
+    """Markdown: the per-kind / per-block groups, then the costliest single GEMMs."""
+    label = "none" if smooth is None else f"alpha {smooth}" if smooth != "search" else "alpha searched per site"
+    lines = [f"**{model}, smoothing: {label}**" + (f" (float top-1 {float_top1 * 100:.2f}%)" if float_top1 is not None else ""),
+             "", "| quantized together | rel. output error | top-1 drop (points) | agreement (%) |",
+             "|---|---:|---:|---:|"]
+    for name, c in groups.items():
+        lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('drop', float('nan')):+.2f} | {c['agreement'] * 100:.1f} |")
+    lines += ["", "| single GEMM (costliest 8 by output error) | kind | block | rel. output error | top-1 drop | agreement (%) |",
+              "|---|---|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: -r["rel_err"])[:8]:
+        lines.append(f"| `{r['node']}` | {r['kind']} | {r['block']} | {r['rel_err']:.2e} | "
+                     f"{r.get('drop', float('nan')):+.2f} | {r['agreement'] * 100:.1f} |")
+    by_kind: dict[str, list[float]] = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(r["rel_err"])
+    lines += ["", "Single-GEMM output error by kind (mean / max): " + "; ".join(
+        f"{k} {np.mean(v):.1e} / {np.max(v):.1e}" for k, v in by_kind.items())]
+    return "\n".join(lines)
+
+
+#: recipe variants of ``--variants``: (smoothing, clip kinds, fallback share) -- fallback share 1 = none
+VARIANTS = {
+    "minmax": (None, (), 1.0),
+    "smooth": ("search", (), 1.0),
+    "smooth+clip-fc2": ("search", ("fc2",), 1.0),
+    "smooth+clip-all": ("search", ("qkv", "proj", "fc1", "fc2", "head"), 1.0),
+    "smooth+clip-fc2+fallback": ("search", ("fc2",), 0.25),
+}
+
+
+def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_images: int) -> list[dict]:
+    """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``."""
+    from exporters import sensitivity as sens
+    from exporters.int8_tensorrt import choose_fallback, choose_ranges
+    from exporters.qdq import find_gemms, insert_qdq
+    import dataclasses
+
+    rows = []
+    ev = None
+    for name in names:
+        smooth, clip_kinds, share = VARIANTS[name]
+        model = sens.copy_model(base)
+        gemms = find_gemms(model)
+        stats = sens.calibrate(model, calib, gemms, threads=threads)
+        report = sens.apply_smoothing(model, stats, smooth)
+        ranges, clips = choose_ranges(model, gemms, stats, clip_kinds)
+        fallback: list = []
+        if share < 1:
+            cev = sens.prepare_eval(model, calib[:sens_images], None, list(sens.block_cuts(model, gemms).values()),
+                                    batch_size=batch_size, threads=threads)
+            srows = sens.gemm_sensitivity(model, dataclasses.replace(stats, amax=ranges), cev, gemms,
+                                          batch_size=batch_size, threads=threads)
+            fallback = choose_fallback(srows, share, 0.10)
+        if ev is None:
+            ev = sens.prepare_eval(base, x, y, [], batch_size=batch_size, threads=threads)
+        insert_qdq(model, [g for g in gemms if g.name not in fallback], ranges)
+        c = sens.cost(sens.run_variant(model, ev, None, batch_size=batch_size, threads=threads), ev)
+        rows.append({"variant": name, **c, "float_top1": float(np.mean(ev.float_out.argmax(1) == y)),
+                     "alphas": [r["alpha"] for r in report], "clips": clips, "fallback": fallback})
+        print(f"| {name} | {c['top1'] * 100:.2f} | {c['drop']:+.2f} | {c['agreement'] * 100:.1f} | "
+              f"{c['rel_err']:.2e} | {', '.join(fallback) or '-'} |", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("onnx", type=Path, help="an fp32 ONNX file written by `edgeprune export`")
+    p.add_argument("--calib-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="calibration selection seed")
+    p.add_argument("--eval-size", type=int, default=500, help="held-out test images")
+    p.add_argument("--smooth", default="none,search", help="comma list of none, an alpha, search")
+    p.add_argument("--no-singles", action="store_true", help="groups only (kind, block, all)")
+    p.add_argument("--groups", choices=("kinds", "all"), default="all",
+                   help="kinds: one group per GEMM kind and all together; all: also one per block")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--variants", default=None,
+                   help=f"instead of the sensitivity pass: whole-model variants, comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--sensitivity-images", type=int, default=64, help="calibration images of the fallback")
+    args = p.parse_args(argv)
+
+    import onnx
+
+    from exporters.calibration_reader import calibration_for, eval_for, source_to_array
+    from exporters.onnx import read_metadata
+    from exporters.qdq import find_gemms
+    from exporters import sensitivity as sens
+
+    t0 = time.perf_counter()
+    meta = read_metadata(args.onnx)
+    calib, info = calibration_for(meta, args.calib_size, args.seed)
+    x, y = source_to_array(eval_for(meta, args.eval_size))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = None if y is None else np.asarray(y)
+    base = onnx.load(str(args.onnx))
+    out: dict = {"command": " ".join(["python tools/quant_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]),
+                 "calibration": info, "eval_size": len(x), "settings": {}}
+    if args.variants:
+        print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | kept float |")
+        print("|---|---:|---:|---:|---:|---|", flush=True)
+        out["variants"] = run_variants(base, calib, x, y, args.variants.split(","), args.threads,
+                                       args.batch_size, args.sensitivity_images)
+    for smooth in ([] if args.variants else parse_smooth(args.smooth)):
+        model = sens.copy_model(base)
+        gemms = find_gemms(model)
+        stats = sens.calibrate(model, calib, gemms, threads=args.threads)
+        report = sens.apply_smoothing(model, stats, smooth)
+        ev = sens.prepare_eval(model, x, y, list(sens.block_cuts(model, gemms).values()),
+                               batch_size=args.batch_size, threads=args.threads)
+        float_top1 = None if y is None else float(np.mean(ev.float_out.argmax(1) == y))
+        rows = [] if args.no_singles else sens.gemm_sensitivity(
+            model, stats, ev, gemms, batch_size=args.batch_size, threads=args.threads,
+            log=lambda m: print(m, file=sys.stderr, flush=True))
+        wanted = {k: v for k, v in sens.default_groups(gemms).items()
+                  if args.groups == "all" or not k.startswith("block:")}
+        groups = sens.group_sensitivity(model, stats, ev, wanted,
+                                        batch_size=args.batch_size, threads=args.threads)
+        print(render(args.onnx.name, smooth, rows, groups, float_top1), "\n", flush=True)
+        out["settings"][str(smooth)] = {"rows": rows, "groups": groups, "smoothing": report,
+                                        "float_top1": float_top1}
+    out["seconds"] = time.perf_counter() - t0
+    print(f"total {out['seconds'] / 60:.1f} min", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
