@@ -376,12 +376,13 @@ def test_chunk_batches_divides_and_bounds_the_images():
 
 def test_chunked_calibration_gives_the_same_minmax_ranges(work, tmp_path):
     """ONNX Runtime's calibrator fed in chunks (bounded memory) finds exactly the min/max ranges of
-    one pass over all images (16 images in batches of 2: chunks of 2 images vs all at once)."""
+    one pass over all images (16 images in batches of 2: chunks of 2 images vs all at once).
+    The chunking is the ONNX Runtime recipe's (``recipe="ort"``)."""
     scales = {}
     for chunk in (2, 1000):
         out = tmp_path / f"c{chunk}.onnx"
         quantize_onnx(work["fp32"], out, QuantizeConfig(calib_size=16, batch_size=2, calib_chunk_images=chunk,
-                                                        eval_size=20))
+                                                        eval_size=20, recipe="ort"))
         scales[chunk] = _activation_scales(out)
     assert scales[2].keys() == scales[1000].keys() and len(scales[2]) > 30
     assert all(scales[2][k] == scales[1000][k] for k in scales[2])
