@@ -18,7 +18,7 @@ from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
 from edgeprune.nuwa import budget as budget_mod
 from edgeprune.nuwa.derive import DeriveConfig, derive, derive_from, prepare
-from edgeprune.nuwa.ofp_mha import model_factors
+from edgeprune.nuwa.ofp_mha import layer_dims, model_factors
 from edgeprune.nuwa.ofp_mlp import uniform_mlp_dims
 from edgeprune.nuwa.skp import SKPConfig
 from tests.conftest import assert_one_line_error, run_cli
@@ -140,6 +140,33 @@ def test_expensive_mlp_keeps_fewer_neurons(prep, tmp_path):
     common = set(cands["expensive"]) & set(cands["cheap"])
     assert common
     assert all(cands["expensive"][k] < cands["cheap"][k] for k in common), cands
+
+
+def test_qk_equals_v_takes_the_larger_dim(tmp_path):
+    """Under qk_equals_v a layer's Q/K and V dims are both the larger of its two OFP dims (on a model
+    whose Q/K spectrum is steeper than its V/O spectrum, so the two differ without the rule)."""
+    model = _tiny(26)
+    with torch.no_grad():
+        for blk in model.blocks:  # Q rows 8..15 of each head nearly zero: Q/K energy in 8 dims
+            for h in range(2):
+                blk.attn.qkv.weight[h * 16 + 8:h * 16 + 16] *= 0.01
+    factors = model_factors(find_anatomy(model))
+    rules = {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": True}
+    table = tiny_table(tmp_path / "t.json", rules=rules)
+    cost = budget_mod.PlanCost(find_anatomy(model), "latency", {"kind": "latency", "value": 0.8, "table": table})
+    grid = budget_mod.dim_grid(cost)
+    assert grid.qk_equals_v and grid.head_dim == 4 and grid.mlp == 16
+    differ = 0
+    for rho in budget_mod.rho_candidates(factors, round_to=4):
+        qk, vo = layer_dims(factors, rho, 4)
+        differ += qk != vo
+        assert budget_mod.attention_dims(factors, rho, grid) == ([max(q, v) for q, v in zip(qk, vo)],) * 2
+    assert differ  # the rule had something to do
+    x, y = _data(40, classes=(0, 1), seed=27)
+    res = derive(model, [0, 1], x, y, latency=0.8, latency_table=table,
+                 config=DeriveConfig(skp=SKPConfig(steps=0), val_size=8, calib_size=16, cache=False))
+    assert all(b["qk_dim"] == b["v_dim"] for b in res.record["blocks"])
+    assert res.record["derivation"]["budget"]["latency"]["predicted"] <= 0.8 * LatencyTable.load(table).dense_ms()
 
 
 def test_search_equals_closed_form_on_flops():
