@@ -8,12 +8,14 @@ Every table is hand-made through the ``LatencyTable`` constructor (no timing) fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
 
 from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import load_run
 from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
 from edgeprune.nuwa import budget as budget_mod
@@ -21,11 +23,9 @@ from edgeprune.nuwa.derive import DeriveConfig, derive, derive_from, prepare
 from edgeprune.nuwa.ofp_mha import layer_dims, model_factors
 from edgeprune.nuwa.ofp_mlp import uniform_mlp_dims
 from edgeprune.nuwa.skp import SKPConfig
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 from tests.test_nuwa import _data, _tiny
 
-WIDTHS = list(range(0, 129, 16))
-DIMS = [4, 8, 12, 16]
 RULES = {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": False}
 
 
@@ -35,16 +35,19 @@ def bumpy(w: int) -> float:
 
 
 def tiny_table(path, *, mlp=bumpy, dim_ms=0.002, rules=None, shape=None):
-    """A table of ``_tiny``'s shape: MLP sub-block ``mlp(width)`` ms, attention
-    ``0.05 + heads x dim_ms x (qk + v)`` ms, fixed 0.2 ms (batch 8). Saved at ``path``; returns it."""
+    """A table of ``_tiny``'s shape (or ``shape``'s): MLP sub-block ``mlp(width)`` ms at 9 widths
+    (0 .. mlp_hidden), attention ``0.05 + heads x dim_ms x (qk + v)`` ms at head dims d/4 .. d,
+    fixed 0.2 ms (batch 8). Saved at ``path``; returns it."""
     key = {"embed_dim": 32, "depth": 2, "num_heads": 2, "head_dim": 16, "mlp_hidden": 128, "tokens": 17,
            "batch": 8, "precision": "fp32", "backend": "onnxruntime", "backend_version": "0",
            "device_name": "hand-made", "profile": "cpu", "threads": 1, **(shape or {})}
-    heads = [1, 2]
-    ms = [[[0.05 + h * dim_ms * (q + v) for v in DIMS] for q in DIMS] for h in heads]
-    t = LatencyTable(key=key, rules=rules or dict(RULES), mlp={"widths": WIDTHS, "ms": [mlp(w) for w in WIDTHS]},
-                     attn={"heads": heads, "qk": DIMS, "v": DIMS, "ms": ms}, fixed_ms=0.2, dense_model_ms=0.0,
-                     measured={"mlp": WIDTHS, "attn": [[h, q, v] for h in heads for q in DIMS for v in DIMS]})
+    widths = list(range(0, key["mlp_hidden"] + 1, key["mlp_hidden"] // 8))
+    dims = [key["head_dim"] * i // 4 for i in range(1, 5)]
+    heads = list(range(1, key["num_heads"] + 1))
+    ms = [[[0.05 + h * dim_ms * (q + v) for v in dims] for q in dims] for h in heads]
+    t = LatencyTable(key=key, rules=rules or dict(RULES), mlp={"widths": widths, "ms": [mlp(w) for w in widths]},
+                     attn={"heads": heads, "qk": dims, "v": dims, "ms": ms}, fixed_ms=0.2, dense_model_ms=0.0,
+                     measured={"mlp": widths, "attn": [[h, q, v] for h in heads for q in dims for v in dims]})
     t.dense_model_ms = t.dense_ms()
     t.save(path)
     return str(path)
@@ -223,3 +226,26 @@ def test_cli_latency_errors(tmp_path):
         assert_one_line_error(run_cli(["derive", "--classes", "0,1", *args, *out]), msg)
     help_text = run_cli(["derive", "--help"]).stdout
     assert "--latency-table" in help_text and "--latency " in help_text
+
+
+@needs_fmnist
+def test_cli_derive_latency_end_to_end(tmp_path):
+    """``edgeprune derive --latency 0.7 --latency-table`` on fmnist-vit with a GPU-like table (wide
+    MLP grid, Q/K = V): saved run, the record's latency entry, the printed prediction."""
+    shape = {"embed_dim": 128, "depth": 6, "num_heads": 2, "head_dim": 64, "mlp_hidden": 512, "tokens": 49}
+    rules = {"mlp_round_to": 64, "head_dim_round_to": 16, "qk_equals_v": True}
+    table = tiny_table(tmp_path / "f.json", shape=shape, rules=rules)
+    out = tmp_path / "run"
+    res = run_cli(["derive", "--classes", "0,Bag", "--latency", "0.7", "--latency-table", table, "--skp-steps", "0",
+                   "--train-per-class", "30", "--val-size", "12", "--calib-size", "16", "--no-eval", "-o", str(out),
+                   "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "latency: predicted" in res.stdout and "saved" in res.stdout
+    rec = json.loads((out / "run.json").read_text())
+    lat = rec["derivation"]["budget"]["latency"]
+    assert lat["target"] == pytest.approx(0.7 * LatencyTable.load(table).dense_ms())
+    assert lat["predicted"] <= lat["target"] and lat["rules"] == rules
+    for b in rec["blocks"]:
+        assert b["mlp_hidden"] % 64 == 0 and b["qk_dim"] == b["v_dim"] and b["qk_dim"] % 16 == 0
+    model, _ = load_run(out)
+    assert predicted_ms(table, model) == pytest.approx(lat["predicted"])

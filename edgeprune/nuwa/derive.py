@@ -2,6 +2,7 @@
 
     from edgeprune.nuwa import derive
     result = derive(base, classes=[0, 3, 7], images=x_train, labels=y_train, flops=0.6)
+    # or latency=0.5, latency_table="t.json" (a measured table, docs/latency_budget.md)
     result.model     # the derived edge ViT (physically smaller, plain modules)
     result.record    # run record for edgeprune.artifact.save_run
 
