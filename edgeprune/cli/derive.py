@@ -1,6 +1,10 @@
-"""``edgeprune derive``: NuWa class-specific derivation under a FLOPs / params budget.
+"""``edgeprune derive``: NuWa class-specific derivation under a FLOPs / params / latency budget.
 
     edgeprune derive --model fmnist-vit --classes 0,3,7 --flops 0.6 -o runs/nuwa-037
+    edgeprune derive --model fmnist-vit --classes 0,3,7 --latency 0.5 --latency-table t.json
+
+``--latency`` (a fraction of the dense latency on ``--latency-table``, or ``12ms``) is parsed and
+refused exactly as ``edgeprune prune`` does (docs/latency_budget.md, "derive --latency").
 
 Labeled images of the target classes come from the train split (fmnist-vit) or ``--train-data``
 (an ImageFolder, timm models); the final evaluation uses the test split / ``--eval-data``, with the
@@ -16,6 +20,7 @@ from __future__ import annotations
 import click
 import torch
 
+from edgeprune.allocation.latency_cost import load_table
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, make_spec, model_options,
                                    out_option, quiet_option)
@@ -24,7 +29,6 @@ from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
 from edgeprune.nuwa.head import num_classes as head_classes
-from edgeprune.nuwa.budget import LATENCY_NOT_SUPPORTED
 from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
 from edgeprune.nuwa.skp import SKPConfig
 
@@ -37,10 +41,12 @@ from edgeprune.nuwa.skp import SKPConfig
               help="FLOPs budget: a fraction of the base model to keep (0.6) or a count (2.3G), as for prune.")
 @click.option("--params", default=None, metavar="P",
               help="Parameter budget: a fraction of the base model to keep (0.7) or a count (20M).")
-@click.option("--latency", default=None, metavar="F", hidden=True,
-              help="Not supported by derive yet (NuWa's MLP fill assumes a cost linear in the width).")
-@click.option("--latency-table", "latency_table", default=None, metavar="FILE", hidden=True,
-              help="Not supported by derive yet.")
+@click.option("--latency", default=None, metavar="F",
+              help="Latency budget: a fraction of the dense model's latency on the --latency-table (0.5) or "
+                   "milliseconds per batch of the table's batch size (12ms); head dims and MLP widths on the "
+                   "table's grid, every head kept.")
+@click.option("--latency-table", "latency_table", default=None, metavar="FILE",
+              help="The latency table of --latency (made by `edgeprune latency-table --model M --device PROFILE`).")
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
@@ -72,20 +78,20 @@ from edgeprune.nuwa.skp import SKPConfig
 @device_option(default="auto")
 @out_option("runs/<model>-nuwa-<classes>-<budget>")
 @quiet_option
-def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params, slice_head, data,
-               train_data, train_per_class, calib_dir, calib_size, val_size, skp_steps, skp_batch_size,
-               skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha, eval_data, eval_size,
-               no_eval, no_cache, seed, threads, device, out, quiet, latency=None, latency_table=None):
+def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params,
+               latency, latency_table, slice_head, data, train_data, train_per_class, calib_dir, calib_size, val_size,
+               skp_steps, skp_batch_size, skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha,
+               eval_data, eval_size, no_eval, no_cache, seed, threads, device, out, quiet):
     """Derive a class-specific model with NuWa.
 
-    SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs or params
-    budget (--flops / --params).
+    SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs, params or
+    latency budget (--flops / --params / --latency with --latency-table).
     """
     # 1. everything that can be checked without work
-    if latency is not None or latency_table is not None:
-        raise UserError(LATENCY_NOT_SUPPORTED)
-    budget = resolve_budget(flops, params)
-    metric, amount = budget["kind"], float(budget["value"])
+    budget = resolve_budget(flops, params, latency=latency, table=latency_table)
+    metric, amount, unit = budget["kind"], float(budget["value"]), budget.get("unit") or ""
+    if budget.get("table"):
+        load_table(budget["table"])  # a missing / malformed table: one line, before the model is built
     if train_per_class is not None and train_per_class < 1:
         raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
     cfg = DeriveConfig(
@@ -108,7 +114,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     names = class_names(spec, train_data)
     cls = resolve_classes(classes, head_classes(base), names)
     tag = "-".join(str(c) for c in cls)
-    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{amount:g}{'-slice' if slice_head else ''}")
+    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{amount:g}{unit}{'-slice' if slice_head else ''}")
     check_budget(base, cls, budget, cfg, names)
     x, y, train_desc = load_labeled(spec, data, train_data, cls, train_per_class, seed)
     calibration = None
@@ -119,7 +125,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     # 2. the work
     click.echo(f"model {model_name}: classes {cls}"
                + (f" ({', '.join(names[c] for c in cls)})" if names else "")
-               + f"; {metric} budget {amount:g}; labeled images: {train_desc}; device {cfg.device}")
+               + f"; {metric} budget {amount:g}{unit}; labeled images: {train_desc}; device {cfg.device}")
     res = derive(base, cls, x, y, budget=budget, calibration=calibration, config=cfg,
                  class_names=names, spec=spec, progress=not quiet)
     rec = res.record
@@ -140,10 +146,10 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     save_run(out_path, res.model.cpu(), rec)
 
     # 3. the report
-    _print_report(rec, rows, metric, amount, out_path)
+    _print_report(rec, rows, metric, f"{amount:g}{unit}", out_path)
 
 
-def _print_report(rec: dict, rows: list[tuple], metric: str, amount: float, out_path) -> None:
+def _print_report(rec: dict, rows: list[tuple], metric: str, amount: str, out_path) -> None:
     """The summary table (params, MFLOPs, target top-1 of base, anchor and derived) and the
     derivation's dims, budget and timing."""
     d = rec["derivation"]
@@ -156,8 +162,12 @@ def _print_report(rec: dict, rows: list[tuple], metric: str, amount: float, out_
     b = d["budget"]
     click.echo(f"\nnuwa: rho={d['rho']:g} qk={d['ofp_mha']['qk']} vo={d['ofp_mha']['vo']} mlp={d['ofp_mlp']['mlp']}; "
                f"anchor kept {d['anchor']['kept']} (SKP step {d['anchor']['step']}); "
-               f"{metric} x{b['achieved_fraction']:.3f} (budget {amount:g}); head: {rec['head']['mode']}; "
+               f"{metric} x{b['achieved_fraction']:.3f} (budget {amount}); head: {rec['head']['mode']}; "
                f"SVD factors: {d['ofp_mha']['svd_cache']['source']}")
+    if isinstance(b.get(metric), dict) and "predicted" in b[metric]:
+        m = b[metric]
+        click.echo(f"{metric}: predicted {m['predicted']:.3f} ms (target {m['target']:.3f}, dense {m['dense']:.3f}) "
+                   f"on {m.get('table')}; grid {m['round_to']}, rules {m['rules']}")
     t = rec["timing"]
     click.echo(f"time: SKP {t['skp_s']:.1f} s, statistics {t['stats_s']:.1f} s, SVD {t['svd_s']:.1f} s, "
                f"budget search {t['search_s']:.1f} s; total {t['total_s']:.1f} s")

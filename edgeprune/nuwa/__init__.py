@@ -3,7 +3,8 @@
 * :mod:`.skp` -- self-knowledge purification: learnable MLP masks -> the anchor (§3.2).
 * :mod:`.ofp_mha` -- data-free SVD truncation of the QK and VO products (§3.3 eq. 7-9).
 * :mod:`.ofp_mlp` -- uniform MLP widths, mean-activation ranking, least-squares fc2 re-fit (eq. 10-12).
-* :mod:`.budget` -- FLOPs / params budget -> per-block dims, rho search.
+* :mod:`.budget` -- FLOPs / params / latency budget -> per-block dims, rho search (MLP fill by search
+  under a measured latency table).
 * :mod:`.head` -- non-target suppression or head slicing.
 * :mod:`.svd_cache` -- the SVD factors, cached in memory and on disk.
 * :mod:`.config` -- :class:`DeriveConfig`, the settings.

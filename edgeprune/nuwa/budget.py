@@ -18,6 +18,20 @@ Both are affine in each block's MLP width, which makes the MLP allowance a close
 reach their SKP-anchor caps, pruning attention further buys nothing). The derivation then picks the
 candidate with the best held-out accuracy (``edgeprune.nuwa.derive``). A budget that cannot be met
 even with every dim at ``round_to`` is a :class:`UserError`.
+
+**Measured costs (latency, issue 30).** A cost model that ``needs_table`` (``latency``: a measured,
+interpolated table, :mod:`edgeprune.allocation.latency_cost`) is not affine in the MLP width, so
+step 2 has no closed form. :func:`search_mlp_dims` fills by search instead: it tries every level of
+the same water-filling shape (:func:`~edgeprune.nuwa.ofp_mlp.uniform_mlp_dims` of ``u x round_to``
+neurons for u = depth .. sum of the caps' units) and keeps the largest level whose total cost is <=
+the budget -- a linear scan, with no assumption that the cost grows with the level. Block costs are
+memoised per (block, width), so one plan costs at most ``sum(caps) / round_to`` table look-ups.
+The table's rules (:func:`dim_grid`) set the grids: MLP widths on ``mlp_round_to``, Q/K and V dims
+on ``head_dim_round_to`` (both replace ``round_to``), none below the smallest measured size; with
+``qk_equals_v`` a layer's Q/K and V dims are both the larger of its two OFP dims (the smaller is
+raised rather than the larger cut: more retained energy, and the table's budget decides). Every
+block keeps all its heads (NuWa truncates head dims; whole heads are not derive's units). FLOPs and
+params keep the closed form, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,17 +41,14 @@ import math
 
 import torch.nn as nn
 
-from edgeprune.allocation.budget import is_fraction, target_cost
-from edgeprune.allocation.cost import COST_MODELS, cost_model, dense_cost
+from edgeprune.allocation.budget import is_fraction, kind_unit, target_cost
+from edgeprune.allocation.cost import COST_MODELS, cost_model, dense_cost, dense_dims, total_cost
 from edgeprune.anatomy import ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
 from edgeprune.nuwa.ofp_mha import BlockFactors, energy_ratios, layer_dims, retained_energy
 from edgeprune.nuwa.ofp_mlp import uniform_mlp_dims
 
 DEFAULT_NUM_RHO = 16
-#: derive refuses budget kinds priced by a measured table (issue 30): its MLP fill is a closed form
-LATENCY_NOT_SUPPORTED = ("derive does not take latency budgets yet (NuWa's MLP fill assumes a cost linear in "
-                         "the MLP width): use --flops or --params, or `edgeprune prune --latency`")
 
 
 def rho_candidates(factors: list[BlockFactors], n: int = DEFAULT_NUM_RHO, round_to: int = 8) -> list[float]:
@@ -99,18 +110,33 @@ class PlanCost:
 
     Args:
         anatomy: the model whose fixed parts (embedding, norms, head -- after head slicing) count.
-        kind: a registered budget kind ("flops", "params", ...).
+        kind: a registered budget kind ("flops", "params", "latency", ...).
+        budget: the budget dict (a kind that ``needs_table`` reads its table's path from it).
+        table_anatomy: for a kind that ``needs_table``: the dense model the table was measured for
+            (checked against the table's key; default ``anatomy``). ``anatomy`` may then be the
+            SKP anchor, whose MLPs are narrower than the table's key.
+
+    Attributes:
+        linear: whether the cost is affine in each block's MLP width (flops, params: the closed-form
+            MLP fill of :func:`plan_for_dims`); False for measured kinds (search fill).
+        rules: the table's pruning rules (``mlp_round_to``, ``head_dim_round_to``, ``qk_equals_v``)
+            or None; lower: the smallest measured size per module (``{}`` without a table).
 
     Raises:
-        UserError: unknown kind, or a kind priced by a measured table (latency: not supported yet).
+        UserError: unknown kind; for latency: no table, a missing / malformed table or one of
+            another model shape.
     """
 
-    def __init__(self, anatomy: ViTAnatomy, kind: str) -> None:
-        if getattr(COST_MODELS.get(kind), "needs_table", False):
-            raise UserError(LATENCY_NOT_SUPPORTED)
+    def __init__(self, anatomy: ViTAnatomy, kind: str, budget: dict | None = None,
+                 table_anatomy: ViTAnatomy | None = None) -> None:
         self.anatomy, self.kind = anatomy, kind
-        self.model = cost_model(kind, anatomy)
+        measured = bool(getattr(COST_MODELS.get(kind), "needs_table", False))
+        self.model = cost_model(kind, (table_anatomy or anatomy) if measured else anatomy, budget=budget)
         self.fixed = _exact(self.model.fixed_cost())
+        self.linear = not measured
+        rules = getattr(self.model, "rules", None)
+        self.rules = dict(rules) if rules else None
+        self.lower = dict(self.model.bounds()) if hasattr(self.model, "bounds") else {}
 
     def block(self, i: int, qk: int, vo: int, mlp: int) -> int | float:
         """Cost of block i with the given dims."""
@@ -121,19 +147,82 @@ class PlanCost:
         return self.fixed + sum(self.block(i, q, v, m) for i, (q, v, m) in enumerate(zip(qk, vo, mlp)))
 
     def per_neuron(self, i: int) -> int | float:
-        """Cost of one more MLP channel in block i (the same in every block of a plain ViT)."""
+        """Cost of one more MLP channel in block i (the same in every block of a plain ViT; only
+        meaningful when :attr:`linear`)."""
         return self.block(i, 8, 8, 1) - self.block(i, 8, 8, 0)
 
 
-def measure(model: nn.Module, kind: str) -> int | float:
+@dataclasses.dataclass(frozen=True)
+class DimGrid:
+    """Where a derivation's dims live: MLP widths on multiples of ``mlp``, Q/K and V dims on
+    multiples of ``head_dim``, none below ``mlp_min`` / ``qk_min`` / ``v_min`` (a head dim never
+    above the block's own); ``qk_equals_v``: a layer's Q/K dim equals its V dim. ``rules``: the
+    latency table's rules these came from (None: ``round_to`` everywhere, nothing else applied)."""
+
+    mlp: int
+    head_dim: int
+    qk_equals_v: bool
+    mlp_min: int
+    qk_min: int
+    v_min: int
+    rules: dict | None = None
+
+    def describe(self) -> dict:
+        """For the record: the rules applied and the resulting grid."""
+        return {"rules": self.rules, "round_to": {"mlp": self.mlp, "qk": self.head_dim, "v": self.head_dim},
+                "smallest": {"mlp": self.mlp_min, "qk": self.qk_min, "v": self.v_min},
+                "qk_equals_v": ("both the larger of the two OFP dims" if self.qk_equals_v else False),
+                "heads": "every block keeps all its heads (not a unit of derive)"}
+
+
+def _up(x: int, r: int) -> int:
+    return -(-int(x) // r) * r
+
+
+def dim_grid(cost: PlanCost, round_to: int = 8) -> DimGrid:
+    """The dims' grid under ``cost``: ``round_to`` everywhere, or its table's rules and smallest
+    measured sizes (rounded up onto the rules' grid) when it has them."""
+    r = cost.rules
+    if not r:
+        return DimGrid(round_to, round_to, False, round_to, round_to, round_to)
+    rm, rh = int(r.get("mlp_round_to", round_to)), int(r.get("head_dim_round_to", round_to))
+    lo = cost.lower
+    qk_min, v_min = _up(max(rh, lo.get("qk", 0)), rh), _up(max(rh, lo.get("v", 0)), rh)
+    if r.get("qk_equals_v"):
+        qk_min = v_min = max(qk_min, v_min)
+    return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 0)), rm), qk_min, v_min, dict(r))
+
+
+def attention_dims(factors: list[BlockFactors], rho: float, grid: DimGrid) -> tuple[list[int], list[int]]:
+    """Per-layer (qk, v) dims for ``rho`` on ``grid``: :func:`layer_dims` at ``grid.head_dim``;
+    with table rules, raised to the grid's smallest sizes (at most the layer's own dim) and, with
+    ``qk_equals_v``, both set to the larger of the two (module doc)."""
+    qk, vo = layer_dims(factors, rho, grid.head_dim)
+    if grid.rules is None:
+        return qk, vo
+    qk = [min(f.qk_dim, max(q, grid.qk_min)) for f, q in zip(factors, qk)]
+    vo = [min(f.v_dim, max(v, grid.v_min)) for f, v in zip(factors, vo)]
+    if grid.qk_equals_v:
+        qk = vo = [max(q, v) for q, v in zip(qk, vo)]
+    return list(qk), list(vo)
+
+
+def measure(model: nn.Module, kind: str, budget: dict | None = None) -> int | float:
     """The model's actual cost in the units of budget kind ``kind`` (for flops and params:
-    ``edgeprune.flops.model_flops`` / ``count_params``)."""
-    return _exact(dense_cost(kind, find_anatomy(model)))
+    ``edgeprune.flops.model_flops`` / ``count_params``; for latency: the table's prediction of the
+    model at its own dims, which needs ``budget`` for the table and a model of the table's shape)."""
+    an = find_anatomy(model)
+    if not getattr(COST_MODELS.get(kind), "needs_table", False):
+        return _exact(dense_cost(kind, an))
+    return float(total_cost(cost_model(kind, an, budget=budget), an, [dense_dims(b) for b in an.blocks]))
 
 
-def budget_target(budget: dict, dense: int | float) -> int:
+def budget_target(budget: dict, dense: int | float) -> int | float:
     """The absolute budget of a derivation: ``floor(value x dense)`` for a fraction, ``floor(value)``
-    for a count (:func:`edgeprune.allocation.budget.target_cost`)."""
+    for a count (:func:`edgeprune.allocation.budget.target_cost`); a kind with a unit (latency, ms)
+    is not a count: its target is not floored."""
+    if kind_unit(budget["kind"]) is not None:
+        return float(target_cost(budget, dense))
     return int(math.floor(target_cost(budget, dense)))
 
 
@@ -149,9 +238,12 @@ def mlp_caps(anchor_sizes: list[int], round_to: int = 8) -> list[int]:
     return [max(round_to, (a // round_to) * round_to) for a in anchor_sizes]
 
 
-def plan_for_dims(cost: PlanCost, qk: list[int], vo: list[int], caps: list[int], budget: int,
-                  round_to: int = 8) -> tuple[list[int], int] | None:
-    """MLP dims that fill ``budget`` given attention dims, or None if infeasible."""
+def plan_for_dims(cost: PlanCost, qk: list[int], vo: list[int], caps: list[int], budget: int | float,
+                  round_to: int = 8) -> tuple[list[int], int | float] | None:
+    """MLP dims that fill ``budget`` given attention dims, or None if infeasible: the closed form
+    for a cost affine in the MLP width (:attr:`PlanCost.linear`), else :func:`search_mlp_dims`."""
+    if not cost.linear:
+        return search_mlp_dims(cost, qk, vo, caps, budget, round_to, lowest=dim_grid(cost, round_to).mlp_min)
     attn_only = cost.total(qk, vo, [0] * len(qk))
     per = cost.per_neuron(0)
     if any(cost.per_neuron(i) != per for i in range(len(qk))):
@@ -165,38 +257,99 @@ def plan_for_dims(cost: PlanCost, qk: list[int], vo: list[int], caps: list[int],
     return mlp, cost.total(qk, vo, mlp)
 
 
-def minimum_cost(cost: PlanCost, round_to: int = 8) -> int:
-    """Cost with every qk/v/mlp dim at ``round_to`` (the smallest model NuWa can derive)."""
+def search_mlp_dims(cost: PlanCost, qk: list[int], vo: list[int], caps: list[int], budget: int | float,
+                    round_to: int = 8, lowest: int = 0) -> tuple[list[int], int | float] | None:
+    """The largest water-filling level of MLP dims whose total cost is <= ``budget`` (any cost
+    model; no monotonicity assumed).
+
+    Levels: :func:`~edgeprune.nuwa.ofp_mlp.uniform_mlp_dims` ``(caps, u x round_to, round_to)`` for
+    every u from one unit per block to every block at its cap; levels with a block below ``lowest``
+    (the table's smallest measured width) are skipped. Every level is priced
+    (``fixed + sum_i block(i, qk_i, vo_i, mlp_i)``, the sum :meth:`PlanCost.total` forms; block costs
+    memoised per (block, width)) and the feasible one with the most neurons is returned.
+
+    Returns:
+        ``(mlp dims, total cost)`` or None when no level fits.
+    """
+    memo: dict[tuple[int, int], int | float] = {}
+
+    def block(i: int, m: int) -> int | float:
+        if (i, m) not in memo:
+            memo[(i, m)] = cost.block(i, qk[i], vo[i], m)
+        return memo[(i, m)]
+
+    best = None
+    for units in range(len(caps), sum(max(1, c // round_to) for c in caps) + 1):
+        mlp = uniform_mlp_dims(caps, units * round_to, round_to)
+        if mlp is None or min(mlp) < lowest:
+            continue
+        total = cost.fixed + sum(block(i, m) for i, m in enumerate(mlp))
+        if total <= budget:
+            best = (mlp, total)
+    return best
+
+
+def smallest_dims(cost: PlanCost, round_to: int = 8) -> tuple[list[int], list[int], list[int]]:
+    """(qk, vo, mlp) of the smallest model NuWa can derive: every dim at ``round_to`` (FLOPs,
+    params), or at the smallest sizes of the table's grid (:func:`dim_grid`)."""
     L = len(cost.anatomy.blocks)
-    return cost.total([round_to] * L, [round_to] * L, [round_to] * L)
+    g = dim_grid(cost, round_to)
+    if g.rules is None:
+        return [round_to] * L, [round_to] * L, [round_to] * L
+    blocks = cost.anatomy.blocks
+    qk = [min(b.qk_dim, g.qk_min) for b in blocks]
+    vo = [min(b.v_dim, g.v_min) for b in blocks]
+    if g.qk_equals_v:
+        qk = vo = [max(q, v) for q, v in zip(qk, vo)]
+    return qk, vo, [g.mlp_min] * L
 
 
-def check_feasible(cost: PlanCost, budget: int, dense_cost: int, round_to: int = 8) -> None:
+def measured_record(cost: PlanCost, grid: DimGrid, predicted: float, target: float, dense: float) -> dict:
+    """What a derivation under a measured budget (latency) records, as ``prune`` does in its
+    allocation report: the cost model's own record (table path, key, rules, dense predicted and
+    measured ms), the grid and rules applied (:meth:`DimGrid.describe`), how the MLPs were filled,
+    and the chosen plan's ``predicted`` cost beside ``target`` and ``dense`` (ms for latency)."""
+    own = cost.model.record() if hasattr(cost.model, "record") else {}
+    return {**own, **grid.describe(), "heads_allocated": False,
+            "mlp_fill": "search: the largest uniform water-filling level within the budget",
+            "predicted": predicted, "target": target, "dense": dense}
+
+
+def minimum_cost(cost: PlanCost, round_to: int = 8) -> int | float:
+    """Cost of :func:`smallest_dims` (every qk/v/mlp dim at ``round_to`` for FLOPs and params)."""
+    return cost.total(*smallest_dims(cost, round_to))
+
+
+def check_feasible(cost: PlanCost, budget: int | float, dense_cost: int | float, round_to: int = 8) -> None:
     """Raises UserError when even the smallest derivable model exceeds the budget."""
     low = minimum_cost(cost, round_to)
     if low > budget:
+        g = dim_grid(cost, round_to)
+        how = (f"dims that are multiples of {round_to}" if g.rules is None else
+               f"the latency table's grid (MLP widths x{g.mlp}, head dims x{g.head_dim}, every head kept)")
         raise UserError(
-            f"the {cost.kind} budget {budget / dense_cost:.3g} of the base model cannot be met with dims "
-            f"that are multiples of {round_to}: the smallest derivable model keeps "
-            f"{low / dense_cost:.3f}; raise --{cost.kind}")
+            f"the {cost.kind} budget {budget / dense_cost:.3g} of the base model cannot be met with {how}: "
+            f"the smallest derivable model keeps {low / dense_cost:.3f}; raise --{cost.kind}")
 
 
-def plan_candidates(cost: PlanCost, factors: list[BlockFactors], caps: list[int], budget: int,
+def plan_candidates(cost: PlanCost, factors: list[BlockFactors], caps: list[int], budget: int | float,
                     rho_grid: tuple[float, ...] | list[float] | None = None,
                     round_to: int = 8) -> list[Plan]:
     """Feasible, distinct, non-dominated plans for the rho values of ``rho_grid`` (descending;
-    None = :func:`rho_candidates`).
+    None = :func:`rho_candidates`). Dims are on :func:`dim_grid` (``round_to``, or the latency
+    table's rules; ``caps`` must be on its MLP grid, :func:`mlp_caps`).
 
     Raises:
         UserError: no rho in the grid gives a feasible plan.
     """
+    grid = dim_grid(cost, round_to)
     if rho_grid is None:
-        rho_grid = rho_candidates(factors, round_to=round_to)
+        rho_grid = rho_candidates(factors, round_to=grid.head_dim)
     plans: list[Plan] = []
     seen = set()
     for rho in sorted(set(float(r) for r in rho_grid), reverse=True):
-        qk, vo = layer_dims(factors, rho, round_to)
-        res = plan_for_dims(cost, qk, vo, caps, budget, round_to)
+        qk, vo = attention_dims(factors, rho, grid)
+        res = plan_for_dims(cost, qk, vo, caps, budget, grid.mlp)
         if res is None:
             continue
         mlp, total = res
@@ -210,10 +363,10 @@ def plan_candidates(cost: PlanCost, factors: list[BlockFactors], caps: list[int]
         if mlp == caps:
             break  # MLPs are at the anchor: lower rho would only prune attention for nothing
     if not plans:
-        grid = sorted(set(float(r) for r in rho_grid), reverse=True)
-        if len(grid) == 1:
-            raise UserError(f"--rho {grid[0]:g} leaves too little of the {cost.kind} budget for the MLPs "
-                            f"(each needs >= {round_to} channels); lower --rho or raise the budget")
-        raise UserError(f"no retained-energy ratio in the grid ({len(grid)} values, {grid[0]:g} .. {grid[-1]:g}) "
+        grid_ = sorted(set(float(r) for r in rho_grid), reverse=True)
+        if len(grid_) == 1:
+            raise UserError(f"--rho {grid_[0]:g} leaves too little of the {cost.kind} budget for the MLPs "
+                            f"(each needs >= {grid.mlp_min} channels); lower --rho or raise the budget")
+        raise UserError(f"no retained-energy ratio in the grid ({len(grid_)} values, {grid_[0]:g} .. {grid_[-1]:g}) "
                         f"meets the {cost.kind} budget; include lower values or raise the budget")
     return plans

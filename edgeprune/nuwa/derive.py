@@ -1,7 +1,8 @@
-"""NuWa end to end: derive a class-specific model under a FLOPs/params budget (nuwa §3, Fig. 5).
+"""NuWa end to end: derive a class-specific model under a FLOPs/params/latency budget (nuwa §3, Fig. 5).
 
     from edgeprune.nuwa import derive
     result = derive(base, classes=[0, 3, 7], images=x_train, labels=y_train, flops=0.6)
+    # or latency=0.5, latency_table="t.json" (a measured table, docs/latency_budget.md)
     result.model     # the derived edge ViT (physically smaller, plain modules)
     result.record    # run record for edgeprune.artifact.save_run
 
@@ -125,8 +126,8 @@ def check_budget(model: nn.Module, classes, budget: dict, config: DeriveConfig,
     probe = copy.deepcopy(model).eval()
     cls = resolve_classes(classes, num_classes(probe), class_names)
     apply_head(probe, cls, config.head)
-    dense_cost = budget_mod.measure(model, budget["kind"])
-    budget_mod.check_feasible(budget_mod.PlanCost(find_anatomy(probe), budget["kind"]),
+    dense_cost = budget_mod.measure(model, budget["kind"], budget)
+    budget_mod.check_feasible(budget_mod.PlanCost(find_anatomy(probe), budget["kind"], budget, find_anatomy(model)),
                               budget_mod.budget_target(budget, dense_cost), dense_cost, config.round_to)
 
 
@@ -224,35 +225,47 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
 
 
 def derive_from(prep: Prepared, *, flops: float | str | None = None, params: float | str | None = None,
+                latency: float | str | None = None, latency_table: str | None = None,
                 budget: dict | None = None, progress: bool = False) -> DeriveResult:
     """Stage 6: pick dims for the budget, build and score the candidates, return the best.
 
     The budget is one of ``flops=`` / ``params=`` (a fraction of the base model or a count such as
-    ``"2.3G"``, parsed as ``edgeprune prune`` parses them) or ``budget={"kind": K, "value": v}``
-    for any registered budget kind (:func:`~edgeprune.nuwa.inputs.resolve_budget`).
+    ``"2.3G"``, parsed as ``edgeprune prune`` parses them), ``latency=`` (a fraction of the dense
+    latency on ``latency_table``, or ``"12ms"``; :mod:`edgeprune.nuwa.budget`, "Measured costs") or
+    ``budget={"kind": K, "value": v}`` for any registered budget kind
+    (:func:`~edgeprune.nuwa.inputs.resolve_budget`).
     Candidates are built on the CPU (float64 re-fits) and scored on ``prep.config.device``.
     """
     cfg = prep.config
-    budget = resolve_budget(flops, params, budget=budget)
+    budget = resolve_budget(flops, params, budget=budget, latency=latency, table=latency_table)
     metric = budget["kind"]
     t0 = time.perf_counter()
-    dense_cost = budget_mod.measure(prep.base, metric)
+    dense_cost = budget_mod.measure(prep.base, metric, budget)
     target = budget_mod.budget_target(budget, dense_cost)
     frac = budget_mod.keep_fraction(budget, dense_cost)
     an_anchor = find_anatomy(prep.anchor_model)
-    cost = budget_mod.PlanCost(an_anchor, metric)
+    cost = budget_mod.PlanCost(an_anchor, metric, budget, find_anatomy(prep.base))
     budget_mod.check_feasible(cost, target, dense_cost, cfg.round_to)
-    caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], cfg.round_to)
-    grid = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid  # None = adaptive
-    plans = budget_mod.plan_candidates(cost, prep.factors, caps, target, grid, cfg.round_to)
+    grid = budget_mod.dim_grid(cost, cfg.round_to)
+    caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], grid.mlp)
+    rhos = (cfg.rho,) if cfg.rho is not None else cfg.rho_grid  # None = adaptive
+    plans = budget_mod.plan_candidates(cost, prep.factors, caps, target, rhos, cfg.round_to)
     candidates, plan, model = _score_plans(prep, plans)
-    achieved = budget_mod.measure(model, metric)
+    if cost.linear:
+        achieved = budget_mod.measure(model, metric)
+    else:  # the table's prediction at the derived model's own dims
+        blocks = find_anatomy(model).blocks
+        achieved = cost.total([b.qk_dim for b in blocks], [b.v_dim for b in blocks], [b.mlp_hidden for b in blocks])
     if achieved > target:  # the cost model and edgeprune.flops disagree: a bug, never a user error
         raise RuntimeError(f"derived model costs {achieved} {metric}, budget {target}")
     search_s = time.perf_counter() - t0
     budget_rec = {"metric": metric, "value": budget["value"], "keep_fraction": frac, "target": target,
-                  "achieved": achieved, "achieved_fraction": achieved / dense_cost,
-                  "rounding_step": cfg.round_to * cost.per_neuron(0)}
+                  "achieved": achieved, "achieved_fraction": achieved / dense_cost}
+    if cost.linear:
+        budget_rec["rounding_step"] = cfg.round_to * cost.per_neuron(0)
+    else:
+        budget_rec.update(unit=budget.get("unit"), table=budget.get("table"))
+        budget_rec[metric] = budget_mod.measured_record(cost, grid, achieved, target, dense_cost)
     record = _derive_record(prep, plan, model, candidates, budget_rec, caps, search_s)
     return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
                         candidates=candidates, record=record)
@@ -324,11 +337,12 @@ def _derive_record(prep: Prepared, plan: budget_mod.Plan, model: nn.Module, cand
 
 
 def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
-           flops: float | str | None = None, params: float | str | None = None, budget: dict | None = None,
+           flops: float | str | None = None, params: float | str | None = None,
+           latency: float | str | None = None, latency_table: str | None = None, budget: dict | None = None,
            calibration=None,
            config: DeriveConfig | None = None, class_names: Sequence[str] | None = None,
            anchor: Anchor | None = None, spec=None, progress: bool = False) -> DeriveResult:
-    """Derive a class-specific model from ``model`` under a FLOPs or params budget (NuWa).
+    """Derive a class-specific model from ``model`` under a FLOPs, params or latency budget (NuWa).
 
     Args:
         model: base classifier (timm ViT family), not modified.
@@ -337,6 +351,9 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         flops, params: the budget, exactly one: a fraction of the base model's FLOPs (or params)
             to keep, in (0, 1], or an absolute count (a number > 1 or a string such as ``"2.3G"``);
             or ``budget={"kind": K, "value": v}`` for any registered budget kind.
+        latency, latency_table: a latency budget instead (issue 30): a fraction of the dense
+            model's predicted latency on the table at ``latency_table`` (``0.5``) or ``"12ms"`` per
+            batch of the table's batch size (:mod:`edgeprune.nuwa.budget`, "Measured costs").
         calibration: unlabeled calibration images (tensor or data source) or None (see
             :func:`prepare`).
         config: :class:`DeriveConfig` (SKP steps etc.; ``device`` = where the data passes run,
@@ -351,7 +368,7 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
         UserError: bad classes, budget, data or settings, an unknown device or CUDA not
             available (one line).
     """
-    budget = resolve_budget(flops, params, budget=budget)
+    budget = resolve_budget(flops, params, budget=budget, latency=latency, table=latency_table)
     cfg = config or DeriveConfig()
     cfg.validate()
     check_budget(model, classes, budget, cfg, class_names)  # fail before SKP

@@ -47,26 +47,31 @@ def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
     return out
 
 
-def resolve_budget(flops=None, params=None, budget: dict | None = None, **kinds) -> dict:
+def resolve_budget(flops=None, params=None, budget: dict | None = None, table=None, **kinds) -> dict:
     """The derivation's budget ``{"kind": K, "value": v}`` from exactly one of ``flops=``,
-    ``params=``, ``<kind>=`` (another registered budget kind), parsed as ``edgeprune prune``
-    parses them (:func:`edgeprune.allocation.budget.make_budget`): a fraction of the base model in
-    (0, 1] or an absolute count with an optional k/M/G/T suffix (``"2.3G"``); or a ready budget
-    dict ``budget=`` (checked with :func:`edgeprune.allocation.budget.validate_budget`).
+    ``params=``, ``<kind>=`` (another registered budget kind, e.g. ``latency=`` with ``table=``, the
+    latency table's path), parsed as ``edgeprune prune`` parses them
+    (:func:`edgeprune.allocation.budget.make_budget`): a fraction of the base model in (0, 1] or an
+    absolute count with an optional k/M/G/T suffix (``"2.3G"``; latency: ``"12ms"``); or a ready
+    budget dict ``budget=`` (checked with :func:`edgeprune.allocation.budget.validate_budget`; its
+    ``unit`` and ``table`` are kept).
 
     Raises:
-        UserError: none or several given, an unknown kind, or a bad value.
+        UserError: none or several given, an unknown kind, a bad value, a latency budget without a
+            table (one line naming ``edgeprune latency-table``) or a table without one.
     """
     if budget is not None:
         given = [k for k, v in {"flops": flops, "params": params, **kinds}.items() if v is not None]
         if given:
             raise UserError(f"give exactly one budget: budget= or --{given[0]}, not both")
+        if table is not None and "table" not in budget:
+            budget = {**budget, "table": table}
         validate_budget(budget)
-        return {"kind": budget["kind"], "value": budget["value"]}
-    budget = make_budget(flops, params, **kinds)
+        return {k: budget[k] for k in ("kind", "value", "unit", "table") if budget.get(k) is not None}
+    budget = make_budget(flops, params, table=table, **kinds)
     if budget is None:
         raise UserError("give exactly one budget: --flops or --params (a fraction of the base model to keep, "
-                        "e.g. 0.6, or a count, e.g. 2.3G)")
+                        "e.g. 0.6, or a count, e.g. 2.3G), or --latency with --latency-table")
     return budget
 
 
