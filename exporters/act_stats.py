@@ -31,6 +31,9 @@ class ActStats:
             images and tokens (only tensors of rank <= 3: token activations, not images).
         shapes: tensor -> shape of the tensor for one image (leading axis 1).
         n_images: calibration images seen.
+        gram: tensor -> (C, C) float64 Gram matrix ``X^T X`` over *every* row of every image
+            (token activations only; filled when ``collect_stats(gram=True)``): the ``H`` of GPTQ
+            weight rounding (``exporters.weight_rounding``).
     """
 
     amax: dict[str, float]
@@ -38,6 +41,7 @@ class ActStats:
     rows: dict[str, np.ndarray]
     shapes: dict[str, tuple[int, ...]]
     n_images: int
+    gram: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def rescale(self, tensor: str, s: np.ndarray) -> None:
         """Record that ``tensor`` is now ``x / s`` (per last-axis channel): a folded smoothing."""
@@ -45,16 +49,34 @@ class ActStats:
         self.amax[tensor] = float(self.chan_amax[tensor].max())
         if tensor in self.rows:
             self.rows[tensor] = (self.rows[tensor] / s.astype(np.float32)).astype(np.float32)
+        if tensor in self.gram:
+            s64 = np.asarray(s, dtype=np.float64)
+            self.gram[tensor] = self.gram[tensor] / np.outer(s64, s64)
+
+    def alias(self, tensor: str, new: str, s: np.ndarray) -> None:
+        """Record a new tensor ``new = tensor / s`` (an explicit per-channel scale node): its
+        statistics are ``tensor``'s, rescaled."""
+        self.chan_amax[new] = self.chan_amax[tensor].copy()
+        self.amax[new] = self.amax[tensor]
+        if tensor in self.rows:
+            self.rows[new] = self.rows[tensor].copy()
+        if tensor in self.gram:
+            self.gram[new] = self.gram[tensor].copy()
+        if tensor in self.shapes:
+            self.shapes[new] = self.shapes[tensor]
+        self.rescale(new, s)
 
 
 def collect_stats(model: Any, tensors: Sequence[str], images: np.ndarray, *, batch_size: int = 8,
-                  rows: int = 2048, seed: int = 0, threads: int | None = None) -> ActStats:
+                  rows: int = 2048, seed: int = 0, threads: int | None = None, gram: bool = False) -> ActStats:
     """Run the float ``model`` (path or ``ModelProto``) on ``images`` (N, C, H, W) and gather
     :class:`ActStats` of ``tensors``.
 
     Args:
         rows: rows sampled per tensor over the whole set (about ``rows / N`` per image).
         seed: seed of the row sampling.
+        gram: also accumulate every token tensor's Gram matrix ``X^T X`` (float64; C x C per
+            tensor: 19 MB for a 1536-wide MLP input).
 
     Raises:
         onnxruntime errors: a model ONNX Runtime cannot load (callers pass exported models).
@@ -77,7 +99,7 @@ def collect_stats(model: Any, tensors: Sequence[str], images: np.ndarray, *, bat
     for i in range(0, n, batch_size):
         x = np.ascontiguousarray(images[i:i + batch_size], dtype=np.float32)
         for name, value in zip(names, sess.run(names, {in_name: x})):
-            _update(stats, sampled, name, value, len(x), rows, n, rng)
+            _update(stats, sampled, name, value, len(x), rows, n, rng, gram)
     for name, parts in sampled.items():
         if parts:
             stats.rows[name] = np.concatenate(parts)[:rows]
@@ -85,7 +107,7 @@ def collect_stats(model: Any, tensors: Sequence[str], images: np.ndarray, *, bat
 
 
 def _update(stats: ActStats, sampled: dict[str, list[np.ndarray]], name: str, value: np.ndarray, b: int,
-            rows: int, n: int, rng: np.random.Generator) -> None:
+            rows: int, n: int, rng: np.random.Generator, gram: bool = False) -> None:
     v = np.asarray(value, dtype=np.float32)
     stats.shapes.setdefault(name, (1, *v.shape[1:]))
     if v.ndim == 4:  # an image / feature map: per-tensor range only (channels on axis 1)
@@ -95,6 +117,9 @@ def _update(stats: ActStats, sampled: dict[str, list[np.ndarray]], name: str, va
     ch = np.abs(flat).max(axis=0).astype(np.float64)
     stats.chan_amax[name] = ch if name not in stats.chan_amax else np.maximum(stats.chan_amax[name], ch)
     stats.amax[name] = float(stats.chan_amax[name].max())
+    if gram:  # float32 product per batch, float64 sum over batches
+        g = (flat.T @ flat).astype(np.float64)
+        stats.gram[name] = g if name not in stats.gram else stats.gram[name] + g
     take = min(len(flat), int(np.ceil(rows * b / max(1, n))))
     if take:
         sampled[name].append(flat[rng.choice(len(flat), size=take, replace=False)].copy())

@@ -11,9 +11,8 @@ static symmetric int8; ``recipe="ort"`` is the earlier ONNX Runtime ``quantize_s
          scale folds exactly) the clipping ratio with the smallest GEMM output error
       -> sensitivity on ``sensitivity_images`` calibration images: each GEMM int8 alone with
          those ranges, relative logit error                                     [sensitivity]
-      -> fallback: the fewest GEMMs kept float -- costliest first, while one GEMM carries more
-         than ``fallback_share`` of the summed error, and never more than ``max_float_flops``
-         of the GEMM FLOPs
+      -> fallback: GEMMs kept float, each carrying >= ``fallback_share`` of the summed isolated
+         error, most error per FLOP first, within ``max_float_flops`` of the GEMM FLOPs
       -> Q/DQ the TensorRT way on the remaining GEMMs                           [qdq]
 
 Every fold changes initializers only: before the Q/DQ nodes go in, the smoothed float model
@@ -33,10 +32,12 @@ import numpy as np
 from edgeprune.errors import UserError
 from exporters.act_stats import ActStats
 from exporters.int8 import match_patterns
-from exporters.int8_search import choose_clip
+from exporters.int8_search import ALPHAS, choose_clip
 from exporters.qdq import GemmNode, find_gemms, insert_qdq
 from exporters.quant_config import QuantizeConfig
 from exporters import sensitivity as sens
+from exporters.smooth_explicit import smooth_explicit
+from exporters.weight_rounding import get_weight_rounding, round_weights
 
 
 @dataclasses.dataclass
@@ -49,17 +50,19 @@ class Int8Plan:
             ``rel_err``: relative logit error with this GEMM alone int8, on calibration images).
         smoothing: one ``{"norm", "alpha", "errors"}`` per smoothed site.
         int8_flops_share: GEMM FLOPs in int8 / all weighted GEMM FLOPs.
+        weight_rounding: how the int8 weights were rounded (``exporters.weight_rounding``).
     """
 
     gemms: list[dict[str, Any]]
     smoothing: list[dict[str, Any]]
     int8_flops_share: float
+    weight_rounding: str = "nearest"
 
     def to_record(self) -> dict[str, Any]:
         """JSON-ready dict (metadata ``int8_plan``)."""
         return {"gemms": self.gemms, "smoothing": [{k: v for k, v in s.items() if k != "errors"}
                                                    for s in self.smoothing],
-                "int8_flops_share": self.int8_flops_share}
+                "int8_flops_share": self.int8_flops_share, "weight_rounding": self.weight_rounding}
 
 
 def weights_of(model: Any, gemms: Sequence[GemmNode]) -> dict[str, np.ndarray]:
@@ -98,24 +101,89 @@ def choose_ranges(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
 
 
 def choose_fallback(rows: Sequence[Mapping[str, Any]], share: float, max_float_flops: float) -> list[str]:
-    """The GEMMs kept float: costliest first (by isolated ``rel_err``) while the costliest left
-    carries more than ``share`` of the summed error of those left, within ``max_float_flops``
-    (a fraction of the total GEMM FLOPs)."""
+    """The GEMMs kept float, chosen like a knapsack by error per FLOP.
+
+    A GEMM is a candidate when its isolated error (``rel_err``: the relative logit error with it
+    alone int8) is at least ``share`` of the summed isolated error of all GEMMs; candidates go
+    float in order of error per FLOP (the cheapest accuracy first: a class-token block, the head
+    and the patch embedding carry visible error at a few % of the FLOPs) while the float GEMMs'
+    FLOPs stay within ``max_float_flops`` of the total (a candidate that does not fit is skipped,
+    a smaller one after it may still fit).
+
+    Args:
+        rows: one ``{"node", "rel_err", "flops"}`` per GEMM.
+        share: candidate threshold in (0, 1]; 1 keeps nothing float unless one GEMM carries all.
+        max_float_flops: cap on the float share of the GEMM FLOPs, in [0, 1].
+
+    Returns:
+        node names, in the order chosen.
+    """
     total_flops = sum(float(r["flops"]) for r in rows) or 1.0
-    left = sorted(rows, key=lambda r: -float(r["rel_err"]))
+    err_sum = sum(max(0.0, float(r["rel_err"])) for r in rows)
+    if err_sum <= 0:
+        return []
+    cands = [r for r in rows if float(r["rel_err"]) >= share * err_sum]
+    cands.sort(key=lambda r: -float(r["rel_err"]) / max(float(r["flops"]), 1.0))
     kept: list[str] = []
     used = 0.0
-    while left:
-        err_sum = sum(float(r["rel_err"]) for r in left)
-        top = left[0]
-        if err_sum <= 0 or float(top["rel_err"]) <= share * err_sum:
-            break
-        if (used + float(top["flops"])) / total_flops > max_float_flops:
-            break
-        kept.append(str(top["node"]))
-        used += float(top["flops"])
-        left = left[1:]
+    for r in cands:
+        if (used + float(r["flops"])) / total_flops <= max_float_flops:
+            kept.append(str(r["node"]))
+            used += float(r["flops"])
     return kept
+
+
+@dataclasses.dataclass
+class Prepared:
+    """The smoothed float model and everything the Q/DQ step needs (:func:`prepare_int8`).
+
+    Attributes:
+        model: the float ``ModelProto`` with every smoothing applied (same function as before).
+        gemms: its weighted GEMMs (after the explicit scales: they read the scaled tensors).
+        stats: statistics of their inputs (rescaled by the smoothing).
+        smoothing: one report entry per LayerNorm site and per explicit site.
+        ranges: per-tensor activation ranges; clips: clipping ratio by tensor (clipped ones only).
+        weights: GEMM name -> ``(W_q int8, scales)`` (``cfg.weight_rounding``).
+    """
+
+    model: Any
+    gemms: list[GemmNode]
+    stats: ActStats
+    smoothing: list[dict[str, Any]]
+    ranges: dict[str, float]
+    clips: dict[str, float]
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def prepare_int8(model: Any, calib: np.ndarray, cfg: QuantizeConfig,
+                 say: Callable[[str], None] = lambda _m: None, smooth: float | str | None = "config") -> Prepared:
+    """Statistics, smoothing (LayerNorm folds, then explicit scales before ``cfg.explicit_smooth_kinds``),
+    activation ranges and rounded weights of ``model`` (edited in place) -- every step of the recipe
+    before the sensitivity fallback, shared by :func:`quantize_tensorrt` and
+    ``tools/quant_sensitivity.py``. ``smooth``: ``"config"`` (alpha searched, or
+    ``cfg.smooth_alpha``), or :func:`exporters.sensitivity.apply_smoothing`'s argument (None: no
+    smoothing at all, for comparisons).
+
+    Raises:
+        UserError: no GEMM in ``model``; an unknown ``cfg.weight_rounding``.
+    """
+    get_weight_rounding(cfg.weight_rounding)
+    gemms = find_gemms(model)
+    if not gemms:
+        raise UserError("the model has no MatMul/Gemm/Conv with a constant weight to quantize")
+    stats = sens.calibrate(model, calib, gemms, threads=cfg.threads, gram=cfg.weight_rounding != "nearest")
+    if smooth == "config":
+        smooth = "search" if cfg.smooth_alpha is None else cfg.smooth_alpha
+    smoothing = sens.apply_smoothing(model, stats, smooth)
+    if cfg.explicit_smooth_kinds and smooth is not None:
+        alphas = ALPHAS if cfg.smooth_alpha is None else (float(cfg.smooth_alpha),)
+        smoothing += smooth_explicit(model, stats, gemms, cfg.explicit_smooth_kinds, alphas)
+        gemms = find_gemms(model)
+    say("int8 (TensorRT): smoothing " + ", ".join(
+        f"{s.get('norm') or s.get('gemm')}: {s['alpha']}" for s in smoothing))
+    ranges, clips = choose_ranges(model, gemms, stats, cfg.clip_kinds)
+    weights = round_weights(model, gemms, stats, cfg.weight_rounding)
+    return Prepared(model, gemms, stats, smoothing, ranges, clips, weights)
 
 
 def quantize_tensorrt(src: Path, dst: Path, calib: np.ndarray, cfg: QuantizeConfig, *,
@@ -124,8 +192,9 @@ def quantize_tensorrt(src: Path, dst: Path, calib: np.ndarray, cfg: QuantizeConf
 
     Args:
         calib: (N, C, H, W) float32 calibration images (preprocessed).
-        cfg: settings (``smooth_alpha``, ``clip_kinds``, ``fallback_share``, ``max_float_flops``,
-            ``sensitivity_images``, ``exclude``, ``batch_size``, ``threads``).
+        cfg: settings (``smooth_alpha``, ``explicit_smooth_kinds``, ``clip_kinds``,
+            ``weight_rounding``, ``fallback_share``, ``max_float_flops``, ``sensitivity_images``,
+            ``exclude``, ``batch_size``, ``threads``).
 
     Raises:
         UserError: an ``--exclude`` pattern matching no GEMM, or no GEMM at all.
@@ -134,30 +203,36 @@ def quantize_tensorrt(src: Path, dst: Path, calib: np.ndarray, cfg: QuantizeConf
 
     say = log or (lambda _m: None)
     model = onnx.load(str(src))
-    gemms = find_gemms(model)
-    if not gemms:
+    names = [g.name for g in find_gemms(model)]
+    if not names:
         raise UserError(f"{src} has no MatMul/Gemm/Conv with a constant weight to quantize")
-    excluded = set(match_patterns(cfg.exclude, [g.name for g in gemms]))
-    stats = sens.calibrate(model, calib, gemms, threads=cfg.threads)
-    smoothing = sens.apply_smoothing(model, stats, "search" if cfg.smooth_alpha is None else cfg.smooth_alpha)
-    say(f"int8 (TensorRT): smoothing {len(smoothing)} LayerNorm -> GEMM sites (alpha "
-        + ", ".join(str(s["alpha"]) for s in smoothing) + ")")
-    ranges, clips = choose_ranges(model, gemms, stats, cfg.clip_kinds)
-    ranged = dataclasses.replace(stats, amax=ranges)
-    rows = _sensitivity(model, ranged, calib[:cfg.sensitivity_images], gemms, excluded, cfg, say)
-    fallback = choose_fallback([r for r in rows if r["node"] not in excluded], cfg.fallback_share,
-                               cfg.max_float_flops) if cfg.fallback_share < 1 else []
+    excluded = set(match_patterns(cfg.exclude, names))
+    p = prepare_int8(model, calib, cfg, say)
+    rows, fallback = measured_fallback(p, calib, cfg, excluded, say)
     float_set = excluded | set(fallback)
-    insert_qdq(model, [g for g in gemms if g.name not in float_set], ranges)
+    insert_qdq(model, [g for g in p.gemms if g.name not in float_set], p.ranges, p.weights)
     onnx.save_model(model, str(dst))
-    plan = _plan(gemms, rows, stats, clips, excluded, fallback, smoothing)
-    say(f"int8 (TensorRT): {sum(g['precision'] == 'int8' for g in plan.gemms)} of {len(gemms)} GEMMs int8, "
+    plan = _plan(p.gemms, rows, p.stats, p.clips, excluded, fallback, p.smoothing, cfg.weight_rounding)
+    say(f"int8 (TensorRT): {sum(g['precision'] == 'int8' for g in plan.gemms)} of {len(p.gemms)} GEMMs int8, "
         f"{plan.int8_flops_share * 100:.1f}% of GEMM FLOPs; float: {', '.join(sorted(float_set)) or 'none'}")
     return plan
 
 
+def measured_fallback(p: Prepared, calib: np.ndarray, cfg: QuantizeConfig, excluded: set[str],
+                      say: Callable[[str], None] = lambda _m: None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each GEMM's isolated error on ``cfg.sensitivity_images`` calibration images (with the
+    prepared ranges and rounded weights) and the GEMMs :func:`choose_fallback` keeps float
+    (none when ``cfg.fallback_share`` is 1)."""
+    ranged = dataclasses.replace(p.stats, amax=p.ranges)
+    rows = _sensitivity(p.model, ranged, calib[:cfg.sensitivity_images], p.gemms, excluded, cfg, say, p.weights)
+    fallback = choose_fallback([r for r in rows if r["node"] not in excluded], cfg.fallback_share,
+                               cfg.max_float_flops) if cfg.fallback_share < 1 else []
+    return rows, fallback
+
+
 def _sensitivity(model: Any, stats: ActStats, imgs: np.ndarray, gemms: Sequence[GemmNode], excluded: set[str],
-                 cfg: QuantizeConfig, say: Callable[[str], None]) -> list[dict[str, Any]]:
+                 cfg: QuantizeConfig, say: Callable[[str], None],
+                 weights: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[dict[str, Any]]:
     todo = [g for g in gemms if g.name not in excluded]
     if cfg.fallback_share >= 1 or not len(imgs):
         return [{"node": g.name, "flops": g.flops_per_image(stats.shapes.get(g.x, (1, 1, g.k))),
@@ -165,11 +240,13 @@ def _sensitivity(model: Any, stats: ActStats, imgs: np.ndarray, gemms: Sequence[
     say(f"int8 (TensorRT): sensitivity of {len(todo)} GEMMs on {len(imgs)} calibration images")
     ev = sens.prepare_eval(model, imgs, None, list(sens.block_cuts(model, todo).values()),
                            batch_size=cfg.batch_size, threads=cfg.threads)
-    return sens.gemm_sensitivity(model, stats, ev, todo, batch_size=cfg.batch_size, threads=cfg.threads)
+    return sens.gemm_sensitivity(model, stats, ev, todo, batch_size=cfg.batch_size, threads=cfg.threads,
+                                 weights=weights)
 
 
 def _plan(gemms: Sequence[GemmNode], rows: Sequence[Mapping[str, Any]], stats: ActStats, clips: Mapping[str, float],
-          excluded: set[str], fallback: Sequence[str], smoothing: list[dict[str, Any]]) -> Int8Plan:
+          excluded: set[str], fallback: Sequence[str], smoothing: list[dict[str, Any]],
+          weight_rounding: str = "nearest") -> Int8Plan:
     by_node = {r["node"]: r for r in rows}
     out = []
     for g in gemms:
@@ -181,4 +258,4 @@ def _plan(gemms: Sequence[GemmNode], rows: Sequence[Mapping[str, Any]], stats: A
                     "clip": clips.get(g.x, 1.0), "rel_err": None if err is None or err != err else float(err)})
     total = sum(r["flops"] for r in out) or 1.0
     share = sum(r["flops"] for r in out if r["precision"] == "int8") / total
-    return Int8Plan(out, smoothing, float(share))
+    return Int8Plan(out, smoothing, float(share), weight_rounding)

@@ -148,7 +148,8 @@ def fake_quant_act(x: np.ndarray, amax: float) -> np.ndarray:
     return np.clip(np.round(np.asarray(x, dtype=np.float32) / s), -128, 127) * s
 
 
-def insert_qdq(model: Any, gemms: Sequence[GemmNode], amax: Mapping[str, float]) -> list[str]:
+def insert_qdq(model: Any, gemms: Sequence[GemmNode], amax: Mapping[str, float],
+               weights: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[str]:
     """Quantize ``gemms`` of ``model`` (an ONNX ``ModelProto``, edited in place) the TensorRT way
     (module docstring): Q/DQ on each GEMM's activation input with ``amax[x]``, int8 per-channel
     weights behind a ``DequantizeLinear``.
@@ -157,6 +158,9 @@ def insert_qdq(model: Any, gemms: Sequence[GemmNode], amax: Mapping[str, float])
         model: the float model (its weights already smoothed, if at all).
         gemms: the GEMMs to make int8 (from :func:`find_gemms` on this model); others stay float.
         amax: per-tensor clipping range of every quantized activation (> 0).
+        weights: GEMM node name -> ``(W_q int8, scales (n_out,))`` already rounded (in the
+            weight's own layout, scales on ``g.axis``; e.g. GPTQ, ``exporters.weight_rounding``);
+            a GEMM not in it gets :func:`quantize_weight` (round to nearest).
 
     Returns:
         the names of the nodes quantized, in graph order.
@@ -181,8 +185,9 @@ def insert_qdq(model: Any, gemms: Sequence[GemmNode], amax: Mapping[str, float])
             if g.x not in qdq_of:
                 qdq_of[g.x] = _activation_qdq(g.x, float(amax[g.x]), new_nodes, model, helper)
             node.input[0] = qdq_of[g.x]
+            pre = (weights or {}).get(g.name)
             node.input[1] = _weight_dq(g, numpy_helper.to_array(inits[g.w]), new_nodes, model, helper,
-                                       numpy_helper)
+                                       numpy_helper, pre)
             weight_users[g.w] -= 1
             done.append(g.name)
         new_nodes.append(node)
@@ -210,8 +215,11 @@ def _activation_qdq(x: str, amax: float, nodes: list[Any], model: Any, helper: A
     return f"{base}_dequantized"
 
 
-def _weight_dq(g: GemmNode, w: np.ndarray, nodes: list[Any], model: Any, helper: Any, numpy_helper: Any) -> str:
-    q, s = quantize_weight(w, g.axis)
+def _weight_dq(g: GemmNode, w: np.ndarray, nodes: list[Any], model: Any, helper: Any, numpy_helper: Any,
+               pre: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    q, s = quantize_weight(w, g.axis) if pre is None else pre
+    if q.shape != w.shape or q.dtype != np.int8 or s.shape != (w.shape[g.axis],):
+        raise ValueError(f"pre-rounded weight of {g.name} has shape {q.shape}/{s.shape}, not {w.shape}")
     base = _safe(g.w) + "_" + _safe(g.name)
     model.graph.initializer.extend([
         numpy_helper.from_array(q, f"{base}_quantized"),

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from edgeprune.errors import UserError
+from exporters.weight_rounding import get_weight_rounding
 
 PRECISIONS = ("int8", "fp16")
 #: int8 modes: ``static`` = ONNX Runtime static quantization in QDQ format (activation ranges
@@ -84,10 +85,16 @@ class QuantizeConfig:
         recipe: static int8 recipe, :data:`RECIPES` (``auto`` picks ``tensorrt`` unless an
             ONNX-Runtime-only option is set). With ``tensorrt``, ``smooth_alpha`` None means
             alpha searched per site, a number one fixed alpha.
+        explicit_smooth_kinds: ``tensorrt`` recipe: GEMM kinds smoothed through an explicit
+            per-channel ``Mul`` (no LayerNorm to fold into: ``fc2`` after GELU;
+            ``exporters.smooth_explicit``); ``()``: none.
+        weight_rounding: ``tensorrt`` recipe: ``gptq`` (error-compensating order, needs the inputs'
+            Gram matrices) or ``nearest`` (``exporters.weight_rounding``).
         clip_kinds: ``tensorrt`` recipe: GEMM kinds whose input range is clipped by searched
             output error (``exporters.qdq.KIND_PATTERNS``; others MinMax).
-        fallback_share: ``tensorrt`` recipe: keep the costliest GEMM float while it carries more
-            than this share of the summed isolated error (1 = no fallback).
+        fallback_share: ``tensorrt`` recipe: a GEMM whose isolated error is at least this share of
+            the summed isolated error may be kept float (most error per FLOP first,
+            ``exporters.int8_tensorrt.choose_fallback``; 1 = no fallback).
         max_float_flops: ``tensorrt`` recipe: at most this share of GEMM FLOPs kept float by the
             fallback.
     """
@@ -114,8 +121,10 @@ class QuantizeConfig:
     preprocess: bool = True
     threads: int | None = None
     recipe: str = "auto"
-    clip_kinds: tuple[str, ...] = ("fc2",)
-    fallback_share: float = 0.25
+    clip_kinds: tuple[str, ...] = ()
+    explicit_smooth_kinds: tuple[str, ...] = ("fc2",)
+    weight_rounding: str = "gptq"
+    fallback_share: float = 0.05
     max_float_flops: float = 0.10
 
     def resolved_recipe(self) -> str:
@@ -176,6 +185,7 @@ class QuantizeConfig:
             raise UserError("max_float_flops must be in [0, 1] and fallback_share in (0, 1]")
         if any(not p for p in self.exclude):
             raise UserError("--exclude patterns must not be empty")
+        get_weight_rounding(self.weight_rounding)
         return self
 
     def to_record(self) -> dict[str, Any]:
@@ -184,5 +194,6 @@ class QuantizeConfig:
         rec["op_types"] = list(self.op_types)
         rec["exclude"] = list(self.exclude)
         rec["clip_kinds"] = list(self.clip_kinds)
+        rec["explicit_smooth_kinds"] = list(self.explicit_smooth_kinds)
         rec["recipe_used"] = self.resolved_recipe()
         return rec

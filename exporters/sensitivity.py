@@ -25,7 +25,7 @@ every block are computed once (float) and each variant runs only from its block 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -160,13 +160,15 @@ def cost(out: np.ndarray, ev: EvalSet) -> dict[str, float]:
 
 def gemm_sensitivity(model: Any, stats: ActStats, ev: EvalSet, gemms: Sequence[GemmNode] | None = None, *,
                      batch_size: int = 32, threads: int | None = None,
-                     log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     log: Callable[[str], None] | None = None,
+                     weights: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[dict[str, Any]]:
     """Quantize each GEMM alone (MinMax ranges of ``stats``) and measure it on ``ev``.
 
     Args:
         model: the float (possibly smoothed) ``ModelProto``; ``stats``: its activation stats
             (``stats.amax`` are the ranges used: MinMax, or the clipped ranges of a recipe).
         gemms: the GEMMs to test (default every weighted GEMM).
+        weights: pre-rounded int8 weights by GEMM name (:func:`exporters.qdq.insert_qdq`).
 
     Returns:
         one ``{"node", "kind", "block", "flops", "rel_err", "agreement", "top1", "drop"}`` per
@@ -177,7 +179,7 @@ def gemm_sensitivity(model: Any, stats: ActStats, ev: EvalSet, gemms: Sequence[G
     rows = []
     for i, g in enumerate(gemms):
         variant = copy_model(model)
-        insert_qdq(variant, [g], stats.amax)
+        insert_qdq(variant, [g], stats.amax, weights)
         out = run_variant(variant, ev, cuts.get(g.block) if g.block is not None else None,
                           batch_size=batch_size, threads=threads)
         rows.append({"node": g.name, "kind": g.kind, "block": g.block,
@@ -213,6 +215,8 @@ def default_groups(gemms: Sequence[GemmNode]) -> dict[str, list[GemmNode]]:
 
 
 def calibrate(model: Any, calib: np.ndarray, gemms: Sequence[GemmNode], *, rows: int = 1024,
-              batch_size: int = 8, threads: int | None = None) -> ActStats:
-    """:func:`exporters.act_stats.collect_stats` of every GEMM input of ``model``."""
-    return collect_stats(model, [g.x for g in gemms], calib, batch_size=batch_size, rows=rows, threads=threads)
+              batch_size: int = 8, threads: int | None = None, gram: bool = False) -> ActStats:
+    """:func:`exporters.act_stats.collect_stats` of every GEMM input of ``model`` (``gram``: also
+    the inputs' Gram matrices, for GPTQ rounding)."""
+    return collect_stats(model, [g.x for g in gemms], calib, batch_size=batch_size, rows=rows, threads=threads,
+                         gram=gram)

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -40,6 +41,7 @@ if str(REPO) not in sys.path:  # run from a checkout without reinstalling
 import torch  # noqa: E402
 
 import edgeprune  # noqa: E402
+from edgeprune.allocation.cost import cost_model, dense_dims, total_cost  # noqa: E402
 from edgeprune.allocation.latency_cost import load_table  # noqa: E402
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.evaluate import evaluate  # noqa: E402
@@ -94,23 +96,30 @@ def run(args) -> list[dict]:
                 rec = res.record
                 lat = measure(dense, res.model, key, spec.input_size, args.iterations, args.cuda_batch)
                 m = None if ev is None else evaluate(spec, res.model, ev, dense=dense)
-                predicted = _predicted_ratio(res.model, args.table)
+                predicted = _predicted_ratio(dense, res.model, args.table)
                 rows.append({"budget": b, "allocation": kind, "seed": seed, "prune_s": prune_s,
                              "flops_ratio": rec["flops"] / rec["dense_flops"], "predicted_ratio": predicted,
                              "measured": lat, "top1": None if m is None else m.get("top1"),
                              "agreement": None if m is None else m.get("agreement"),
                              "dense_top1": None if dense_m is None else dense_m.get("top1")})
+                alloc = (rec.get("allocation") or {}).get("latency") or {}
+                if alloc:  # the allocator's own prediction: the two pricings must agree
+                    rows[-1]["allocator_predicted_ratio"] = alloc["predicted"] / alloc["dense"]
+                rows[-1]["dims"] = [dense_dims(b) for b in find_anatomy(res.model).blocks]
                 print(_row_md(rows[-1]), flush=True)
+                Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     return rows
 
 
-def _predicted_ratio(model, table_path: str) -> float:
-    """The table's predicted latency of ``model`` (full blocks) over its dense prediction."""
-    t = load_table(table_path)
-    an = find_anatomy(model)
-    ms = t.fixed_ms + sum(t.block_ms({"mlp": b.mlp_hidden, "qk": b.qk_dim, "v": b.v_dim, "heads": b.num_heads})
-                          for b in an.blocks)
-    return ms / t.dense_ms()
+def _predicted_ratio(dense, model, table_path: str) -> float:
+    """The table's predicted latency of ``model`` over the dense model's, priced exactly as the
+    allocator prices it (``edgeprune.allocation.latency_cost``: a class-token last block computes
+    only its query tokens)."""
+    pruned_an, dense_an = find_anatomy(model), find_anatomy(dense)
+    qt = {b.index: b.query_tokens for b in pruned_an.blocks if b.query_tokens is not None}
+    cm = cost_model("latency", dense_an, query_tokens=qt or None, budget={"table": table_path})
+    ms = total_cost(cm, pruned_an, [dense_dims(b) for b in pruned_an.blocks])
+    return ms / load_table(table_path).dense_ms()
 
 
 def _pct(x) -> str:

@@ -57,46 +57,40 @@ def render(model: str, smooth, rows: list[dict], groups: dict, float_top1: float
     return "\n".join(lines)
 
 
-#: recipe variants of ``--variants``: (smoothing, clip kinds, fallback share) -- fallback share 1 = none
+#: recipe variants of ``--variants``: (smoothing, QuantizeConfig overrides); "default" is the recipe
+#: ``edgeprune quantize --precision int8`` runs (exporters.int8_tensorrt), the others take steps away
+_OFF = {"explicit_smooth_kinds": (), "weight_rounding": "nearest", "clip_kinds": (), "fallback_share": 1.0}
 VARIANTS = {
-    "minmax": (None, (), 1.0),
-    "smooth": ("search", (), 1.0),
-    "smooth+clip-fc2": ("search", ("fc2",), 1.0),
-    "smooth+clip-all": ("search", ("qkv", "proj", "fc1", "fc2", "head"), 1.0),
-    "smooth+clip-fc2+fallback": ("search", ("fc2",), 0.25),
+    "minmax": (None, _OFF),
+    "smooth": ("config", _OFF),
+    "smooth+clip-fc2": ("config", {**_OFF, "clip_kinds": ("fc2",)}),
+    "smooth+fc2": ("config", {**_OFF, "explicit_smooth_kinds": ("fc2",)}),
+    "smooth+fc2+gptq": ("config", {**_OFF, "explicit_smooth_kinds": ("fc2",), "weight_rounding": "gptq"}),
+    "default": ("config", {}),
 }
 
 
 def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_images: int) -> list[dict]:
-    """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``."""
+    """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``,
+    each built by the recipe's own steps (``prepare_int8``, ``measured_fallback``)."""
     from exporters import sensitivity as sens
-    from exporters.int8_tensorrt import choose_fallback, choose_ranges
-    from exporters.qdq import find_gemms, insert_qdq
-    import dataclasses
+    from exporters.int8_tensorrt import measured_fallback, prepare_int8
+    from exporters.qdq import insert_qdq
+    from exporters.quant_config import QuantizeConfig
 
     rows = []
-    ev = None
+    ev = sens.prepare_eval(base, x, y, [], batch_size=batch_size, threads=threads)
     for name in names:
-        smooth, clip_kinds, share = VARIANTS[name]
-        model = sens.copy_model(base)
-        gemms = find_gemms(model)
-        stats = sens.calibrate(model, calib, gemms, threads=threads)
-        report = sens.apply_smoothing(model, stats, smooth)
-        ranges, clips = choose_ranges(model, gemms, stats, clip_kinds)
-        fallback: list = []
-        if share < 1:
-            cev = sens.prepare_eval(model, calib[:sens_images], None, list(sens.block_cuts(model, gemms).values()),
-                                    batch_size=batch_size, threads=threads)
-            srows = sens.gemm_sensitivity(model, dataclasses.replace(stats, amax=ranges), cev, gemms,
-                                          batch_size=batch_size, threads=threads)
-            fallback = choose_fallback(srows, share, 0.10)
-        if ev is None:
-            ev = sens.prepare_eval(base, x, y, [], batch_size=batch_size, threads=threads)
-        insert_qdq(model, [g for g in gemms if g.name not in fallback], ranges)
-        c = sens.cost(sens.run_variant(model, ev, None, batch_size=batch_size, threads=threads), ev)
-        rows.append({"variant": name, **c, "float_top1": float(np.mean(ev.float_out.argmax(1) == y)),
-                     "alphas": [r["alpha"] for r in report], "clips": clips, "fallback": fallback})
-        print(f"| {name} | {c['top1'] * 100:.2f} | {c['drop']:+.2f} | {c['agreement'] * 100:.1f} | "
+        smooth, overrides = VARIANTS[name]
+        cfg = QuantizeConfig(recipe="tensorrt", threads=threads, batch_size=batch_size,
+                             sensitivity_images=sens_images, **overrides)
+        p = prepare_int8(sens.copy_model(base), calib, cfg, smooth=smooth)
+        _, fallback = measured_fallback(p, calib, cfg, set())
+        insert_qdq(p.model, [g for g in p.gemms if g.name not in fallback], p.ranges, p.weights)
+        c = sens.cost(sens.run_variant(p.model, ev, None, batch_size=batch_size, threads=threads), ev)
+        rows.append({"variant": name, **c, "float_top1": None if y is None else float(np.mean(ev.float_out.argmax(1) == y)),
+                     "alphas": [r["alpha"] for r in p.smoothing], "clips": p.clips, "fallback": fallback})
+        print(f"| {name} | {c.get('top1', float('nan')) * 100:.2f} | {c.get('drop', float('nan')):+.2f} | {c['agreement'] * 100:.1f} | "
               f"{c['rel_err']:.2e} | {', '.join(fallback) or '-'} |", flush=True)
     return rows
 

@@ -30,9 +30,13 @@ from edgeprune.errors import UserError
                    "dynamic = activation ranges computed at run time (ONNX Runtime CPU only, no calibration "
                    "set; the more accurate and faster choice for x86 CPUs).")
 @click.option("--recipe", type=click.Choice(["auto", "tensorrt", "ort"]), default="auto", show_default=True,
-              help="static int8: tensorrt = searched SmoothQuant + fc2 clipping + measured float fallback, "
+              help="static int8: tensorrt = searched SmoothQuant (LayerNorm folds, explicit scales before fc2) + "
+                   "GPTQ weight rounding + measured float fallback, "
                    "TensorRT's Q/DQ placement; ort = ONNX Runtime quantize_static (the earlier default); auto = "
                    "ort when an ONNX-Runtime-only option is given, else tensorrt.")
+@click.option("--weight-rounding", type=click.Choice(["gptq", "nearest"]), default=None,
+              help="static int8, tensorrt recipe: how int8 weights are rounded (gptq: error-compensating, "
+                   "Frantar et al. 2023; nearest: round to nearest)  [default: gptq]")
 @click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
               help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
                    "[the model's own, as for prune].")
@@ -65,7 +69,8 @@ from edgeprune.errors import UserError
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), metavar="FILE",
               help="Also write the report as JSON.")
-def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, output: Path, calib_dir: str | None, calib_size: int | None,
+def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rounding: str | None, output: Path,
+                 calib_dir: str | None, calib_size: int | None,
                  seed: int | None, calib_method: str, per_tensor: bool, asymmetric_activations: bool,
                  exclude: tuple[str, ...], quantize_attention: bool, smooth_alpha: float | None,
                  auto_exclude: int, eval_data: str | None, eval_size: int | None,
@@ -87,8 +92,11 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, output: Pa
         activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
         quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
         eval_size=eval_size or 1000, eval_data=str(eval_data) if eval_data else None, max_drop=max_drop,
-        threads=threads, recipe=recipe,
+        threads=threads, recipe=recipe, weight_rounding=weight_rounding or "gptq",
     ).validate()
+    if weight_rounding is not None and cfg.resolved_recipe() != "tensorrt":
+        raise UserError("--weight-rounding applies to static int8 with the tensorrt recipe (ONNX Runtime's "
+                        "quantizer rounds to nearest)")
     if json_out is not None and json_out.exists() and not force:
         raise UserError(f"{json_out} exists (use --force to overwrite)")
     result = quantize_onnx(model, output, cfg, overwrite=force, log=click.echo)
