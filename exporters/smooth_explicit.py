@@ -4,10 +4,12 @@ SmoothQuant (Xiao et al., ICML 2023, eq. 4) divides activation channel ``j`` by 
 multiplies row ``j`` of the weight by it, so that ``(X / s)(s W) = X W``. Before ``qkv`` and
 ``fc1`` the division folds into the preceding LayerNorm's gamma and beta (``exporters.smooth``).
 ``fc2`` reads GELU's output: no scale folds through GELU, so here the division is a node of its
-own, ``Mul(x, 1 / s)``, between GELU and the GEMM's ``QuantizeLinear`` -- the form NVIDIA ModelOpt
-exports for its ``pre_quant_scale`` (SmoothQuant / AWQ on GEMMs without a foldable producer). On
-TensorRT it is a pointwise layer next to GELU and the quantize scale (fused with them into one
-pointwise kernel; not built here -- no TensorRT on this machine); the GEMM stays int8.
+own, ``Mul(x, 1 / s)``, between GELU and the GEMM's ``QuantizeLinear`` -- as Intel Neural
+Compressor's ONNX SmoothQuant inserts a ``Mul`` where no producer can absorb the scale, and as
+NVIDIA ModelOpt's ``pre_quant_scale`` multiplies a quantizer's input. On TensorRT it is a
+pointwise layer between GELU and the quantize layer (TensorRT fuses pointwise chains; whether this
+one fuses into GELU's kernel is not checked here -- no TensorRT on this machine); the GEMM stays
+int8.
 
 ``s`` comes from the same per-site search as the LayerNorm sites
 (:func:`exporters.int8_search.choose_alpha`: the alpha with the smallest GEMM output error on the

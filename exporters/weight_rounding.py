@@ -22,8 +22,7 @@ channel, ``scale_j = max_k |W_kj| / 127`` of the float weight -- only the intege
   (:class:`exporters.act_stats.ActStats` ``gram``), after any smoothing of that input.
 
 The float model is unchanged: only the int8 copy of each weight behind its ``DequantizeLinear``
-differs. Measured on the pruned DINOv2 ViT-S/14 (docs/quantization.md): weights-only int8 error of
-the logits 1.3e-3 (nearest) -> 7.4e-4 (GPTQ, with smoothing).
+differs. What it buys on DINOv2: docs/quantization.md (``tools/quant_sensitivity.py --variants``).
 """
 
 from __future__ import annotations
