@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--calib-size", type=int, default=None)
     ap.add_argument("--eval-size", type=int, default=1000)
+    ap.add_argument("--allocations", default="flops,latency",
+                    help="which allocations to prune (e.g. latency alone at the FLOPs rows' measured ratio)")
     ap.add_argument("--iterations", type=int, default=20, help="interleaved pairs per latency measurement")
     ap.add_argument("--cuda-batch", type=int, default=256)
     ap.add_argument("--no-eval", action="store_true", help="latency only (e.g. random-init models)")
@@ -88,7 +90,7 @@ def run(args) -> list[dict]:
         n = args.calib_size or spec.default_calib_size
         calib = spec.calibration_source(n, seed=seed)
         for b in [float(x) for x in args.budgets.split(",")]:
-            for kind in ("flops", "latency"):
+            for kind in args.allocations.split(","):
                 kw = {"flops": b} if kind == "flops" else {"latency": b, "latency_table": args.table}
                 t0 = time.perf_counter()
                 res = edgeprune.prune(dense, calib, target="all", sparsity=None, spec=spec, **kw)
