@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--calib-size", type=int, default=None)
     ap.add_argument("--eval-size", type=int, default=1000)
+    ap.add_argument("--merge", default=None, metavar="J1,J2,...",
+                    help="no pruning: one table and PNG from the JSON rows of earlier runs (their --out .json)")
     ap.add_argument("--allocations", default="flops,latency",
                     help="which allocations to prune (e.g. latency alone at the FLOPs rows' measured ratio)")
     ap.add_argument("--iterations", type=int, default=20, help="interleaved pairs per latency measurement")
@@ -172,7 +174,11 @@ def write(rows: list[dict], args, key: dict) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
-    rows = run(args)
+    if args.merge:  # the rows of earlier runs (each its own command), rendered together
+        rows = [r for f in args.merge.split(",") for r in json.loads(Path(f).read_text())]
+        rows.sort(key=lambda r: (-r["budget"], r["allocation"], r["seed"]))
+    else:
+        rows = run(args)
     write(rows, args, load_table(args.table).key)
     print(f"wrote {Path(args.out).with_suffix('.md')}")
 
