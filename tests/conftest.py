@@ -145,3 +145,27 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     order = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
+
+
+def ort_outputs(model, x):
+    """First output of an ONNX model (path or ``ModelProto``) on ``x`` with ONNX Runtime, 1 thread."""
+    import onnx
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+def export_fmnist_vit(directory: Path, name: str = "dense.onnx") -> Path:
+    """The dense fmnist-vit exported to ``directory / name`` with its base-model metadata."""
+    from edgeprune.zoo.registry import get_model_spec
+    from exporters.onnx import build_metadata, export_onnx
+
+    spec = get_model_spec("fmnist-vit")
+    model = spec.create()
+    md = build_metadata(spec=spec, model=model, model_name=spec.name)
+    md["base_model"] = spec.to_record()
+    return export_onnx(model, directory / name, spec.input_size, md)

@@ -14,27 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
 from edgeprune.errors import UserError
 from exporters import sensitivity as sens
-from exporters.onnx import build_metadata, export_onnx, read_metadata
+from exporters.onnx import read_metadata
 from exporters.qdq import find_gemms, quantize_weight
 from exporters.quantize import QuantizeConfig, quantize_onnx
 from exporters.smooth_explicit import explicit_sites, smooth_explicit
 from exporters.weight_rounding import get_weight_rounding, round_gptq, round_nearest
 
-from tests.conftest import needs_fmnist
+from tests.conftest import export_fmnist_vit, needs_fmnist, ort_outputs
 
 
-def _ort(model, x: np.ndarray) -> np.ndarray:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+_ort = ort_outputs
 
 
 def _out_err(x: np.ndarray, w: np.ndarray, q: np.ndarray, s: np.ndarray) -> float:
@@ -84,10 +78,7 @@ def work(tmp_path_factory):
 
     spec = get_model_spec("fmnist-vit")
     d = tmp_path_factory.mktemp("int8round")
-    model = spec.create()
-    md = build_metadata(spec=spec, model=model, model_name=spec.name)
-    md["base_model"] = spec.to_record()
-    fp32 = export_onnx(model, d / "dense.onnx", spec.input_size, md)
+    fp32 = export_fmnist_vit(d)
     calib = spec.calibration_source(32, seed=0).images.numpy()
     return {"dir": d, "fp32": fp32, "calib": calib}
 

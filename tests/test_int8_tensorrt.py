@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
@@ -25,21 +24,16 @@ from edgeprune.errors import UserError
 from exporters import sensitivity as sens
 from exporters.int8_search import choose_alpha, choose_clip
 from exporters.int8_tensorrt import choose_fallback
-from exporters.onnx import build_metadata, export_onnx, read_metadata
+from exporters.onnx import read_metadata
 from exporters.qdq import fake_quant_weight, find_gemms, insert_qdq, quantize_weight
 from exporters.quantize import QuantizeConfig, quantize_onnx
 
-from tests.conftest import needs_fmnist, run_cli
+from tests.conftest import export_fmnist_vit, needs_fmnist, ort_outputs, run_cli
 
 N_CALIB = 64
 
 
-def _ort(model, x: np.ndarray) -> np.ndarray:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+_ort = ort_outputs
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +42,7 @@ def work(tmp_path_factory):
 
     spec = get_model_spec("fmnist-vit")
     d = tmp_path_factory.mktemp("int8trt")
-    model = spec.create()
-    md = build_metadata(spec=spec, model=model, model_name=spec.name)
-    md["base_model"] = spec.to_record()
-    fp32 = export_onnx(model, d / "dense.onnx", spec.input_size, md)
+    fp32 = export_fmnist_vit(d)
     calib = spec.calibration_source(N_CALIB, seed=0).images.numpy()
     ev = spec.eval_source(n=200)
     q = quantize_onnx(fp32, d / "int8.onnx", QuantizeConfig(calib_size=N_CALIB, eval_size=200, threads=1,

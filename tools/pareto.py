@@ -123,7 +123,7 @@ def _predicted_ratio(dense, model, table_path: str) -> float:
     qt = {b.index: b.query_tokens for b in pruned_an.blocks if b.query_tokens is not None}
     cm = cost_model("latency", dense_an, query_tokens=qt or None, budget={"table": table_path})
     ms = total_cost(cm, pruned_an, [dense_dims(b) for b in pruned_an.blocks])
-    return ms / load_table(table_path).dense_ms()
+    return ms / cm.table.dense_ms()
 
 
 def _pct(x) -> str:

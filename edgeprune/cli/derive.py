@@ -22,7 +22,8 @@ import torch
 
 from edgeprune.allocation.latency_cost import load_table
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, make_spec, model_options,
+from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, latency_table_option, make_spec,
+                                   model_options,
                                    out_option, quiet_option)
 from edgeprune.data.labeled import class_names, load_labeled, load_labeled_eval
 from edgeprune.errors import UserError
@@ -45,8 +46,7 @@ from edgeprune.nuwa.skp import SKPConfig
               help="Latency budget: a fraction of the dense model's latency on the --latency-table (0.5) or "
                    "milliseconds per batch of the table's batch size (12ms); head dims and MLP widths on the "
                    "table's grid, every head kept.")
-@click.option("--latency-table", "latency_table", default=None, metavar="FILE",
-              help="The latency table of --latency (made by `edgeprune latency-table --model M --device PROFILE`).")
+@latency_table_option
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")

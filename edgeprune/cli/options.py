@@ -152,6 +152,13 @@ def quiet_option(f: Callable) -> Callable:
     return click.option("--quiet", is_flag=True, help="No progress bars or progress lines.")(f)
 
 
+def latency_table_option(f: Callable) -> Callable:
+    """``--latency-table FILE``: the table a ``--latency`` budget is priced on (prune, derive)."""
+    return click.option("--latency-table", "latency_table", default=None, metavar="FILE",
+                        help="The latency table of --latency (made by `edgeprune latency-table --model M "
+                             "--device PROFILE`).")(f)
+
+
 def out_option(default_help: str) -> Callable:
     """``-o/--out DIR``: a new run directory (never overwritten)."""
     return click.option("-o", "--out", type=click.Path(), default=None, metavar="DIR",

@@ -12,6 +12,7 @@ from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.options import (calibration_options, check_budget_options, check_readable_dir, device_option,
+                                   latency_table_option,
                                    eval_options, fmt_metric, make_spec, model_options, out_option, quiet_option)
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
@@ -65,8 +66,7 @@ def _target_help() -> str:
               help="Latency budget instead of --sparsity: a fraction of the dense model's latency on the "
                    "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms); kept heads, "
                    "head dims and MLP widths are allocated by measured error and the table's times.")
-@click.option("--latency-table", "latency_table", default=None, metavar="FILE",
-              help="The latency table of --latency (made by `edgeprune latency-table --model M --device PROFILE`).")
+@latency_table_option
 @click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
               help="With --latency: bench the pruned model against the dense one (interleaved) on the table's "
                    "backend when it is present here, and record predicted vs measured latency.")
