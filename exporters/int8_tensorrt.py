@@ -11,8 +11,9 @@ static symmetric int8; ``recipe="ort"`` is the earlier ONNX Runtime ``quantize_s
          scale folds exactly) the clipping ratio with the smallest GEMM output error
       -> sensitivity on ``sensitivity_images`` calibration images: each GEMM int8 alone with
          those ranges, relative logit error                                     [sensitivity]
-      -> fallback: GEMMs kept float, each carrying >= ``fallback_share`` of the summed isolated
-         error, most error per FLOP first, within ``max_float_flops`` of the GEMM FLOPs
+      -> fallback: GEMMs kept float, each carrying at least the mean isolated error (or
+         ``fallback_share`` of the summed isolated error), most error per FLOP first, within
+         ``max_float_flops`` of the GEMM FLOPs
       -> Q/DQ the TensorRT way on the remaining GEMMs                           [qdq]
 
 Every fold changes initializers only: before the Q/DQ nodes go in, the smoothed float model
@@ -100,11 +101,12 @@ def choose_ranges(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
     return ranges, clips
 
 
-def choose_fallback(rows: Sequence[Mapping[str, Any]], share: float, max_float_flops: float) -> list[str]:
+def choose_fallback(rows: Sequence[Mapping[str, Any]], share: float | None, max_float_flops: float) -> list[str]:
     """The GEMMs kept float, chosen like a knapsack by error per FLOP.
 
     A GEMM is a candidate when its isolated error (``rel_err``: the relative logit error with it
-    alone int8) is at least ``share`` of the summed isolated error of all GEMMs; candidates go
+    alone int8) is at least ``share`` of the summed isolated error of all GEMMs (``share=None``: at
+    least their mean, a share of ``1 / len(rows)``: more error than the average GEMM); candidates go
     float in order of error per FLOP (the cheapest accuracy first: a class-token block, the head
     and the patch embedding carry visible error at a few % of the FLOPs) while the float GEMMs'
     FLOPs stay within ``max_float_flops`` of the total (a candidate that does not fit is skipped,
@@ -112,7 +114,8 @@ def choose_fallback(rows: Sequence[Mapping[str, Any]], share: float, max_float_f
 
     Args:
         rows: one ``{"node", "rel_err", "flops"}`` per GEMM.
-        share: candidate threshold in (0, 1]; 1 keeps nothing float unless one GEMM carries all.
+        share: candidate threshold in (0, 1]; 1 keeps nothing float unless one GEMM carries all;
+            None: the mean (``1 / len(rows)``).
         max_float_flops: cap on the float share of the GEMM FLOPs, in [0, 1].
 
     Returns:
@@ -122,6 +125,7 @@ def choose_fallback(rows: Sequence[Mapping[str, Any]], share: float, max_float_f
     err_sum = sum(max(0.0, float(r["rel_err"])) for r in rows)
     if err_sum <= 0:
         return []
+    share = 1.0 / len(rows) if share is None else share
     cands = [r for r in rows if float(r["rel_err"]) >= share * err_sum]
     cands.sort(key=lambda r: -float(r["rel_err"]) / max(float(r["flops"]), 1.0))
     kept: list[str] = []
@@ -226,15 +230,20 @@ def measured_fallback(p: Prepared, calib: np.ndarray, cfg: QuantizeConfig, exclu
     ranged = dataclasses.replace(p.stats, amax=p.ranges)
     rows = _sensitivity(p.model, ranged, calib[:cfg.sensitivity_images], p.gemms, excluded, cfg, say, p.weights)
     fallback = choose_fallback([r for r in rows if r["node"] not in excluded], cfg.fallback_share,
-                               cfg.max_float_flops) if cfg.fallback_share < 1 else []
+                               cfg.max_float_flops) if not _no_fallback(cfg) else []
     return rows, fallback
+
+
+def _no_fallback(cfg: QuantizeConfig) -> bool:
+    """``fallback_share`` 1: the sensitivity pass is skipped and every GEMM stays int8."""
+    return cfg.fallback_share is not None and cfg.fallback_share >= 1
 
 
 def _sensitivity(model: Any, stats: ActStats, imgs: np.ndarray, gemms: Sequence[GemmNode], excluded: set[str],
                  cfg: QuantizeConfig, say: Callable[[str], None],
                  weights: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> list[dict[str, Any]]:
     todo = [g for g in gemms if g.name not in excluded]
-    if cfg.fallback_share >= 1 or not len(imgs):
+    if _no_fallback(cfg) or not len(imgs):
         return [{"node": g.name, "flops": g.flops_per_image(stats.shapes.get(g.x, (1, 1, g.k))),
                  "rel_err": float("nan")} for g in todo]
     say(f"int8 (TensorRT): sensitivity of {len(todo)} GEMMs on {len(imgs)} calibration images")

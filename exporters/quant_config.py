@@ -94,7 +94,8 @@ class QuantizeConfig:
             output error (``exporters.qdq.KIND_PATTERNS``; others MinMax).
         fallback_share: ``tensorrt`` recipe: a GEMM whose isolated error is at least this share of
             the summed isolated error may be kept float (most error per FLOP first,
-            ``exporters.int8_tensorrt.choose_fallback``; 1 = no fallback).
+            ``exporters.int8_tensorrt.choose_fallback``; 1 = no fallback); ``None`` (default): at
+            least the mean isolated error, i.e. a share of 1 / (number of GEMMs).
         max_float_flops: ``tensorrt`` recipe: at most this share of GEMM FLOPs kept float by the
             fallback.
     """
@@ -124,7 +125,7 @@ class QuantizeConfig:
     clip_kinds: tuple[str, ...] = ()
     explicit_smooth_kinds: tuple[str, ...] = ("fc2",)
     weight_rounding: str = "gptq"
-    fallback_share: float = 0.05
+    fallback_share: float | None = None
     max_float_flops: float = 0.10
 
     def resolved_recipe(self) -> str:
@@ -181,8 +182,9 @@ class QuantizeConfig:
         if self.recipe == "tensorrt" and bad:
             raise UserError(f"{', '.join(bad)} need --recipe ort (the tensorrt recipe is symmetric int8 with "
                             f"per-channel weights and chooses its own ranges)")
-        if not 0.0 <= self.max_float_flops <= 1.0 or not 0.0 < self.fallback_share <= 1.0:
-            raise UserError("max_float_flops must be in [0, 1] and fallback_share in (0, 1]")
+        share_ok = self.fallback_share is None or 0.0 < self.fallback_share <= 1.0
+        if not 0.0 <= self.max_float_flops <= 1.0 or not share_ok:
+            raise UserError("max_float_flops must be in [0, 1] and fallback_share in (0, 1] (or None: the mean)")
         if any(not p for p in self.exclude):
             raise UserError("--exclude patterns must not be empty")
         get_weight_rounding(self.weight_rounding)

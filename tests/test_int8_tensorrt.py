@@ -204,6 +204,9 @@ def test_fallback_takes_the_most_error_per_flop_within_the_flop_cap():
     assert choose_fallback(rows, 0.50, 0.50) == ["big"]                # only big carries >= 7
     assert choose_fallback(rows, 1.0, 1.0) == []
     assert choose_fallback(rows, 0.001, 0.02) == ["head", "tiny_err"]  # a skipped one does not stop the rest
+    # the default (None): candidates carry at least the mean error 14 / 5 = 2.8 -> big, mid (not head)
+    assert choose_fallback(rows, None, 0.10) == ["mid"]
+    assert choose_fallback(rows, None, 0.50) == ["mid", "big"]
 
 
 @needs_fmnist

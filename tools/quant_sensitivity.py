@@ -67,13 +67,53 @@ VARIANTS = {
     "smooth+fc2": ("config", {**_OFF, "explicit_smooth_kinds": ("fc2",)}),
     "smooth+fc2+gptq": ("config", {**_OFF, "explicit_smooth_kinds": ("fc2",), "weight_rounding": "gptq"}),
     "default": ("config", {}),
+    # issue 31, the fallback threshold: the earlier fixed 5 % share, and every GEMM a candidate (the cap decides)
+    "default-share5": ("config", {"fallback_share": 0.05}),
+    "default-cap-only": ("config", {"fallback_share": 1e-9}),
+    # two steps tried and not adopted (docs/quantization.md): alphas up to 0.95, bias correction
+    "default+alphas95": ("config", {}),
+    "default+bias-correction": ("config", {}),
 }
+#: the SmoothQuant alphas of the "+alphas95" variants
+ALPHAS_95 = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+def bias_correct(p, gemms) -> int:
+    """Empirical bias correction (Nagel et al. 2019, §4.2) of the int8 ``MatMul -> Add(bias)`` GEMMs
+    of a prepared model: ``b -= mean_rows(Q(x) W_q - x W)`` over the sampled calibration rows.
+    Returns the number of biases changed."""
+    from onnx import numpy_helper
+
+    from exporters.qdq import fake_quant_act
+
+    inits = {t.name: t for t in p.model.graph.initializer}
+    nodes = {n.name: n for n in p.model.graph.node}
+    consumers: dict[str, list] = {}
+    for n in p.model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    done = 0
+    for g in gemms:
+        if g.op_type != "MatMul" or g.name not in p.weights or g.x not in p.stats.rows:
+            continue
+        adds = [n for n in consumers.get(nodes[g.name].output[0], []) if n.op_type == "Add"]
+        b = next((i for i in adds[0].input if i in inits), None) if len(adds) == 1 else None
+        if b is None:
+            continue
+        rows = p.stats.rows[g.x]
+        q, sc = p.weights[g.name]
+        shift = (fake_quant_act(rows, p.ranges[g.x]) @ (q.astype(np.float32) * sc[None, :])
+                 - rows @ numpy_helper.to_array(inits[g.w]).astype(np.float32)).mean(0)
+        inits[b].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(inits[b]).astype(np.float32) - shift, b))
+        done += 1
+    return done
 
 
 def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_images: int) -> list[dict]:
     """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``,
     each built by the recipe's own steps (``prepare_int8``, ``measured_fallback``)."""
     from exporters import sensitivity as sens
+    from exporters import int8_search, int8_tensorrt
     from exporters.int8_tensorrt import measured_fallback, prepare_int8
     from exporters.qdq import insert_qdq
     from exporters.quant_config import QuantizeConfig
@@ -84,14 +124,25 @@ def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_i
         smooth, overrides = VARIANTS[name]
         cfg = QuantizeConfig(recipe="tensorrt", threads=threads, batch_size=batch_size,
                              sensitivity_images=sens_images, **overrides)
-        p = prepare_int8(sens.copy_model(base), calib, cfg, smooth=smooth)
+        alphas = ALPHAS_95 if "+alphas95" in name else int8_search.ALPHAS
+        saved = int8_tensorrt.ALPHAS, int8_search.choose_alpha.__defaults__
+        int8_tensorrt.ALPHAS, int8_search.choose_alpha.__defaults__ = alphas, (alphas,)
+        try:
+            p = prepare_int8(sens.copy_model(base), calib, cfg, smooth=smooth)
+        finally:
+            int8_tensorrt.ALPHAS, int8_search.choose_alpha.__defaults__ = saved
         _, fallback = measured_fallback(p, calib, cfg, set())
-        insert_qdq(p.model, [g for g in p.gemms if g.name not in fallback], p.ranges, p.weights)
+        int8 = [g for g in p.gemms if g.name not in fallback]
+        if "+bias-correction" in name:
+            bias_correct(p, int8)
+        insert_qdq(p.model, int8, p.ranges, p.weights)
         c = sens.cost(sens.run_variant(p.model, ev, None, batch_size=batch_size, threads=threads), ev)
-        rows.append({"variant": name, **c, "float_top1": None if y is None else float(np.mean(ev.float_out.argmax(1) == y)),
+        flops = {g.name: g.flops_per_image(p.stats.shapes.get(g.x, (1, 1, g.k))) for g in p.gemms}
+        share = 1.0 - sum(flops[n] for n in fallback) / sum(flops.values())
+        rows.append({"variant": name, **c, "int8_flops_share": share, "float_top1": None if y is None else float(np.mean(ev.float_out.argmax(1) == y)),
                      "alphas": [r["alpha"] for r in p.smoothing], "clips": p.clips, "fallback": fallback})
         print(f"| {name} | {c.get('top1', float('nan')) * 100:.2f} | {c.get('drop', float('nan')):+.2f} | {c['agreement'] * 100:.1f} | "
-              f"{c['rel_err']:.2e} | {', '.join(fallback) or '-'} |", flush=True)
+              f"{c['rel_err']:.2e} | {100 * share:.1f} | {', '.join(fallback) or '-'} |", flush=True)
     return rows
 
 
@@ -101,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--calib-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="calibration selection seed")
     p.add_argument("--eval-size", type=int, default=500, help="held-out test images")
+    p.add_argument("--eval-skip", type=int, default=0,
+                   help="skip the first N test images (design checks on images a table does not use)")
     p.add_argument("--smooth", default="none,search", help="comma list of none, an alpha, search")
     p.add_argument("--no-singles", action="store_true", help="groups only (kind, block, all)")
     p.add_argument("--groups", choices=("kinds", "all"), default="all",
@@ -123,15 +176,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     meta = read_metadata(args.onnx)
     calib, info = calibration_for(meta, args.calib_size, args.seed)
-    x, y = source_to_array(eval_for(meta, args.eval_size))
+    x, y = source_to_array(eval_for(meta, args.eval_skip + args.eval_size))
+    x, y = x[args.eval_skip:], None if y is None else y[args.eval_skip:]
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = None if y is None else np.asarray(y)
     base = onnx.load(str(args.onnx))
     out: dict = {"command": " ".join(["python tools/quant_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]),
                  "calibration": info, "eval_size": len(x), "settings": {}}
     if args.variants:
-        print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | kept float |")
-        print("|---|---:|---:|---:|---:|---|", flush=True)
+        print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | GEMM FLOPs int8 (%) | kept float |")
+        print("|---|---:|---:|---:|---:|---:|---|", flush=True)
         out["variants"] = run_variants(base, calib, x, y, args.variants.split(","), args.threads,
                                        args.batch_size, args.sensitivity_images)
     for smooth in ([] if args.variants else parse_smooth(args.smooth)):
