@@ -13,26 +13,25 @@ import edgeprune
 from edgeprune.allocation.select import output_error
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import load_run, save_run
+from edgeprune.cli.prune import _report_embed_auto
 from edgeprune.corp import CorpConfig
 from edgeprune.embed.auto import EMBED_CANDIDATES, candidate_sparsities
 from edgeprune.embed.fold import fold_layerscale, map_writers, stream_parts
 from edgeprune.errors import UserError
 from tests.conftest import assert_one_line_error, run_cli
 from tests.test_embed import _images, _vit
+from tests.test_latency_budget import make_table
 
-FAST = dict(allocation_sensitivity=False, allocation_check_images=16)
+FAST = dict(allocation_sensitivity=False, allocation_check_images=16, head_refit=False)  # head refit: slow CV
 
 
 def _nonlinear_low_rank(model: nn.Module, k: int, seed: int = 7) -> nn.Module:
     """``model`` with O(1) random Linear weights (so GELU and softmax are far from linear and the width
     pruning loses something) whose every writer writes into one fixed k-dim subspace of the stream
     (so a slice to D' >= k + 1 is exact)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.Linear):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=g) / math.sqrt(m.in_features))
+    _full_rank(model, seed)
     anatomy = find_anatomy(model)
+    g = torch.Generator().manual_seed(seed + 1)
     q, _ = torch.linalg.qr(torch.randn(anatomy.embed_dim, k, dtype=torch.float64, generator=g))
     fold_layerscale(anatomy)
     map_writers(anatomy, stream_parts(anatomy), q @ q.T)
@@ -43,27 +42,39 @@ def _chosen_row(auto: dict) -> dict:
     return next(c for c in auto["candidates"] if c["embed_sparsity"] == auto["chosen"])
 
 
-def test_auto_keeps_the_smallest_recorded_check_error(fmnist_model, fmnist_calib):
-    calib = fmnist_calib[0][:64]
-    res = edgeprune.prune(fmnist_model, calib, flops=0.5, embed_sparsity="auto", batch_size=32, **FAST)
+def _full_rank(model: nn.Module, seed: int = 7) -> nn.Module:
+    """``model`` with O(1) random Linear weights (its stream fills all D dims: no slice is free)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) / math.sqrt(m.in_features))
+    return model
+
+
+def test_auto_keeps_the_smallest_recorded_check_error():
+    model = _full_rank(_vit())  # D = 32
+    calib = _images(32)
+    res = edgeprune.prune(model, calib, flops=0.5, embed_sparsity="auto", embed_candidates=(0.25, 0.5),
+                          batch_size=32, **FAST)
     auto = res.record["embed_auto"]
     rows = auto["candidates"]
-    assert [c["embed_sparsity"] for c in rows] == list(EMBED_CANDIDATES) and auto["images"] == 16
-    assert [c["embed_dim"] for c in rows] == [128, 112, 96]
+    assert [c["embed_sparsity"] for c in rows] == [0.0, 0.25, 0.5] and auto["images"] == 16
+    assert [c["embed_dim"] for c in rows] == [32, 24, 16]
     assert len({c["check_error"] for c in rows}) == len(rows)  # distinct: the choice below means something
     assert _chosen_row(auto)["check_error"] == min(c["check_error"] for c in rows)
     assert res.record["config"]["embed_sparsity"] == auto["chosen"]
-    assert res.record.get("embed", {}).get("embed_dim", 128) == auto["embed_dim"] == res.model.embed_dim
+    assert res.record.get("embed", {}).get("embed_dim", 32) == auto["embed_dim"] == res.model.embed_dim
     for c in rows:
         assert c["budget_fraction"] <= 0.5 + 1e-9 and c["seconds"] > 0
     # the recorded error is the chosen model's own error on the first 16 calibration images
     with torch.no_grad():
-        again = output_error(res.model(calib[:16]), fmnist_model.eval()(calib[:16]))
+        again = output_error(res.model(calib[:16]), model(calib[:16]))
     assert again == pytest.approx(_chosen_row(auto)["check_error"], rel=1e-6)
     # the S = 0 candidate is the widths-alone prune
-    widths = edgeprune.prune(fmnist_model, calib, flops=0.5, batch_size=32, **FAST)
+    widths = edgeprune.prune(model, calib, flops=0.5, batch_size=32, **FAST)
     with torch.no_grad():
-        assert output_error(widths.model(calib[:16]), fmnist_model(calib[:16])) == rows[0]["check_error"]
+        assert output_error(widths.model(calib[:16]), model(calib[:16])) == rows[0]["check_error"]
 
 
 def test_auto_slices_a_stream_that_lives_in_a_subspace():
@@ -97,6 +108,8 @@ def test_auto_refusals_before_any_pass(tmp_path):
                         (dict(flops=0.5, embed_candidates=(0.5, 1.5)), "embed candidates")):
         with pytest.raises(UserError, match=pattern):
             edgeprune.prune(model, x, embed_sparsity="auto", **kw)
+    with pytest.raises(UserError, match="cannot price a sliced model"):
+        edgeprune.prune(model, x, latency=0.5, latency_table=make_table(tmp_path / "t.json"), embed_sparsity="auto")
     with pytest.raises(UserError, match="inplace"):
         edgeprune.prune(model, x, flops=0.5, embed_sparsity="auto", inplace=True)
     base = ["prune", "--model", "fmnist-vit", "--no-eval", "--calib-size", "8"]
@@ -109,7 +122,7 @@ def test_auto_refusals_before_any_pass(tmp_path):
         assert "calibration" not in r.stdout and not (tmp_path / "bad").exists()
 
 
-def test_saved_auto_runs_reload_with_their_logits(tmp_path):
+def test_saved_auto_runs_reload_with_their_logits(tmp_path, capsys):
     spec = edgeprune.get_model_spec("deit_tiny_patch16_224", random_init=True, img_size=32,
                                     model_kwargs={"depth": 2, "init_values": 0.5, "embed_dim": 32, "num_heads": 2})
     x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -127,3 +140,6 @@ def test_saved_auto_runs_reload_with_their_logits(tmp_path):
         assert loaded.embed_dim == res.model.embed_dim
         with torch.no_grad():
             assert torch.equal(loaded(x), res.model(x))
+    _report_embed_auto(runs["sliced"].record["embed_auto"])  # what `edgeprune prune` prints
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == ["embed auto: S 0", "embed auto: S 0.5", "embed auto: chose S 0.5"]

@@ -90,7 +90,7 @@ def _target_help() -> str:
                    "global_pool='token', else full].")
 @click.option("--embed-sparsity", default=None, metavar="S|auto",
               help="Also slice the residual stream (embedding dim D) to D' = (1-S) D, rotated into its principal "
-                   "subspace (docs/embed.md) [0]. auto (with --flops/--params/--latency): the budget chooses D' "
+                   "subspace (docs/embed.md) [0]. auto (with --flops/--params): the budget chooses D' "
                    "among S = 0, 0.125, 0.25 by the output error on the check images; costs one whole prune "
                    "(calibration pass included) per candidate.")
 @click.option("--embed-order", type=click.Choice(["first", "last"]), default=None,

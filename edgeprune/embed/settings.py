@@ -38,8 +38,9 @@ def _is_sparsity(s) -> bool:
 def check_embed_settings(cfg) -> None:
     """``cfg.embed_sparsity`` in [0, 1) or ``"auto"``, ``cfg.embed_order`` one of :data:`EMBED_ORDERS`,
     ``cfg.embed_refit`` a bool, ``cfg.embed_candidates`` None or a non-empty sequence of sparsities.
-    ``"auto"`` needs a budget, order ``first`` and ``allocation_check_images`` >= 1 (its candidates
-    are judged on those images).
+    ``"auto"`` needs a FLOPs or params budget (a latency table is measured at the dense D: it cannot
+    price a sliced model), order ``first`` and ``allocation_check_images`` >= 1 (its candidates are
+    judged on those images).
 
     Raises:
         UserError: naming the bad setting.
@@ -60,6 +61,9 @@ def check_embed_settings(cfg) -> None:
     if cfg.budget is None:
         raise UserError("--embed-sparsity auto needs a budget (--flops/--params/--latency) to choose D' for; "
                         "give a number without one")
+    if cfg.budget.get("kind") == "latency":
+        raise UserError("--embed-sparsity auto cannot price a sliced model with --latency (the latency table is "
+                        "measured at the dense embed dim); use --flops or --params")
     if cfg.embed_order != "first":
         raise UserError("--embed-sparsity auto slices first (the budget is spent on the sliced model); "
                         "drop --embed-order last")
