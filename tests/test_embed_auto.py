@@ -108,6 +108,8 @@ def test_auto_refusals_before_any_pass(tmp_path):
                         (dict(flops=0.5, embed_candidates=(0.5, 1.5)), "embed candidates")):
         with pytest.raises(UserError, match=pattern):
             edgeprune.prune(model, x, embed_sparsity="auto", **kw)
+    with pytest.raises(UserError, match="go with embed_sparsity='auto'"):
+        edgeprune.prune(model, x, flops=0.5, embed_sparsity=0.25, embed_candidates=(0.5,))
     with pytest.raises(UserError, match="cannot price a sliced model"):
         edgeprune.prune(model, x, latency=0.5, latency_table=make_table(tmp_path / "t.json"), embed_sparsity="auto")
     with pytest.raises(UserError, match="inplace"):

@@ -43,12 +43,17 @@ __all__ = ["EMBED_CANDIDATES", "candidate_sparsities", "choose_embed", "is_auto"
 EMBED_CANDIDATES = (0.0, 0.125, 0.25)
 
 
+def _fixed(config, sparsity: float):
+    """``config`` as the fixed-sparsity prune of one candidate (what ``--embed-sparsity S`` builds)."""
+    return dataclasses.replace(config, embed_sparsity=sparsity, embed_candidates=None)
+
+
 def _floor_check(model: nn.Module, config, sparsity: float, dim: int) -> None:
     """Raises UserError when the budget is below the cheapest allocation of the model sliced to ``dim``
     (its shapes only: :func:`apply_embed_structure` on a copy; no pass)."""
     probe = copy.deepcopy(model)
     apply_embed_structure(probe, {"embed_dim": dim})
-    cfg = embed_budget(dataclasses.replace(config, embed_sparsity=sparsity), find_anatomy(model))
+    cfg = embed_budget(_fixed(config, sparsity), find_anatomy(model))
     floor, _dense, target = cheapest(find_anatomy(probe), cfg)
     if floor > target:
         raise UserError(f"the budget is below the cheapest allocation of the model sliced to D' = {dim}")
@@ -153,7 +158,7 @@ def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, 
     best = None
     for s, dim in kept:
         t = time.perf_counter()
-        result = prune(model, calibration, dataclasses.replace(config, embed_sparsity=s), **kwargs)
+        result = prune(model, calibration, _fixed(config, s), **kwargs)
         with torch.no_grad():
             err = output_error(_as_tensor(result.model(x)), dense_out)
         rows.append({"embed_sparsity": s, "embed_dim": dim,

@@ -57,6 +57,8 @@ def check_embed_settings(cfg) -> None:
                           or not all(_is_sparsity(v) for v in c)):
         raise UserError(f"embed candidates must be a non-empty list of numbers in [0, 1), got {c!r}")
     if not is_auto(cfg):
+        if c is not None:
+            raise UserError("embed candidates go with embed_sparsity='auto' (they would be ignored)")
         return
     if cfg.budget is None:
         raise UserError("--embed-sparsity auto needs a budget (--flops/--params/--latency) to choose D' for; "
