@@ -27,6 +27,7 @@ from edgeprune.calibration.collect import calibration_device
 from edgeprune.corp.config import CorpConfig, bias_correction_used
 from edgeprune.pipeline import check_prunable, corp_prune
 from edgeprune.data.sources import TensorSource
+from edgeprune.embed.auto import choose_embed, is_auto
 from edgeprune.embed.step import embed_budget, embed_stage, slices_first
 from edgeprune.distributed import all_reduce_sum, distributed_info, is_distributed, shard_calibration
 from edgeprune.errors import UserError
@@ -66,7 +67,6 @@ _UNSET: Any = object()
 _LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
 #: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)
 _SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "v", "head_sparsity": "heads"}
-
 
 #: record ``settings`` key -> CorpConfig field (in the record's order); None values are "auto"
 _SETTINGS_FIELDS = {"mlp_criterion": "mlp_criterion", "qk_criterion": None, "ridge_alpha": "ridge_alpha",
@@ -230,11 +230,10 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
         progress: progress display (:mod:`edgeprune.progress`: bars on a terminal).
         inplace: prune ``model`` itself.
         batch_size: calibration batch size (tensor or source input).
-        device: torch device of the calibration pass: "cpu", "cuda", "cuda:N" or "auto" (cuda if
-            available, else cpu). The statistics are accumulated on it (float32 products summed
-            in float64); the closed-form solves run in float64 on the CPU and the model is
-            returned on the CPU (``edgeprune.calibration.collect``). Recorded in the run record.
-            ``sequential`` calibration runs on the CPU whatever the device (recorded as "cpu").
+        device: torch device of the calibration pass: "cpu", "cuda", "cuda:N" or "auto" (cuda if available, else
+            cpu). The statistics are accumulated on it (float32 products summed in float64); the closed-form
+            solves run in float64 on the CPU and the model is returned on the CPU (``edgeprune.calibration.collect``).
+            Recorded in the run record. ``sequential`` calibration runs on the CPU whatever the device (recorded "cpu").
         calibration_info: extra calibration description for the record (seed, size requested).
         target, sparsity, **settings: the keyword form of ``config`` (see above).
 
@@ -252,7 +251,9 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
             ``config`` and keyword settings given, an unknown device or CUDA not available.
     """
     config = _config_argument(config, target, sparsity, settings)
-
+    if is_auto(config):  # issue 33: embed_sparsity="auto", one whole prune per candidate D' (edgeprune.embed.auto)
+        return choose_embed(prune, model, calibration, config, calibration_batches(calibration, batch_size)[0], inplace=inplace,
+                            spec=spec, progress=progress, batch_size=batch_size, device=device, calibration_info=calibration_info)
     device = work_device(config, resolve_device(device))
     if not inplace:
         model = copy.deepcopy(model)

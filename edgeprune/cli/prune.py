@@ -16,6 +16,7 @@ from edgeprune.cli.options import (calibration_options, check_budget_options, ch
                                    eval_options, fmt_metric, make_spec, model_options, out_option, quiet_option)
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
+from edgeprune.embed.settings import parse_embed_sparsity
 from edgeprune.errors import UserError
 from edgeprune.evaluate import evaluate
 from edgeprune.latency.verify import record_latency_check
@@ -87,9 +88,11 @@ def _target_help() -> str:
                    "reads (exact; the other tokens' queries, attention rows, proj and MLP are dropped); "
                    "full: every token [auto: cls with --flops/--params for a timm classifier with "
                    "global_pool='token', else full].")
-@click.option("--embed-sparsity", type=float, default=None, metavar="S",
+@click.option("--embed-sparsity", default=None, metavar="S|auto",
               help="Also slice the residual stream (embedding dim D) to D' = (1-S) D, rotated into its principal "
-                   "subspace (docs/embed.md) [0].")
+                   "subspace (docs/embed.md) [0]. auto (with --flops/--params): the budget chooses D' "
+                   "among S = 0, 0.125, 0.25 by the output error on the check images; costs one whole prune "
+                   "(calibration pass included) per candidate.")
 @click.option("--embed-order", type=click.Choice(["first", "last"]), default=None,
               help="Slice the stream before (first) or after (last) the width pruning [first].")
 @click.option("--embed-refit", is_flag=True, default=None, help="Ridge re-fit of the writers to the dense stream.")
@@ -116,6 +119,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     check_budget_options(click.get_current_context())
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    embed_sparsity = parse_embed_sparsity(embed_sparsity)  # a number or "auto"
     overrides = {k: v for k, v in (("v_sparsity", v_sparsity), ("head_sparsity", head_sparsity),
                                    ("layout", layout), ("ridge_alpha", ridge_alpha),
                                    ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
@@ -207,6 +211,7 @@ def _report(rec: dict, spec, dense_m, pruned_m, prune_s: float) -> None:
     if used:  # the MLP statistics are an estimate from a token sample (docs/prune_cost.md)
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
     _report_correction(rec.get("bias_correction"))
+    _report_embed_auto(rec.get("embed_auto"))
     if rec.get("embed"):  # issue 33
         e = rec["embed"]
         click.echo(f"residual stream sliced {e['dense_embed_dim']} -> {e['embed_dim']} ({e['rotation']} rotation, "
@@ -216,6 +221,19 @@ def _report(rec: dict, spec, dense_m, pruned_m, prune_s: float) -> None:
                    f"exact, --last-block full: every token)")
     if rec.get("allocation"):
         click.echo("\n".join(allocation_lines(rec["allocation"])))
+
+
+def _report_embed_auto(auto: dict | None) -> None:
+    """One line per candidate of ``--embed-sparsity auto`` and the choice (issue 33)."""
+    if not auto:
+        return
+    for c in auto["candidates"]:
+        frac = "" if c["budget_fraction"] is None else f", budget x{c['budget_fraction']:.3f}"
+        click.echo(f"embed auto: S {c['embed_sparsity']:g} (D' {c['embed_dim']}{frac}): check error "
+                   f"{c['check_error']:.4g} on {auto['images']} images ({c['seconds']:.1f} s)")
+    for c in auto["skipped"]:
+        click.echo(f"embed auto: S {c['embed_sparsity']:g} skipped: {c['reason']}")
+    click.echo(f"embed auto: chose S {auto['chosen']:g} (D' {auto['embed_dim']}, the smallest check error)")
 
 
 def _report_correction(bc: dict | None) -> None:

@@ -99,6 +99,9 @@ class CorpConfig:
         embed_sparsity, embed_order, embed_refit: the residual-width slice (``edgeprune.embed``,
             docs/embed.md): fraction of the embedding dim D removed, [0, 1); "first" (slice, then
             prune widths on the sliced model) or "last"; ridge re-fit of the writers.
+            ``embed_sparsity="auto"`` (with a budget, order "first"): one whole prune per candidate
+            sparsity of ``embed_candidates`` (None = ``edgeprune.embed.auto.EMBED_CANDIDATES``; 0 is
+            always one), the one with the lowest output error on the check images kept.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams (a solver registered
@@ -137,9 +140,10 @@ class CorpConfig:
     bias_correction_images: int | None = None
     head_refit: bool | None = None
     last_block: str = "auto"
-    embed_sparsity: float = 0.0  # issue 33: residual-width slice (edgeprune.embed)
+    embed_sparsity: float | str = 0.0  # issue 33: residual-width slice (edgeprune.embed); "auto"
     embed_order: str = "first"
     embed_refit: bool = False
+    embed_candidates: tuple | None = None  # with embed_sparsity="auto" (edgeprune.embed.auto)
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,

@@ -6,19 +6,68 @@ from edgeprune.errors import UserError
 
 #: when the residual stream is sliced relative to the width pruning
 EMBED_ORDERS = ("first", "last")
+#: ``embed_sparsity`` value that lets the budget choose D' (``edgeprune.embed.auto``)
+AUTO = "auto"
+
+
+def is_auto(cfg) -> bool:
+    """Whether ``cfg.embed_sparsity`` asks the budget to choose D' (``"auto"``)."""
+    return isinstance(cfg.embed_sparsity, str) and cfg.embed_sparsity == AUTO
+
+
+def parse_embed_sparsity(text):
+    """``--embed-sparsity`` text: ``"auto"`` or a number (range checked with the config); None stays None.
+
+    Raises:
+        UserError: anything else.
+    """
+    if text is None or not isinstance(text, str):
+        return text
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(f"--embed-sparsity must be a number in [0, 1) or 'auto', got {text!r}") from None
+
+
+def _is_sparsity(s) -> bool:
+    return not isinstance(s, bool) and isinstance(s, (int, float)) and 0.0 <= float(s) < 1.0
 
 
 def check_embed_settings(cfg) -> None:
-    """``cfg.embed_sparsity`` in [0, 1), ``cfg.embed_order`` one of :data:`EMBED_ORDERS`,
-    ``cfg.embed_refit`` a bool.
+    """``cfg.embed_sparsity`` in [0, 1) or ``"auto"``, ``cfg.embed_order`` one of :data:`EMBED_ORDERS`,
+    ``cfg.embed_refit`` a bool, ``cfg.embed_candidates`` None or a non-empty sequence of sparsities.
+    ``"auto"`` needs a FLOPs or params budget (a latency table is measured at the dense D: it cannot
+    price a sliced model), order ``first`` and ``allocation_check_images`` >= 1 (its candidates are
+    judged on those images).
 
     Raises:
         UserError: naming the bad setting.
     """
     s = cfg.embed_sparsity
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= float(s) < 1.0:
-        raise UserError(f"--embed-sparsity must be a number in [0, 1), got {s!r}")
+    if not (is_auto(cfg) or _is_sparsity(s)):
+        raise UserError(f"--embed-sparsity must be a number in [0, 1) or 'auto', got {s!r}")
     if cfg.embed_order not in EMBED_ORDERS:
         raise UserError(f"unknown embed order {cfg.embed_order!r} (choose from {', '.join(EMBED_ORDERS)})")
     if not isinstance(cfg.embed_refit, bool):
         raise UserError(f"embed refit must be True or False, got {cfg.embed_refit!r}")
+    c = getattr(cfg, "embed_candidates", None)
+    if c is not None and (isinstance(c, (str, bytes)) or not hasattr(c, "__len__") or not len(c)
+                          or not all(_is_sparsity(v) for v in c)):
+        raise UserError(f"embed candidates must be a non-empty list of numbers in [0, 1), got {c!r}")
+    if not is_auto(cfg):
+        if c is not None:
+            raise UserError("embed candidates go with embed_sparsity='auto' (they would be ignored)")
+        return
+    if cfg.budget is None:
+        raise UserError("--embed-sparsity auto needs a budget (--flops/--params/--latency) to choose D' for; "
+                        "give a number without one")
+    if cfg.budget.get("kind") == "latency":
+        raise UserError("--embed-sparsity auto cannot price a sliced model with --latency (the latency table is "
+                        "measured at the dense embed dim); use --flops or --params")
+    if cfg.embed_order != "first":
+        raise UserError("--embed-sparsity auto slices first (the budget is spent on the sliced model); "
+                        "drop --embed-order last")
+    if cfg.allocation_check_images < 1:
+        raise UserError("--embed-sparsity auto judges its candidates on the check images; give --check-images >= 1")

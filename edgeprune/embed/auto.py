@@ -1,0 +1,178 @@
+"""Let the budget choose D' (issue 33): ``CorpConfig.embed_sparsity = "auto"``.
+
+With a budget (``--flops`` / ``--params`` / ``--latency``) and ``embed_order="first"`` the slice and the
+width pruning share the budget: a smaller D' leaves less to take from the widths. Which split is best
+depends on the model (docs/embed.md: on fmnist-vit a quarter of the stream is nearly free, on DINOv2 it
+costs 4.6-7 points alone), so it is measured: for every candidate embed sparsity of
+``CorpConfig.embed_candidates`` (default :data:`EMBED_CANDIDATES`; 0 is always one) mapped to its D' on
+the ``round_to`` grid (:func:`~edgeprune.embed.slice.embed_kept_dim`; candidates with the D' of an
+earlier one dropped), the whole prune -- slice, budgeted widths, output correction -- runs on a copy of
+the model, and the relative squared error of its final output against the dense model's on the first
+``CorpConfig.allocation_check_images`` calibration images (the images and the measure of
+``edgeprune.allocation.select``; the dense outputs computed once) decides. The candidate with the
+smallest error is the result, so auto is never worse than widths alone (S = 0) on that measured error.
+
+Cost: K candidates = K whole prunes, each with its own calibration pass (a sliced model needs its own
+statistics), plus one dense forward pass over the check images.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from edgeprune.allocation.greedy import cheapest
+from edgeprune.allocation.select import _as_tensor, check_images, output_error
+from edgeprune.anatomy import find_anatomy
+from edgeprune.distributed import is_distributed
+from edgeprune.embed.fold import stream_parts
+from edgeprune.embed.settings import is_auto
+from edgeprune.embed.slice import apply_embed_structure, embed_kept_dim
+from edgeprune.embed.step import embed_budget
+from edgeprune.errors import UserError
+from edgeprune.pipeline import check_prunable
+
+__all__ = ["EMBED_CANDIDATES", "candidate_sparsities", "choose_embed", "is_auto"]
+
+#: embed sparsities tried by ``embed_sparsity="auto"`` (``CorpConfig.embed_candidates`` overrides them)
+EMBED_CANDIDATES = (0.0, 0.125, 0.25)
+
+
+def _fixed(config, sparsity: float):
+    """``config`` as the fixed-sparsity prune of one candidate (what ``--embed-sparsity S`` builds)."""
+    return dataclasses.replace(config, embed_sparsity=sparsity, embed_candidates=None)
+
+
+def _floor_check(model: nn.Module, config, sparsity: float, dim: int) -> None:
+    """Raises UserError when the budget is below the cheapest allocation of the model sliced to ``dim``
+    (its shapes only: :func:`apply_embed_structure` on a copy; no pass)."""
+    probe = copy.deepcopy(model)
+    apply_embed_structure(probe, {"embed_dim": dim})
+    cfg = embed_budget(_fixed(config, sparsity), find_anatomy(model))
+    floor, _dense, target = cheapest(find_anatomy(probe), cfg)
+    if floor > target:
+        raise UserError(f"the budget is below the cheapest allocation of the model sliced to D' = {dim}")
+
+
+def candidate_sparsities(model: nn.Module, config) -> tuple[list[tuple[float, int]], list[dict]]:
+    """The candidates of ``embed_sparsity="auto"`` for ``model`` under ``config`` (before any pass).
+
+    Returns:
+        (kept: ``[(embed sparsity, D')]``, 0 first then ascending, one per D'; skipped: ``[{embed_sparsity,
+        embed_dim, reason}]`` -- the same D' as a smaller sparsity, a slice the model or the rounding
+        refuses, or a budget below the sliced model's cheapest allocation).
+    """
+    anatomy = find_anatomy(model)
+    asked = config.embed_candidates if config.embed_candidates is not None else EMBED_CANDIDATES
+    kept: list[tuple[float, int]] = []
+    skipped: list[dict] = []
+    for s in [0.0] + sorted({float(v) for v in asked if float(v) > 0}):
+        dim = None
+        try:
+            dim = embed_kept_dim(anatomy.embed_dim, s, config.round_to)
+            same = next((k for k, d in kept if d == dim), None)
+            if same is not None:
+                skipped.append({"embed_sparsity": s, "embed_dim": dim, "reason": f"same D' as {same:g}"})
+                continue
+            if s > 0:
+                stream_parts(anatomy)
+                _floor_check(model, config, s, dim)
+        except UserError as err:
+            skipped.append({"embed_sparsity": s, "embed_dim": dim, "reason": str(err)})
+            continue
+        kept.append((s, dim))
+    return kept, skipped
+
+
+def _achieved(rec: dict, kind: str) -> float | None:
+    """The pruned model's cost as a fraction of the unsliced dense model's (FLOPs or params), or the
+    allocation's achieved fraction of its own target for other kinds (None without an allocation)."""
+    if kind in ("flops", "params"):
+        return rec[kind] / rec[f"dense_{kind}"]
+    alloc = rec.get("allocation") or {}
+    if alloc.get("achieved_cost") is None or not alloc.get("dense_cost"):
+        return None
+    return alloc["achieved_cost"] / alloc["dense_cost"]
+
+
+@torch.no_grad()
+def _dense_reference(model: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], n: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the first ``n`` calibration images (n', C, H, W) on the CPU, the dense model's output on them)."""
+    x = check_images(batches, n)
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        out = _as_tensor(model(x.to(device))) if x is not None else None
+    finally:
+        model.train(was_training)
+    if out is None:
+        raise UserError("--embed-sparsity auto needs calibration images and a model whose output is a tensor")
+    return x, out.detach().cpu()
+
+
+def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, config,
+                 batches: Callable[[], Iterable[torch.Tensor]], *, inplace: bool = False, **kwargs: Any) -> Any:
+    """``edgeprune.prune`` with ``embed_sparsity="auto"``: one whole prune per candidate (module doc),
+    the one with the smallest check error returned.
+
+    Args:
+        prune: ``edgeprune.api.prune`` (called as ``prune(model, calibration, candidate_config, **kwargs)``;
+            passed in to avoid an import loop).
+        model: the dense model (not modified).
+        calibration: as for ``prune``.
+        config: a valid :class:`~edgeprune.corp.CorpConfig` with ``embed_sparsity="auto"``.
+        batches: callable returning fresh (B, C, H, W) calibration batches (the check images are its first
+            ``config.allocation_check_images``).
+        inplace: refused (every candidate prunes a copy).
+        **kwargs: the other keywords of ``prune`` (spec, progress, batch_size, device, calibration_info).
+
+    Returns:
+        the chosen candidate's ``PruneResult``; its record has ``embed_auto``: ``candidates`` (per
+        candidate ``embed_sparsity``, ``embed_dim``, ``budget_fraction`` achieved, ``check_error``,
+        ``seconds``), ``skipped``, ``chosen``, ``embed_dim``, ``images``, ``seconds``, ``rule``; its
+        ``config`` holds the chosen sparsity (rerunning it gives the same model).
+
+    Raises:
+        UserError: ``inplace``, torch.distributed, no candidate left, or as ``prune`` (before any pass:
+            the model, rounding and budget checks of a fixed sparsity).
+    """
+    if not is_auto(config):
+        raise UserError(f"choose_embed needs embed_sparsity='auto', got {config.embed_sparsity!r}")
+    if inplace:
+        raise UserError("--embed-sparsity auto prunes one copy per candidate; inplace=True is not supported")
+    if is_distributed():
+        raise UserError("--embed-sparsity runs in one process for now (its statistics are not all-reduced); "
+                        "run without torchrun")
+    check_prunable(find_anatomy(model), config)  # the budget against the dense model, as a fixed sparsity
+    kept, skipped = candidate_sparsities(model, config)
+    t0 = time.perf_counter()
+    x, dense_out = _dense_reference(model, batches, config.allocation_check_images)
+    rows: list[dict] = []
+    best = None
+    for s, dim in kept:
+        t = time.perf_counter()
+        result = prune(model, calibration, _fixed(config, s), **kwargs)
+        with torch.no_grad():
+            err = output_error(_as_tensor(result.model(x)), dense_out)
+        rows.append({"embed_sparsity": s, "embed_dim": dim,
+                     "budget_fraction": _achieved(result.record, config.budget["kind"]),
+                     "check_error": err, "seconds": time.perf_counter() - t})
+        if best is None or err < best[0]:  # ties: the smaller sparsity (candidates ascend)
+            best = (err, s, dim, result)
+    if best is None:
+        raise UserError("--embed-sparsity auto: no candidate left (" + "; ".join(
+            f"{r['embed_sparsity']:g}: {r['reason']}" for r in skipped) + ")")
+    _err, s, dim, result = best
+    result.record["embed_auto"] = {
+        "asked": "auto", "chosen": s, "embed_dim": dim, "images": int(x.shape[0]), "candidates": rows,
+        "skipped": skipped, "seconds": time.perf_counter() - t0,
+        "rule": "lowest relative squared error of the final output vs the dense model on the check images "
+                "(edgeprune.embed.auto, measure of edgeprune.allocation.select)"}
+    return result
