@@ -110,8 +110,9 @@ def test_auto_refusals_before_any_pass(tmp_path):
             edgeprune.prune(model, x, embed_sparsity="auto", **kw)
     with pytest.raises(UserError, match="go with embed_sparsity='auto'"):
         edgeprune.prune(model, x, flops=0.5, embed_sparsity=0.25, embed_candidates=(0.5,))
-    with pytest.raises(UserError, match="cannot price a sliced model"):
-        edgeprune.prune(model, x, latency=0.5, latency_table=make_table(tmp_path / "t.json"), embed_sparsity="auto")
+    for s in ("auto", 0.25):  # a fixed slice cannot be priced by the dense table either
+        with pytest.raises(UserError, match="cannot be priced with --latency"):
+            edgeprune.prune(model, x, latency=0.5, latency_table=make_table(tmp_path / "t.json"), embed_sparsity=s)
     with pytest.raises(UserError, match="inplace"):
         edgeprune.prune(model, x, flops=0.5, embed_sparsity="auto", inplace=True)
     base = ["prune", "--model", "fmnist-vit", "--no-eval", "--calib-size", "8"]

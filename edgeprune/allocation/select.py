@@ -69,7 +69,9 @@ def output_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - r).pow(2).sum() / r.pow(2).sum().clamp_min(1e-300))
 
 
-def _as_tensor(y) -> torch.Tensor | None:
+def output_tensor(y) -> torch.Tensor | None:
+    """A model's output as one (B, F) tensor: itself, the concatenation of a tuple/list of tensors
+    (flattened per image), or None for anything else."""
     if isinstance(y, torch.Tensor):
         return y
     if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
@@ -96,7 +98,7 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
     if x is not None and dense_out is not None and getattr(cfg, "allocation_sensitivity", False):
         t0 = time.perf_counter()
         ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
-        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, _as_tensor)
+        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
         curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, cache=cache)
         dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
         if all(dims != d for d, _ in out.values()):
@@ -129,7 +131,7 @@ def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torc
         qk_solve = qk_solver_from_grams(stats.qk, plans, cfg)
     apply_corp(an, plans, cfg, stats.mlp, qk_solve, stats.vo)
     if cache is None:
-        return output_error(_as_tensor(trial(x)), dense_out)
+        return output_error(output_tensor(trial(x)), dense_out)
     first = min((p.index for p in plans if any(getattr(p, f) is not None for f in _PLAN_FIELD.values())),
                 default=0)
     return output_error(cache.forward_from(trial, [a.block for a in an.blocks], first), dense_out)
@@ -229,7 +231,7 @@ def measured_curves(anatomy, stats, cfg, ref_dims: list[dict], x: torch.Tensor,
     """
     curves = build_curves(anatomy, stats, cfg)
     if cache is None:
-        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, _as_tensor)
+        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
     pos = [_position(c, ref_dims, step_down=True) for c in curves]
     if known is not None and [u["kept"] for u in known] == [None if p is None else c.ks[p] for c, p in zip(curves, pos)]:
         first = [u["measured_output_error"] for u in known]
@@ -282,7 +284,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     t0 = time.perf_counter()
     x = check_images(batches, n)
     model = anatomy.model
-    dense_out = _as_tensor(model(x)) if x is not None else None
+    dense_out = output_tensor(model(x)) if x is not None else None
     if dense_out is None:
         return allocate(anatomy, stats, cfg)
     sensitivity: dict = {}

@@ -51,7 +51,7 @@ class BlockInputs:
         model: the dense model (eval mode; not modified).
         blocks: its transformer blocks in order (``[a.block for a in anatomy.blocks]``).
         x: (n, C, H, W) images.
-        as_tensor: maps the model's output to one tensor (e.g. ``select._as_tensor``).
+        as_tensor: maps the model's output to one tensor (e.g. ``select.output_tensor``).
 
     Attributes:
         out: the dense output on ``x`` (``as_tensor(model(x))``).

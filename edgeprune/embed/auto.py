@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.allocation.greedy import cheapest
-from edgeprune.allocation.select import _as_tensor, check_images, output_error
+from edgeprune.allocation.select import output_tensor, check_images, output_error
 from edgeprune.anatomy import find_anatomy
 from edgeprune.distributed import is_distributed
 from edgeprune.embed.fold import stream_parts
@@ -109,7 +109,7 @@ def _dense_reference(model: nn.Module, batches: Callable[[], Iterable[torch.Tens
     model.eval()
     try:
         device = next(model.parameters()).device
-        out = _as_tensor(model(x.to(device))) if x is not None else None
+        out = output_tensor(model(x.to(device))) if x is not None else None
     finally:
         model.train(was_training)
     if out is None:
@@ -160,7 +160,7 @@ def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, 
         t = time.perf_counter()
         result = prune(model, calibration, _fixed(config, s), **kwargs)
         with torch.no_grad():
-            err = output_error(_as_tensor(result.model(x)), dense_out)
+            err = output_error(output_tensor(result.model(x)), dense_out)
         rows.append({"embed_sparsity": s, "embed_dim": dim,
                      "budget_fraction": _achieved(result.record, config.budget["kind"]),
                      "check_error": err, "seconds": time.perf_counter() - t})

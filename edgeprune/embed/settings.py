@@ -38,8 +38,8 @@ def _is_sparsity(s) -> bool:
 def check_embed_settings(cfg) -> None:
     """``cfg.embed_sparsity`` in [0, 1) or ``"auto"``, ``cfg.embed_order`` one of :data:`EMBED_ORDERS`,
     ``cfg.embed_refit`` a bool, ``cfg.embed_candidates`` None or a non-empty sequence of sparsities.
-    ``"auto"`` needs a FLOPs or params budget (a latency table is measured at the dense D: it cannot
-    price a sliced model), order ``first`` and ``allocation_check_images`` >= 1 (its candidates are
+    A sliced model (a number > 0 or ``"auto"``) cannot take a latency budget (the table is measured
+    at the dense D: it cannot price a sliced model). ``"auto"`` needs a FLOPs or params budget, order ``first`` and ``allocation_check_images`` >= 1 (its candidates are
     judged on those images).
 
     Raises:
@@ -56,16 +56,16 @@ def check_embed_settings(cfg) -> None:
     if c is not None and (isinstance(c, (str, bytes)) or not hasattr(c, "__len__") or not len(c)
                           or not all(_is_sparsity(v) for v in c)):
         raise UserError(f"embed candidates must be a non-empty list of numbers in [0, 1), got {c!r}")
+    if (is_auto(cfg) or s) and cfg.budget is not None and cfg.budget.get("kind") == "latency":
+        raise UserError(f"--embed-sparsity {s} cannot be priced with --latency (the latency table is measured at "
+                        "the dense embed dim); use --flops or --params")
     if not is_auto(cfg):
         if c is not None:
             raise UserError("embed candidates go with embed_sparsity='auto' (they would be ignored)")
         return
     if cfg.budget is None:
-        raise UserError("--embed-sparsity auto needs a budget (--flops/--params/--latency) to choose D' for; "
+        raise UserError("--embed-sparsity auto needs a budget (--flops/--params) to choose D' for; "
                         "give a number without one")
-    if cfg.budget.get("kind") == "latency":
-        raise UserError("--embed-sparsity auto cannot price a sliced model with --latency (the latency table is "
-                        "measured at the dense embed dim); use --flops or --params")
     if cfg.embed_order != "first":
         raise UserError("--embed-sparsity auto slices first (the budget is spent on the sliced model); "
                         "drop --embed-order last")
