@@ -1,9 +1,9 @@
 """Let the budget choose D' (issue 33): ``CorpConfig.embed_sparsity = "auto"``.
 
-With a budget (``--flops`` / ``--params`` / ``--latency``) and ``embed_order="first"`` the slice and the
-width pruning share the budget: a smaller D' leaves less to take from the widths. Which split is best
-depends on the model (docs/embed.md: on fmnist-vit a quarter of the stream is nearly free, on DINOv2 it
-costs 4.6-7 points alone), so it is measured: for every candidate embed sparsity of
+With a budget (``--flops`` / ``--params``; a latency table cannot price a sliced model) and
+``embed_order="first"`` the slice and the width pruning share the budget: a smaller D' leaves less
+to take from the widths. Which split is best depends on the model (docs/embed.md: on fmnist-vit a
+quarter of the stream is nearly free, on DINOv2 it costs 4.6-7 points alone), so it is measured: for every candidate embed sparsity of
 ``CorpConfig.embed_candidates`` (default :data:`EMBED_CANDIDATES`; 0 is always one) mapped to its D' on
 the ``round_to`` grid (:func:`~edgeprune.embed.slice.embed_kept_dim`; candidates with the D' of an
 earlier one dropped), the whole prune -- slice, budgeted widths, output correction -- runs on a copy of
