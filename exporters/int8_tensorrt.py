@@ -160,13 +160,15 @@ class Prepared:
 
 
 def prepare_int8(model: Any, calib: np.ndarray, cfg: QuantizeConfig,
-                 say: Callable[[str], None] = lambda _m: None, smooth: float | str | None = "config") -> Prepared:
+                 say: Callable[[str], None] = lambda _m: None, smooth: float | str | None = "config",
+                 alphas: Sequence[float | None] = ALPHAS) -> Prepared:
     """Statistics, smoothing (LayerNorm folds, then explicit scales before ``cfg.explicit_smooth_kinds``),
     activation ranges and rounded weights of ``model`` (edited in place) -- every step of the recipe
     before the sensitivity fallback, shared by :func:`quantize_tensorrt` and
     ``tools/quant_sensitivity.py``. ``smooth``: ``"config"`` (alpha searched, or
     ``cfg.smooth_alpha``), or :func:`exporters.sensitivity.apply_smoothing`'s argument (None: no
-    smoothing at all, for comparisons).
+    smoothing at all, for comparisons). ``alphas``: the SmoothQuant strengths searched (default
+    :data:`exporters.int8_search.ALPHAS`; a tool compares others).
 
     Raises:
         UserError: no GEMM in ``model``; an unknown ``cfg.weight_rounding``.
@@ -178,10 +180,10 @@ def prepare_int8(model: Any, calib: np.ndarray, cfg: QuantizeConfig,
     stats = sens.calibrate(model, calib, gemms, threads=cfg.threads, gram=cfg.weight_rounding != "nearest")
     if smooth == "config":
         smooth = "search" if cfg.smooth_alpha is None else cfg.smooth_alpha
-    smoothing = sens.apply_smoothing(model, stats, smooth)
+    smoothing = sens.apply_smoothing(model, stats, smooth, alphas)
     if cfg.explicit_smooth_kinds and smooth is not None:
-        alphas = ALPHAS if cfg.smooth_alpha is None else (float(cfg.smooth_alpha),)
-        smoothing += smooth_explicit(model, stats, gemms, cfg.explicit_smooth_kinds, alphas)
+        explicit = alphas if cfg.smooth_alpha is None else (float(cfg.smooth_alpha),)
+        smoothing += smooth_explicit(model, stats, gemms, cfg.explicit_smooth_kinds, explicit)
         gemms = find_gemms(model)
     say("int8 (TensorRT): smoothing " + ", ".join(
         f"{s.get('norm') or s.get('gemm')}: {s['alpha']}" for s in smoothing))

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from exporters.act_stats import ActStats, collect_stats, session_from_proto
-from exporters.int8_search import choose_alpha
+from exporters.int8_search import ALPHAS, choose_alpha
 from exporters.qdq import GemmNode, find_gemms, insert_qdq
 from exporters.smooth import find_sites, fold_site, site_weight_absmax, smoothing_scales
 
@@ -54,12 +54,14 @@ def copy_model(model: Any) -> Any:
     return m
 
 
-def apply_smoothing(model: Any, stats: ActStats, smooth: float | str | None) -> list[dict[str, Any]]:
+def apply_smoothing(model: Any, stats: ActStats, smooth: float | str | None,
+                    alphas: Sequence[float | None] = ALPHAS) -> list[dict[str, Any]]:
     """Fold SmoothQuant factors into ``model`` (in place) and rescale ``stats`` to match.
 
     Args:
         smooth: None (nothing), an alpha in [0, 1] for every site, or ``"search"`` (per site, by
             output error on ``stats.rows``).
+        alphas: the candidates of ``"search"`` (:data:`exporters.int8_search.ALPHAS`).
 
     Returns:
         one ``{"norm", "alpha", "errors"}`` per site (``errors`` only for ``"search"``).
@@ -74,7 +76,7 @@ def apply_smoothing(model: Any, stats: ActStats, smooth: float | str | None) -> 
         x_amax = stats.chan_amax[site.output]
         if smooth == "search":
             ws = [numpy_helper.to_array(inits[w]).astype(np.float32) for w in site.weights]
-            alpha, s, errors = choose_alpha(stats.rows[site.output], x_amax, ws)
+            alpha, s, errors = choose_alpha(stats.rows[site.output], x_amax, ws, alphas)
         else:
             alpha, errors = float(smooth), {}
             s = smoothing_scales(x_amax, site_weight_absmax(inits, site), alpha)

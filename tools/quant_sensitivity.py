@@ -113,7 +113,7 @@ def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_i
     """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``,
     each built by the recipe's own steps (``prepare_int8``, ``measured_fallback``)."""
     from exporters import sensitivity as sens
-    from exporters import int8_search, int8_tensorrt
+    from exporters.int8_search import ALPHAS
     from exporters.int8_tensorrt import measured_fallback, prepare_int8
     from exporters.qdq import insert_qdq
     from exporters.quant_config import QuantizeConfig
@@ -124,13 +124,8 @@ def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_i
         smooth, overrides = VARIANTS[name]
         cfg = QuantizeConfig(recipe="tensorrt", threads=threads, batch_size=batch_size,
                              sensitivity_images=sens_images, **overrides)
-        alphas = ALPHAS_95 if "+alphas95" in name else int8_search.ALPHAS
-        saved = int8_tensorrt.ALPHAS, int8_search.choose_alpha.__defaults__
-        int8_tensorrt.ALPHAS, int8_search.choose_alpha.__defaults__ = alphas, (alphas,)
-        try:
-            p = prepare_int8(sens.copy_model(base), calib, cfg, smooth=smooth)
-        finally:
-            int8_tensorrt.ALPHAS, int8_search.choose_alpha.__defaults__ = saved
+        alphas = ALPHAS_95 if "+alphas95" in name else ALPHAS
+        p = prepare_int8(sens.copy_model(base), calib, cfg, smooth=smooth, alphas=alphas)
         _, fallback = measured_fallback(p, calib, cfg, set())
         int8 = [g for g in p.gemms if g.name not in fallback]
         if "+bias-correction" in name:

@@ -228,9 +228,8 @@ def _report_embed_auto(auto: dict | None) -> None:
     if not auto:
         return
     for c in auto["candidates"]:
-        frac = "" if c["budget_fraction"] is None else f", budget x{c['budget_fraction']:.3f}"
-        click.echo(f"embed auto: S {c['embed_sparsity']:g} (D' {c['embed_dim']}{frac}): check error "
-                   f"{c['check_error']:.4g} on {auto['images']} images ({c['seconds']:.1f} s)")
+        click.echo(f"embed auto: S {c['embed_sparsity']:g} (D' {c['embed_dim']}, budget x{c['budget_fraction']:.3f}): "
+                   f"check error {c['check_error']:.4g} on {auto['images']} images ({c['seconds']:.1f} s)")
     for c in auto["skipped"]:
         click.echo(f"embed auto: S {c['embed_sparsity']:g} skipped: {c['reason']}")
     click.echo(f"embed auto: chose S {auto['chosen']:g} (D' {auto['embed_dim']}, the smallest check error)")

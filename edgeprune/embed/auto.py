@@ -3,8 +3,8 @@
 With a budget (``--flops`` / ``--params``; a latency table cannot price a sliced model) and
 ``embed_order="first"`` the slice and the width pruning share the budget: a smaller D' leaves less
 to take from the widths. Which split is best depends on the model (docs/embed.md: on fmnist-vit a
-quarter of the stream is nearly free, on DINOv2 it costs 4.6-7 points alone), so it is measured: for every candidate embed sparsity of
-``CorpConfig.embed_candidates`` (default :data:`EMBED_CANDIDATES`; 0 is always one) mapped to its D' on
+quarter of the stream is nearly free, on DINOv2 it costs 4.6-7 points alone), so it is measured: for
+every candidate embed sparsity of ``CorpConfig.embed_candidates`` (default :data:`EMBED_CANDIDATES`; 0 is always one) mapped to its D' on
 the ``round_to`` grid (:func:`~edgeprune.embed.slice.embed_kept_dim`; candidates with the D' of an
 earlier one dropped), the whole prune -- slice, budgeted widths, output correction -- runs on a copy of
 the model, and the relative squared error of its final output against the dense model's on the first
@@ -29,11 +29,9 @@ import torch.nn as nn
 from edgeprune.allocation.greedy import cheapest
 from edgeprune.allocation.select import output_tensor, check_images, output_error
 from edgeprune.anatomy import find_anatomy
-from edgeprune.distributed import is_distributed
-from edgeprune.embed.fold import stream_parts
 from edgeprune.embed.settings import is_auto
 from edgeprune.embed.slice import apply_embed_structure, embed_kept_dim
-from edgeprune.embed.step import embed_budget
+from edgeprune.embed.step import embed_budget, refuse_distributed
 from edgeprune.errors import UserError
 from edgeprune.pipeline import check_prunable
 
@@ -48,12 +46,13 @@ def _fixed(config, sparsity: float):
     return dataclasses.replace(config, embed_sparsity=sparsity, embed_candidates=None)
 
 
-def _floor_check(model: nn.Module, config, sparsity: float, dim: int) -> None:
-    """Raises UserError when the budget is below the cheapest allocation of the model sliced to ``dim``
-    (its shapes only: :func:`apply_embed_structure` on a copy; no pass)."""
+def _floor_check(model: nn.Module, anatomy, config, sparsity: float, dim: int) -> None:
+    """Raises UserError when the slice cannot be applied to ``model`` (``anatomy`` its anatomy;
+    :func:`~edgeprune.embed.step.embed_budget`'s checks) or the budget is below the cheapest allocation
+    of the model sliced to ``dim`` (its shapes only: :func:`apply_embed_structure` on a copy; no pass)."""
+    cfg = embed_budget(_fixed(config, sparsity), anatomy)
     probe = copy.deepcopy(model)
     apply_embed_structure(probe, {"embed_dim": dim})
-    cfg = embed_budget(_fixed(config, sparsity), find_anatomy(model))
     floor, _dense, target = cheapest(find_anatomy(probe), cfg)
     if floor > target:
         raise UserError(f"the budget is below the cheapest allocation of the model sliced to D' = {dim}")
@@ -80,8 +79,7 @@ def candidate_sparsities(model: nn.Module, config) -> tuple[list[tuple[float, in
                 skipped.append({"embed_sparsity": s, "embed_dim": dim, "reason": f"same D' as {same:g}"})
                 continue
             if s > 0:
-                stream_parts(anatomy)
-                _floor_check(model, config, s, dim)
+                _floor_check(model, anatomy, config, s, dim)
         except UserError as err:
             skipped.append({"embed_sparsity": s, "embed_dim": dim, "reason": str(err)})
             continue
@@ -89,15 +87,10 @@ def candidate_sparsities(model: nn.Module, config) -> tuple[list[tuple[float, in
     return kept, skipped
 
 
-def _achieved(rec: dict, kind: str) -> float | None:
-    """The pruned model's cost as a fraction of the unsliced dense model's (FLOPs or params), or the
-    allocation's achieved fraction of its own target for other kinds (None without an allocation)."""
-    if kind in ("flops", "params"):
-        return rec[kind] / rec[f"dense_{kind}"]
-    alloc = rec.get("allocation") or {}
-    if alloc.get("achieved_cost") is None or not alloc.get("dense_cost"):
-        return None
-    return alloc["achieved_cost"] / alloc["dense_cost"]
+def _achieved(rec: dict, kind: str) -> float:
+    """The pruned model's cost as a fraction of the unsliced dense model's (``kind``: "flops" or
+    "params", the budgets auto takes)."""
+    return rec[kind] / rec[f"dense_{kind}"]
 
 
 @torch.no_grad()
@@ -147,9 +140,7 @@ def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, 
         raise UserError(f"choose_embed needs embed_sparsity='auto', got {config.embed_sparsity!r}")
     if inplace:
         raise UserError("--embed-sparsity auto prunes one copy per candidate; inplace=True is not supported")
-    if is_distributed():
-        raise UserError("--embed-sparsity runs in one process for now (its statistics are not all-reduced); "
-                        "run without torchrun")
+    refuse_distributed()
     check_prunable(find_anatomy(model), config)  # the budget against the dense model, as a fixed sparsity
     kept, skipped = candidate_sparsities(model, config)
     t0 = time.perf_counter()

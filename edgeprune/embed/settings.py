@@ -39,8 +39,8 @@ def check_embed_settings(cfg) -> None:
     """``cfg.embed_sparsity`` in [0, 1) or ``"auto"``, ``cfg.embed_order`` one of :data:`EMBED_ORDERS`,
     ``cfg.embed_refit`` a bool, ``cfg.embed_candidates`` None or a non-empty sequence of sparsities.
     A sliced model (a number > 0 or ``"auto"``) cannot take a latency budget (the table is measured
-    at the dense D: it cannot price a sliced model). ``"auto"`` needs a FLOPs or params budget, order ``first`` and ``allocation_check_images`` >= 1 (its candidates are
-    judged on those images).
+    at the dense D: it cannot price a sliced model). ``"auto"`` needs a FLOPs or params budget, order
+    ``first`` and ``allocation_check_images`` >= 1 (its candidates are judged on those images).
 
     Raises:
         UserError: naming the bad setting.

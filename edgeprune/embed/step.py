@@ -27,6 +27,13 @@ def slices_first(config) -> bool:
     return bool(config.embed_sparsity) and config.embed_order == "first"
 
 
+def refuse_distributed() -> None:
+    """Raises UserError under torch.distributed: the slice's statistics are not all-reduced."""
+    if is_distributed():
+        raise UserError("--embed-sparsity runs in one process for now (its statistics are not all-reduced); "
+                        "run without torchrun")
+
+
 def embed_budget(config, anatomy: ViTAnatomy):
     """``config`` with a fractional budget turned into the absolute count of ``anatomy``'s model when
     the stream is sliced first; ``config`` itself otherwise.
@@ -39,9 +46,7 @@ def embed_budget(config, anatomy: ViTAnatomy):
     """
     if not config.embed_sparsity:
         return config
-    if is_distributed():
-        raise UserError("--embed-sparsity runs in one process for now (its statistics are not all-reduced); "
-                        "run without torchrun")
+    refuse_distributed()
     stream_parts(anatomy)
     embed_kept_dim(anatomy.embed_dim, config.embed_sparsity, config.round_to)
     if config.budget is None:
