@@ -141,8 +141,12 @@ def test_refit_lowers_the_stream_error_and_keeps_exactness():
     _low_rank_stream(low, 15)
     exact = copy.deepcopy(low)
     slice_embed(find_anatomy(exact), lambda: iter([x]), 0.5, refit=True, refit_alpha=0.0)
+    # a write the sliced stream can represent is re-fit exactly, on the calibration images and on others:
+    # float64 moments (refit.py); with float32 products the error was 2e-4 here and ~1e-3 on another
+    # CPU, depending on the BLAS's summation order (the flaky test of issue 43)
     with torch.no_grad():
-        assert torch.allclose(exact(x), low(x), atol=1e-3)
+        assert torch.allclose(exact(x), low(x), atol=1e-5)
+        assert torch.allclose(exact(_images(8, seed=5)), low(_images(8, seed=5)), atol=1e-5)
 
 
 def test_kept_dim_and_refusals():

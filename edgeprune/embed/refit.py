@@ -11,7 +11,10 @@ and the sliced ``x~``. For each writer (``proj``, then ``fc2``) with input ``z~`
 i.e. the write that brings the sliced stream back to the projected dense stream after that sub-layer:
 ``W = Cov(t, z~) (Cov(z~) + lam I)^-1``, ``b = mean(t) - W mean(z~)`` with ``t = P x_after - x~``,
 ``lam = max(alpha, 1e-9) * mean diag Cov(z~)`` (scale-free, as ``edgeprune.solve.mlp_ridge``); float64 solve.
-Sums are float32 products added into float64. The streams of all calibration images are held in
+The moments are float64 products: a float32 Gram carries noise of ~1e-7 |E z z^T| (1e-10 here, seen on a
+rank-deficient head output whose true small eigenvalues are 1e-17), which swamps the small eigenvalues of
+Cov(z~) and made the alpha -> 0 fit depend on the BLAS's summation order (a flaky exactness test, issue 43);
+in float64 an exactly representable write is re-fit exactly (tests/test_embed.py). The streams of all calibration images are held in
 memory (N x n x D float32 each).
 """
 
@@ -35,10 +38,10 @@ class WriterFit:
         self.sz = self.st = self.gzz = self.gzt = None
 
     def add_batch(self, z: torch.Tensor, t: torch.Tensor) -> None:
-        """``z`` (..., d_in), ``t`` (..., D') float32 rows of one batch."""
-        z = z.reshape(-1, z.shape[-1]).float()
-        t = t.reshape(-1, t.shape[-1]).float()
-        parts = (z.sum(0).double(), t.sum(0).double(), (z.T @ z).double(), (z.T @ t).double())
+        """``z`` (..., d_in), ``t`` (..., D') rows of one batch; the products are taken in float64."""
+        z = z.reshape(-1, z.shape[-1]).double()
+        t = t.reshape(-1, t.shape[-1]).double()
+        parts = (z.sum(0), t.sum(0), z.T @ z, z.T @ t)
         if self.sz is None:
             self.sz, self.st, self.gzz, self.gzt = parts
         else:
