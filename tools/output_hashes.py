@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-COMMON = ["--model", "fmnist-vit", "--calib-size", "64", "--no-eval", "--quiet", "--threads", "1"]
+COMMON = ["--model", "fmnist-vit", "--calib-size", "64", "--no-eval", "--quiet"]
 CASES = {
     "default": ["prune"],
     "flops0.5": ["prune", "--flops", "0.5"],
