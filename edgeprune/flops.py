@@ -16,7 +16,7 @@ fc1+fc2 folded into one term). Patch embedding and the head are added once.
 Parameters of a block (:func:`block_params`): qkv ``(D + b) H (2 d_qk + d_v)``, proj ``H d_v D + b``,
 fc1 ``(D + b) D_mlp``, fc2 ``D_mlp D + b`` (``b`` = 1 where the layer has a bias). These two
 functions are the one place the formulas live: the budget cost models
-(``edgeprune.allocation.cost``, shared by prune and derive) evaluate them at candidate dims through
+(``edgeprune.budget``, shared by prune and derive) evaluate them at candidate dims through
 :func:`with_dims`.
 
 A wrapper model with a head of its own outside the ViT (the dinov2-s14 saliency decoder) counts it

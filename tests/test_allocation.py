@@ -9,7 +9,7 @@ import torch
 
 from edgeprune.allocation import curves as E
 from edgeprune.allocation import greedy
-from edgeprune.allocation.budget import make_budget, parse_budget_value
+from edgeprune.budget import Budget, make_budget, parse_budget_value
 from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.calibration.collect import collect_statistics
@@ -204,17 +204,17 @@ def test_allocation_is_never_worse_than_uniform_on_its_proxy(tiny, which, reques
     curves = greedy.build_curves(an, stats, cfg)
     uni_dims = [{"mlp": kept_dim(b.mlp_hidden, 0.5, 4), "qk": kept_dim(b.qk_dim, 0.5, 4),
                  "v": b.v_dim, "heads": b.num_heads} for b in an.blocks]
-    from edgeprune.allocation.cost import cost_model, total_cost
+    from edgeprune.budget import total_cost
 
-    target = total_cost(cost_model("flops", an), an, uni_dims)
-    cfg.budget = {"kind": "flops", "value": target}
+    target = total_cost(Budget("flops", 0.5).cost_model(an), an, uni_dims)
+    cfg.budget = Budget("flops", target)
 
     def proxy(dims):
         return sum(c.errors[c.ks.index(dims[c.block][c.keys[0]])] for c in curves)
 
     dims, report = greedy.allocate(an, stats, cfg)
     assert proxy(dims) <= proxy(uni_dims) + 1e-12
-    assert total_cost(cost_model("flops", an), an, [{**u, **d} for u, d in zip(uni_dims, dims)]) <= target
+    assert total_cost(Budget("flops", 0.5).cost_model(an), an, [{**u, **d} for u, d in zip(uni_dims, dims)]) <= target
 
 
 @needs_fmnist

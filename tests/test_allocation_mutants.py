@@ -16,8 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from edgeprune.allocation import budget as B
-from edgeprune.allocation import cost as C
+from edgeprune import budget as C
+from edgeprune.budget import parse as B
+from edgeprune.budget.budget import Budget
+from edgeprune.budget.flops import FlopsCost
+from edgeprune.budget.params import ParamsCost
 from edgeprune.allocation import curves as E
 from edgeprune.allocation import greedy as G
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
@@ -80,14 +83,14 @@ def test_make_budget_target_cost_and_describe():
         B.make_budget(params="0")
     with pytest.raises(UserError, match="^--flops must be > 0"):
         B.make_budget(flops="0")
-    assert B.target_cost({"kind": "flops", "value": 0.5}, 1000.0) == 500.0
-    assert B.target_cost({"kind": "flops", "value": 1.0}, 1000.0) == 1000.0   # 1 is a fraction
-    assert B.target_cost({"kind": "flops", "value": "0.25"}, 1000.0) == 250.0
-    assert B.target_cost({"kind": "flops", "value": 2.0}, 1000.0) == 2.0       # > 1 is absolute
-    assert B.target_cost({"kind": "params", "value": 2e7}, 1e9) == 2e7
-    assert B.describe({"kind": "flops", "value": 0.5}) == "flops 0.5"
-    assert B.describe({"kind": "params", "value": 2.3e7}) == "params 2.3e+07"
-    assert B.describe({"kind": "params", "value": "3"}) == "params 3"
+    assert Budget("flops", 0.5).target(1000.0) == 500.0
+    assert Budget("flops", 1.0).target(1000.0) == 1000.0   # 1 is a fraction
+    assert Budget("flops", 0.25).target(1000.0) == 250.0
+    assert Budget("flops", 2.0).target(1000.0) == 2.0       # > 1 is absolute
+    assert Budget("params", 2e7).target(1e9) == 2e7
+    assert Budget("flops", 0.5).describe() == "flops 0.5"
+    assert Budget("params", 2.3e7).describe() == "params 2.3e+07"
+    assert Budget("params", 3).describe() == "params 3"
 
 
 # ---- cost models ---------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ def test_flops_cost_of_a_block_is_twice_its_macs(tiny_anatomy):
     from edgeprune.flops import model_flops
 
     an = tiny_anatomy
-    fc = C.FlopsCost(an)
+    fc = FlopsCost(an)
     assert fc.name == "flops" and fc.n == 17
     for dims in ({"heads": 2, "qk": 3, "v": 5, "mlp": 7}, {"heads": 1, "qk": 16, "v": 2, "mlp": 128},
                  {"heads": 2, "qk": 16, "v": 16, "mlp": 128}):
@@ -130,7 +133,7 @@ def test_params_cost_of_a_block_counts_its_weights(tiny_anatomy):
     from edgeprune.flops import count_params
 
     an = tiny_anatomy
-    pc = C.ParamsCost(an)
+    pc = ParamsCost(an)
     assert pc.name == "params"
     dims = {"heads": 2, "qk": 3, "v": 5, "mlp": 7}
     # qkv weight + bias, proj weight (its bias is fixed), fc1 weight + bias, fc2 weight
@@ -147,9 +150,9 @@ def test_params_cost_of_a_block_counts_its_weights(tiny_anatomy):
 
 
 def test_cost_model_registry(tiny_anatomy):
-    assert isinstance(C.cost_model("flops", tiny_anatomy), C.FlopsCost)
-    assert isinstance(C.cost_model("params", tiny_anatomy), C.ParamsCost)
-    latency = C.COST_MODELS.pop("latency")  # registered by edgeprune.allocation.latency_cost (issue 30)
+    assert isinstance(Budget("flops", 0.5).cost_model(tiny_anatomy), FlopsCost)
+    assert isinstance(Budget("params", 0.5).cost_model(tiny_anatomy), ParamsCost)
+    latency = C.COST_MODELS.pop("latency")  # registered by edgeprune.budget.latency (issue 30)
     try:
         _registry_without_latency(tiny_anatomy)
     finally:
@@ -158,16 +161,18 @@ def test_cost_model_registry(tiny_anatomy):
 
 def _registry_without_latency(tiny_anatomy):
     with pytest.raises(UserError, match=r"^unknown budget kind 'latency' \(choose from flops, params\)$"):
-        C.cost_model("latency", tiny_anatomy)
+        Budget("latency", 0.5)
     made = []
 
-    def factory(an):
-        made.append(an)
-        return "a latency table"
+    class Toy(C.CostModel):
+        def __init__(self, an, query_tokens=None, *, budget=None):
+            made.append(an)
 
-    C.register_cost_model("latency", factory)
+    C.register_cost_model("latency", Toy)
     try:
-        assert C.cost_model("latency", tiny_anatomy) == "a latency table" and made == [tiny_anatomy]
+        b = Budget("latency", 0.5)
+        assert isinstance(b.cost_model(tiny_anatomy), Toy) and made == [tiny_anatomy] and Toy.name == "latency"
+        assert b.cost_model(tiny_anatomy) is b.cost_model(tiny_anatomy) and made == [tiny_anatomy]  # built once
     finally:
         del C.COST_MODELS["latency"]
 
@@ -968,8 +973,8 @@ def test_allocate_reports_tied_units_and_its_own_duration(tiny_anatomy):
     an = tiny_anatomy
     dense = float(model_flops(an)["total"])
     # fused Q/K + V units (8 or 16 dims per head); removing 8 Q/K and 8 V dims in one block
-    cut = C.FlopsCost(an).block_cost(an.blocks[0], {"heads": 2, "qk": 16, "v": 16, "mlp": 128}) - \
-        C.FlopsCost(an).block_cost(an.blocks[0], {"heads": 2, "qk": 8, "v": 8, "mlp": 128})
+    cut = FlopsCost(an).block_cost(an.blocks[0], {"heads": 2, "qk": 16, "v": 16, "mlp": 128}) - \
+        FlopsCost(an).block_cost(an.blocks[0], {"heads": 2, "qk": 8, "v": 8, "mlp": 128})
     cfg = CorpConfig.from_target("v", None, last_block="full", budget={"kind": "flops", "value": dense - cut}, round_to=8, layout="fused")
     curves = [E.Curve(0, ("qk", "v"), [8, 16], [1 / 3, 0.0], 1.0, "compensated"),
               E.Curve(1, ("qk", "v"), [8, 16], [2 / 3, 0.0], 1.0, "uncompensated")]
@@ -1059,7 +1064,7 @@ def test_allocation_modules_and_base_dims(tiny_anatomy):
     # cheapest for every unit kind: heads -> 1, fused Q/K + V to round_to together
     fused = cfg("all", layout="fused", round_to=4)
     floor, dense, target = G.cheapest(tiny_anatomy, fused)
-    fc = C.FlopsCost(tiny_anatomy)
+    fc = FlopsCost(tiny_anatomy)
     assert floor == C.total_cost(fc, tiny_anatomy, [{"mlp": 4, "qk": 4, "v": 4, "heads": 2}] * 2)
     floor, _, _ = G.cheapest(tiny_anatomy, cfg("heads"))
     assert floor == C.total_cost(fc, tiny_anatomy, [{"mlp": 128, "qk": 16, "v": 16, "heads": 1}] * 2)
@@ -1070,13 +1075,13 @@ def test_cheapest_sets_every_unit_after_a_heads_unit(tiny_anatomy, monkeypatch):
     units today; the loop is written for any unit list)."""
     monkeypatch.setattr(G, "allocation_modules", lambda cfg: [("heads",), ("mlp",)])
     floor, _, _ = G.cheapest(tiny_anatomy, _mlp_cfg(0.5))
-    fc = C.FlopsCost(tiny_anatomy)
+    fc = FlopsCost(tiny_anatomy)
     assert floor == C.total_cost(fc, tiny_anatomy, [{"mlp": 32, "qk": 16, "v": 16, "heads": 1}] * 2)
 
 
 def test_uniform_positions_smallest_fitting_sparsity(tiny_anatomy):
     an = tiny_anatomy
-    fc = C.FlopsCost(an)
+    fc = FlopsCost(an)
     cfg = _mlp_cfg(0.5)
     curves = _hand_curves([9, 5, 1, 0], [9, 5, 1, 0])
     base = G.base_dims(an, cfg)

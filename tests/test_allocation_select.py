@@ -12,7 +12,7 @@ from edgeprune.allocation.select import candidates, output_error, select_allocat
 from edgeprune.anatomy import find_anatomy
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.corp import CorpConfig
-from edgeprune.pipeline import corp_prune
+from edgeprune.pruning.corp import corp_prune
 from edgeprune.errors import UserError
 from tests.conftest import needs_fmnist
 

@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from edgeprune.allocation import greedy
-from edgeprune.allocation.budget import (budget_kinds, exceeds_dense, make_budget, target_cost,
-                                         validate_budget)
-from edgeprune.allocation.cost import (cost_model, dense_cost, register_cost_model, total_cost,
-                                       unregister_cost_model)
+from edgeprune.budget import (Budget, CostModel, budget_kinds, make_budget, register_cost_model, total_cost,
+                              unregister_cost_model, validate_budget)
 from edgeprune.anatomy import find_anatomy
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.corp import CorpConfig
@@ -28,13 +26,8 @@ from edgeprune.nuwa.inputs import resolve_budget
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli, tiny_vit
 
 
-class MlpWidthCost:
+class MlpWidthCost(CostModel):
     """Toy budget kind: the cost is the kept MLP width, summed over blocks (attention is free)."""
-
-    name = "mlp_width"
-
-    def __init__(self, anatomy, query_tokens=None):
-        pass
 
     def block_cost(self, b, dims):
         return float(dims["mlp"])
@@ -53,8 +46,8 @@ def mlp_width_kind():
 def test_toy_kind_is_a_budget_kind_only_while_registered(mlp_width_kind):
     assert "mlp_width" in budget_kinds() and budget_kinds()[:2] == ["flops", "params"]
     validate_budget({"kind": "mlp_width", "value": 0.5})
-    assert make_budget(mlp_width="100") == {"kind": "mlp_width", "value": 100.0}
-    assert resolve_budget(mlp_width=0.5) == {"kind": "mlp_width", "value": 0.5}
+    assert make_budget(mlp_width="100").to_dict() == {"kind": "mlp_width", "value": 100.0}
+    assert resolve_budget(mlp_width=0.5) == Budget("mlp_width", 0.5)
     unregister_cost_model("mlp_width")
     with pytest.raises(UserError, match=r"unknown budget kind 'mlp_width' \(choose from flops, params, latency\)"):
         validate_budget({"kind": "mlp_width", "value": 0.5})
@@ -71,8 +64,7 @@ def test_toy_kind_drives_the_allocator(mlp_width_kind):
     stats = collect_statistics(an, [x], progress=False)
     cfg = CorpConfig.from_target("both", None, round_to=8, budget={"kind": "flops", "value": 0.5},
                                  last_block="full")
-    cfg.budget = {"kind": "mlp_width", "value": 0.5}
-    validate_budget(cfg.budget)
+    cfg.budget = validate_budget({"kind": "mlp_width", "value": 0.5})
     dims, report = greedy.allocate(an, stats, cfg)
     dense_mlp = sum(b.mlp_hidden for b in an.blocks)
     assert report["cost_model"] == "mlp_width" and report["dense_cost"] == dense_mlp
@@ -80,7 +72,7 @@ def test_toy_kind_drives_the_allocator(mlp_width_kind):
     assert report["achieved_cost"] == sum(d["mlp"] for d in dims)
     assert all(d["qk"] == b.qk_dim for d, b in zip(dims, an.blocks))
     # the same budget as an absolute count gives the same allocation
-    cfg.budget = {"kind": "mlp_width", "value": 0.5 * dense_mlp}
+    cfg.budget = Budget("mlp_width", 0.5 * dense_mlp)
     assert greedy.allocate(an, stats, cfg)[0] == dims
 
 
@@ -118,10 +110,10 @@ def test_validate_budget_refuses_bad_budgets():
 
 def test_budget_above_the_dense_model_is_recognised():
     dense = 1.2e9
-    assert exceeds_dense({"kind": "flops", "value": 2.3e9}, dense)
-    assert exceeds_dense({"kind": "flops", "value": 1.0}, dense)  # the whole model: nothing to prune
-    assert not exceeds_dense({"kind": "flops", "value": 0.99}, dense)
-    assert not exceeds_dense({"kind": "flops", "value": 1.1e9}, dense)
+    assert Budget("flops", 2.3e9).exceeds(dense)
+    assert Budget("flops", 1.0).exceeds(dense)  # the whole model: nothing to prune
+    assert not Budget("flops", 0.99).exceeds(dense)
+    assert not Budget("flops", 1.1e9).exceeds(dense)
 
 
 def test_cost_models_count_what_flops_py_counts():
@@ -129,15 +121,16 @@ def test_cost_models_count_what_flops_py_counts():
     model (the one prune allocates with) prices a plan as the flops/params cost model does."""
     model = tiny_vit()
     an = find_anatomy(model)
-    assert dense_cost("flops", an) == model_flops(an)["total"]
-    assert dense_cost("params", an) == count_params(model)
+    assert Budget("flops", 0.5).dense_cost(an) == model_flops(an)["total"]
+    assert Budget("params", 0.5).dense_cost(an) == count_params(model)
     dims = [{"heads": b.num_heads, "qk": 8, "v": 16, "mlp": 40} for b in an.blocks]
     for kind in ("flops", "params"):
-        plan = nuwa_budget.PlanCost(an, kind)
-        want = total_cost(cost_model(kind, an), an, dims)
+        b = Budget(kind, 0.5)
+        plan = nuwa_budget.PlanCost(an, b)
+        want = total_cost(b.cost_model(an), an, dims)
         got = plan.total([8] * len(dims), [16] * len(dims), [40] * len(dims))
         assert isinstance(got, int) and got == want
-        assert nuwa_budget.measure(model, kind) == dense_cost(kind, an)
+        assert nuwa_budget.measure(model, b) == b.dense_cost(an)
 
 
 def test_derive_and_prune_parse_budgets_alike():
@@ -154,9 +147,9 @@ def test_derive_and_prune_parse_budgets_alike():
         resolve_budget(flops="1G", params="1M")
     with pytest.raises(UserError, match="exactly one budget"):
         resolve_budget()
-    assert nuwa_budget.budget_target({"kind": "flops", "value": 0.6}, 1000) == 600
-    assert nuwa_budget.budget_target({"kind": "flops", "value": 2.3e9}, 1000) == 2_300_000_000
-    assert target_cost({"kind": "flops", "value": 0.6}, 1001) == 0.6 * 1001
+    assert nuwa_budget.budget_target(Budget("flops", 0.6), 1000) == 600
+    assert nuwa_budget.budget_target(Budget("flops", 2.3e9), 1000) == 2_300_000_000
+    assert Budget("flops", 0.6).target(1001) == 0.6 * 1001
 
 
 @needs_fmnist

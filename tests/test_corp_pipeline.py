@@ -11,7 +11,7 @@ from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.artifact import load_run, save_run
 from edgeprune.corp import CorpConfig, apply_corp
-from edgeprune.pipeline import corp_prune
+from edgeprune.pruning.corp import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.layers import PrunedAttention
 from edgeprune.plan import BlockPlan, kept_dim

@@ -16,6 +16,7 @@ import torch
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import load_run
+from edgeprune.budget import Budget
 from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
 from edgeprune.nuwa import budget as budget_mod
@@ -156,7 +157,7 @@ def test_qk_equals_v_takes_the_larger_dim(tmp_path):
     factors = model_factors(find_anatomy(model))
     rules = {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": True}
     table = tiny_table(tmp_path / "t.json", rules=rules)
-    cost = budget_mod.PlanCost(find_anatomy(model), "latency", {"kind": "latency", "value": 0.8, "table": table})
+    cost = budget_mod.PlanCost(find_anatomy(model), Budget("latency", 0.8, table=table))
     grid = budget_mod.dim_grid(cost)
     assert grid.qk_equals_v and grid.head_dim == 4 and grid.mlp == 16
     differ = 0
@@ -179,13 +180,13 @@ def test_search_equals_closed_form_on_flops():
     an = find_anatomy(model)
     factors = model_factors(an)
     for kind in ("flops", "params"):
-        dense = budget_mod.measure(model, kind)
-        assert budget_mod.PlanCost(an, kind).linear
+        dense = budget_mod.measure(model, Budget(kind, 0.5))
+        assert budget_mod.PlanCost(an, Budget(kind, 0.5)).linear
         for frac in (0.9, 0.6, 0.45):
-            target = budget_mod.budget_target({"kind": kind, "value": frac}, dense)
+            target = budget_mod.budget_target(Budget(kind, frac), dense)
             caps = budget_mod.mlp_caps([128, 104])
-            closed = budget_mod.plan_candidates(budget_mod.PlanCost(an, kind), factors, caps, target)
-            search = budget_mod.PlanCost(an, kind)
+            closed = budget_mod.plan_candidates(budget_mod.PlanCost(an, Budget(kind, frac)), factors, caps, target)
+            search = budget_mod.PlanCost(an, Budget(kind, frac))
             search.linear = False
             assert [p.to_record() for p in budget_mod.plan_candidates(search, factors, caps, target)] == \
                 [p.to_record() for p in closed]

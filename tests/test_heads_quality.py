@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-import edgeprune.pipeline as pipeline
+import edgeprune.pruning.corp as pipeline
 from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.calibration.collect import collect_statistics

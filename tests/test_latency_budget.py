@@ -11,15 +11,15 @@ import torch
 
 import edgeprune
 from edgeprune.allocation import greedy
-from edgeprune.allocation.budget import make_budget, target_cost, validate_budget
-from edgeprune.allocation.latency_cost import LatencyCost, MISSING_TABLE
+from edgeprune.budget import make_budget, validate_budget
+from edgeprune.budget.latency import LatencyCost, MISSING_TABLE
 from edgeprune.anatomy import find_anatomy
 from edgeprune.api import corp_config
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
-from edgeprune.latency.verify import latency_check
-from edgeprune.pipeline import check_prunable, statistics_request
+from edgeprune.pruning.latency_check import latency_check
+from edgeprune.pruning.corp import check_prunable, statistics_request
 from tests.conftest import assert_one_line_error, run_cli
 
 
@@ -118,8 +118,8 @@ def test_absolute_ms_equals_the_same_fraction(model_and_stats, tmp_path):
     # below 1 ms is still absolute with the unit; a bare number > 1 is ambiguous
     assert make_budget(latency="0.8ms", table=table) == {"kind": "latency", "value": 0.8, "unit": "ms",
                                                           "table": table}
-    assert target_cost({"kind": "latency", "value": 0.8, "unit": "ms", "table": table}, 10.0) == 0.8
-    assert target_cost({"kind": "latency", "value": 0.8, "table": table}, 10.0) == 8.0
+    assert validate_budget({"kind": "latency", "value": 0.8, "unit": "ms", "table": table}).target(10.0) == 0.8
+    assert validate_budget({"kind": "latency", "value": 0.8, "table": table}).target(10.0) == 8.0
     with pytest.raises(UserError, match="ambiguous"):
         make_budget(latency="12", table=table)
     with pytest.raises(UserError, match="fraction"):
@@ -163,7 +163,7 @@ def test_bad_inputs_fail_in_one_line_before_calibration(tmp_path):
         assert "\n" not in str(err.value)
     assert not calls  # every check ran before the calibration pass
     with pytest.raises(UserError, match="edgeprune latency-table"):
-        LatencyCost(find_anatomy(model), budget={"kind": "latency", "value": 0.5})
+        LatencyCost(find_anatomy(model))
     assert "edgeprune latency-table" in MISSING_TABLE and "--device" in MISSING_TABLE
 
 
@@ -203,7 +203,7 @@ def test_prune_latency_records_predicted_and_measured(tmp_path):
     """A table of this CPU on onnxruntime: the pruned model is benched against the dense one
     (interleaved) and the record holds predicted and measured latency; another device: not measured."""
     pytest.importorskip("onnxruntime")
-    from edgeprune.latency.verify import cpu_name, record_latency_check
+    from edgeprune.pruning.latency_check import cpu_name, record_latency_check
 
     model = small_vit()
     x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(3))

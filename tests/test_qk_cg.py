@@ -9,7 +9,7 @@ import torch
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.corp import CorpConfig
-from edgeprune.pipeline import corp_prune
+from edgeprune.pruning.corp import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.solve import qk_logit
 from edgeprune.solve.qk_logit_cg import solve_logit_compensation_cg

@@ -14,7 +14,7 @@ import torch
 from edgeprune._compat import import_timm
 from edgeprune.anatomy import find_anatomy
 from edgeprune.corp import CorpConfig, get_qk_solver, list_qk_solvers, register_qk_solver, unregister_qk_solver
-from edgeprune.pipeline import corp_prune, statistics_request
+from edgeprune.pruning.corp import corp_prune, statistics_request
 from edgeprune.corp.qk_solvers import solve_direct
 from edgeprune.errors import UserError
 from edgeprune.ranking import Criterion, get_criterion, list_criteria, register_criterion, unregister_criterion

@@ -23,7 +23,7 @@ from edgeprune.api import prune
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics
 from edgeprune.corp import CorpConfig
-from edgeprune.pipeline import corp_prune
+from edgeprune.pruning.corp import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.plan import pruned_indices
 from edgeprune.sequential import CrossStatistics, embed_stream, sequential_prune

@@ -12,7 +12,7 @@ from edgeprune.anatomy import find_anatomy
 from edgeprune.api import prune
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.corp import CorpConfig, apply_corp
-from edgeprune.pipeline import corp_prune
+from edgeprune.pruning.corp import corp_prune
 from edgeprune.errors import UserError
 from edgeprune.layers import PrunedAttention
 from edgeprune.plan import BlockPlan, achieved_sparsity, pruned_indices, resolve_sparsities

@@ -3,7 +3,7 @@
 METHODS.md §5 "Budgeted allocation". Units = (block, module) pairs the target selects (MLP
 channels, Q/K dims, V dims, whole heads; Q/K and V tied in the fused layout). Each unit has an
 error curve over its candidate kept sizes (``edgeprune.allocation.curves``, unit-free) and the
-cost model (``edgeprune.allocation.cost``) prices every state. The proxy of an allocation is the
+cost model (``edgeprune.budget``) prices every state. The proxy of an allocation is the
 sum of its units' errors.
 
 1. Greedy descent: from the dense model, repeatedly move the unit whose move to *any* smaller
@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from edgeprune.allocation.budget import kind_unit, target_cost
-from edgeprune.allocation.cost import CostModel, FlopsCost, ParamsCost, total_cost
+from edgeprune.budget import Budget, CostModel, total_cost
+from edgeprune.budget.flops import FlopsCost
+from edgeprune.budget.params import ParamsCost
 from edgeprune.allocation.curves import Curve, heads_curve, mlp_curve, normalise, qk_curve, tie_curves, v_curve
-from edgeprune.allocation.rules import Grid, budget_cost, check_rules, heads_allocated, unit_grid
+from edgeprune.allocation.rules import Grid, check_rules, heads_allocated, unit_grid
 from edgeprune.corp.steps import mlp_kept
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import class_token_plan
@@ -221,7 +222,7 @@ def cheapest(anatomy, cfg) -> tuple[float, float, float]:
     """(cheapest reachable cost, dense cost, absolute target) of ``cfg.budget`` -- no statistics
     needed: every unit at its smallest candidate (``round_to`` dims, or 1 head; a latency table's
     rules and smallest measured sizes)."""
-    cost = budget_cost(cfg, anatomy, class_token_plan(cfg, anatomy))
+    cost = cfg.budget.cost_model(anatomy, class_token_plan(cfg, anatomy))
     grid = unit_grid(cfg, anatomy, cost)
     check_rules(cfg, grid)
     dims = base_dims(anatomy, cfg)
@@ -234,13 +235,13 @@ def cheapest(anatomy, cfg) -> tuple[float, float, float]:
             k = max(grid.sizes(key, min(getattr(b, attr[key2]) for key2 in keys))[0] for key in keys)
             for key in keys:
                 d[key] = k
-    dense = total_cost(budget_cost(cfg, anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
-    return total_cost(cost, anatomy, dims), dense, target_cost(cfg.budget, dense)
+    dense = cfg.budget.dense_cost(anatomy)
+    return total_cost(cost, anatomy, dims), dense, cfg.budget.target(dense)
 
 
-def _amount(budget: dict, x: float) -> str:
+def _amount(budget: Budget, x: float) -> str:
     """A cost in the budget's units for messages: ``12.345 ms`` with a unit, else ``1,234``."""
-    unit = kind_unit(budget["kind"])
+    unit = budget.model_class.unit
     return f"{x:.3f} {unit}" if unit else f"{x:,.0f}"
 
 
@@ -250,9 +251,9 @@ def check_budget(anatomy, cfg) -> None:
     if cfg.budget is None:
         return
     floor, dense, target = cheapest(anatomy, cfg)
-    b, kind = cfg.budget, cfg.budget["kind"]
+    b, kind = cfg.budget, cfg.budget.kind
     if target > dense * (1 + 1e-9):  # issue 32: nothing to prune (not a --round-to matter)
-        raise UserError(f"the {kind} budget {b['value']:g}{b.get('unit') or ''} ({_amount(b, target)}) is above the "
+        raise UserError(f"the {kind} budget {b.value:g}{b.unit or ''} ({_amount(b, target)}) is above the "
                         f"dense model ({_amount(b, dense)} {kind}): nothing to prune (give a fraction < 1 or a "
                         "smaller count)")
     if floor > target:
@@ -261,10 +262,10 @@ def check_budget(anatomy, cfg) -> None:
 
 def _below_floor(cfg, anatomy, floor: float, dense: float, target: float) -> UserError:
     """The one-line error of a budget below the cheapest reachable allocation."""
-    b, kind = cfg.budget, cfg.budget["kind"]
+    b, kind = cfg.budget, cfg.budget.kind
     grid = unit_grid(cfg, anatomy)
     how = f"with --round-to {cfg.round_to}" if not grid.rules else f"on the latency table's grid {grid.round_to}"
-    return UserError(f"the {kind} budget {b['value']:g}{b.get('unit') or ''} ({_amount(b, target)}) is below the "
+    return UserError(f"the {kind} budget {b.value:g}{b.unit or ''} ({_amount(b, target)}) is below the "
                      f"cheapest allocation for target {cfg.target} {how} "
                      f"({_amount(b, floor)} = {floor / dense:.3f} of the dense model)")
 
@@ -298,14 +299,14 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     if cfg.budget is None:
         raise UserError("allocate needs a budget (--flops or --params)")
     plan = class_token_plan(cfg, anatomy)
-    cost = budget_cost(cfg, anatomy, plan)  # the pruned model's cost (class-token last block included)
+    cost = cfg.budget.cost_model(anatomy, plan)  # the pruned model's cost (class-token last block included)
     grid = unit_grid(cfg, anatomy, cost)
     curves = build_curves(anatomy, stats, cfg, qk_weight, grid) if curves is None else curves
     base = base_dims(anatomy, cfg)
     dense_state = _State(anatomy, curves, base, cost, [len(c.ks) - 1 for c in curves])
     # the budget is a fraction of the model as given (not of its class-token variant)
-    dense_cost = total_cost(budget_cost(cfg, anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
-    target = target_cost(cfg.budget, dense_cost)
+    dense_cost = cfg.budget.dense_cost(anatomy)
+    target = cfg.budget.target(dense_cost)
     floor = _State(anatomy, curves, base, cost, [0] * len(curves))
     if floor.total > target:
         raise _below_floor(cfg, anatomy, floor.total, dense_cost, target)
@@ -319,8 +320,9 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
     keys = [k for keys in allocation_modules(cfg) for k in keys]
     dims = [{k: int(d[k]) for k in keys} for d in st.dims]
     report = _report(anatomy, cfg, plan, cost, curves, candidates, chosen, dims, dense_cost, target, uniform, t0)
-    if hasattr(cost, "record"):  # a measured cost model (latency): its table, rules and prediction
-        report[cost.name] = {**cost.record(), **grid.describe(), "heads_allocated": heads_allocated(cfg),
+    measured = cost.record()
+    if measured:  # a measured cost model (latency): its table, rules and prediction
+        report[cost.name] = {**measured, **grid.describe(), "heads_allocated": heads_allocated(cfg),
                              "predicted": st.total, "target": target, "dense": dense_cost}
     return dims, report
 
@@ -363,7 +365,7 @@ def _report(anatomy, cfg, plan: dict, cost, curves: list[Curve], candidates: dic
         errs = {"+".join(c.keys): round(c.errors[st.pos[u]], 8) for u, c in enumerate(curves) if c.block == i}
         per_block.append({"index": i, "dims": d, "proxy_error": errs})
     return {
-        "budget": dict(cfg.budget), "cost_model": cost.name,
+        "budget": cfg.budget.to_dict(), "cost_model": cost.name,
         "dense_cost": dense_cost, "target_cost": target, "achieved_cost": st.total,
         "within_tolerance": bool(target * (1 - TOLERANCE) <= st.total <= target),
         "flops": flops, "params": params, "dense_flops": dense_flops, "dense_params": dense_params,

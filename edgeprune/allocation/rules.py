@@ -6,10 +6,10 @@ pruning rules of the device it prices (the ``latency`` kind: its table's profile
 
 * ``rules = {"mlp_round_to": r_m, "head_dim_round_to": r_h, "qk_equals_v": bool}``: MLP widths on
   multiples of r_m, Q/K and V head dims on multiples of r_h (they replace ``--round-to``), Q/K tied
-  to V (the fused layout, which ``edgeprune.allocation.latency_cost.config_defaults`` sets);
+  to V (the fused layout, which ``LatencyCost.config_defaults`` sets, ``edgeprune.budget.latency``);
 * ``bounds()``: the smallest measured size per module (no candidate below it: the table does not
   extrapolate);
-* ``allocates_heads = True`` (class attribute): whole heads are one more unit per block beside the
+* ``allocates_heads = True`` (class attribute of the cost model, ``edgeprune.budget.base.CostModel``): whole heads are one more unit per block beside the
   MLP width and head dims when the target is ``all`` or ``v`` (``CorpConfig.allocate_heads``:
   None = this default, True / False to force), so the allocator chooses among removing heads,
   shrinking head dims and shrinking MLP widths by their measured errors and the table's times
@@ -19,39 +19,35 @@ pruning rules of the device it prices (the ``latency`` kind: its table's profile
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from edgeprune.allocation.cost import COST_MODELS, cost_model
 from edgeprune.allocation.curves import Curve
 from edgeprune.errors import UserError
 from edgeprune.plan import target_modules
+
+if TYPE_CHECKING:
+    from edgeprune.corp.config import CorpConfig
 
 #: targets whose statistics (proj-input, V/O) let whole heads be allocated beside head dims
 HEAD_TARGETS = ("all", "v")
 
 
-def budget_cost(cfg, anatomy, query_tokens: dict[int, int] | None = None):
-    """The cost model of ``cfg.budget`` (given the budget itself: a latency table's path)."""
-    return cost_model(cfg.budget["kind"], anatomy, query_tokens, budget=cfg.budget)
-
-
-def heads_allocated(cfg) -> bool:
+def heads_allocated(cfg: "CorpConfig") -> bool:
     """Whether whole heads are an allocation unit beside the target's modules (module doc)."""
-    budget = getattr(cfg, "budget", None)
-    if budget is None or cfg.target == "heads":
+    if cfg.budget is None or cfg.target == "heads":
         return False
-    forced = getattr(cfg, "allocate_heads", None)
-    if forced is not None:
-        return bool(forced)
-    return cfg.target in HEAD_TARGETS and bool(getattr(COST_MODELS.get(budget["kind"]), "allocates_heads", False))
+    if cfg.allocate_heads is not None:
+        return bool(cfg.allocate_heads)
+    return cfg.target in HEAD_TARGETS and bool(cfg.budget.model_class.allocates_heads)
 
 
-def check_heads_setting(cfg) -> None:
+def check_heads_setting(cfg: "CorpConfig") -> None:
     """``allocate_heads=True`` needs a budget and a target with V/O statistics.
 
     Raises:
         UserError: one line saying what is missing.
     """
-    if getattr(cfg, "allocate_heads", None) and (cfg.budget is None or cfg.target not in HEAD_TARGETS + ("heads",)):
+    if cfg.allocate_heads and (cfg.budget is None or cfg.target not in HEAD_TARGETS + ("heads",)):
         raise UserError("allocating whole heads needs a budget and --target all or v (their V/O statistics "
                         f"rank the heads), got target {cfg.target!r}" + ("" if cfg.budget else " and no budget"))
 
@@ -86,21 +82,22 @@ class Grid:
         return {"rules": self.rules, "round_to": dict(self.round_to), "smallest": dict(self.lower)}
 
 
-def unit_grid(cfg, anatomy, cost=None) -> Grid:
-    """The candidate grid under ``cfg`` (``cost``: the budget's cost model, built when None)."""
-    if cost is None and cfg.budget is not None and getattr(COST_MODELS.get(cfg.budget["kind"]), "needs_table", False):
-        cost = budget_cost(cfg, anatomy)
-    rules = getattr(cost, "rules", None)
+def unit_grid(cfg: "CorpConfig", anatomy, cost=None) -> Grid:
+    """The candidate grid under ``cfg`` (``cost``: the budget's cost model, ``cfg.budget``'s when None; without
+    a budget the config's rounding alone)."""
+    if cost is None and cfg.budget is not None:
+        cost = cfg.budget.cost_model(anatomy)
+    rules = cost.rules if cost is not None else None
     r = cfg.round_to
     round_to = {"mlp": r, "qk": r, "v": r, "heads": 1}
     if rules:
         round_to.update(mlp=int(rules.get("mlp_round_to", r)), qk=int(rules.get("head_dim_round_to", r)),
                         v=int(rules.get("head_dim_round_to", r)))
-    lower = cost.bounds() if hasattr(cost, "bounds") else {}
+    lower = cost.bounds() if cost is not None else {}
     return Grid(round_to, dict(lower), dict(rules) if rules else None)
 
 
-def check_rules(cfg, grid: Grid) -> None:
+def check_rules(cfg: "CorpConfig", grid: Grid) -> None:
     """The config agrees with the rules: Q/K = V rules need the fused layout.
 
     Raises:

@@ -95,7 +95,7 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
         dims, rep = allocate(anatomy, stats, cfg, qk_weight=w, only="greedy")
         if all(dims != d for d, _ in out.values()):
             out[f"greedy(qk_weight={w:g})"] = (dims, rep)
-    if x is not None and dense_out is not None and getattr(cfg, "allocation_sensitivity", False):
+    if x is not None and dense_out is not None and cfg.allocation_sensitivity:
         t0 = time.perf_counter()
         ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
         cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
@@ -103,7 +103,7 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
         dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
         if all(dims != d for d, _ in out.values()):
             out["greedy(measured)"] = (dims, rep)
-        if getattr(cfg, "allocation_anchors", 1) >= 2:  # measure again where that allocation put each unit
+        if cfg.allocation_anchors >= 2:  # measure again where that allocation put each unit
             curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, also_at=dims, known=units,
                                             cache=cache)
             dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
@@ -276,7 +276,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     Raises:
         UserError: as ``allocate``.
     """
-    n = int(getattr(cfg, "allocation_check_images", 0))
+    n = int(cfg.allocation_check_images)
     qk = "qk" in pruned_modules(cfg)
     grams_kept = not qk or all(s is None or getattr(s, "keep_grams", False) for s in (stats.qk or []))
     if n < 1 or not cfg.compensation or not grams_kept:

@@ -98,7 +98,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 @dataclasses.dataclass
 class StatisticsRequest:
     """What one calibration pass collects (built by the caller from what its criteria and fits
-    need: ``edgeprune.pipeline.statistics_request`` for CORP).
+    need: ``edgeprune.pruning.corp.statistics_request`` for CORP).
 
     Attributes:
         mlp: collect MLP hidden statistics (input of every ``mlp.fc2``).

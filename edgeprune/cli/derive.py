@@ -20,7 +20,6 @@ from __future__ import annotations
 import click
 import torch
 
-from edgeprune.allocation.latency_cost import load_table
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, latency_table_option, make_spec,
                                    model_options,
@@ -89,9 +88,8 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     """
     # 1. everything that can be checked without work
     budget = resolve_budget(flops, params, latency=latency, table=latency_table)
-    metric, amount, unit = budget["kind"], float(budget["value"]), budget.get("unit") or ""
-    if budget.get("table"):
-        load_table(budget["table"])  # a missing / malformed table: one line, before the model is built
+    metric, amount, unit = budget.kind, budget.value, budget.unit or ""
+    budget.check_inputs()  # a missing / malformed table: one line, before the model is built
     if train_per_class is not None and train_per_class < 1:
         raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
     cfg = DeriveConfig(

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
+from edgeprune.budget import budget_kinds
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
 from edgeprune.option_checks import refuse_sparsities_with_budget
@@ -235,7 +236,7 @@ def check_budget_options(ctx: click.Context) -> None:
         UserError: naming the budget and the conflicting options.
     """
     p = ctx.params
-    budget = next((f"--{k}" for k in ("flops", "params", "latency") if p.get(k) is not None), None)
+    budget = next((f"--{k}" for k in budget_kinds() if p.get(k) is not None), None)
     given = {"--sparsity": p.get("sparsity") if ctx.get_parameter_source("sparsity") != ParameterSource.DEFAULT
              else None}
     given.update({f"--{k.replace('_', '-')}": p.get(k)

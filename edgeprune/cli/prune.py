@@ -19,7 +19,7 @@ from edgeprune.distributed import is_main_process, process_group
 from edgeprune.embed.settings import parse_embed_sparsity
 from edgeprune.errors import UserError
 from edgeprune.evaluate import evaluate
-from edgeprune.latency.verify import record_latency_check
+from edgeprune.pruning.latency_check import record_latency_check
 from edgeprune.plan import TARGETS
 from edgeprune.ranking import list_criteria
 
@@ -132,8 +132,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                              compensation=not no_compensation, criterion=criterion, round_to=round_to,
                              qk_solver=qk_solver, flops=flops, params=params, sequential=sequential or None,
                              latency=latency, latency_table=latency_table, **overrides)
-    amount = (f"{config.budget['kind']}{float(config.budget['value']):g}{config.budget.get('unit') or ''}"
-              if config.budget else f"{sparsity:g}")
+    amount = config.budget.option() if config.budget else f"{sparsity:g}"
     out_path = check_new_dir(out or f"runs/{model_name}-{config.target}-{amount}{'-nocomp' if no_compensation else ''}")
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
@@ -166,7 +165,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     rec = result.record
     metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
     latency_lines = []
-    if config.budget and config.budget["kind"] == "latency":  # issue 30 item 6: predicted vs measured
+    if config.budget and config.budget.model_class.verifiable:  # issue 30 item 6: predicted vs measured
         latency_lines = record_latency_check(rec, dense, result.model, spec.input_size, measure=verify_latency)
     save_run(out_path, result.model, rec)
 

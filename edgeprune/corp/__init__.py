@@ -3,7 +3,7 @@
 Modules: ``config`` (:class:`CorpConfig`, validated once; derived settings), ``qk_solvers`` (the
 Q/K solver registry), ``steps`` (plan / apply: the steps the strategies share). The one-shot
 pipeline that puts them together with the budgeted allocation and sequential calibration,
-:func:`edgeprune.pipeline.corp_prune`, sits above ``edgeprune.allocation`` and
+:func:`edgeprune.pruning.corp.corp_prune`, sits above ``edgeprune.allocation`` and
 ``edgeprune.sequential``, which use these steps: dependencies point one way
 (pipeline -> allocation / sequential -> corp steps). This file only hands names on.
 """

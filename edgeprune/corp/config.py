@@ -1,20 +1,21 @@
 """CORP settings: :class:`CorpConfig`, validated once, and the settings derived from it.
 
-A config is checked by :meth:`CorpConfig.validate` (``from_target`` does it); the entry points
-(``edgeprune.prune``, ``corp_prune``, ``sequential_prune``) call :meth:`CorpConfig.ensure_valid`,
-which re-checks only a config changed since its last check, so one prune validates once.
+A config is checked by :meth:`CorpConfig.validate` (``from_target`` does it): the CORP settings and the budget
+(``edgeprune.budget``, a dict given from Python becomes a :class:`~edgeprune.budget.Budget`). The settings of the
+stages above CORP are checked by their own packages (allocation: ``edgeprune.allocation.settings``; embed:
+``edgeprune.embed.settings``), all of them once per prune by ``edgeprune.prune.config.check_config``. The fields
+stay one flat dataclass (the run record's ``config`` and the Python API's keywords); ``edgeprune.prune.config``
+lists which stage reads which field (its sections).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from edgeprune.allocation.budget import validate_budget
-from edgeprune.allocation.rules import check_heads_setting
 from edgeprune.anatomy import ViTAnatomy
+from edgeprune.budget import Budget, validate_budget
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
-from edgeprune.embed.settings import check_embed_settings
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import LAST_BLOCK_CHOICES
 from edgeprune.plan import check_dims, check_sparsity, resolve_sparsities
@@ -41,8 +42,8 @@ class CorpConfig:
             keys "mlp" (hidden channels), "qk" (Q/K dims per head), "v" (V dims per head),
             "heads" (whole heads); a missing key follows the sparsity. Set by the budgeted
             allocation (``edgeprune.allocation``) or given directly.
-        budget: ``{"kind": "flops" | "params", "value": v}`` (v a fraction of the dense model in
-            (0, 1], or an absolute count > 1): the allocator chooses ``dims`` after the
+        budget: a :class:`~edgeprune.budget.Budget` (or its dict form ``{"kind": "flops", "value": v}``; v a
+            fraction of the dense model in (0, 1], or an absolute count > 1): the allocator chooses ``dims`` after the
             calibration pass so that the pruned model meets the budget (METHODS.md §5,
             "Budgeted allocation"); the modules it may prune are those ``target`` selects.
         sequential: sequential calibration (METHODS.md §5): statistics of block i are taken on
@@ -100,7 +101,7 @@ class CorpConfig:
             docs/embed.md): fraction of the embedding dim D removed, [0, 1); "first" (slice, then
             prune widths on the sliced model) or "last"; ridge re-fit of the writers.
             ``embed_sparsity="auto"`` (with a budget, order "first"): one whole prune per candidate
-            sparsity of ``embed_candidates`` (None = ``edgeprune.embed.auto.EMBED_CANDIDATES``; 0 is
+            sparsity of ``embed_candidates`` (None = ``edgeprune.pruning.embed_auto.EMBED_CANDIDATES``; 0 is
             always one), the one with the lowest output error on the check images kept.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
@@ -130,7 +131,7 @@ class CorpConfig:
     layout: str = "default"
     vo_criterion: str = "combined"
     dims: list | None = None
-    budget: dict | None = None
+    budget: Budget | None = None
     sequential: bool = False
     sequential_memory_gb: float = 4.0
     allocation_check_images: int = 32
@@ -143,7 +144,7 @@ class CorpConfig:
     embed_sparsity: float | str = 0.0  # issue 33: residual-width slice (edgeprune.embed); "auto"
     embed_order: str = "first"
     embed_refit: bool = False
-    embed_candidates: tuple | None = None  # with embed_sparsity="auto" (edgeprune.embed.auto)
+    embed_candidates: tuple | None = None  # with embed_sparsity="auto" (edgeprune.pruning.embed_auto)
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,
@@ -200,12 +201,8 @@ class CorpConfig:
             raise UserError(f"unknown last block {self.last_block!r} (choose from {', '.join(LAST_BLOCK_CHOICES)})")
         if not self.sequential_memory_gb >= 0:
             raise UserError(f"the sequential stream memory limit must be >= 0 GiB, got {self.sequential_memory_gb!r}")
-        if self.budget is not None:
-            validate_budget(self.budget)
-        if self.allocate_heads is not None and not isinstance(self.allocate_heads, bool):
-            raise UserError(f"allocate heads must be True, False or None (auto), got {self.allocate_heads!r}")
-        check_heads_setting(self)
-        check_embed_settings(self)
+        if self.budget is not None:  # a Budget, or its dict form from Python (edgeprune.budget)
+            self.budget = validate_budget(self.budget)
         self.__dict__["_valid_as"] = repr(self)
         return self
 
@@ -221,6 +218,8 @@ class CorpConfig:
         if isinstance(self.allocation_check_images, bool) or not isinstance(self.allocation_check_images, int) \
                 or self.allocation_check_images < 0:
             raise UserError(f"allocation check images must be an int >= 0, got {self.allocation_check_images!r}")
+        if self.allocate_heads is not None and not isinstance(self.allocate_heads, bool):
+            raise UserError(f"allocate heads must be True, False or None (auto), got {self.allocate_heads!r}")
         k = self.bias_correction_images
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise UserError(f"bias correction images must be an int >= 0 (0 = off), got {k!r}")

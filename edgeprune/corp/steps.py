@@ -1,5 +1,5 @@
 """The CORP steps: kept indices from the statistics (plan), then the closed-form fold and the
-surgery (apply) -- corp-v1 Alg. 2-3. Used by the one-shot pipeline (``edgeprune.pipeline``),
+surgery (apply) -- corp-v1 Alg. 2-3. Used by the one-shot pipeline (``edgeprune.pruning.corp``),
 the budgeted allocation (``edgeprune.allocation``) and sequential calibration
 (``edgeprune.sequential``).
 """

@@ -6,7 +6,7 @@ from edgeprune.errors import UserError
 
 #: when the residual stream is sliced relative to the width pruning
 EMBED_ORDERS = ("first", "last")
-#: ``embed_sparsity`` value that lets the budget choose D' (``edgeprune.embed.auto``)
+#: ``embed_sparsity`` value that lets the budget choose D' (``edgeprune.pruning.embed_auto``)
 AUTO = "auto"
 
 
@@ -52,12 +52,12 @@ def check_embed_settings(cfg) -> None:
         raise UserError(f"unknown embed order {cfg.embed_order!r} (choose from {', '.join(EMBED_ORDERS)})")
     if not isinstance(cfg.embed_refit, bool):
         raise UserError(f"embed refit must be True or False, got {cfg.embed_refit!r}")
-    c = getattr(cfg, "embed_candidates", None)
+    c = cfg.embed_candidates
     if c is not None and (isinstance(c, (str, bytes)) or not hasattr(c, "__len__") or not len(c)
                           or not all(_is_sparsity(v) for v in c)):
         raise UserError(f"embed candidates must be a non-empty list of numbers in [0, 1), got {c!r}")
-    if (is_auto(cfg) or s) and cfg.budget is not None and cfg.budget.get("kind") == "latency":
-        raise UserError(f"--embed-sparsity {s} cannot be priced with --latency (the latency table is measured at "
+    if (is_auto(cfg) or s) and cfg.budget is not None and not cfg.budget.model_class.prices_sliced_models:
+        raise UserError(f"--embed-sparsity {s} cannot be priced with --{cfg.budget.kind} (its table is measured at "
                         "the dense embed dim); use --flops or --params")
     if not is_auto(cfg):
         if c is not None:

@@ -13,8 +13,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from edgeprune.allocation.budget import is_fraction, target_cost
-from edgeprune.allocation.cost import dense_cost
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.distributed import is_distributed
 from edgeprune.embed.fold import stream_parts
@@ -54,11 +52,9 @@ def embed_budget(config, anatomy: ViTAnatomy):
     if config.embed_order != "first":
         raise UserError("--embed-order last cannot be combined with --flops/--params (the slice would come on "
                         "top of the budget); use the default order (first)")
-    if not is_fraction(config.budget):
+    if not config.budget.is_fraction:
         return config
-    kind = config.budget["kind"]
-    absolute = target_cost(config.budget, dense_cost(kind, anatomy))
-    return dataclasses.replace(config, budget={"kind": kind, "value": float(absolute)}).validate()
+    return dataclasses.replace(config, budget=config.budget.absolute(config.budget.dense_cost(anatomy))).validate()
 
 
 def embed_stage(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]], config, when: str,
@@ -72,7 +68,7 @@ def embed_stage(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor
     if not config.embed_sparsity or config.embed_order != when:
         return anatomy, config, previous
     anatomy, record = slice_embed(anatomy, batches, config.embed_sparsity, config.round_to, config.embed_refit)
-    if config.budget is not None and dense_cost(config.budget["kind"], anatomy) <= target_cost(config.budget, 0.0):
+    if config.budget is not None and config.budget.dense_cost(anatomy) <= config.budget.target(0.0):
         config = dataclasses.replace(config, budget=None).validate()  # the slice alone meets it
         record["budget_met_by_slice"] = True
     return anatomy, config, record

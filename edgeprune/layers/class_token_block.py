@@ -32,7 +32,7 @@ Whether a prune ends with this block (:func:`class_token_plan`, ``CorpConfig.las
   token(s), classifier or not; an error for others.
 * ``"full"`` -- never.
 
-The allocator prices the planned block (``edgeprune.allocation.cost``): pruning its MLP or its
+The allocator prices the planned block (``edgeprune.budget``): pruning its MLP or its
 queries saves almost nothing there, so a budget is spent on the other blocks. The conversion is
 exact (the output changes by float rounding only) and is applied after the compensation and the
 output bias correction (``edgeprune.api.prune``).
@@ -202,7 +202,7 @@ def class_token_plan(cfg, anatomy) -> dict[int, int]:
         UserError: ``last_block="cls"`` for a model whose output reads more than the leading tokens
             (average/attention pooling, a wrapper such as the ``dinov2-s14`` saliency decoder).
     """
-    mode = getattr(cfg, "last_block", "full")
+    mode = cfg.last_block
     last = anatomy.blocks[-1]
     if mode == "full" or last.query_tokens is not None:
         return {}

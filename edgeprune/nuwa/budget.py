@@ -1,8 +1,8 @@
 """Budget: turn a FLOPs (or params) budget into per-block dims (nuwa §3.3, suppl. §6, 9, 11).
 
 The budget is parsed as ``edgeprune prune`` parses it (a fraction of the base model or an absolute
-count, :mod:`edgeprune.allocation.budget`) and priced by the same registered cost model
-(:mod:`edgeprune.allocation.cost`, wrapped by :class:`PlanCost`): FLOPs are
+count, :mod:`edgeprune.budget.parse`) and priced by the same registered cost model
+(:mod:`edgeprune.budget`, wrapped by :class:`PlanCost`): FLOPs are
 :func:`edgeprune.flops.block_flops` (NuWa's suppl. eq. 13, counted as 2 x MACs) plus patch
 embedding and head; params count every weight and bias (:func:`edgeprune.flops.block_params`).
 Both are affine in each block's MLP width, which makes the MLP allowance a closed form:
@@ -20,7 +20,7 @@ candidate with the best held-out accuracy (``edgeprune.nuwa.derive``). A budget 
 even with every dim at ``round_to`` is a :class:`UserError`.
 
 **Measured costs (latency, issue 30).** A cost model that ``needs_table`` (``latency``: a measured,
-interpolated table, :mod:`edgeprune.allocation.latency_cost`) is not affine in the MLP width, so
+interpolated table, :mod:`edgeprune.budget.latency`) is not affine in the MLP width, so
 step 2 has no closed form. :func:`search_mlp_dims` fills by search instead: it tries every level of
 the same water-filling shape (:func:`~edgeprune.nuwa.ofp_mlp.uniform_mlp_dims` of ``u x round_to``
 neurons for u = depth .. sum of the caps' units) and keeps the largest level whose total cost is <=
@@ -41,8 +41,7 @@ import math
 
 import torch.nn as nn
 
-from edgeprune.allocation.budget import is_fraction, kind_unit, target_cost
-from edgeprune.allocation.cost import COST_MODELS, cost_model, dense_cost, dense_dims, total_cost
+from edgeprune.budget import Budget
 from edgeprune.anatomy import ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
 from edgeprune.nuwa.ofp_mha import BlockFactors, energy_ratios, layer_dims, retained_energy
@@ -104,14 +103,13 @@ def _exact(x: float) -> int | float:
 
 
 class PlanCost:
-    """NuWa's view of a registered budget cost model (:mod:`edgeprune.allocation.cost`, the one
+    """NuWa's view of a registered budget cost model (:mod:`edgeprune.budget`, the one
     prune's allocator uses): the cost of the model in ``anatomy`` with per-block (qk, vo, mlp) dims
     replaced, every block keeping its heads.
 
     Args:
         anatomy: the model whose fixed parts (embedding, norms, head -- after head slicing) count.
-        kind: a registered budget kind ("flops", "params", "latency", ...).
-        budget: the budget dict (a kind that ``needs_table`` reads its table's path from it).
+        budget: the :class:`~edgeprune.budget.Budget` (its kind's cost model prices the plans).
         table_anatomy: for a kind that ``needs_table``: the dense model the table was measured for
             (checked against the table's key; default ``anatomy``). ``anatomy`` may then be the
             SKP anchor, whose MLPs are narrower than the table's key.
@@ -127,16 +125,15 @@ class PlanCost:
             another model shape.
     """
 
-    def __init__(self, anatomy: ViTAnatomy, kind: str, budget: dict | None = None,
-                 table_anatomy: ViTAnatomy | None = None) -> None:
-        self.anatomy, self.kind = anatomy, kind
-        measured = bool(getattr(COST_MODELS.get(kind), "needs_table", False))
-        self.model = cost_model(kind, (table_anatomy or anatomy) if measured else anatomy, budget=budget)
+    def __init__(self, anatomy: ViTAnatomy, budget: Budget, table_anatomy: ViTAnatomy | None = None) -> None:
+        self.anatomy, self.kind = anatomy, budget.kind
+        measured = bool(budget.model_class.needs_table)
+        self.model = budget.cost_model((table_anatomy or anatomy) if measured else anatomy)
         self.fixed = _exact(self.model.fixed_cost())
         self.linear = not measured
-        rules = getattr(self.model, "rules", None)
+        rules = self.model.rules
         self.rules = dict(rules) if rules else None
-        self.lower = dict(self.model.bounds()) if hasattr(self.model, "bounds") else {}
+        self.lower = dict(self.model.bounds())
 
     def block(self, i: int, qk: int, vo: int, mlp: int) -> int | float:
         """Cost of block i with the given dims."""
@@ -207,29 +204,28 @@ def attention_dims(factors: list[BlockFactors], rho: float, grid: DimGrid) -> tu
     return list(qk), list(vo)
 
 
-def measure(model: nn.Module, kind: str, budget: dict | None = None) -> int | float:
-    """The model's actual cost in the units of budget kind ``kind`` (for flops and params:
+def measure(model: nn.Module, budget: Budget) -> int | float:
+    """The model's actual cost in the units of ``budget``'s kind (for flops and params:
     ``edgeprune.flops.model_flops`` / ``count_params``; for latency: the table's prediction of the
-    model at its own dims, which needs ``budget`` for the table and a model of the table's shape)."""
+    model at its own dims, which needs a model of the table's shape)."""
     an = find_anatomy(model)
-    if not getattr(COST_MODELS.get(kind), "needs_table", False):
-        return _exact(dense_cost(kind, an))
-    return float(total_cost(cost_model(kind, an, budget=budget), an, [dense_dims(b) for b in an.blocks]))
+    if not budget.model_class.needs_table:
+        return _exact(budget.dense_cost(an))
+    return float(budget.dense_cost(an))
 
 
-def budget_target(budget: dict, dense: int | float) -> int | float:
+def budget_target(budget: Budget, dense: int | float) -> int | float:
     """The absolute budget of a derivation: ``floor(value x dense)`` for a fraction, ``floor(value)``
-    for a count (:func:`edgeprune.allocation.budget.target_cost`); a kind with a unit (latency, ms)
+    for a count (:meth:`edgeprune.budget.Budget.target`); a kind with a unit (latency, ms)
     is not a count: its target is not floored."""
-    if kind_unit(budget["kind"]) is not None:
-        return float(target_cost(budget, dense))
-    return int(math.floor(target_cost(budget, dense)))
+    if budget.model_class.unit is not None:
+        return float(budget.target(dense))
+    return int(math.floor(budget.target(dense)))
 
 
-def keep_fraction(budget: dict, dense: int | float) -> float:
+def keep_fraction(budget: Budget, dense: int | float) -> float:
     """The budget as a fraction of the base model (the value itself when it is one)."""
-    v = float(budget["value"])
-    return v if is_fraction(budget) else v / dense
+    return budget.value if budget.is_fraction else budget.value / dense
 
 
 def mlp_caps(anchor_sizes: list[int], round_to: int = 8) -> list[int]:
@@ -309,7 +305,7 @@ def measured_record(cost: PlanCost, grid: DimGrid, predicted: float, target: flo
     allocation report: the cost model's own record (table path, key, rules, dense predicted and
     measured ms), the grid and rules applied (:meth:`DimGrid.describe`), how the MLPs were filled,
     and the chosen plan's ``predicted`` cost beside ``target`` and ``dense`` (ms for latency)."""
-    own = cost.model.record() if hasattr(cost.model, "record") else {}
+    own = cost.model.record()
     return {**own, **grid.describe(), "heads_allocated": False,
             "mlp_fill": "search: the largest uniform water-filling level within the budget",
             "predicted": predicted, "target": target, "dense": dense}

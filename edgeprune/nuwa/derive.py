@@ -53,6 +53,7 @@ import torch.nn as nn
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import new_record
 from edgeprune.calibration.collect import collect_statistics
+from edgeprune.budget import Budget
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.errors import UserError
 from edgeprune.flops import count_params, model_flops
@@ -119,15 +120,15 @@ def materialize_anchor(model: nn.Module, keep: Sequence[torch.Tensor]) -> nn.Mod
     return model
 
 
-def check_budget(model: nn.Module, classes, budget: dict, config: DeriveConfig,
+def check_budget(model: nn.Module, classes, budget: Budget, config: DeriveConfig,
                  class_names: Sequence[str] | None = None) -> None:
     """Raises UserError when ``budget`` (:func:`~edgeprune.nuwa.inputs.resolve_budget`) is below
     the smallest derivable model (all dims at ``round_to``), before any training."""
     probe = copy.deepcopy(model).eval()
     cls = resolve_classes(classes, num_classes(probe), class_names)
     apply_head(probe, cls, config.head)
-    dense_cost = budget_mod.measure(model, budget["kind"], budget)
-    budget_mod.check_feasible(budget_mod.PlanCost(find_anatomy(probe), budget["kind"], budget, find_anatomy(model)),
+    dense_cost = budget_mod.measure(model, budget)
+    budget_mod.check_feasible(budget_mod.PlanCost(find_anatomy(probe), budget, find_anatomy(model)),
                               budget_mod.budget_target(budget, dense_cost), dense_cost, config.round_to)
 
 
@@ -226,7 +227,7 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
 
 def derive_from(prep: Prepared, *, flops: float | str | None = None, params: float | str | None = None,
                 latency: float | str | None = None, latency_table: str | None = None,
-                budget: dict | None = None, progress: bool = False) -> DeriveResult:
+                budget: Budget | dict | None = None, progress: bool = False) -> DeriveResult:
     """Stage 6: pick dims for the budget, build and score the candidates, return the best.
 
     The budget is one of ``flops=`` / ``params=`` (a fraction of the base model or a count such as
@@ -238,13 +239,13 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
     """
     cfg = prep.config
     budget = resolve_budget(flops, params, budget=budget, latency=latency, table=latency_table)
-    metric = budget["kind"]
+    metric = budget.kind
     t0 = time.perf_counter()
-    dense_cost = budget_mod.measure(prep.base, metric, budget)
+    dense_cost = budget_mod.measure(prep.base, budget)
     target = budget_mod.budget_target(budget, dense_cost)
     frac = budget_mod.keep_fraction(budget, dense_cost)
     an_anchor = find_anatomy(prep.anchor_model)
-    cost = budget_mod.PlanCost(an_anchor, metric, budget, find_anatomy(prep.base))
+    cost = budget_mod.PlanCost(an_anchor, budget, find_anatomy(prep.base))
     budget_mod.check_feasible(cost, target, dense_cost, cfg.round_to)
     grid = budget_mod.dim_grid(cost, cfg.round_to)
     caps = budget_mod.mlp_caps([len(k) for k in prep.anchor.keep], grid.mlp)
@@ -252,19 +253,19 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
     plans = budget_mod.plan_candidates(cost, prep.factors, caps, target, rhos, cfg.round_to)
     candidates, plan, model = _score_plans(prep, plans)
     if cost.linear:
-        achieved = budget_mod.measure(model, metric)
+        achieved = budget_mod.measure(model, budget)
     else:  # the table's prediction at the derived model's own dims
         blocks = find_anatomy(model).blocks
         achieved = cost.total([b.qk_dim for b in blocks], [b.v_dim for b in blocks], [b.mlp_hidden for b in blocks])
     if achieved > target:  # the cost model and edgeprune.flops disagree: a bug, never a user error
         raise RuntimeError(f"derived model costs {achieved} {metric}, budget {target}")
     search_s = time.perf_counter() - t0
-    budget_rec = {"metric": metric, "value": budget["value"], "keep_fraction": frac, "target": target,
+    budget_rec = {"metric": metric, "value": budget.value, "keep_fraction": frac, "target": target,
                   "achieved": achieved, "achieved_fraction": achieved / dense_cost}
     if cost.linear:
         budget_rec["rounding_step"] = cfg.round_to * cost.per_neuron(0)
     else:
-        budget_rec.update(unit=budget.get("unit"), table=budget.get("table"))
+        budget_rec.update(unit=budget.unit, table=budget.table)
         budget_rec[metric] = budget_mod.measured_record(cost, grid, achieved, target, dense_cost)
     record = _derive_record(prep, plan, model, candidates, budget_rec, caps, search_s)
     return DeriveResult(model=model, anchor_model=prep.anchor_model, anchor=prep.anchor,
@@ -338,7 +339,7 @@ def _derive_record(prep: Prepared, plan: budget_mod.Plan, model: nn.Module, cand
 
 def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.Tensor, labels: torch.Tensor, *,
            flops: float | str | None = None, params: float | str | None = None,
-           latency: float | str | None = None, latency_table: str | None = None, budget: dict | None = None,
+           latency: float | str | None = None, latency_table: str | None = None, budget: Budget | dict | None = None,
            calibration=None,
            config: DeriveConfig | None = None, class_names: Sequence[str] | None = None,
            anchor: Anchor | None = None, spec=None, progress: bool = False) -> DeriveResult:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from edgeprune.allocation.budget import make_budget, validate_budget
+from edgeprune.budget import Budget, make_budget, validate_budget
 from edgeprune.errors import UserError
 from edgeprune.nuwa.head import target_logits, target_predictions
 
@@ -47,13 +47,13 @@ def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
     return out
 
 
-def resolve_budget(flops=None, params=None, budget: dict | None = None, table=None, **kinds) -> dict:
-    """The derivation's budget ``{"kind": K, "value": v}`` from exactly one of ``flops=``,
+def resolve_budget(flops=None, params=None, budget: Budget | dict | None = None, table=None, **kinds) -> Budget:
+    """The derivation's :class:`~edgeprune.budget.Budget` from exactly one of ``flops=``,
     ``params=``, ``<kind>=`` (another registered budget kind, e.g. ``latency=`` with ``table=``, the
     latency table's path), parsed as ``edgeprune prune`` parses them
-    (:func:`edgeprune.allocation.budget.make_budget`): a fraction of the base model in (0, 1] or an
+    (:func:`edgeprune.budget.make_budget`): a fraction of the base model in (0, 1] or an
     absolute count with an optional k/M/G/T suffix (``"2.3G"``; latency: ``"12ms"``); or a ready
-    budget dict ``budget=`` (checked with :func:`edgeprune.allocation.budget.validate_budget`; its
+    budget ``budget=`` (a Budget or its dict form, checked with :func:`edgeprune.budget.validate_budget`; its
     ``unit`` and ``table`` are kept).
 
     Raises:
@@ -64,10 +64,11 @@ def resolve_budget(flops=None, params=None, budget: dict | None = None, table=No
         given = [k for k, v in {"flops": flops, "params": params, **kinds}.items() if v is not None]
         if given:
             raise UserError(f"give exactly one budget: budget= or --{given[0]}, not both")
-        if table is not None and "table" not in budget:
+        if isinstance(budget, Budget):
+            budget = budget.to_dict()
+        if table is not None and isinstance(budget, dict) and "table" not in budget:
             budget = {**budget, "table": table}
-        validate_budget(budget)
-        return {k: budget[k] for k in ("kind", "value", "unit", "table") if budget.get(k) is not None}
+        return validate_budget(budget)
     budget = make_budget(flops, params, table=table, **kinds)
     if budget is None:
         raise UserError("give exactly one budget: --flops or --params (a fraction of the base model to keep, "

@@ -5,9 +5,10 @@
 ``edgeprune.solve.qk_logit``), and -- beyond CORP (corp-v1 §3.4 keeps V) -- V/O head dims and
 whole heads with the same ridge fold on ``proj`` (METHODS.md §5, ``edgeprune.vo``).
 
-The orchestrator sits above the strategies it chooses between (the budgeted allocation,
-``edgeprune.allocation``; sequential calibration, ``edgeprune.sequential``); they and it share the
-low-level steps of ``edgeprune.corp.steps`` / ``edgeprune.corp.qk_solvers``.
+This is the ``corp`` stage of the one-shot prune (``edgeprune.pruning.stages``). It sits above the strategies it
+chooses between (the budgeted allocation, ``edgeprune.allocation``; sequential calibration,
+``edgeprune.sequential``); they and it share the low-level steps of ``edgeprune.corp.steps`` /
+``edgeprune.corp.qk_solvers``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
 from edgeprune.errors import UserError
 from edgeprune.head_compensation import compensate_heads_through_mlp, prepare_refit
 from edgeprune.plan import pruned_modules
+from edgeprune.pruning.config import check_config
 from edgeprune.ranking import get_criterion
 from edgeprune.sequential import sequential_prune
 from edgeprune.solve import qk_logit
@@ -39,7 +41,8 @@ def _qk_gram_bytes(anatomy: ViTAnatomy, num_images: int) -> int:
 
 
 def check_prunable(anatomy: ViTAnatomy, cfg: CorpConfig) -> CorpConfig:
-    """Every check that needs no calibration pass: the config (once, :meth:`CorpConfig.ensure_valid`),
+    """Every check that needs no calibration pass: the config (every section, once:
+    :func:`edgeprune.pruning.config.check_config`),
     ``dims`` against the model, rounding and fused-layout errors, and a reachable budget.
 
     Returns:
@@ -48,7 +51,7 @@ def check_prunable(anatomy: ViTAnatomy, cfg: CorpConfig) -> CorpConfig:
     Raises:
         UserError: as the checks.
     """
-    cfg.ensure_valid()
+    check_config(cfg)
     if cfg.dims is not None and len(cfg.dims) != len(anatomy.blocks):
         raise UserError(f"dims has {len(cfg.dims)} entries, the model has {len(anatomy.blocks)} blocks")
     for b in anatomy.blocks:

@@ -3,7 +3,7 @@
 ``--latency 0.5 --latency-table t.json`` (a fraction of the table's dense latency) or
 ``--latency 12ms`` (absolute milliseconds per batch of the table's ``key["batch"]`` images) is a
 budget ``{"kind": "latency", "value": v[, "unit": "ms"], "table": path}`` that goes through the same
-parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.allocation.budget``,
+parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.budget.parse``,
 ``edgeprune.allocation.greedy``): only the prices differ.
 
 * ``block_cost(b, dims)`` = ``table.block_ms(dims)``: the MLP sub-block at the kept width plus the
@@ -27,8 +27,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from edgeprune.allocation.cost import register_cost_model
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
+from edgeprune.budget.base import CostModel
+from edgeprune.budget.registry import register_cost_model
 from edgeprune.errors import UserError
 from edgeprune.flops import block_flops, with_dims
 from edgeprune.latency.table import LatencyTable
@@ -58,36 +59,41 @@ def load_table(path: str) -> LatencyTable:
 
 
 @register_cost_model("latency")
-class LatencyCost:
+class LatencyCost(CostModel):
     """Predicted latency (ms per batch of ``table.key["batch"]`` images) from a latency table.
 
     Args:
         anatomy: the dense model (checked against the table's key: one-line UserError if another shape).
         query_tokens: ``{block index: T}`` for blocks computing only their first T tokens (module doc).
-        budget: the budget dict; ``budget["table"]`` is the table's path.
+        budget: the :class:`~edgeprune.budget.Budget`; ``budget.table`` is the table's path.
 
     Raises:
         UserError: no table (:data:`MISSING_TABLE`), a missing / malformed table, or a table of
             another model shape.
     """
 
-    name = "latency"
-    unit = "ms"            # absolute latency budgets are written 12ms (edgeprune.allocation.budget)
-    needs_table = True     # the budget dict carries the table's path
+    unit = "ms"            # absolute latency budgets are written 12ms (edgeprune.budget.parse)
+    needs_table = True     # the budget carries the table's path
     missing_table = MISSING_TABLE
     allocates_heads = True  # whole heads are units beside head dims (edgeprune.allocation.rules)
+    prices_sliced_models = False  # the table is measured at the dense embed dim
+    verifiable = True      # the table's backend can bench the pruned model (edgeprune.prune.latency_check)
 
     def __init__(self, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None, *,
-                 budget: dict | None = None) -> None:
-        if not budget or not budget.get("table"):
+                 budget: Any = None) -> None:
+        super().__init__(anatomy, query_tokens)
+        if budget is None or not budget.table:
             raise UserError(MISSING_TABLE)
-        self.path = str(budget["table"])
+        self.path = str(budget.table)
         self.table = load_table(self.path)
         self.table.check_model(anatomy)
         self.n = anatomy.num_tokens
-        self.query_tokens = {b.index: b.query_tokens for b in anatomy.blocks if b.query_tokens is not None}
-        self.query_tokens.update(query_tokens or {})
-        self.rules = dict(self.table.rules)
+        self._rules = dict(self.table.rules)
+
+    @property
+    def rules(self) -> dict[str, Any]:
+        """The table's pruning rules (``mlp_round_to``, ``head_dim_round_to``, ``qk_equals_v``)."""
+        return self._rules
 
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         ms = self.table.block_ms(dims)
@@ -115,15 +121,17 @@ class LatencyCost:
                 "class_token_blocks": ("estimated: full block x FLOPs ratio with the class token only"
                                        if self.query_tokens else None)}
 
+    @classmethod
+    def check_inputs(cls, budget: Any) -> None:
+        """Loads the table (a missing or malformed one: one line, before the model is built)."""
+        load_table(budget.table)
 
-def config_defaults(budget: dict | None) -> dict[str, Any]:
-    """CorpConfig settings a latency budget's table implies when they are not given: the fused
-    layout (Q/K dims = V dims) when its profile's rule ``qk_equals_v`` is set; ``{}`` otherwise
-    (and for other kinds).
+    @classmethod
+    def config_defaults(cls, budget: Any) -> dict[str, Any]:
+        """The fused layout (Q/K dims = V dims) when the table's profile rule ``qk_equals_v`` is set; ``{}``
+        otherwise.
 
-    Raises:
-        UserError: a missing / malformed table.
-    """
-    if not budget or budget.get("kind") != "latency" or not budget.get("table"):
-        return {}
-    return {"layout": "fused"} if load_table(budget["table"]).rules.get("qk_equals_v") else {}
+        Raises:
+            UserError: a missing / malformed table.
+        """
+        return {"layout": "fused"} if load_table(budget.table).rules.get("qk_equals_v") else {}

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from edgeprune.allocation.latency_cost import load_table
+from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
 from edgeprune.latency.measure import cpu_name  # the one CPU-name helper (the table's device_name)
 from exporters.onnx import export_onnx

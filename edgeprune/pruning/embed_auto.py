@@ -33,7 +33,8 @@ from edgeprune.embed.settings import is_auto
 from edgeprune.embed.slice import apply_embed_structure, embed_kept_dim
 from edgeprune.embed.step import embed_budget, refuse_distributed
 from edgeprune.errors import UserError
-from edgeprune.pipeline import check_prunable
+from edgeprune.pruning.corp import check_prunable
+from edgeprune.pruning.run import run_prune
 
 __all__ = ["EMBED_CANDIDATES", "candidate_sparsities", "choose_embed", "is_auto"]
 
@@ -110,14 +111,12 @@ def _dense_reference(model: nn.Module, batches: Callable[[], Iterable[torch.Tens
     return x, out.detach().cpu()
 
 
-def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, config,
-                 batches: Callable[[], Iterable[torch.Tensor]], *, inplace: bool = False, **kwargs: Any) -> Any:
-    """``edgeprune.prune`` with ``embed_sparsity="auto"``: one whole prune per candidate (module doc),
-    the one with the smallest check error returned.
+def choose_embed(model: nn.Module, calibration: Any, config, batches: Callable[[], Iterable[torch.Tensor]], *,
+                 inplace: bool = False, **kwargs: Any) -> tuple[nn.Module, dict]:
+    """``edgeprune.prune`` with ``embed_sparsity="auto"``: one whole prune (:func:`~edgeprune.pruning.run.run_prune`)
+    per candidate (module doc), the one with the smallest check error returned.
 
     Args:
-        prune: ``edgeprune.api.prune`` (called as ``prune(model, calibration, candidate_config, **kwargs)``;
-            passed in to avoid an import loop).
         model: the dense model (not modified).
         calibration: as for ``prune``.
         config: a valid :class:`~edgeprune.corp.CorpConfig` with ``embed_sparsity="auto"``.
@@ -149,11 +148,11 @@ def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, 
     best = None
     for s, dim in kept:
         t = time.perf_counter()
-        result = prune(model, calibration, _fixed(config, s), **kwargs)
+        result = run_prune(model, calibration, _fixed(config, s), **kwargs)
         with torch.no_grad():
-            err = output_error(output_tensor(result.model(x)), dense_out)
+            err = output_error(output_tensor(result[0](x)), dense_out)
         rows.append({"embed_sparsity": s, "embed_dim": dim,
-                     "budget_fraction": _achieved(result.record, config.budget["kind"]),
+                     "budget_fraction": _achieved(result[1], config.budget.kind),
                      "check_error": err, "seconds": time.perf_counter() - t})
         if best is None or err < best[0]:  # ties: the smaller sparsity (candidates ascend)
             best = (err, s, dim, result)
@@ -161,9 +160,9 @@ def choose_embed(prune: Callable[..., Any], model: nn.Module, calibration: Any, 
         raise UserError("--embed-sparsity auto: no candidate left (" + "; ".join(
             f"{r['embed_sparsity']:g}: {r['reason']}" for r in skipped) + ")")
     _err, s, dim, result = best
-    result.record["embed_auto"] = {
+    result[1]["embed_auto"] = {
         "asked": "auto", "chosen": s, "embed_dim": dim, "images": int(x.shape[0]), "candidates": rows,
         "skipped": skipped, "seconds": time.perf_counter() - t0,
         "rule": "lowest relative squared error of the final output vs the dense model on the check images "
-                "(edgeprune.embed.auto, measure of edgeprune.allocation.select)"}
+                "(edgeprune.pruning.embed_auto, measure of edgeprune.allocation.select)"}
     return result

@@ -1,0 +1,119 @@
+"""The one-shot prune's config: which stage reads which setting (the sections), the one check of all of them, and
+the builder of the Python API's keyword form.
+
+The settings are one flat :class:`~edgeprune.corp.CorpConfig` (it is the run record's ``config`` and the Python
+API's keywords); its fields fall into the sections below, each checked by the package that owns it:
+
+======================  =========================================================  ================================
+section                 fields                                                      checked by
+======================  =========================================================  ================================
+calibration             gram_dtype, gram_tokens, qk_memory_limit_gb, sequential,    ``edgeprune.corp.config``
+                        sequential_memory_gb
+budget                  budget, allocation_check_images, allocation_sensitivity,    ``edgeprune.budget`` and
+                        allocation_anchors, allocate_heads                          ``edgeprune.allocation.settings``
+corp                    target, the sparsities, layout, criteria, ridge alphas,     ``edgeprune.corp.config``
+                        round_to, qk_solver, compensation, dims
+embed                   embed_sparsity, embed_order, embed_refit, embed_candidates  ``edgeprune.embed.settings``
+output                  bias_correction_images, head_refit, last_block              ``edgeprune.corp.config``
+======================  =========================================================  ================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from edgeprune.allocation.settings import check_allocation_settings
+from edgeprune.budget import budget_kinds, make_budget
+from edgeprune.corp.config import CorpConfig
+from edgeprune.embed.settings import check_embed_settings
+from edgeprune.errors import UserError
+from edgeprune.option_checks import refuse_sparsities_with_budget
+
+#: section -> the CorpConfig fields it holds (module doc); every field is in exactly one
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "calibration": ("gram_dtype", "gram_tokens", "qk_memory_limit_gb", "sequential", "sequential_memory_gb"),
+    "budget": ("budget", "allocation_check_images", "allocation_sensitivity", "allocation_anchors",
+               "allocate_heads"),
+    "corp": ("target", "mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity", "layout", "mlp_criterion",
+             "vo_criterion", "ridge_alpha", "qk_ridge_alpha", "round_to", "qk_solver", "compensation", "dims"),
+    "embed": ("embed_sparsity", "embed_order", "embed_refit", "embed_candidates"),
+    "output": ("bias_correction_images", "head_refit", "last_block"),
+}
+
+#: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)
+SECTION_CHECKS = (check_allocation_settings, check_embed_settings)
+
+_LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
+#: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)
+SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "v", "head_sparsity": "heads"}
+
+#: Target when none is given: with ``--sparsity`` the MLP and Q/K dims (CORP's setting); with a
+#: budget also the V dims, so the allocator can spend it on every prunable dim (on the pretrained
+#: DINOv2 of ``dinov2-s14-fmnist``: +1.5 points top-1 at FLOPs x0.5, +6.1 at x0.4; docs/accuracy.md).
+DEFAULT_TARGET = "both"
+DEFAULT_BUDGET_TARGET = "all"
+
+
+def section(config: CorpConfig, name: str) -> dict[str, Any]:
+    """The fields of one section of ``config`` (:data:`SECTIONS`) as a dict.
+
+    Raises:
+        UserError: an unknown section name.
+    """
+    if name not in SECTIONS:
+        raise UserError(f"unknown config section {name!r} (choose from {', '.join(SECTIONS)})")
+    return {f: getattr(config, f) for f in SECTIONS[name]}
+
+
+def check_config(config: CorpConfig) -> CorpConfig:
+    """Every section of ``config`` checked once (a config unchanged since its last check is not checked again).
+
+    Returns:
+        ``config`` (its budget a :class:`~edgeprune.budget.Budget`).
+
+    Raises:
+        UserError: one line naming the first bad setting.
+    """
+    if config.__dict__.get("_sections_valid_as") == repr(config):
+        return config
+    config.ensure_valid()
+    for check in SECTION_CHECKS:
+        check(config)
+    config.__dict__["_sections_valid_as"] = repr(config)
+    return config
+
+
+def corp_config(target: str | None = None, sparsity: float | None = 0.5, **settings: Any) -> CorpConfig:
+    """A checked :class:`CorpConfig` from the Python API's keyword arguments (``target=``, ``sparsity=``,
+    ``mlp_sparsity=``, ``criterion=``, ``ridge_alpha=`` ...). ``None`` values mean "default".
+
+    ``flops=`` / ``params=`` / ``<kind>=`` for any registered budget kind (``edgeprune.budget``: a fraction of
+    the dense model in (0, 1], or an absolute count; a number or a string such as ``"2.3G"``; ``latency=0.5`` or
+    ``"12ms"`` with ``latency_table="t.json"``, docs/latency_budget.md) set a budget that replaces ``sparsity``:
+    the allocator chooses the kept dims of the target's modules (``edgeprune.allocation``, METHODS.md §5
+    "Budgeted allocation"). The budget's kind may imply settings (a latency table's fused layout) where none are
+    given. ``target=None`` means ``"both"`` (MLP + Q/K) with a sparsity and ``"all"`` (MLP + Q/K + V) with a
+    budget (:data:`DEFAULT_BUDGET_TARGET`).
+
+    Raises:
+        UserError: unknown setting, bad target or sparsity, invalid settings, two budgets, a bad budget value.
+    """
+    budget = make_budget(table=settings.pop("latency_table", None),
+                         **{kind: settings.pop(kind) for kind in budget_kinds() if kind in settings})
+    refuse_sparsities_with_budget(budget and f"{budget.kind}=",
+                                  {f"{k}=": settings.get(k) for k in SPARSITY_KEYS})  # issue 32
+    if budget is not None:
+        settings["budget"] = budget
+        sparsity = None  # the budget replaces the sparsity
+        for key, value in budget.model_class.config_defaults(budget).items():
+            settings[key] = value if settings.get(key) is None else settings[key]
+    if target is None:
+        target = DEFAULT_TARGET if budget is None else DEFAULT_BUDGET_TARGET
+    kw = {_LEGACY.get(key, key): value for key, value in settings.items() if value is not None}
+    return check_config(CorpConfig.from_target(target, sparsity, **kw))
+
+
+def with_budget(config: CorpConfig, budget: Any) -> CorpConfig:
+    """A checked copy of ``config`` with another budget (None: no budget)."""
+    return check_config(dataclasses.replace(config, budget=budget))
