@@ -27,8 +27,8 @@ command and the machine.
 
 Examples::
 
-    python tools/accuracy_table.py --model fmnist-vit --seeds 0,1,2 --heal 0.5,0.4
-    python tools/accuracy_table.py --model dinov2-s14-fmnist --budgets 0.6,0.5,0.4 --seeds 0 \
+    python benchmarks/accuracy_table.py --model fmnist-vit --seeds 0,1,2 --heal 0.5,0.4
+    python benchmarks/accuracy_table.py --model dinov2-s14-fmnist --budgets 0.6,0.5,0.4 --seeds 0 \
         --eval-size 1000 --methods uniform,budgeted,sequential
 """
 
