@@ -1,4 +1,4 @@
-"""tools/accuracy_table.py passes every command-line setting into the CorpConfig of each row.
+"""benchmarks/accuracy_table.py passes every command-line setting into the CorpConfig of each row.
 
 (Sessions 7-8 measured ``--check-images 128`` and ``--anchors 2`` with this tool while both flags
 were parsed and then dropped, so the "no change" they reported compared identical settings.)
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import accuracy_table  # noqa: E402
+from benchmarks import accuracy_table  # noqa: E402
 
 
 def _args(*argv: str):

@@ -75,18 +75,19 @@ def test_torch_runner_reports_the_kernel(fmnist_model):
     assert runner.settings()["attention_kernel"] == f"flash_attention x{len(fmnist_model.blocks)}"
 
 
-def test_bench_gpu_tool_smoke_on_cpu(capsys):
-    """tools/bench_gpu.py runs end to end on the CPU (fp32 eager, tiny settings) and prints one
-    row per batch size with both kernels; without CUDA, --device cuda is a one-line error."""
+def test_bench_latency_torch_backend_smoke_on_cpu(capsys):
+    """benchmarks/bench_latency.py --backend torch runs end to end on the CPU (fp32 eager, tiny
+    settings) and prints one row per batch size with both kernels; without CUDA, --device cuda is a
+    one-line error."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import bench_gpu
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import bench_latency
 
-    code = bench_gpu.main(["--models", "deit_tiny", "--sparsities", "0.5", "--device", "cpu", "--precisions", "fp32",
-                           "--graphs", "eager", "--batch-sizes", "1,2", "--iterations", "2", "--warmup", "0",
-                           "--calib-size", "4"])
+    code = bench_latency.main(["--backend", "torch", "--models", "deit_tiny", "--sparsities", "0.5", "--device",
+                               "cpu", "--precisions", "fp32", "--graphs", "eager", "--batch-sizes", "1,2",
+                               "--iterations", "2", "--warmup", "0", "--calib-size", "4"])
     out = capsys.readouterr().out
     assert code == 0
     rows = [line for line in out.splitlines() if line.startswith("| deit_tiny")]
@@ -94,4 +95,4 @@ def test_bench_gpu_tool_smoke_on_cpu(capsys):
     if KNOWN:
         assert all(r.rstrip(" |").endswith("math x12") for r in rows)
     if not torch.cuda.is_available():
-        assert bench_gpu.main(["--device", "cuda"]) == 2
+        assert bench_latency.main(["--backend", "torch", "--device", "cuda"]) == 2

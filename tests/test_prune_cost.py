@@ -140,13 +140,13 @@ def test_fused_qk_grams_equal_per_head_products():
 
 
 def test_bench_prune_cost_reports_the_issue_29_bounds():
-    """tools/bench_prune_cost.py marks each row against its bound (CPU: deit_small both@0.5,
+    """benchmarks/bench_prune_cost.py marks each row against its bound (CPU: deit_small both@0.5,
     default settings, 1-2 threads, <= 2.0x at 256-767 images, <= 1.5x from 768) and prints one
     met / NOT met / not measured line per bound. No timing is run here."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_prune_cost.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_prune_cost.py"
     spec = importlib.util.spec_from_file_location("bench_prune_cost", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

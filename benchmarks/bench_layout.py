@@ -22,9 +22,9 @@ the FLOPs as above), on the Fashion-MNIST test split.
 
 Examples::
 
-    python tools/bench_layout.py                                  # DeiT-S speed, a few minutes
-    python tools/bench_layout.py --models deit_small_patch16_224 --rounds 5 --skip-ort  # smoke
-    python tools/bench_layout.py --accuracy --skip-speed          # fmnist-vit accuracy only
+    python benchmarks/bench_layout.py                                  # DeiT-S speed, a few minutes
+    python benchmarks/bench_layout.py --models deit_small_patch16_224 --rounds 5 --skip-ort  # smoke
+    python benchmarks/bench_layout.py --accuracy --skip-speed          # fmnist-vit accuracy only
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout without reinstalling
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks import common  # noqa: E402
 
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.flops import model_flops  # noqa: E402
@@ -184,11 +184,9 @@ def _ort_times(models: dict, x: torch.Tensor, args: argparse.Namespace) -> dict[
 def accuracy(args: argparse.Namespace) -> None:
     from edgeprune.api import prune
     from edgeprune.evaluate import evaluate
-    from edgeprune.zoo.registry import get_model_spec
 
     torch.set_num_threads(args.threads)
-    spec = get_model_spec("fmnist-vit")
-    dense = spec.create(pretrained=True)
+    spec, dense = common.model("fmnist-vit")
     an = find_anatomy(dense)
     b0 = an.blocks[0]
     calib = spec.calibration_source(args.calib_size, seed=0)

@@ -15,20 +15,21 @@ plus derivation times. SKP, the calibration statistics and the SVD factors are c
 sub-task (``prepare``) and shared by its three budgets (as in nuwa §4.2); the table lists the shared
 time and the per-budget time separately.
 
-    python tools/bench_nuwa.py --skp-steps 300 --out-json bench_nuwa.json --out-md bench_nuwa.md
+    python benchmarks/bench_nuwa.py --skp-steps 300 --out-json bench_nuwa.json --out-md bench_nuwa.md
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from edgeprune.atomic import atomic_write_text
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks import common  # noqa: E402
 
 
 def corp_sparsity_for(base, frac: float, round_to: int = 8) -> tuple[float | None, int]:
@@ -91,8 +92,7 @@ def main(argv=None) -> int:
         print(f"warning: {WEIGHTS} has no test_top1 metadata -- untrained placeholder?", file=sys.stderr)
     elif meta.get("partial") == "true":
         print(f"warning: {WEIGHTS} is a partial checkpoint (epochs {meta.get('epochs')})", file=sys.stderr)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    fracs = [float(f) for f in args.flops.split(",")]
+    sizes, fracs = common.ints(args.sizes), common.floats(args.flops)
     base = create_fmnist_vit(pretrained=True)
     xtr, ytr = load_split("train", args.data)
     xte, yte = load_split("test", args.data)
@@ -167,15 +167,15 @@ def main(argv=None) -> int:
             lines.append(f"| {k} | {f:.1f} | {pct(mean('base'))} | {pct(mean('anchor'))} | {pct(mean('nuwa'))} | "
                          f"{'-' if args.no_corp else pct(mean('corp'))} |")
     md = "\n".join(lines)
-    cmd = "python tools/bench_nuwa.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python benchmarks/bench_nuwa.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": cmd, "weights_metadata": meta, "settings": vars(args), "total_s": total_s,
-              "host": platform.platform(), "torch_threads": torch.get_num_threads(), "rows": rows}
+              "torch_threads": torch.get_num_threads(), "rows": rows}
     print(md)
     print(f"\ntotal {total_s:.0f} s; command: {cmd}")
     if args.out_json:
-        atomic_write_text(args.out_json, json.dumps(result, indent=2) + "\n")
+        common.write_json(args.out_json, result, "bench_nuwa", argv)
     if args.out_md:
-        atomic_write_text(args.out_md, f"{md}\n\ncommand: `{cmd}`; total {total_s:.0f} s\n")
+        common.atomic_write_text(args.out_md, f"{md}\n\ncommand: `{cmd}`; total {total_s:.0f} s\n")
     return 0
 
 

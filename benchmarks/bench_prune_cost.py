@@ -1,7 +1,7 @@
 """Pruning cost: whole ``edgeprune.prune`` (CORP) next to one dense forward pass over the same images.
 
-    python tools/bench_prune_cost.py --models deit_small --sizes 256 --threads 1,2
-    python tools/bench_prune_cost.py --models deit_small,deit_base --sizes 64,256,1024 --devices cpu,cuda
+    python benchmarks/bench_prune_cost.py --models deit_small --sizes 256 --threads 1,2
+    python benchmarks/bench_prune_cost.py --models deit_small,deit_base --sizes 64,256,1024 --devices cpu,cuda
 
 For each model (timm, seeded random init, as ``--random-init``), calibration size (seeded random
 images, 224 x 224), thread count and device: a dense forward pass over the calibration images
@@ -27,7 +27,6 @@ recognise it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -35,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks import common  # noqa: E402
 
 import edgeprune.pipeline as corp  # noqa: E402  (the pipeline's names of the CORP steps)
 from edgeprune.api import prune  # noqa: E402
 from edgeprune.solve import mlp_ridge  # noqa: E402
-from edgeprune.zoo.registry import get_model_spec  # noqa: E402
 from runners.base import peak_rss_mb, reset_peak_rss  # noqa: E402
 
 MODELS = {"deit_small": "deit_small_patch16_224", "deit_base": "deit_base_patch16_224",
@@ -170,10 +169,8 @@ def one_prune(model, spec, images, args, device: torch.device) -> dict:
 
 def run_case(model_key: str, n: int, threads: int, device: torch.device, args) -> dict:
     torch.set_num_threads(threads)
-    spec = get_model_spec(MODELS[model_key], None, True)
-    model = spec.create(pretrained=True).eval()
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(n, 3, 224, 224, generator=g)
+    spec, model = common.model(MODELS[model_key], random_init=True)
+    images = common.noise(spec, n, 0)
     dense, dense_cpu, prunes = [], [], []
     for _ in range(args.repeats):
         wall, cpu = dense_pass(model, images, args.batch_size, device)
@@ -260,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary(rows):
         print(line, flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows,
-                                               "bounds": summary(rows)}, indent=1))
+        common.write_json(args.json, {"torch": torch.__version__, "rows": rows, "bounds": summary(rows)},
+                          "bench_prune_cost", argv)
     return 0
 
 

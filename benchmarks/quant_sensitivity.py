@@ -9,23 +9,22 @@ Markdown table per smoothing setting, optionally writes the rows as JSON.
 Example (exported files carry the model name, calibration record and preprocessing)::
 
     edgeprune export runs/dv2-flops05 -o /tmp/dv2/pruned.onnx
-    python tools/quant_sensitivity.py /tmp/dv2/pruned.onnx --calib-size 256 --eval-size 500 \\
+    python benchmarks/quant_sensitivity.py /tmp/dv2/pruned.onnx --calib-size 256 --eval-size 500 \\
         --smooth none,0.5,search --threads 1 --json /tmp/dv2/sens.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout without reinstalling
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks import common  # noqa: E402
 
 
 def parse_smooth(text: str) -> list:
@@ -176,12 +175,12 @@ def main(argv=None) -> int:
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = None if y is None else np.asarray(y)
     base = onnx.load(str(args.onnx))
-    out: dict = {"command": " ".join(["python tools/quant_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]),
+    out: dict = {"command": " ".join(["python benchmarks/quant_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]),
                  "calibration": info, "eval_size": len(x), "settings": {}}
     if args.variants:
         print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | GEMM FLOPs int8 (%) | kept float |")
         print("|---|---:|---:|---:|---:|---:|---|", flush=True)
-        out["variants"] = run_variants(base, calib, x, y, args.variants.split(","), args.threads,
+        out["variants"] = run_variants(base, calib, x, y, common.names(args.variants), args.threads,
                                        args.batch_size, args.sensitivity_images)
     for smooth in ([] if args.variants else parse_smooth(args.smooth)):
         model = sens.copy_model(base)
@@ -204,7 +203,7 @@ def main(argv=None) -> int:
     out["seconds"] = time.perf_counter() - t0
     print(f"total {out['seconds'] / 60:.1f} min", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        common.write_json(args.json, out, "quant_sensitivity", argv)
     return 0
 
 

@@ -19,7 +19,7 @@ measured ORT latency ratio; matplotlib is optional), with the command and the ma
 
 Example::
 
-    python tools/pareto.py --model dinov2-s14-fmnist --img-size 112 --table runs/tables/dinov2-112-cpu.json \\
+    python benchmarks/pareto.py --model dinov2-s14-fmnist --img-size 112 --table runs/tables/dinov2-112-cpu.json \\
         --budgets 0.8,0.7,0.6,0.5 --seeds 0,1 --eval-size 1000 --out docs/latency_pareto
 """
 
@@ -34,9 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout without reinstalling
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks import common  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -46,7 +46,6 @@ from edgeprune.allocation.latency_cost import load_table  # noqa: E402
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.evaluate import evaluate  # noqa: E402
 from edgeprune.latency.verify import cpu_name, measure_pair  # noqa: E402
-from edgeprune.zoo.registry import get_model_spec  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,17 +80,15 @@ def measure(dense, pruned, key: dict, input_shape, iterations: int, cuda_batch: 
 
 
 def run(args) -> list[dict]:
-    spec = get_model_spec(args.model, random_init=args.random_init,
-                          **({"img_size": args.img_size} if args.img_size else {}))
-    dense = spec.create(pretrained=not args.random_init).eval()
+    spec, dense = common.model(args.model, random_init=args.random_init, img_size=args.img_size)
     key = load_table(args.table).key
     ev = None if args.no_eval else spec.eval_source(None, n=args.eval_size)
     dense_m = None if ev is None else evaluate(spec, dense, ev)
     rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    for seed in common.ints(args.seeds):
         n = args.calib_size or spec.default_calib_size
         calib = spec.calibration_source(n, seed=seed)
-        for b in [float(x) for x in args.budgets.split(",")]:
+        for b in common.floats(args.budgets):
             for kind in args.allocations.split(","):
                 kw = {"flops": b} if kind == "flops" else {"latency": b, "latency_table": args.table}
                 t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """CORP benchmark: quality, params, FLOPs and pruning cost on the zoo models.
 
-    python tools/bench_corp.py --model fmnist-vit --json runs/bench_corp_fmnist.json
-    python tools/bench_corp.py --model dinov2-s14 --calib-size 64 --json runs/bench_corp_dinov2.json
+    python benchmarks/bench_corp.py --model fmnist-vit --json runs/bench_corp_fmnist.json
+    python benchmarks/bench_corp.py --model dinov2-s14 --calib-size 64 --json runs/bench_corp_dinov2.json
 
 For each sparsity (0.3, 0.5, 0.7) and target (mlp, attn, both), with and without compensation:
 top-1 on the Fashion-MNIST test split (fmnist-vit, calibration on train images) or saliency /
@@ -14,19 +14,18 @@ right before, same threads), and the peak RSS during pruning. Prints markdown ta
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from edgeprune.atomic import atomic_write_text  # noqa: E402
+from benchmarks import common  # noqa: E402
+
 from edgeprune.api import prune  # noqa: E402
 from edgeprune.evaluate import evaluate  # noqa: E402
-from edgeprune.zoo.registry import get_model_spec  # noqa: E402
 from runners.base import peak_rss_mb, reset_peak_rss  # noqa: E402
 
 
@@ -57,19 +56,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    spec = get_model_spec(args.model)
+    spec, dense = common.model(args.model)
     n = args.calib_size or {"fmnist-vit": 512, "dinov2-s14": 64}.get(args.model, 256)
     calib = spec.calibration_source(n, seed=0)
     ev = spec.eval_source(n=args.eval_size)
-    dense = spec.create()
     rows = []
     dense_q = None
     if spec.output_kind != "saliency":
         dense_q = evaluate(spec, dense, ev)
     print(f"# {args.model}: calibration {calib.description}; evaluation {ev.description}; "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    for s in [float(v) for v in args.sparsities.split(",")]:
-        for target in args.targets.split(","):
+    for s in common.floats(args.sparsities):
+        for target in common.names(args.targets):
             for comp in (False, True):
                 fwd = dense_pass_seconds(dense, calib, args.batch_size)
                 reset_peak_rss()
@@ -104,10 +102,8 @@ def main() -> None:
               f"{r['prune_s'] / r['dense_pass_s']:.2f} | {r['peak_rss_mb']:.0f} |")
     print(f"\ndense: {rows[0]['dense_params'] / 1e6:.3f} M params, {rows[0]['dense_flops'] / 1e9:.3f} GFLOPs")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.json, json.dumps({"model": args.model, "dense": dense_q, "rows": rows,
-                                               "calibration": calib.description,
-                                               "evaluation": ev.description}, indent=2))
+        common.write_json(args.json, {"model": args.model, "dense": dense_q, "rows": rows,
+                                      "calibration": calib.description, "evaluation": ev.description}, "bench_corp")
 
 
 if __name__ == "__main__":

@@ -27,17 +27,14 @@ command and the machine.
 
 Examples::
 
-    python tools/accuracy_table.py --model fmnist-vit --seeds 0,1,2 --heal 0.5,0.4
-    python tools/accuracy_table.py --model dinov2-s14-fmnist --budgets 0.6,0.5,0.4 --seeds 0 \
+    python benchmarks/accuracy_table.py --model fmnist-vit --seeds 0,1,2 --heal 0.5,0.4
+    python benchmarks/accuracy_table.py --model dinov2-s14-fmnist --budgets 0.6,0.5,0.4 --seeds 0 \
         --eval-size 1000 --methods uniform,budgeted,sequential
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -45,11 +42,9 @@ import time
 import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout without reinstalling
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from tools.quant_table import _cpu_name  # noqa: E402  (the one CPU-name helper of the tools)
+from benchmarks import common  # noqa: E402
 
 METHODS = ("nocomp", "uniform", "budgeted", "sequential")
 
@@ -91,23 +86,6 @@ def uniform_sparsity_for(anatomy, budget: float, round_to: int) -> float:
     return best[0]
 
 
-def evaluate_cached(model, batches, dense_preds=None) -> dict:
-    """top-1 and agreement over pre-loaded (x, y) batches."""
-    import torch
-
-    correct = agree = n = 0
-    preds = []
-    with torch.no_grad():
-        for i, (x, y) in enumerate(batches):
-            p = model(x).argmax(-1)
-            preds.append(p)
-            correct += int((p == y).sum())
-            if dense_preds is not None:
-                agree += int((p == dense_preds[i]).sum())
-            n += x.shape[0]
-    return {"top1": correct / n, "agreement": agree / n if dense_preds is not None else 1.0, "preds": preds}
-
-
 def config_for(args, method: str, budget: float, s_uni: float):
     """The CorpConfig of one row: uniform / nocomp at the uniform sparsity ``s_uni`` meeting the
     budget, or budgeted / sequential at the FLOPs budget, with every setting of the command line
@@ -134,17 +112,14 @@ def run(args, log) -> list[dict]:
     import edgeprune
     from edgeprune.anatomy import find_anatomy
     from edgeprune.heal.trainer import heal
-    from edgeprune.zoo.registry import get_model_spec
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = get_model_spec(args.model, img_size=args.img_size) if args.img_size else get_model_spec(args.model)
-    dense = spec.create(pretrained=True).eval()
+    spec, dense = common.model(args.model, img_size=args.img_size)
     anatomy = find_anatomy(dense)
-    ev = spec.eval_source(None, n=args.eval_size)
-    batches = [(x, y) for x, y in ev.batches(args.eval_batch)]
+    batches = common.eval_batches(spec, args.eval_size, args.eval_batch)
     t0 = time.perf_counter()
-    d = evaluate_cached(dense, batches)
+    d = common.top1(dense, batches)
     log(f"dense top-1 {d['top1'] * 100:.2f}% on {sum(len(y) for _, y in batches)} images "
         f"({time.perf_counter() - t0:.0f} s)")
     rows = [{"budget": 1.0, "method": "dense", "flops": 1.0, "params": 1.0, "top1": [d["top1"]],
@@ -165,7 +140,7 @@ def run(args, log) -> list[dict]:
                 rec = res.record
                 row["flops"] = rec["flops"] / rec["dense_flops"]
                 row["params"] = rec["params"] / rec["dense_params"]
-                m = evaluate_cached(res.model, batches, d["preds"])
+                m = common.top1(res.model, batches, d["preds"])
                 row["top1"].append(m["top1"])
                 row["agreement"].append(m["agreement"])
                 msg = (f"FLOPs x{budget:g} {label:10} seed {seed}: achieved FLOPs x{row['flops']:.3f} "
@@ -184,7 +159,7 @@ def run(args, log) -> list[dict]:
                 if budget in heal_at and method != "nocomp":
                     t1 = time.perf_counter()
                     healed = heal(res.model, dense, calib).model
-                    h = evaluate_cached(healed.eval(), batches, d["preds"])
+                    h = common.top1(healed.eval(), batches, d["preds"])
                     row["healed"].append(h["top1"])
                     msg += f"; healed top-1 {h['top1'] * 100:.2f}% ({time.perf_counter() - t1:.0f} s)"
                 log(msg)
@@ -204,7 +179,7 @@ def _stat(values: list[float]) -> str:
 def render(rows: list[dict], args, argv: list[str], machine: str, minutes: float) -> str:
     n_seeds = len(args.seeds.split(","))
     lines = [
-        "Command: `" + " ".join(["python tools/accuracy_table.py", *(shlex.quote(a) for a in argv)]) + "`",
+        "Command: `" + " ".join(["python benchmarks/accuracy_table.py", *(shlex.quote(a) for a in argv)]) + "`",
         f"Machine: {machine}. {n_seeds} calibration seed(s) ({args.calib_size or 'default'} images each); "
         f"evaluation on {args.eval_size or 'all'} held-out images, the same for every row. Total {minutes:.0f} min.",
         "",
@@ -217,18 +192,6 @@ def render(rows: list[dict], args, argv: list[str], machine: str, minutes: float
         lines.append(f"| x{r['budget']:g} | {method} | x{r['flops']:.3f} | x{r['params']:.3f} | {_stat(r['top1'])} | "
                      f"{_stat(r['agreement'])} | {_stat(r['healed'])} | {statistics.fmean(r['seconds']):.1f} |")
     return "\n".join(lines)
-
-
-def write_doc(doc: Path, model: str, block: str) -> None:
-    from edgeprune.atomic import atomic_write_text
-
-    start, end = f"<!-- accuracy_table:{model}:start -->", f"<!-- accuracy_table:{model}:end -->"
-    text = doc.read_text() if doc.exists() else "# Accuracy at a FLOPs budget\n"
-    if start not in text or end not in text:
-        text = text.rstrip() + f"\n\n## {model}\n\n{start}\n{end}\n"
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    atomic_write_text(doc, f"{head}{start}\n{block}\n{end}{tail}")
 
 
 def main(argv=None) -> int:
@@ -265,7 +228,7 @@ def main(argv=None) -> int:
                    help="modules the budgeted methods allocate: all = MLP + Q/K + V dims (what --flops "
                         "does by default), both = MLP + Q/K")
     p.add_argument("--threads", type=int, default=0, help="torch threads [torch's default]")
-    p.add_argument("--doc", type=Path, default=REPO / "docs" / "accuracy.md")
+    p.add_argument("--doc", type=Path, default=common.REPO / "docs" / "accuracy.md")
     p.add_argument("--no-doc", action="store_true", help="print only")
     args = p.parse_args(argv)
     argv_used = sys.argv[1:] if argv is None else list(argv)
@@ -274,14 +237,11 @@ def main(argv=None) -> int:
         p.error(f"unknown method(s) {', '.join(bad)}")
     t0 = time.perf_counter()
     rows = run(args, lambda s: print(s, flush=True))
-    import torch
-
-    machine = (f"{_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with "
-               f"{torch.get_num_threads()} threads")
-    block = render(rows, args, argv_used, machine, (time.perf_counter() - t0) / 60)
+    block = render(rows, args, argv_used, common.machine(), (time.perf_counter() - t0) / 60)
     print("\n" + block)
     if not args.no_doc:
-        write_doc(args.doc, args.model, block)
+        common.write_between(args.doc, f"<!-- accuracy_table:{args.model}:start -->",
+                             f"<!-- accuracy_table:{args.model}:end -->", block, heading=f"## {args.model}")
         print(f"\nwritten to {args.doc}")
     return 0
 

@@ -1,7 +1,7 @@
 """Q/K compensation solvers side by side: float64 Cholesky of the d'^2 x d'^2 system vs matrix-free CG.
 
-    python tools/bench_qk_solver.py --model dinov2-s14 --threads 1
-    python tools/bench_qk_solver.py --model fmnist-vit --threads 1
+    python benchmarks/bench_qk_solver.py --model dinov2-s14 --threads 1
+    python benchmarks/bench_qk_solver.py --model fmnist-vit --threads 1
 
 Part 1 (per head): one calibration pass stores the per-image Q/K Grams; for each attention
 sparsity every head's exact system (corp-v1 eq. 29) is solved both ways, alternating, and the
@@ -21,7 +21,6 @@ same images, alternating, twice; the table gives the median ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,26 +28,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench_corp import dense_pass_seconds  # noqa: E402  (tools/ is on sys.path when run as a script)
+from benchmarks import common  # noqa: E402
+from benchmarks.bench_corp import dense_pass_seconds  # noqa: E402
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.api import prune  # noqa: E402
-from edgeprune.atomic import atomic_write_text  # noqa: E402
 from edgeprune.calibration.collect import collect_statistics  # noqa: E402
 from edgeprune.corp import CorpConfig, plan_corp  # noqa: E402
 from edgeprune.plan import pruned_indices  # noqa: E402
 from edgeprune.solve import qk_logit, qk_logit_cg  # noqa: E402
-from edgeprune.zoo.registry import get_model_spec  # noqa: E402
 
 
 def _calibration(spec, n: int, seed: int):
-    if spec.name in ("fmnist-vit", "dinov2-s14"):
-        return spec.calibration_source(n, seed=seed)
+    if spec.name in common.ZOO:
+        return common.calibration(spec, n, seed)
     from edgeprune.data.sources import TensorSource
 
-    x = torch.randn(n, *spec.input_size, generator=torch.Generator().manual_seed(seed))
-    return TensorSource(x, None, f"{n} Gaussian-noise images (random-init model)")
+    return TensorSource(common.noise(spec, n, seed), None, f"{n} Gaussian-noise images (random-init model)")
 
 
 def per_head(model, calib, sparsities, batch_size: int, alpha: float) -> list[dict]:
@@ -144,9 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    sparsities = [float(s) for s in args.sparsities.split(",") if s.strip()]
-    spec = get_model_spec(args.model, random_init=args.model not in ("fmnist-vit", "dinov2-s14"))
-    model = spec.create(pretrained=True).eval()
+    sparsities = common.floats(args.sparsities)
+    spec, model = common.model(args.model, random_init=args.model not in common.ZOO)
     n = args.calib_size or (512 if args.model == "fmnist-vit" else 64)
     calib = _calibration(spec, n, args.seed)
     print(f"{args.model}: {calib.description}, torch threads {torch.get_num_threads()}", file=sys.stderr)
@@ -177,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in cost:
             print(f"| {r['statistics']} | {r['seconds']:.1f} | {r['dense_pass_s']:.1f} | {r['ratio']:.2f} |")
     if args.json:
-        atomic_write_text(args.json, json.dumps({"tool": "bench_qk_solver", "argv": sys.argv, "model": args.model,
-                                                 "calib_size": n, "threads": torch.get_num_threads(),
-                                                 "per_head": heads, "end_to_end": e2e, "calibration_pass": cost}, indent=2) + "\n")
+        common.write_json(args.json, {"model": args.model, "calib_size": n, "threads": torch.get_num_threads(),
+                                      "per_head": heads, "end_to_end": e2e, "calibration_pass": cost},
+                          "bench_qk_solver", argv)
     return 0
 
 

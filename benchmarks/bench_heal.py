@@ -14,15 +14,13 @@ paper's regime); 1e-4 for dinov2-s14, whose CPU-sized run is only 24 steps (see 
 The dense block-output targets are cached once per model (``DiskTargetCache``) and reused by all
 its heals. Prints markdown tables and writes JSON. Sized for a small CPU box by default::
 
-    python tools/bench_heal.py --json bench_heal.json
-    python tools/bench_heal.py --models fmnist-vit --sparsities 0.5 --fmnist-calib 512 --fmnist-epochs 2
+    python benchmarks/bench_heal.py --json bench_heal.json
+    python benchmarks/bench_heal.py --models fmnist-vit --sparsities 0.5 --fmnist-calib 512 --fmnist-epochs 2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -30,11 +28,9 @@ from pathlib import Path
 
 import torch
 
-from edgeprune.atomic import atomic_write_text
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-
-def _parse_list(s: str, typ=str) -> list:
-    return [typ(x) for x in s.split(",") if x.strip()]
+from benchmarks import common  # noqa: E402
 
 
 def _metric(spec, model, dense, ev) -> dict:
@@ -53,7 +49,6 @@ def _cell(m: dict, kind: str) -> str:
 def bench_model(name: str, args, cache_root: Path) -> dict:
     from edgeprune.api import prune
     from edgeprune.heal import heal
-    from edgeprune.zoo.registry import get_model_spec
 
     cfg = {
         "fmnist-vit": dict(prune_calib=args.fmnist_prune_calib, calib=args.fmnist_calib, epochs=args.fmnist_epochs,
@@ -61,8 +56,7 @@ def bench_model(name: str, args, cache_root: Path) -> dict:
         "dinov2-s14": dict(prune_calib=args.dinov2_prune_calib, calib=args.dinov2_calib, epochs=args.dinov2_epochs,
                            batch=args.dinov2_batch, lr=args.dinov2_lr, eval_size=None),
     }[name]
-    spec = get_model_spec(name)
-    dense = spec.create(pretrained=True)
+    spec, dense = common.model(name)
     prune_calib = spec.calibration_source(cfg["prune_calib"], seed=args.seed, data=args.data)
     heal_calib = spec.calibration_source(cfg["calib"], seed=args.seed, data=args.data)
     ev = spec.eval_source(args.data, n=cfg["eval_size"])
@@ -128,8 +122,8 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=lambda s: _parse_list(s), default=["fmnist-vit", "dinov2-s14"])
-    p.add_argument("--sparsities", type=lambda s: _parse_list(s, float), default=[0.5, 0.7, 0.8])
+    p.add_argument("--models", type=common.names, default=["fmnist-vit", "dinov2-s14"])
+    p.add_argument("--sparsities", type=common.floats, default=[0.5, 0.7, 0.8])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="Fashion-MNIST directory (default: the installed dataset).")
     p.add_argument("--fmnist-prune-calib", type=int, default=512, help="CORP calibration images (fmnist-vit).")
@@ -172,11 +166,10 @@ def main(argv=None) -> int:
         from edgeprune.zoo.fmnist_vit import WEIGHTS
 
         meta = safe_open(str(WEIGHTS), "pt").metadata() if WEIGHTS.exists() else None
-        atomic_write_text(args.json_out, json.dumps({
-            "command": " ".join(["python", "tools/bench_heal.py", *(argv if argv is not None else sys.argv[1:])]),
+        common.write_json(args.json_out, {
+            "command": " ".join(["python", "benchmarks/bench_heal.py", *(argv if argv is not None else sys.argv[1:])]),
             "results": results, "markdown": md, "total_s": total, "torch": torch.__version__,
-            "threads": args.threads, "machine": platform.platform(), "fmnist_weights": meta,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2, default=str) + "\n")
+            "threads": args.threads, "fmnist_weights": meta}, "bench_heal", argv)
         print(f"wrote {args.json_out}")
     return 0
 

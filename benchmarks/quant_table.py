@@ -23,11 +23,11 @@ fp32 pruned; int8 file <= 0.3x fp32; int8 pruned batch-8 latency <= 0.35x dense 
 
 Example::
 
-    python tools/quant_table.py                       # ~3-4 minutes on a 2-core box
-    python tools/quant_table.py --eval-size 2000 --iterations 30 --no-doc
-    python tools/quant_table.py --model dinov2-s14-fmnist --prune flops@0.5 --eval-size 1000 --threads 2 --iterations 20 --warmup 3
+    python benchmarks/quant_table.py                       # ~3-4 minutes on a 2-core box
+    python benchmarks/quant_table.py --eval-size 2000 --iterations 30 --no-doc
+    python benchmarks/quant_table.py --model dinov2-s14-fmnist --prune flops@0.5 --eval-size 1000 --threads 2 --iterations 20 --warmup 3
     # issue 31: the new default (int8) vs the earlier one (int8-ort), 3 calibration seeds, accuracy only
-    python tools/quant_table.py --variants int8,int8-ort --calib-seeds 0,1,2 --eval-size 2000 --no-latency
+    python benchmarks/quant_table.py --variants int8,int8-ort --calib-seeds 0,1,2 --eval-size 2000 --no-latency
 
 ``int8`` is the default static int8 (the TensorRT recipe of ``exporters.int8_tensorrt`` since
 issue 31), ``int8-ort`` the earlier default (``--recipe ort``). With ``--calib-seeds`` every static
@@ -48,9 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run from a checkout without reinstalling
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from benchmarks import common  # noqa: E402
 
 #: int8 = static, symmetric int8 activations (TensorRT-ready, the default); int8-u8 = static,
 #: asymmetric uint8 activations (``--asymmetric-activations``, ONNX Runtime's x86 U8S8 kernels);
@@ -66,16 +66,6 @@ VARIANT_CONFIG = {"fp16": {"precision": "fp16"}, "int8": {"precision": "int8"},
 START, END = "<!-- quant_table:start -->", "<!-- quant_table:end -->"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def parse_prune(text: str) -> dict:
     """``both@0.5`` (uniform CORP, target both) or ``flops@0.5`` (budgeted: ``--flops 0.5``)."""
     kind, _, value = text.partition("@")
@@ -89,11 +79,9 @@ def _prune_and_export(work: Path, calib_size: int, seed: int, log, model: str, p
                       img_size: int | None) -> dict[tuple[str, str], Path]:
     """Prune ``model`` with CORP and export dense and pruned fp32 ONNX into ``work``."""
     import edgeprune
-    from edgeprune.zoo.registry import get_model_spec
     from exporters.onnx import build_metadata, export_onnx
 
-    spec = get_model_spec(model, img_size=img_size)
-    dense = spec.create()
+    spec, dense = common.model(model, img_size=img_size)
     calib = spec.calibration_source(calib_size, seed=seed)
     t0 = time.perf_counter()
     res = edgeprune.prune(dense, calib, **parse_prune(prune), spec=spec,
@@ -182,7 +170,7 @@ def render(files, acc, lat, batch_sizes, args, machine: str, seconds: float) -> 
     fp32_size = {v: files[(v, "fp32")].stat().st_size for v in ("dense", "pruned")}
     dense_fp32 = {b: lat.get((("dense", "fp32"), b)) for b in batch_sizes}
     lines = [
-        "Command: `" + " ".join(["python tools/quant_table.py", *(shlex.quote(a) for a in args)]) + "`",
+        "Command: `" + " ".join(["python benchmarks/quant_table.py", *(shlex.quote(a) for a in args)]) + "`",
         f"Machine: {machine}. Total run time {seconds / 60:.1f} min.",
         "",
         "| model | precision | top-1 (%) | agreement with fp32 dense (%) | file (MiB) | size / fp32 | "
@@ -224,18 +212,6 @@ def render(files, acc, lat, batch_sizes, args, machine: str, seconds: float) -> 
     return "\n".join(lines)
 
 
-def write_doc(doc: Path, block: str, model: str = "fmnist-vit") -> None:
-    from edgeprune.atomic import atomic_write_text
-
-    START, END = _markers(model)
-    text = doc.read_text() if doc.exists() else f"# Quantization\n\n{START}\n{END}\n"
-    if START not in text or END not in text:
-        text = text.rstrip() + f"\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    atomic_write_text(doc, f"{head}{START}\n{block}\n{END}{tail}")
-
-
 def _markers(model: str) -> tuple[str, str]:
     """The doc markers of one model's table (fmnist-vit keeps the original ones)."""
     if model == "fmnist-vit":
@@ -257,7 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--doc", type=Path, default=REPO / "docs" / "quantization.md")
+    p.add_argument("--doc", type=Path, default=common.REPO / "docs" / "quantization.md")
     p.add_argument("--no-doc", action="store_true", help="print only")
     p.add_argument("--img-size", type=int, default=None, help="input side of dinov2-s14-fmnist [224]")
     p.add_argument("--calib-seeds", default="0", help="calibration seeds of the static int8 variants [0]")
@@ -268,7 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", default="dense,pruned", help="which fp32 models get the variants [dense,pruned]")
     args = p.parse_args(argv)
     argv_used = sys.argv[1:] if argv is None else list(argv)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = common.ints(args.batch_sizes)
     t0 = time.perf_counter()
 
     from edgeprune.zoo.registry import get_model_spec
@@ -298,7 +274,7 @@ def main(argv=None) -> int:
         timed = {k: v for k, v in files.items() if "@" not in k[1]}
         lat = {} if args.no_latency else latency(timed, batch_sizes, args.iterations, args.warmup,
                                                  input_size=tuple(spec.input_size))
-        machine = (f"{_cpu_name()}, {os.cpu_count()} CPU cores "
+        machine = (f"{common.cpu_name()}, {os.cpu_count()} CPU cores "
                    f"(load average {os.getloadavg()[0]:.1f} at the end), ONNX Runtime {onnxruntime.__version__} "
                    f"CPUExecutionProvider, 1 intra-op thread, Python {platform.python_version()}; top-1 on "
                    f"{ev.description}; model {args.model}, pruned {args.prune}, "
@@ -306,7 +282,7 @@ def main(argv=None) -> int:
         block = render(files, acc, lat, batch_sizes, argv_used, machine, time.perf_counter() - t0)
     print(block)
     if not args.no_doc:
-        write_doc(args.doc, block, args.marker or args.model)
+        common.write_between(args.doc, *_markers(args.marker or args.model), block)
         print(f"wrote {args.doc}")
     return 0
 

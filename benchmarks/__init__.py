@@ -1,0 +1,1 @@
+"""Benchmark scripts whose tables the docs quote (run each as ``python benchmarks/X.py``)."""
