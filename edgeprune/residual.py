@@ -179,8 +179,9 @@ def resize_stream(anatomy: ViTAnatomy, parts: StreamParts, dim: int) -> None:
         b.block.norm2 = _replace_norm(b.block.norm2, dim, dense)
         old = b.attn
         if not isinstance(old, PrunedAttention):
-            new = PrunedAttention(old.qkv.in_features, b.num_heads, b.qk_dim, b.v_dim, qkv_bias=old.qkv.bias is not None,
-                                  proj_bias=old.proj.bias is not None, dense_head_dim=b.head_dim)
+            new = PrunedAttention(old.qkv.in_features, b.num_heads, b.qk_dim, b.v_dim,
+                                  qkv_bias=old.qkv.bias is not None, proj_bias=old.proj.bias is not None,
+                                  dense_head_dim=b.head_dim)
             new.qkv, new.proj = old.qkv, old.proj
             b.block.attn = b.attn = new
     setattr(vit, parts.final_norm_name, _replace_norm(parts.final_norm, dim, dense))

@@ -267,7 +267,8 @@ def test_checker_finds_package_loops_and_uphill_imports(tmp_path):
     assert sorted(comp for comp, _ in loops) == [["edgeprune.api", "edgeprune.core", "edgeprune.errors"],
                                                   ["edgeprune.feat", "edgeprune.feat2"]]
     cycle = next(cyc for comp, cyc in loops if "edgeprune.api" in comp)
-    assert [(a, b) for a, b, _ in cycle] == [("edgeprune.api", "edgeprune.core"), ("edgeprune.core", "edgeprune.errors"),
+    assert [(a, b) for a, b, _ in cycle] == [("edgeprune.api", "edgeprune.core"),
+                                             ("edgeprune.core", "edgeprune.errors"),
                                              ("edgeprune.errors", "edgeprune.api")]
     assert cycle[2][2] == "edgeprune/errors.py:2  edgeprune.errors -> edgeprune.api (in a function)"
     up = arch.uphill_imports(p, layers)
