@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 from edgeprune import atomic
 from edgeprune._version import __version__
 from edgeprune.atomic import atomic_dir, file_sha256
-from edgeprune.embed.slice import apply_embed_structure
 from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.residual import apply_embed_structure
 from edgeprune.run_record import validate_record
 from edgeprune.surgery import apply_head_structure, apply_structure
 from edgeprune.zoo.registry import spec_from_record

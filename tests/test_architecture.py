@@ -4,7 +4,10 @@
     imports included); (b) nothing outside ``edgeprune.cli`` imports it; (c) exporters and runners
     depend one way; (d) function-level imports of internal modules only for optional dependencies
     (count printed, ceiling below); (e) no file in edgeprune/, exporters/, runners/ over
-    MAX_FILE_LINES lines; (f) no function over MAX_FUNCTION_LINES lines except the allowlist.
+    MAX_FILE_LINES lines; (f) no function over MAX_FUNCTION_LINES lines except the allowlist;
+    (g) no loop between packages; (h) no import from a lower layer to a higher one, the layer order
+    being the ``layers`` block of docs/architecture.md, which places every package (issue 39); both
+    except the allowlisted edges, which must still be needed.
 
 The logic lives in ``tools/architecture_report.py`` (``python tools/architecture_report.py`` prints
 the same numbers); the limits and allowlists are here, in one place, and nowhere else.
@@ -30,6 +33,21 @@ MAX_FUNCTION_LEVEL_IMPORTS = 0
 LAZY_IMPORTS_ALLOWED: dict = {}
 # {qualified function name (module.Class.function): reason} allowed over MAX_FUNCTION_LINES.
 LONG_FUNCTIONS_ALLOWED: dict = {}
+# {(importer module, target module): reason}: module edges left out of the package checks (g), (h) --
+# uphill imports and package loops that remain in files being rewritten. One entry per edge; the test
+# fails on an entry no longer needed (no such import, or neither uphill nor in a package loop).
+PACKAGE_EDGES_ALLOWED: dict = {
+    # CORP's config validates the allocator's budget and rules (allocation is above corp); each package
+    # should check its own config section
+    ("edgeprune.corp.config", "edgeprune.allocation.budget"): "lead: issue 39 stage/budget refactor",
+    ("edgeprune.corp.config", "edgeprune.allocation.rules"): "lead: issue 39 stage/budget refactor",
+    # ... and the embed slice's settings (embed is above corp)
+    ("edgeprune.corp.config", "edgeprune.embed.settings"): "lead: issue 39 stage/budget refactor",
+    # auto-embed runs the one-shot pipeline, a layer above the embed package
+    ("edgeprune.embed.auto", "edgeprune.pipeline"): "lead: issue 39 stage/budget refactor",
+    # checking a prune's latency reads the latency cost model's table, above the latency package
+    ("edgeprune.latency.verify", "edgeprune.allocation.latency_cost"): "lead: issue 39 stage/budget refactor",
+}
 # -----------------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +60,34 @@ _spec.loader.exec_module(arch)
 @pytest.fixture(scope="module")
 def project():
     return arch.scan(ROOT)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return arch.load_layers(ROOT)
+
+
+def test_no_package_loop(project):
+    loops = arch.package_loops(project, PACKAGE_EDGES_ALLOWED)
+    assert not loops, f"{len(loops)} package loop(s):\n{arch.format_package_loops(loops)}"
+
+
+def test_layers_place_every_package(project, layers):
+    unplaced = arch.unplaced_packages(project, layers)
+    assert not unplaced, f"packages without a line in the layers block of {arch.LAYERS_FILE}: {unplaced}"
+
+
+def test_no_uphill_import(project, layers):
+    found = arch.uphill_imports(project, layers, PACKAGE_EDGES_ALLOWED)
+    assert not found, (f"{len(found)} import(s) from a lower layer to a higher one ({arch.LAYERS_FILE}):\n"
+                       + arch.format_imports(found))
+
+
+def test_package_edge_allowlist_is_current(project, layers):
+    """Every allowlisted edge is still made by an import and is still uphill or in a package loop."""
+    stale = arch.stale_allowed_edges(project, layers, PACKAGE_EDGES_ALLOWED)
+    assert not stale, f"PACKAGE_EDGES_ALLOWED entries no longer needed (remove them): {stale}"
+    assert all(isinstance(r, str) and r.strip() for r in PACKAGE_EDGES_ALLOWED.values())
 
 
 def test_no_import_loop(project):
@@ -101,6 +147,7 @@ def test_report_reads_these_thresholds():
     assert th["MAX_FILE_LINES"] == MAX_FILE_LINES and th["MAX_FUNCTION_LINES"] == MAX_FUNCTION_LINES
     assert th["MAX_FUNCTION_LEVEL_IMPORTS"] == MAX_FUNCTION_LEVEL_IMPORTS
     assert th["LONG_FUNCTIONS_ALLOWED"] == LONG_FUNCTIONS_ALLOWED
+    assert th["PACKAGE_EDGES_ALLOWED"] == PACKAGE_EDGES_ALLOWED
 
 
 # -- the checker itself finds what it must (a synthetic tree, and an injected fault in a copy) ------
@@ -175,3 +222,90 @@ def test_injected_loop_and_cli_import_in_a_copy_are_found(tmp_path):
     in_loop = lambda p: {m for comp, _ in arch.import_loops(p) for m in comp}  # noqa: E731
     assert "edgeprune.errors" not in in_loop(before) and "edgeprune.errors" in in_loop(after)
     assert len(arch.function_level_imports(after)) == len(arch.function_level_imports(before)) + 1
+
+
+_LAYERS_DOC = """Some prose, then the order.
+
+```layers
+edgeprune edgeprune.api      # the top
+edgeprune.feat, edgeprune.feat2
+runners.trt
+runners exporters
+edgeprune.core edgeprune.tc
+edgeprune.errors
+```
+"""
+
+
+def test_checker_finds_package_loops_and_uphill_imports(tmp_path):
+    _write(tmp_path, {
+        "docs/architecture.md": _LAYERS_DOC,
+        "edgeprune/__init__.py": "from edgeprune import api\n",  # a package's __init__ handing on: no edge
+        "edgeprune/api.py": "from edgeprune.core import x\n",
+        "edgeprune/core.py": "from edgeprune import errors\n",
+        "edgeprune/errors.py": "def f():\n    from edgeprune.api import g\n",  # uphill, closes api-core-errors
+        "edgeprune/tc.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from edgeprune import api\n",
+        "edgeprune/feat/__init__.py": "from edgeprune.feat.a import y\n",
+        "edgeprune/feat/a.py": "from edgeprune.feat2.b import z\n",
+        "edgeprune/feat/sub/__init__.py": "from edgeprune.core import x\n",  # part of edgeprune.feat
+        "edgeprune/feat2/__init__.py": "",
+        "edgeprune/feat2/b.py": "from edgeprune.feat import a\n",  # same layer, but a loop
+        "runners/__init__.py": "from runners.trt import backend\n",  # registers a subpackage: no edge
+        "runners/base.py": "from edgeprune import errors\n",
+        "runners/trt/__init__.py": "",
+        "runners/trt/backend.py": "from runners import base\n",
+        "exporters/__init__.py": "",
+        "devices/__init__.py": "",  # not placed
+    })
+    p = arch.scan(tmp_path)
+    layers = arch.load_layers(tmp_path)
+    assert layers[1] == ["edgeprune.feat", "edgeprune.feat2"] and len(layers) == 6
+    assert arch.package_of("edgeprune.feat.sub", p) == "edgeprune.feat"
+    assert arch.package_of("runners.trt.backend", p) == "runners.trt" and arch.package_of("runners", p) == "runners"
+    assert arch.unplaced_packages(p, layers) == ["devices"]
+    loops = arch.package_loops(p)
+    assert sorted(comp for comp, _ in loops) == [["edgeprune.api", "edgeprune.core", "edgeprune.errors"],
+                                                  ["edgeprune.feat", "edgeprune.feat2"]]
+    cycle = next(cyc for comp, cyc in loops if "edgeprune.api" in comp)
+    assert [(a, b) for a, b, _ in cycle] == [("edgeprune.api", "edgeprune.core"),
+                                             ("edgeprune.core", "edgeprune.errors"),
+                                             ("edgeprune.errors", "edgeprune.api")]
+    assert cycle[2][2] == "edgeprune/errors.py:2  edgeprune.errors -> edgeprune.api (in a function)"
+    up = arch.uphill_imports(p, layers)
+    assert [(a, b, i.where()) for a, b, i in up] == [("edgeprune.errors", "edgeprune.api", "edgeprune/errors.py:2")]
+    # excusing the uphill edge removes it from both checks; the same-layer loop stays
+    allowed = {("edgeprune.errors", "edgeprune.api"): "why"}
+    assert arch.uphill_imports(p, layers, allowed) == []
+    assert [comp for comp, _ in arch.package_loops(p, allowed)] == [["edgeprune.feat", "edgeprune.feat2"]]
+    # an allowlist entry is needed while its import exists and is uphill or inside a loop
+    allowed.update({("edgeprune.feat2.b", "edgeprune.feat.a"): "loop", ("edgeprune.api", "edgeprune.feat"): "gone",
+                    ("runners.base", "edgeprune.errors"): "downhill"})
+    assert sorted(arch.stale_allowed_edges(p, layers, allowed)) == [
+        (("edgeprune.api", "edgeprune.feat"), "no such import"),
+        (("runners.base", "edgeprune.errors"), "neither uphill nor in a package loop")]
+
+
+def test_layers_block_is_checked(tmp_path):
+    _write(tmp_path, {"docs/architecture.md": "no block here\n"})
+    with pytest.raises(ValueError, match="no ```layers block"):
+        arch.load_layers(tmp_path)
+    _write(tmp_path, {"docs/architecture.md": "```layers\na b\nc a\n```\n"})
+    with pytest.raises(ValueError, match="a placed twice"):
+        arch.load_layers(tmp_path)
+
+
+def test_injected_uphill_import_in_a_copy_is_found(tmp_path):
+    """A copy of the real packages and layer order with one more function-level import of a feature
+    package in the model core: the checker reports it uphill, and the package loop it closes."""
+    for pkg in arch.PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("*.pyc", "__pycache__", "weights"))
+    _write(tmp_path, {str(arch.LAYERS_FILE): (ROOT / arch.LAYERS_FILE).read_text()})
+    layers = arch.load_layers(tmp_path)
+    before = arch.scan(tmp_path)
+    victim = tmp_path / "edgeprune" / "plan.py"  # allocation.rules imports plan: the new edge closes a loop
+    victim.write_text(victim.read_text() + "\n\ndef _injected():\n    from edgeprune.allocation import rules\n")
+    after = arch.scan(tmp_path)
+    edges = lambda p: {(i.importer, i.target) for _, _, i in arch.uphill_imports(p, layers)}  # noqa: E731
+    assert edges(after) - edges(before) == {("edgeprune.plan", "edgeprune.allocation.rules")}
+    in_loop = lambda p: {m for comp, _ in arch.package_loops(p, PACKAGE_EDGES_ALLOWED) for m in comp}  # noqa: E731
+    assert "edgeprune.plan" not in in_loop(before) and {"edgeprune.plan", "edgeprune.allocation"} <= in_loop(after)

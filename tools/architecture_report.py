@@ -3,8 +3,10 @@
     python tools/architecture_report.py [ROOT]
 
 prints: import loops among the modules of ``edgeprune/``, ``exporters/``, ``runners/``, ``devices/``
-(each with one concrete cycle, file and line of every edge), imports of ``edgeprune.cli`` from
-outside it, the import counts exporters -> runners and runners -> exporters, function-level imports
+(each with one concrete cycle, file and line of every edge), loops between packages and imports
+from a lower layer to a higher one (the layer order read from ``docs/architecture.md``; the
+allowlisted edges listed apart), imports of ``edgeprune.cli`` from outside it, the import counts
+exporters -> runners and runners -> exporters, function-level imports
 of internal modules (those not allowed by the optional-dependency rule, listed by target), files over
 the line limit and functions over the line limit (minus the allowlist).
 
@@ -18,9 +20,18 @@ Definitions used by both:
 * *import edge*: ``import a.b`` -> ``a.b``; ``from a import n`` -> ``a.n`` if that is a module, else
   ``a`` (relative imports resolved). Only explicit imports count: the implicit execution of parent
   packages' ``__init__`` is not an edge (else every package that hands names on is a loop).
-* *function-level*: the import statement sits inside a ``def`` (at any depth).
-* imports under ``if TYPE_CHECKING:`` never run: they are not edges of the loop graph, but they do
+* *function-level*: the import statement sits inside a ``def`` (at any depth); it counts everywhere.
+* imports under ``if TYPE_CHECKING:`` never run: they are not edges of the loop graphs (modules and
+  packages) and never uphill, but they do
   count as dependencies for the CLI and exporters/runners checks.
+* *package* (a node of the package graph, :func:`package_of`): ``edgeprune.X`` for each package
+  (folder with ``__init__.py``) directly under ``edgeprune/``, its subpackages included, and for each
+  top-level module of ``edgeprune/``; for ``exporters``, ``runners``, ``devices`` the deepest package
+  holding the module (``runners.tensorrt`` is its own node). A package's ``__init__`` importing its
+  own subpackages (handing names on, registering a backend) is containment, not an edge.
+* *layers*: the fenced ``layers`` block of ``docs/architecture.md``, one layer per line, top first.
+  Every package must be placed; an import from a lower layer to a higher one is *uphill*; imports
+  within a layer are allowed when they make no package loop (the loop check catches those).
 * *optional-dependency module*: an internal module that imports one of :data:`OPTIONAL_DEPS` at
   module level, directly or through other internal modules' module-level imports. Only those (and the
   explicit allowlist) may be imported inside functions.
@@ -42,6 +53,8 @@ OPTIONAL_DEPS = frozenset({"tensorrt", "cuda", "pycuda", "onnxruntime", "img_foc
 CLI = "edgeprune.cli"
 ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS_FILE = Path("tests") / "test_architecture.py"
+#: where the layer order is written (a fenced ``layers`` block), read by :func:`load_layers`
+LAYERS_FILE = Path("docs") / "architecture.md"
 
 
 @dataclass(frozen=True)
@@ -360,6 +373,159 @@ def long_functions(project: Project, max_lines: int, allowed: dict | set = ()) -
     return [f for f in functions(project) if f[2] > max_lines and f[0] not in allowed]
 
 
+# -- (g) packages: loops between them, and the layers ------------------------------------------------
+
+def package_of(module: str, project: Project) -> str:
+    """The package node of ``module``: ``edgeprune.X`` for anything under ``edgeprune/X`` (a
+    package, its subpackages included, or a top-level module); the deepest package (a folder with
+    ``__init__.py``) holding the module for ``exporters``, ``runners``, ``devices`` (so
+    ``runners.tensorrt`` is a node of its own); ``edgeprune`` for ``edgeprune/__init__.py``."""
+    parts = module.split(".")
+    if parts[0] == "edgeprune":
+        return ".".join(parts[:2])
+    node = parts[0]
+    for i in range(2, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in project.modules and project.modules[name].name == "__init__.py":
+            node = name
+    return node
+
+
+def _contains(importer: str, target_node: str, project: Project) -> bool:
+    """``importer`` is a package's ``__init__`` and ``target_node`` lies inside that package: the
+    package handing on (or registering) its own parts, not a dependency between packages."""
+    return (project.modules[importer].name == "__init__.py" and target_node != package_of(importer, project)
+            and _in(target_node, importer))
+
+
+def package_imports(project: Project) -> list:
+    """``[(importer node, target node, Import)]``: the run-time imports (``TYPE_CHECKING`` ones left
+    out, function-level ones in) that cross from one package node to another, a package's
+    ``__init__`` importing its own subpackages excepted (:func:`_contains`)."""
+    out = []
+    for imp in project.imports:
+        if imp.type_checking:
+            continue
+        a, b = package_of(imp.importer, project), package_of(imp.target, project)
+        if a != b and not _contains(imp.importer, b, project):
+            out.append((a, b, imp))
+    return out
+
+
+def _package_graph(edges: list, allowed: dict | set = ()) -> tuple:
+    graph: dict = {}
+    where: dict = {}
+    for a, b, imp in sorted(edges, key=lambda e: (e[2].path, e[2].line)):
+        graph.setdefault(a, set())
+        graph.setdefault(b, set())
+        if (imp.importer, imp.target) in allowed:
+            continue
+        graph[a].add(b)
+        where.setdefault((a, b), f"{imp.where()}  {imp.importer} -> {imp.target}"
+                         + (" (in a function)" if imp.function_level else ""))
+    return graph, where
+
+
+def package_loops(project: Project, allowed: dict | set = ()) -> list:
+    """The loops between package nodes (:func:`package_of`): per strongly connected component of the
+    package graph, ``(packages, cycle)`` with ``cycle`` one shortest loop through it as
+    ``[(importer node, target node, "path:line  module -> module"), ...]`` (the first statement of
+    that edge). Module edges ``(importer module, target module)`` in ``allowed`` are left out."""
+    graph, where = _package_graph(package_imports(project), allowed)
+    loops = []
+    for comp in _strongly_connected(graph):
+        cyc = _one_cycle(graph, comp)
+        loops.append((comp, [(a, b, where[(a, b)]) for a, b in zip(cyc, cyc[1:])]))
+    return loops
+
+
+def format_package_loops(loops: list) -> str:
+    """The loops of :func:`package_loops` as indented text."""
+    lines = []
+    for comp, cyc in loops:
+        lines.append(f"  loop among {len(comp)} packages: {', '.join(comp)}")
+        lines.append("    e.g. " + " -> ".join(a for a, _, _ in cyc) + " -> " + cyc[-1][1])
+        lines += [f"      {a} -> {b}  ({w})" for a, b, w in cyc]
+    return "\n".join(lines)
+
+
+def load_layers(root: Path | str = ROOT) -> list:
+    """The layer order written in :data:`LAYERS_FILE`: the fenced block whose info string is
+    ``layers``, one layer per line, top first, each line the package nodes of that layer (names
+    separated by blanks or commas; ``#`` starts a comment). Returns ``[[node, ...], ...]``.
+
+    Raises:
+        ValueError: no such block, an empty one, or a node named twice.
+    """
+    path = Path(root) / LAYERS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    try:
+        start = next(i for i, s in enumerate(lines) if s.strip() == "```layers")
+    except StopIteration:
+        raise ValueError(f"{LAYERS_FILE}: no ```layers block (the layer order, one layer per line, top first)")
+    layers, seen = [], set()
+    for line in lines[start + 1:]:
+        if line.strip().startswith("```"):
+            break
+        names = line.split("#", 1)[0].replace(",", " ").split()
+        if not names:
+            continue
+        twice = seen.intersection(names) | {n for n in names if names.count(n) > 1}
+        if twice:
+            raise ValueError(f"{LAYERS_FILE}: {', '.join(sorted(twice))} placed twice in the layers block")
+        seen.update(names)
+        layers.append(names)
+    if not layers:
+        raise ValueError(f"{LAYERS_FILE}: the ```layers block is empty")
+    return layers
+
+
+def layer_index(layers: list) -> dict:
+    """``{node: index}``, 0 for the top layer."""
+    return {n: i for i, layer in enumerate(layers) for n in layer}
+
+
+def unplaced_packages(project: Project, layers: list) -> list:
+    """Package nodes of the project that no layer names (each must have a place)."""
+    index = layer_index(layers)
+    return sorted({package_of(m, project) for m in project.modules} - set(index))
+
+
+def uphill_imports(project: Project, layers: list, allowed: dict | set = ()) -> list:
+    """Imports from a lower layer to a higher one: ``[(importer node, target node, Import)]``, one per
+    statement and module edge, module edges in ``allowed`` left out (nodes without a layer are
+    :func:`unplaced_packages`, not judged here)."""
+    index = layer_index(layers)
+    return [(a, b, imp) for a, b, imp in package_imports(project)
+            if a in index and b in index and index[a] > index[b] and (imp.importer, imp.target) not in allowed]
+
+
+def stale_allowed_edges(project: Project, layers: list, allowed: dict | set) -> list:
+    """Allowlisted module edges ``(importer, target)`` that no longer need the list: no run-time import
+    makes the edge any more, or it is neither uphill nor inside a package loop (counted with every
+    allowlisted edge put back)."""
+    edges = {(imp.importer, imp.target): (a, b) for a, b, imp in package_imports(project)}
+    index = layer_index(layers)
+    in_loop = {n: i for i, (comp, _) in enumerate(package_loops(project)) for n in comp}
+    stale = []
+    for edge in allowed:
+        nodes = edges.get(tuple(edge))
+        if nodes is None:
+            stale.append((edge, "no such import"))
+            continue
+        a, b = nodes
+        uphill = a in index and b in index and index[a] > index[b]
+        if not uphill and not (a in in_loop and in_loop.get(a) == in_loop.get(b)):
+            stale.append((edge, "neither uphill nor in a package loop"))
+    return stale
+
+
+def format_imports(found: list) -> str:
+    """``[(node, node, Import)]`` as indented text, one statement a line."""
+    return "\n".join(f"  {imp.where()}  {imp.importer} -> {imp.target}  ({a} -> {b})"
+                     + (" (in a function)" if imp.function_level else "") for a, b, imp in found)
+
+
 # -- the thresholds, and the report -------------------------------------------------------------
 
 def load_thresholds(root: Path | str = ROOT) -> dict:
@@ -394,7 +560,32 @@ def report(root: Path | str = ROOT, out=sys.stdout) -> dict:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"modules: {len(project.modules)}, internal import edges: {len(project.imports)}")
     p(f"import loops: {len(loops)}")
-    p(format_loops(loops))
+    if loops:
+        p(format_loops(loops))
+    allowed_edges = th.get("PACKAGE_EDGES_ALLOWED", {})
+    ploops = package_loops(project, allowed_edges)
+    p(f"package loops: {len(ploops)} ({len(package_loops(project))} counting the allowlisted edges)")
+    if ploops:
+        p(format_package_loops(ploops))
+    try:
+        layers = load_layers(root)
+    except ValueError as err:
+        layers = []
+        p(f"layers: {err}")
+    uphill = uphill_imports(project, layers, allowed_edges)
+    unplaced = unplaced_packages(project, layers) if layers else []
+    excused = [e for e in package_imports(project) if (e[2].importer, e[2].target) in allowed_edges]
+    p(f"uphill imports: {len(uphill)} ({len(uphill_imports(project, layers))} counting the allowlisted edges; "
+      f"layers from {LAYERS_FILE}, {len(layers)} layers)")
+    if uphill:
+        p(format_imports(uphill))
+    p(f"packages not placed in a layer: {len(unplaced)}" + (f" ({', '.join(unplaced)})" if unplaced else ""))
+    p(f"allowlisted package edges (PACKAGE_EDGES_ALLOWED): {len(allowed_edges)} edges, {len(excused)} statements")
+    for (importer, target), why in sorted(allowed_edges.items()):
+        p(f"  {importer} -> {target}: {why}")
+    stale = stale_allowed_edges(project, layers, allowed_edges) if layers else []
+    for edge, why in stale:
+        p(f"  stale entry {edge}: {why}")
     p(f"imports of {CLI} from outside it: {len(cli)}")
     for i in cli:
         p(f"  {i.where()}  {i.importer} -> {i.target}")
@@ -410,7 +601,9 @@ def report(root: Path | str = ROOT, out=sys.stdout) -> dict:
       f"({sum(1 for f in funcs if f[0] in allowed_funcs)} allowlisted)")
     for name, where, n in sorted(funcs, key=lambda f: -f[2]):
         p(f"  {n:4d}  {name}  ({where}){'  [allowed]' if name in allowed_funcs else ''}")
-    return {"loops": len(loops), "cli_imports": len(cli), "exporters_to_runners": len(e2r),
+    return {"loops": len(loops), "package_loops": len(ploops), "uphill_imports": len(uphill),
+            "unplaced_packages": len(unplaced), "stale_allowed_edges": len(stale), "cli_imports": len(cli),
+            "exporters_to_runners": len(e2r),
             "runners_to_exporters": len(r2e), "function_level_imports": len(lazy), "long_files": len(files),
             "long_functions": sum(1 for f in funcs if f[0] not in allowed_funcs)}
 

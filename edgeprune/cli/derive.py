@@ -24,13 +24,13 @@ from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, latency_table_option, make_spec,
                                    model_options,
                                    out_option, quiet_option)
-from edgeprune.data.labeled import class_names, load_labeled, load_labeled_eval
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
 from edgeprune.nuwa.head import num_classes as head_classes
 from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
 from edgeprune.nuwa.skp import SKPConfig
+from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 
 
 @click.command("derive")

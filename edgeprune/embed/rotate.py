@@ -26,12 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from edgeprune.anatomy import ViTAnatomy
-from edgeprune.embed.fold import StreamParts, map_readers, map_writers
 from edgeprune.errors import UserError
-from edgeprune.layers.pruned_attention import PrunedAttention
+from edgeprune.residual import StreamParts, map_readers, map_writers, resize_stream  # noqa: F401 (handed on)
 
 
 def ones_complement(dim: int) -> torch.Tensor:
@@ -61,35 +59,6 @@ def principal_basis(moment: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     order = torch.argsort(evals, descending=True)
     v = u @ evecs[:, order[:k]]
     return v, evals[order]
-
-
-def _replace_norm(norm: nn.LayerNorm, dim: int, dense_dim: int) -> nn.LayerNorm:
-    new = nn.LayerNorm(dim, eps=float(norm.eps) * dense_dim / dim, elementwise_affine=norm.weight is not None,
-                       bias=norm.bias is not None)
-    return new
-
-
-def resize_stream(anatomy: ViTAnatomy, parts: StreamParts, dim: int) -> None:
-    """Give the model a ``dim``-wide stream's norms, attention modules and width attributes, in place
-    (the writers / readers are resized by :func:`map_writers` / :func:`map_readers`). Attention
-    modules become :class:`PrunedAttention` (weights copied) reading ``dim``."""
-    dense = anatomy.embed_dim
-    vit = anatomy.vit
-    for b in anatomy.blocks:
-        b.block.norm1 = _replace_norm(b.block.norm1, dim, dense)
-        b.block.norm2 = _replace_norm(b.block.norm2, dim, dense)
-        old = b.attn
-        if not isinstance(old, PrunedAttention):
-            new = PrunedAttention(old.qkv.in_features, b.num_heads, b.qk_dim, b.v_dim, qkv_bias=old.qkv.bias is not None,
-                                  proj_bias=old.proj.bias is not None, dense_head_dim=b.head_dim)
-            new.qkv, new.proj = old.qkv, old.proj
-            b.block.attn = b.attn = new
-    setattr(vit, parts.final_norm_name, _replace_norm(parts.final_norm, dim, dense))
-    parts.final_norm = getattr(vit, parts.final_norm_name)
-    for attr in ("embed_dim", "num_features", "head_hidden_size"):
-        if hasattr(vit, attr):
-            setattr(vit, attr, dim)
-    anatomy.embed_dim = dim
 
 
 def rotate_and_slice(anatomy: ViTAnatomy, parts: StreamParts, v: torch.Tensor, dim: int) -> None:

@@ -4,7 +4,8 @@
 ``edgeprune.embed.fold`` (mean and affine folds, exact), ``edgeprune.embed.covariance`` (one
 calibration pass), ``edgeprune.embed.rotate`` (one rotation for the whole depth, sliced), and
 optionally ``edgeprune.embed.refit`` (ridge re-fit of the writers to the dense stream).
-:func:`apply_embed_structure` gives a freshly built model the sliced shapes for ``load_run``.
+:func:`~edgeprune.residual.apply_embed_structure` (model surgery, below this package) gives a freshly
+built model the sliced shapes for ``load_run``; it is handed on here.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import time
 from typing import Callable, Iterable
 
 import torch
-import torch.nn as nn
 
 from edgeprune.anatomy import ViTAnatomy, find_anatomy
 from edgeprune.embed.covariance import stream_moment
-from edgeprune.embed.fold import fold_centring_and_affine, fold_layerscale, map_readers, map_writers, stream_parts
+from edgeprune.embed.fold import fold_centring_and_affine
 from edgeprune.embed.refit import refit_writers
-from edgeprune.embed.rotate import principal_basis, resize_stream, rotate_and_slice
+from edgeprune.embed.rotate import principal_basis, rotate_and_slice
 from edgeprune.errors import UserError
 from edgeprune.plan import kept_dim
+from edgeprune.residual import apply_embed_structure  # noqa: F401 (handed on; load_run's rebuild lives there)
 
 
 def embed_kept_dim(dim: int, sparsity: float, round_to: int = 8) -> int:
@@ -79,22 +80,3 @@ def slice_embed(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor
         record["refit"] = refit_writers(find_anatomy(reference), new, v, batches, refit_alpha)
     record["seconds"] = time.perf_counter() - t0
     return new, record
-
-
-def apply_embed_structure(model: nn.Module, embed: dict | None) -> nn.Module:
-    """Give a freshly built dense model the sliced stream of a run record's ``embed`` entry, in place
-    (random weights; for ``load_run`` before ``apply_structure`` and ``load_state_dict``).
-
-    A no-op without an entry.
-    """
-    if not embed:
-        return model
-    anatomy = find_anatomy(model)
-    parts = stream_parts(anatomy)
-    dim = int(embed["embed_dim"])
-    fold_layerscale(anatomy)
-    resize_stream(anatomy, parts, dim)
-    eye = torch.zeros(dim, anatomy.blocks[0].proj.out_features, dtype=torch.float64)
-    map_writers(anatomy, parts, eye)
-    map_readers(anatomy, parts, torch.zeros(eye.shape[1], dim, dtype=torch.float64))
-    return model

@@ -4,6 +4,9 @@
   (Fashion-MNIST train for ``fmnist-vit``; an ImageFolder ``train_data`` for timm models).
 * :func:`load_labeled_eval` -- target-class images from the evaluation split (Fashion-MNIST test;
   an ImageFolder ``eval_data``), or None when a timm model has no evaluation data.
+
+It lives in the zoo because a zoo model's labeled split comes from its entry (``ZooEntry.labeled_split``);
+``edgeprune.data`` below it knows only image folders and datasets.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import torch
 from edgeprune.data.sources import FolderSource, list_image_folder, subset
 from edgeprune.errors import UserError
 from edgeprune.zoo.entries import zoo_entry
-
 
 
 def _zoo_split(spec: Any, split: str, data: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
