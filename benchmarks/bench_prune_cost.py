@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks import common  # noqa: E402
 
-import edgeprune.pipeline as corp  # noqa: E402  (the pipeline's names of the CORP steps)
+import edgeprune.pruning.corp as corp  # noqa: E402  (the CORP stage's names of the CORP steps)
 from edgeprune.api import prune  # noqa: E402
 from edgeprune.solve import mlp_ridge  # noqa: E402
 from runners.base import peak_rss_mb, reset_peak_rss  # noqa: E402
@@ -78,7 +78,7 @@ def verdict(r: dict) -> str:
 
 
 class PhaseTimer:
-    """Wraps CORP's phase functions (as ``edgeprune.pipeline`` names them) with wall-clock timers for one prune."""
+    """Wraps CORP's phase functions (as ``edgeprune.pruning.corp`` names them) with wall-clock timers for one prune."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

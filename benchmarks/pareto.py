@@ -9,7 +9,7 @@ this prunes twice from the same dense model and calibration set:
   head dims and MLP widths, on the table's rules),
 
 then measures each pruned model against the dense one *interleaved* on the table's backend,
-batch and threads (``edgeprune.latency.verify.measure_pair``; ONNX Runtime CPU for a CPU table)
+batch and threads (``edgeprune.pruning.latency_check.measure_pair``; ONNX Runtime CPU for a CPU table)
 and, when a GPU is present, also with torch CUDA (fp16, CUDA graphs, batch ``--cuda-batch``),
 and evaluates top-1 on the model's held-out split (disjoint from calibration).
 
@@ -41,11 +41,11 @@ from benchmarks import common  # noqa: E402
 import torch  # noqa: E402
 
 import edgeprune  # noqa: E402
-from edgeprune.allocation.cost import cost_model, dense_dims, total_cost  # noqa: E402
-from edgeprune.allocation.latency_cost import load_table  # noqa: E402
+from edgeprune.budget import Budget, dense_dims, total_cost  # noqa: E402
+from edgeprune.budget.latency import load_table  # noqa: E402
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.evaluate import evaluate  # noqa: E402
-from edgeprune.latency.verify import cpu_name, measure_pair  # noqa: E402
+from edgeprune.pruning.latency_check import cpu_name, measure_pair  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,11 +114,11 @@ def run(args) -> list[dict]:
 
 def _predicted_ratio(dense, model, table_path: str) -> float:
     """The table's predicted latency of ``model`` over the dense model's, priced exactly as the
-    allocator prices it (``edgeprune.allocation.latency_cost``: a class-token last block computes
+    allocator prices it (``edgeprune.budget.latency``: a class-token last block computes
     only its query tokens)."""
     pruned_an, dense_an = find_anatomy(model), find_anatomy(dense)
     qt = {b.index: b.query_tokens for b in pruned_an.blocks if b.query_tokens is not None}
-    cm = cost_model("latency", dense_an, query_tokens=qt or None, budget={"table": table_path})
+    cm = Budget("latency", 0.5, table=table_path).cost_model(dense_an, query_tokens=qt or None)
     ms = total_cost(cm, pruned_an, [dense_dims(b) for b in pruned_an.blocks])
     return ms / cm.table.dense_ms()
 

@@ -36,18 +36,7 @@ LONG_FUNCTIONS_ALLOWED: dict = {}
 # {(importer module, target module): reason}: module edges left out of the package checks (g), (h) --
 # uphill imports and package loops that remain in files being rewritten. One entry per edge; the test
 # fails on an entry no longer needed (no such import, or neither uphill nor in a package loop).
-PACKAGE_EDGES_ALLOWED: dict = {
-    # CORP's config validates the allocator's budget and rules (allocation is above corp); each package
-    # should check its own config section
-    ("edgeprune.corp.config", "edgeprune.allocation.budget"): "lead: issue 39 stage/budget refactor",
-    ("edgeprune.corp.config", "edgeprune.allocation.rules"): "lead: issue 39 stage/budget refactor",
-    # ... and the embed slice's settings (embed is above corp)
-    ("edgeprune.corp.config", "edgeprune.embed.settings"): "lead: issue 39 stage/budget refactor",
-    # auto-embed runs the one-shot pipeline, a layer above the embed package
-    ("edgeprune.embed.auto", "edgeprune.pipeline"): "lead: issue 39 stage/budget refactor",
-    # checking a prune's latency reads the latency cost model's table, above the latency package
-    ("edgeprune.latency.verify", "edgeprune.allocation.latency_cost"): "lead: issue 39 stage/budget refactor",
-}
+PACKAGE_EDGES_ALLOWED: dict = {}
 # -----------------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -88,9 +88,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # (test_corp_pipeline's save/load round trip prunes fmnist-vit first: too slow per mutant;
     # test_artifact_mutants.py has its own round trip and interrupted save)
     "artifact": (["edgeprune/artifact.py"], ["tests/test_artifact_mutants.py"]),
-    # select.py / measure.py are not mutated: they fold real models and measure output errors
+    # select.py is not mutated: they fold real models and measure output errors
     # (tests/test_allocation_select.py), too slow per mutant
-    "allocation": (["edgeprune/allocation/budget.py", "edgeprune/allocation/cost.py",
+    "allocation": (["edgeprune/budget/parse.py", "edgeprune/budget/budget.py", "edgeprune/budget/registry.py",
+                    "edgeprune/budget/flops.py", "edgeprune/budget/params.py",
                     "edgeprune/allocation/curves.py", "edgeprune/allocation/greedy.py",
                     "edgeprune/allocation/report.py"],
                    # (the rest of test_allocation.py prunes models or runs the CLI: 0.2-30 s per test)

@@ -26,8 +26,6 @@ import dataclasses
 import time
 
 from edgeprune.budget import Budget, CostModel, total_cost
-from edgeprune.budget.flops import FlopsCost
-from edgeprune.budget.params import ParamsCost
 from edgeprune.allocation.curves import Curve, heads_curve, mlp_curve, normalise, qk_curve, tie_curves, v_curve
 from edgeprune.allocation.rules import Grid, check_rules, heads_allocated, unit_grid
 from edgeprune.corp.steps import mlp_kept
@@ -356,9 +354,10 @@ def _report(anatomy, cfg, plan: dict, cost, curves: list[Curve], candidates: dic
     """:func:`allocate`'s JSON-able report of the ``chosen`` candidate (see there); ``uniform`` as
     :func:`_candidates` returns it, ``t0`` the ``perf_counter`` at the start."""
     st = candidates[chosen]
-    fc, pc = FlopsCost(anatomy, plan), ParamsCost(anatomy)
+    bud = cfg.budget  # its cost models, built once per model shape (edgeprune.budget.Budget.cost_model)
+    fc, pc = bud.cost_model(anatomy, plan, kind="flops"), bud.cost_model(anatomy, kind="params")
     flops, params = total_cost(fc, anatomy, st.dims), total_cost(pc, anatomy, st.dims)
-    dense_flops = total_cost(FlopsCost(anatomy), anatomy, [_dense(b) for b in anatomy.blocks])
+    dense_flops = total_cost(bud.cost_model(anatomy, kind="flops"), anatomy, [_dense(b) for b in anatomy.blocks])
     dense_params = total_cost(pc, anatomy, [_dense(b) for b in anatomy.blocks])
     per_block = []
     for i, d in enumerate(dims):

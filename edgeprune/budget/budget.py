@@ -112,18 +112,25 @@ class Budget:
         """The kind's registered cost-model class (its class attributes: unit, needs_table, allocates_heads ...)."""
         return get_cost_model(self.kind)
 
-    def cost_model(self, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None) -> CostModel:
+    def cost_model(self, anatomy: ViTAnatomy, query_tokens: dict[int, int] | None = None, *,
+                   kind: str | None = None) -> CostModel:
         """The kind's cost model of ``anatomy``'s model (``query_tokens``: blocks computing their first T tokens
-        only), built once per model shape and reused.
+        only), built once per model shape and reused. ``kind``: another kind that needs no table, priced beside
+        this budget (the allocation report's FLOPs and params), cached the same way.
 
         Raises:
-            UserError: the cost model's own errors (a missing or malformed table, a table of another model).
+            UserError: the cost model's own errors (a missing or malformed table, a table of another model), or
+                another ``kind`` that needs a table.
         """
-        key = _shape_key(anatomy, query_tokens)
+        kind = kind or self.kind
+        key = (kind, *_shape_key(anatomy, query_tokens))
         models: dict = self._models  # type: ignore[attr-defined]
         if key not in models:
-            factory = get_cost_model(self.kind)
-            extra = {"budget": self} if kind_attr(self.kind, "needs_table", False) else {}
+            factory = get_cost_model(kind)
+            needs = kind_attr(kind, "needs_table", False)
+            if needs and kind != self.kind:
+                raise UserError(f"the {kind} cost model needs its own budget's table")
+            extra = {"budget": self} if needs else {}
             models[key] = factory(anatomy, query_tokens, **extra) if query_tokens else factory(anatomy, **extra)
         return models[key]
 

@@ -98,4 +98,8 @@ def _run(state: PruneState, spec: Any, calibration: Any, batch_size: int,
                           state.extra.get("last_block") or {}, info.get("bias_correction"),
                           source=before["description"], batch_size=batch_size, calibration_info=calibration_info,
                           seconds=time.perf_counter() - before["t0"], device=state.device)
+    clash = sorted(set(state.record) & set(record))
+    if clash:
+        raise RuntimeError(f"a stage's record entries {clash} clash with the run record's own")
+    record.update(state.record)
     return state.model.eval(), record

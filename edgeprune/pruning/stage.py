@@ -41,6 +41,7 @@ class PruneState:
         device: the torch device of the calibration passes (``edgeprune.calibration.collect.calibration_device``
             around the stages whose ``calibration_device`` is set).
         info: what the stages report for the record (``blocks``, ``allocation``, ``embed``, timings ...).
+        record: entries a stage adds to the run record (top-level keys; a stage's own name is a good key).
         extra: stage-private values handed from one stage to a later one (e.g. the dense outputs of the output
             correction), by stage name.
     """
@@ -54,6 +55,7 @@ class PruneState:
     progress: bool = False
     device: str = "cpu"
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 #: CG iterations the model assumes (median 35-50 measured on DINOv2-S, corp-v1 eq. 29 systems)
 CG_ITERATIONS = 60
 #: Cholesky-route constants relative to one CG flop unit: ``a N d'^4 + b d'^6`` with b/a = 0.23,
-#: one CG iteration ``c N d'^3`` with c/a = 2 (fitted at 1 thread, tools/bench_qk_solver.py, when
+#: one CG iteration ``c N d'^3`` with c/a = 2 (fitted at 1 thread, benchmarks/bench_qk_solver.py, when
 #: the Kronecker GEMM was the full (N, d'^2) product; it now runs on the packed upper triangles,
 #: ``N p^2`` with ``p = d'(d'+1)/2``, same GEMM kernel, so ``a`` is the same per multiply-add).
 _B_OVER_A = 0.23
@@ -44,7 +44,7 @@ def cg_is_cheaper(num_images: int, kept_dim: int, threads: int | None = None) ->
     """``qk_solver="auto"``: whether CG beats the Cholesky route for N images and kept dim d'
     at ``threads`` intra-op threads (default ``torch.get_num_threads()``).
 
-    Cost model (:func:`solver_costs`, fitted to ``tools/bench_qk_solver.py`` on this project's CPU,
+    Cost model (:func:`solver_costs`, fitted to ``benchmarks/bench_qk_solver.py`` on this project's CPU,
     float64): CG wins when ``N (120 t d'^3 - p^2) < 0.23 d'^6`` (``p = d'(d'+1)/2``). At 1 thread:
     for d' = 32 below 68 images (64 images: 1.4x faster measured on DINOv2-S), for d' = 48 below
     236. At 2 threads the Cholesky route's kernels run twice as fast and CG's do not: for d' = 32

@@ -16,7 +16,7 @@ Preconditioner: the pooled-Gram (Sylvester) approximation that the exact system 
 images share their Gram up to scale; corp-v1 eq. 14). With the eigendecompositions
 ``Gq = U a U^T``, ``Gk = V b V^T`` it inverts in closed form:
 ``P^-1(R) = U [(U^T R V) / (a_j b_l / N + lam)] V^T``. Iteration counts and timings against the
-Cholesky route: ``tools/bench_qk_solver.py``.
+Cholesky route: ``benchmarks/bench_qk_solver.py``.
 
 The ridge lambda is the direct solver's (``qk_logit.ridge_lambda``), so both solve the same system;
 the result agrees with the Cholesky solution to ~1e-9 relative (tested).
