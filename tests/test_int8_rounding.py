@@ -18,12 +18,12 @@ import pytest
 from onnx import numpy_helper
 
 from edgeprune.errors import UserError
-from exporters import sensitivity as sens
+from exporters.quantization import gemm_error as sens
 from exporters.onnx import read_metadata
-from exporters.qdq import find_gemms, quantize_weight
-from exporters.quantize import QuantizeConfig, quantize_onnx
-from exporters.smooth_explicit import explicit_sites, smooth_explicit
-from exporters.weight_rounding import get_weight_rounding, round_gptq, round_nearest
+from exporters.quantization.qdq import find_gemms, quantize_weight
+from exporters.quantization.quantize import QuantizeConfig, quantize_onnx
+from exporters.quantization.smoothing_explicit import explicit_sites, smooth_explicit
+from exporters.quantization.weight_rounding import get_weight_rounding, round_gptq, round_nearest
 
 from tests.conftest import export_fmnist_vit, needs_fmnist, ort_outputs
 
@@ -110,7 +110,7 @@ def test_explicit_fc2_scales_keep_the_float_model(work):
 
 @needs_fmnist
 def test_recipe_rounds_weights_by_gptq_and_records_it(work):
-    from exporters.int8_tensorrt import prepare_int8
+    from exporters.quantization.recipe_tensorrt import prepare_int8
 
     got = {}
     for rounding in ("gptq", "nearest"):

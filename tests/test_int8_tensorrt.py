@@ -21,12 +21,12 @@ import pytest
 from onnx import numpy_helper
 
 from edgeprune.errors import UserError
-from exporters import sensitivity as sens
-from exporters.int8_search import choose_alpha, choose_clip
-from exporters.int8_tensorrt import choose_fallback
+from exporters.quantization import gemm_error as sens
+from exporters.quantization.search import choose_alpha, choose_clip
+from exporters.quantization.recipe_tensorrt import choose_fallback
 from exporters.onnx import read_metadata
-from exporters.qdq import fake_quant_weight, find_gemms, insert_qdq, quantize_weight
-from exporters.quantize import QuantizeConfig, quantize_onnx
+from exporters.quantization.qdq import fake_quant_weight, find_gemms, insert_qdq, quantize_weight
+from exporters.quantization.quantize import QuantizeConfig, quantize_onnx
 
 from tests.conftest import export_fmnist_vit, needs_fmnist, ort_outputs, run_cli
 

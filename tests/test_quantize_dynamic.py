@@ -24,7 +24,7 @@ from onnx import numpy_helper
 
 from edgeprune.errors import UserError
 from exporters.onnx import read_metadata
-from exporters.quantize import QuantizeConfig, quantize_onnx
+from exporters.quantization.quantize import QuantizeConfig, quantize_onnx
 
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 from tests.test_quantize import N_EVAL, assert_agrees_with_float, dense_export

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeprune.errors import UserError
-from exporters.smooth import activation_absmax, find_sites, smooth_onnx, smoothing_scales
+from exporters.quantization.smoothing import activation_absmax, find_sites, smooth_onnx, smoothing_scales
 
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 
@@ -110,9 +110,9 @@ def test_a_norm_read_by_value_elsewhere_is_left_alone(tmp_path):
 
 
 def test_smoothing_makes_int8_more_accurate_on_an_outlier_channel(tmp_path):
-    from exporters import int8
-    from exporters.calibration_reader import ArrayCalibrationReader
-    from exporters.quant_config import QuantizeConfig
+    from exporters.quantization import ort_int8 as int8
+    from exporters.quantization.calibration import ArrayCalibrationReader
+    from exporters.quantization.config import QuantizeConfig
 
     src, x = _outlier_layer(tmp_path)
     calib, test = x[:32], x[32:]
@@ -172,6 +172,6 @@ def test_cli_smooth_alpha(tmp_path, fmnist_onnx):
     assert_one_line_error(bad, "--smooth-alpha must be in [0, 1]")
     assert not (tmp_path / "b.onnx").exists()
     with pytest.raises(UserError, match="applies to int8"):
-        from exporters.quant_config import QuantizeConfig
+        from exporters.quantization.config import QuantizeConfig
 
         QuantizeConfig(precision="fp16", smooth_alpha=0.5).validate()

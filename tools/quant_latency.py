@@ -2,7 +2,7 @@
 
 Complements ``tools/quant_table.py`` (accuracy on fmnist-vit, a 1.2 M-parameter model whose cost is
 not dominated by MatMuls): a random-init timm DeiT is pruned with CORP (target both), exported,
-quantized to int8 with ``exporters.quantize.quantize_onnx`` (static QDQ, per-channel symmetric
+quantized to int8 with ``exporters.quantization.quantize.quantize_onnx`` (static QDQ, per-channel symmetric
 weights, MinMax), and dense fp32, pruned fp32 and pruned int8 run interleaved in one process
 (``runners.compare.bench_pair`` via ``edgeprune bench``'s library path), one intra-op thread.
 Random weights: latency only, no accuracy.
@@ -22,7 +22,7 @@ import torch
 
 import edgeprune
 from exporters.onnx import export_onnx
-from exporters.quantize import QuantizeConfig, quantize_onnx
+from exporters.quantization.quantize import QuantizeConfig, quantize_onnx
 
 
 def p50_ms(sess, x: np.ndarray, iterations: int) -> list[float]:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Per-GEMM int8 sensitivity of an exported model: which GEMM, block and kind carry the int8 loss.
 
-Static symmetric int8 as TensorRT runs it (``exporters.qdq``: per-tensor symmetric activations,
+Static symmetric int8 as TensorRT runs it (``exporters.quantization.qdq``: per-tensor symmetric activations,
 MinMax ranges from the calibration set, per-channel symmetric weights), one GEMM at a time and by
-group (kind, block, all), with and without SmoothQuant (``exporters.sensitivity``). Prints a
+group (kind, block, all), with and without SmoothQuant (``exporters.quantization.gemm_error``). Prints a
 Markdown table per smoothing setting, optionally writes the rows as JSON.
 
 Example (exported files carry the model name, calibration record and preprocessing)::
@@ -58,7 +58,7 @@ def render(model: str, smooth, rows: list[dict], groups: dict, float_top1: float
 
 
 #: recipe variants of ``--variants``: (smoothing, QuantizeConfig overrides); "default" is the recipe
-#: ``edgeprune quantize --precision int8`` runs (exporters.int8_tensorrt), the others take steps away
+#: ``edgeprune quantize --precision int8`` runs (exporters.quantization.recipe_tensorrt), the others take steps away
 _OFF = {"explicit_smooth_kinds": (), "weight_rounding": "nearest", "clip_kinds": (), "fallback_share": 1.0}
 VARIANTS = {
     "minmax": (None, _OFF),
@@ -84,7 +84,7 @@ def bias_correct(p, gemms) -> int:
     Returns the number of biases changed."""
     from onnx import numpy_helper
 
-    from exporters.qdq import fake_quant_act
+    from exporters.quantization.qdq import fake_quant_act
 
     inits = {t.name: t for t in p.model.graph.initializer}
     nodes = {n.name: n for n in p.model.graph.node}
@@ -112,11 +112,11 @@ def bias_correct(p, gemms) -> int:
 def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_images: int) -> list[dict]:
     """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``,
     each built by the recipe's own steps (``prepare_int8``, ``measured_fallback``)."""
-    from exporters import sensitivity as sens
-    from exporters.int8_search import ALPHAS
-    from exporters.int8_tensorrt import measured_fallback, prepare_int8
-    from exporters.qdq import insert_qdq
-    from exporters.quant_config import QuantizeConfig
+    from exporters.quantization import gemm_error as sens
+    from exporters.quantization.search import ALPHAS
+    from exporters.quantization.recipe_tensorrt import measured_fallback, prepare_int8
+    from exporters.quantization.qdq import insert_qdq
+    from exporters.quantization.config import QuantizeConfig
 
     rows = []
     ev = sens.prepare_eval(base, x, y, [], batch_size=batch_size, threads=threads)
@@ -163,10 +163,10 @@ def main(argv=None) -> int:
 
     import onnx
 
-    from exporters.calibration_reader import calibration_for, eval_for, source_to_array
+    from exporters.quantization.calibration import calibration_for, eval_for, source_to_array
     from exporters.onnx import read_metadata
-    from exporters.qdq import find_gemms
-    from exporters import sensitivity as sens
+    from exporters.quantization.qdq import find_gemms
+    from exporters.quantization import gemm_error as sens
 
     t0 = time.perf_counter()
     meta = read_metadata(args.onnx)

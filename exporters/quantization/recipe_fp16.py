@@ -3,7 +3,7 @@
 ``onnxruntime.transformers.float16.convert_float_to_float16`` converts initializers and ops to
 float16 and inserts ``Cast`` nodes at the borders; ``keep_io_types=True`` leaves the graph input
 and output float32, so callers feed and read fp32 exactly as for the exported model. Ops in
-``op_block_list`` (ORT's default list plus :data:`~exporters.quant_config.FP16_KEEP_OPS`:
+``op_block_list`` (ORT's default list plus :data:`~exporters.quantization.config.FP16_KEEP_OPS`:
 LayerNorm, Softmax, reductions, exponentials) and nodes in ``node_block_list`` (``--exclude``)
 stay fp32. The result is re-sorted topologically (onnx-graphsurgeon). This avoids a dependency on ``onnxconverter-common``.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from edgeprune.errors import RuntimeFault, UserError
-from exporters.quant_config import FP16_KEEP_OPS
+from exporters.quantization.config import FP16_KEEP_OPS
 
 
 def convert_fp16(src: Path, dst: Path, keep_nodes: Sequence[str] = ()) -> Path:

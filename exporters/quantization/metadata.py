@@ -1,6 +1,6 @@
 """The quantized file's metadata: the float model's entries plus what ``quantize`` did and measured.
 
-Steps 5 and 6 of ``exporters.quantize.quantize_onnx``: :func:`output_metadata` builds the dict
+Steps 5 and 6 of ``exporters.quantization.quantize.quantize_onnx``: :func:`output_metadata` builds the dict
 (``precision``, ``quantization``, ``excluded_nodes``, ``float_attention_nodes``, ``smoothing``,
 ``quant_calibration``, ``calibration_sha256``, ``sensitivity``/``auto_excluded_nodes``,
 ``int8_plan``/``int8_flops_share`` (TensorRT recipe: each GEMM's precision and the share of GEMM
@@ -18,7 +18,7 @@ import onnx
 
 from edgeprune.atomic import file_sha256
 from exporters.onnx import encode_metadata
-from exporters.quant_config import QuantizeConfig
+from exporters.quantization.config import QuantizeConfig
 
 
 def output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_path: Path,

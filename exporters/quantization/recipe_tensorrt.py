@@ -31,14 +31,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from edgeprune.errors import UserError
-from exporters.act_stats import ActStats
-from exporters.int8 import match_patterns
-from exporters.int8_search import ALPHAS, choose_clip
-from exporters.qdq import GemmNode, find_gemms, insert_qdq
-from exporters.quant_config import QuantizeConfig
-from exporters import sensitivity as sens
-from exporters.smooth_explicit import smooth_explicit
-from exporters.weight_rounding import get_weight_rounding, round_weights
+from exporters.quantization.stats import ActStats
+from exporters.quantization.ort_int8 import match_patterns
+from exporters.quantization.search import ALPHAS, choose_clip
+from exporters.quantization.qdq import GemmNode, find_gemms, insert_qdq
+from exporters.quantization.config import QuantizeConfig
+from exporters.quantization import gemm_error as sens
+from exporters.quantization.smoothing_explicit import smooth_explicit
+from exporters.quantization.weight_rounding import get_weight_rounding, round_weights
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class Int8Plan:
             ``rel_err``: relative logit error with this GEMM alone int8, on calibration images).
         smoothing: one ``{"norm", "alpha", "errors"}`` per smoothed site.
         int8_flops_share: GEMM FLOPs in int8 / all weighted GEMM FLOPs.
-        weight_rounding: how the int8 weights were rounded (``exporters.weight_rounding``).
+        weight_rounding: how the int8 weights were rounded (``exporters.quantization.weight_rounding``).
     """
 
     gemms: list[dict[str, Any]]
@@ -82,7 +82,7 @@ def weights_of(model: Any, gemms: Sequence[GemmNode]) -> dict[str, np.ndarray]:
 def choose_ranges(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
                   clip_kinds: Sequence[str]) -> tuple[dict[str, float], dict[str, float]]:
     """Per-tensor activation ranges: MinMax, or for a tensor read by a GEMM of ``clip_kinds`` the
-    clipping ratio of :func:`exporters.int8_search.choose_clip` (error summed over its readers).
+    clipping ratio of :func:`exporters.quantization.search.choose_clip` (error summed over its readers).
 
     Returns:
         ``(amax by tensor, clip ratio by tensor)``.
@@ -166,9 +166,9 @@ def prepare_int8(model: Any, calib: np.ndarray, cfg: QuantizeConfig,
     activation ranges and rounded weights of ``model`` (edited in place) -- every step of the recipe
     before the sensitivity fallback, shared by :func:`quantize_tensorrt` and
     ``tools/quant_sensitivity.py``. ``smooth``: ``"config"`` (alpha searched, or
-    ``cfg.smooth_alpha``), or :func:`exporters.sensitivity.apply_smoothing`'s argument (None: no
+    ``cfg.smooth_alpha``), or :func:`exporters.quantization.gemm_error.apply_smoothing`'s argument (None: no
     smoothing at all, for comparisons). ``alphas``: the SmoothQuant strengths searched (default
-    :data:`exporters.int8_search.ALPHAS`; a tool compares others).
+    :data:`exporters.quantization.search.ALPHAS`; a tool compares others).
 
     Raises:
         UserError: no GEMM in ``model``; an unknown ``cfg.weight_rounding``.

@@ -159,7 +159,7 @@ def insert_qdq(model: Any, gemms: Sequence[GemmNode], amax: Mapping[str, float],
         gemms: the GEMMs to make int8 (from :func:`find_gemms` on this model); others stay float.
         amax: per-tensor clipping range of every quantized activation (> 0).
         weights: GEMM node name -> ``(W_q int8, scales (n_out,))`` already rounded (in the
-            weight's own layout, scales on ``g.axis``; e.g. GPTQ, ``exporters.weight_rounding``);
+            weight's own layout, scales on ``g.axis``; e.g. GPTQ, ``exporters.quantization.weight_rounding``);
             a GEMM not in it gets :func:`quantize_weight` (round to nearest).
 
     Returns:

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from edgeprune.errors import UserError
-from exporters.weight_rounding import get_weight_rounding
+from exporters.quantization.weight_rounding import get_weight_rounding
 
 PRECISIONS = ("int8", "fp16")
 #: int8 modes: ``static`` = ONNX Runtime static quantization in QDQ format (activation ranges
@@ -18,7 +18,7 @@ PRECISIONS = ("int8", "fp16")
 #: (DynamicQuantizeLinear + MatMulInteger: each MatMul input's uint8 range is computed at run time,
 #: per tensor and batch; ONNX Runtime CPU only, no calibration set needed).
 MODES = ("static", "dynamic")
-#: static int8 recipes: ``tensorrt`` = exporters.int8_tensorrt (searched SmoothQuant, searched
+#: static int8 recipes: ``tensorrt`` = exporters.quantization.recipe_tensorrt (searched SmoothQuant, searched
 #: clipping of fc2 inputs, measured fallback, TensorRT's Q/DQ placement; the default), ``ort`` =
 #: ONNX Runtime ``quantize_static`` (the earlier default; every ONNX Runtime option), ``auto`` =
 #: ``ort`` when an option only that path has is set (asymmetric activations, --calib-method other
@@ -68,17 +68,17 @@ class QuantizeConfig:
             drop from 3.2 to 1.9 points (docs/quantization.md);
             TensorRT runs its fused attention in fp16 either way. They have no weights, so the
             file size does not change.
-        smooth_alpha: SmoothQuant migration strength (``exporters.smooth``) applied to every
+        smooth_alpha: SmoothQuant migration strength (``exporters.quantization.smoothing``) applied to every
             LayerNorm -> MatMul pair before int8 calibration; ``None`` = no smoothing.
         auto_exclude: additionally keep the N most quantization-sensitive nodes in float (int8;
-            see ``exporters.sensitivity``).
+            see ``exporters.quantization.gemm_error``).
         sensitivity_images: calibration images the sensitivity pass evaluates on.
         eval_size: held-out evaluation images for the report and the gate.
         eval_data: evaluation directory; ``None`` = the model's default (Fashion-MNIST test split).
         max_drop: gate in points (top-1 loss with labels, else disagreement %); ``None`` = no gate.
         batch_size: images per ONNX Runtime call (calibration and evaluation).
         calib_chunk_images: images whose intermediate outputs ONNX Runtime's calibrator holds at
-            once (``exporters.int8.chunk_batches``; memory ~48 MB per image for DINOv2 ViT-S).
+            once (``exporters.quantization.ort_int8.chunk_batches``; memory ~48 MB per image for DINOv2 ViT-S).
         preprocess: run ``onnxruntime.quantization.shape_inference.quant_pre_process`` (symbolic
             shape inference + ORT's basic graph optimisations) before int8 quantization.
         threads: ONNX Runtime intra-op threads for evaluation (``None``: ORT's default).
@@ -87,14 +87,14 @@ class QuantizeConfig:
             alpha searched per site, a number one fixed alpha.
         explicit_smooth_kinds: ``tensorrt`` recipe: GEMM kinds smoothed through an explicit
             per-channel ``Mul`` (no LayerNorm to fold into: ``fc2`` after GELU;
-            ``exporters.smooth_explicit``); ``()``: none.
+            ``exporters.quantization.smoothing_explicit``); ``()``: none.
         weight_rounding: ``tensorrt`` recipe: ``gptq`` (error-compensating order, needs the inputs'
-            Gram matrices) or ``nearest`` (``exporters.weight_rounding``).
+            Gram matrices) or ``nearest`` (``exporters.quantization.weight_rounding``).
         clip_kinds: ``tensorrt`` recipe: GEMM kinds whose input range is clipped by searched
-            output error (``exporters.qdq.KIND_PATTERNS``; others MinMax).
+            output error (``exporters.quantization.qdq.KIND_PATTERNS``; others MinMax).
         fallback_share: ``tensorrt`` recipe: a GEMM whose isolated error is at least this share of
             the summed isolated error may be kept float (most error per FLOP first,
-            ``exporters.int8_tensorrt.choose_fallback``; 1 = no fallback); ``None`` (default): at
+            ``exporters.quantization.recipe_tensorrt.choose_fallback``; 1 = no fallback); ``None`` (default): at
             least the mean isolated error, i.e. a share of 1 / (number of GEMMs).
         max_float_flops: ``tensorrt`` recipe: at most this share of GEMM FLOPs kept float by the
             fallback.

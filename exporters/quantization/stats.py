@@ -1,6 +1,6 @@
 """Activation statistics of GEMM inputs on calibration images, gathered in one streaming pass.
 
-The int8 search (``exporters.int8_search``) and the sensitivity pass (``exporters.sensitivity``)
+The int8 search (``exporters.quantization.search``) and the sensitivity pass (``exporters.quantization.gemm_error``)
 need, for every activation tensor a GEMM reads: its per-tensor max ``|x|`` (the MinMax range), its
 per-channel max ``|x_j|`` over the last axis (SmoothQuant's ``max|X_j|``), and a uniform random
 sample of its rows (tokens) to measure a GEMM's output error under a candidate scale or clipping
@@ -33,7 +33,7 @@ class ActStats:
         n_images: calibration images seen.
         gram: tensor -> (C, C) float64 Gram matrix ``X^T X`` over *every* row of every image
             (token activations only; filled when ``collect_stats(gram=True)``): the ``H`` of GPTQ
-            weight rounding (``exporters.weight_rounding``).
+            weight rounding (``exporters.quantization.weight_rounding``).
     """
 
     amax: dict[str, float]

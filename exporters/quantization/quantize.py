@@ -37,15 +37,15 @@ import onnxruntime
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
 from edgeprune.zoo.entries import zoo_entry
-from exporters import int8
-from exporters.calibration_reader import (ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for,
+from exporters.quantization import ort_int8 as int8
+from exporters.quantization.calibration import (ArrayCalibrationReader, calibration_for, calibration_sha256, eval_for,
                                           source_to_array)
-from exporters.fp16 import convert_fp16
-from exporters.int8_tensorrt import quantize_tensorrt
+from exporters.quantization.recipe_fp16 import convert_fp16
+from exporters.quantization.recipe_tensorrt import quantize_tensorrt
 from exporters.onnx import build_metadata, export_onnx, read_metadata
-from exporters.quant_config import QuantizeConfig
-from exporters.quant_metadata import output_metadata, write_with_metadata
-from exporters.smooth import smooth_onnx
+from exporters.quantization.config import QuantizeConfig
+from exporters.quantization.metadata import output_metadata, write_with_metadata
+from exporters.quantization.smoothing import smooth_onnx
 from exporters.verify import quantized_metrics
 
 __all__ = ["QuantizeConfig", "QuantizeResult", "QualityGateError", "quantize_onnx"]
@@ -120,7 +120,7 @@ def quantize_onnx(model: str | os.PathLike, output: str | os.PathLike, config: Q
         config: settings (validated here); default int8, MinMax, per-channel.
         calibration: (N, C, H, W) float32 preprocessed calibration images (static int8, smoothing,
             the sensitivity pass; dynamic int8 alone reads none); default: the run's own
-            calibration set (``exporters.calibration_reader.calibration_for``).
+            calibration set (``exporters.quantization.calibration.calibration_for``).
         eval_source: held-out images (a data source or an ``(images, labels|None)`` pair);
             default: the model's evaluation split (Fashion-MNIST test for fmnist-vit). Without
             any (a foreign ONNX file), no metrics are measured.
@@ -241,7 +241,7 @@ def _quantize_int8(src: Path, float_path: Path, quant_path: Path, calib: np.ndar
         assert calib is not None  # static int8 always gathers calibration images
         plan = quantize_tensorrt(float_path, quant_path, calib, cfg, log=say)
         rec = plan.to_record()
-        return _Converted(f"edgeprune exporters.int8_tensorrt (TensorRT Q/DQ), onnx {onnx.__version__}",
+        return _Converted(f"edgeprune exporters.quantization.recipe_tensorrt (TensorRT Q/DQ), onnx {onnx.__version__}",
                           [g["node"] for g in rec["gemms"] if g["precision"] != "int8"],
                           smoothing=rec["smoothing"], plan=rec)
     to_quantize = float_path

@@ -1,8 +1,8 @@
 """Per-layer int8 choices measured on calibration activations: SmoothQuant alpha and clipping ranges.
 
 Both choices minimise a GEMM's *output* error on a sample of calibration rows
-(:class:`exporters.act_stats.ActStats`), with the exact int8 arithmetic TensorRT runs (per-tensor
-symmetric activations ``amax / 127``, per-channel symmetric weights; ``exporters.qdq``)::
+(:class:`exporters.quantization.stats.ActStats`), with the exact int8 arithmetic TensorRT runs (per-tensor
+symmetric activations ``amax / 127``, per-channel symmetric weights; ``exporters.quantization.qdq``)::
 
     err(X, W) = ||Q(X) Q(W) - X W||_F^2 / ||X W||_F^2
 
@@ -24,8 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
-from exporters.qdq import fake_quant_act, fake_quant_weight
-from exporters.smooth import smoothing_scales
+from exporters.quantization.qdq import fake_quant_act, fake_quant_weight
+from exporters.quantization.smoothing import smoothing_scales
 
 #: candidate SmoothQuant strengths (None = no smoothing)
 ALPHAS: tuple[float | None, ...] = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)

@@ -53,7 +53,7 @@ import numpy as np
 
 from edgeprune.errors import RuntimeFault, UserError
 from exporters.ort_session import load_session
-from exporters.quant_config import QuantizeConfig
+from exporters.quantization.config import QuantizeConfig
 from exporters.verify import check_input_shape, run_onnx
 
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}

@@ -1,6 +1,6 @@
 """Where the int8 loss is: quantize one GEMM (or one group of GEMMs) at a time and measure it.
 
-For the static symmetric int8 of TensorRT (``exporters.qdq``: per-tensor symmetric activations
+For the static symmetric int8 of TensorRT (``exporters.quantization.qdq``: per-tensor symmetric activations
 with MinMax ranges from the calibration images, per-channel symmetric weights), every weighted
 GEMM is made int8 *alone*, everything else float, and the variant runs on held-out images:
 
@@ -14,8 +14,8 @@ Groups (:func:`group_sensitivity`): every GEMM of one kind (``qkv``, ``proj``, `
 the groups say what a whole kind costs together.
 
 Smoothing (``smooth``): ``None`` (plain), a fixed SmoothQuant alpha folded into every LayerNorm ->
-GEMM site (``exporters.smooth``), or ``"search"`` (alpha per site by measured output error,
-``exporters.int8_search.choose_alpha``), applied to the float model before the ranges are taken.
+GEMM site (``exporters.quantization.smoothing``), or ``"search"`` (alpha per site by measured output error,
+``exporters.quantization.search.choose_alpha``), applied to the float model before the ranges are taken.
 
 Cost: a GEMM in block ``b`` changes nothing before block ``b``, so the held-out images' inputs of
 every block are computed once (float) and each variant runs only from its block onward
@@ -29,10 +29,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from exporters.act_stats import ActStats, collect_stats, session_from_proto
-from exporters.int8_search import ALPHAS, choose_alpha
-from exporters.qdq import GemmNode, find_gemms, insert_qdq
-from exporters.smooth import find_sites, fold_site, site_weight_absmax, smoothing_scales
+from exporters.quantization.stats import ActStats, collect_stats, session_from_proto
+from exporters.quantization.search import ALPHAS, choose_alpha
+from exporters.quantization.qdq import GemmNode, find_gemms, insert_qdq
+from exporters.quantization.smoothing import find_sites, fold_site, site_weight_absmax, smoothing_scales
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def apply_smoothing(model: Any, stats: ActStats, smooth: float | str | None,
     Args:
         smooth: None (nothing), an alpha in [0, 1] for every site, or ``"search"`` (per site, by
             output error on ``stats.rows``).
-        alphas: the candidates of ``"search"`` (:data:`exporters.int8_search.ALPHAS`).
+        alphas: the candidates of ``"search"`` (:data:`exporters.quantization.search.ALPHAS`).
 
     Returns:
         one ``{"norm", "alpha", "errors"}`` per site (``errors`` only for ``"search"``).
@@ -170,7 +170,7 @@ def gemm_sensitivity(model: Any, stats: ActStats, ev: EvalSet, gemms: Sequence[G
         model: the float (possibly smoothed) ``ModelProto``; ``stats``: its activation stats
             (``stats.amax`` are the ranges used: MinMax, or the clipped ranges of a recipe).
         gemms: the GEMMs to test (default every weighted GEMM).
-        weights: pre-rounded int8 weights by GEMM name (:func:`exporters.qdq.insert_qdq`).
+        weights: pre-rounded int8 weights by GEMM name (:func:`exporters.quantization.qdq.insert_qdq`).
 
     Returns:
         one ``{"node", "kind", "block", "flops", "rel_err", "agreement", "top1", "drop"}`` per
@@ -218,7 +218,7 @@ def default_groups(gemms: Sequence[GemmNode]) -> dict[str, list[GemmNode]]:
 
 def calibrate(model: Any, calib: np.ndarray, gemms: Sequence[GemmNode], *, rows: int = 1024,
               batch_size: int = 8, threads: int | None = None, gram: bool = False) -> ActStats:
-    """:func:`exporters.act_stats.collect_stats` of every GEMM input of ``model`` (``gram``: also
+    """:func:`exporters.quantization.stats.collect_stats` of every GEMM input of ``model`` (``gram``: also
     the inputs' Gram matrices, for GPTQ rounding)."""
     return collect_stats(model, [g.x for g in gemms], calib, batch_size=batch_size, rows=rows, threads=threads,
                          gram=gram)
