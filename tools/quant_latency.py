@@ -59,7 +59,8 @@ def main() -> None:
         shape = tuple(spec.input_size)
         export_onnx(dense, d / "dense.onnx", shape)
         export_onnx(res.model, d / "pruned.onnx", shape)
-        quantize_onnx(d / "pruned.onnx", d / "pruned.int8.onnx", QuantizeConfig(precision="int8", activation_symmetric=not args.asymmetric_activations),
+        cfg = QuantizeConfig(precision="int8", activation_symmetric=not args.asymmetric_activations)
+        quantize_onnx(d / "pruned.onnx", d / "pruned.int8.onnx", cfg,
                       calibration=calib.numpy(), eval_source=(calib[:8], None))
         so = ort.SessionOptions()
         so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
@@ -76,7 +77,8 @@ def main() -> None:
                     times[k].append(t)
     p50 = [float(np.median(t)) for t in times]
     act = "uint8 (asymmetric)" if args.asymmetric_activations else "int8 (symmetric)"
-    print(f"{args.model}, random init, CORP both@{args.sparsity} (FLOPs x{flops_ratio:.3f}), activations {act}, batch {args.batch_size}, "
+    print(f"{args.model}, random init, CORP both@{args.sparsity} (FLOPs x{flops_ratio:.3f}), activations {act}, "
+          f"batch {args.batch_size}, "
           f"ONNX Runtime {ort.__version__} CPU, 1 thread, {args.iterations} interleaved rounds")
     print("| model | file MB | size vs dense fp32 | p50 ms | latency vs dense fp32 |")
     print("|---|---:|---:|---:|---:|")

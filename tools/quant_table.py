@@ -25,7 +25,8 @@ Example::
 
     python tools/quant_table.py                       # ~3-4 minutes on a 2-core box
     python tools/quant_table.py --eval-size 2000 --iterations 30 --no-doc
-    python tools/quant_table.py --model dinov2-s14-fmnist --prune flops@0.5 --eval-size 1000 --threads 2 --iterations 20 --warmup 3
+    python tools/quant_table.py --model dinov2-s14-fmnist --prune flops@0.5 --eval-size 1000 --threads 2
+        --iterations 20 --warmup 3    # (one command)
     # issue 31: the new default (int8) vs the earlier one (int8-ort), 3 calibration seeds, accuracy only
     python tools/quant_table.py --variants int8,int8-ort --calib-seeds 0,1,2 --eval-size 2000 --no-latency
 
@@ -98,7 +99,8 @@ def _prune_and_export(work: Path, calib_size: int, seed: int, log, model: str, p
     t0 = time.perf_counter()
     res = edgeprune.prune(dense, calib, **parse_prune(prune), spec=spec,
                           calibration_info={"seed": seed, "size_requested": calib_size})
-    log(f"pruned {prune} in {time.perf_counter() - t0:.1f} s: FLOPs x{res.record['flops'] / res.record['dense_flops']:.3f}")
+    ratio = res.record["flops"] / res.record["dense_flops"]
+    log(f"pruned {prune} in {time.perf_counter() - t0:.1f} s: FLOPs x{ratio:.3f}")
     md_dense = build_metadata(spec=spec, model=dense, model_name=spec.name)
     md_dense["base_model"] = spec.to_record()
     md_dense["calibration"] = {"num_images": calib_size, "seed": seed}

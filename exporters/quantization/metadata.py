@@ -19,15 +19,16 @@ import onnx
 from edgeprune.atomic import file_sha256
 from exporters.onnx import encode_metadata
 from exporters.quantization.config import QuantizeConfig
+from exporters.quantization.registry import Converted
 
 
 def output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_path: Path,
-                    done: Any, calib_info: dict[str, Any] | None,
+                    done: Converted, calib_info: dict[str, Any] | None,
                     report: dict[str, Any]) -> dict[str, Any]:
     """Step 5: the output's metadata: the float model's, plus what was done and measured."""
     md = dict(meta)
     md.update({
-        "precision": cfg.precision,
+        "precision": cfg.common.precision,
         "quantization": {**cfg.to_record(), "tool": done.tool, "float_model": src.name,
                          "float_sha256": file_sha256(float_path)},
         "excluded_nodes": done.excluded,
@@ -42,7 +43,7 @@ def output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_
     if done.sensitivity:
         md["sensitivity"] = done.sensitivity
         md["auto_excluded_nodes"] = done.auto
-    if getattr(done, "plan", None):
+    if done.plan:
         md["int8_plan"] = done.plan
         md["int8_flops_share"] = done.plan["int8_flops_share"]
     if report:

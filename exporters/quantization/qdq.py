@@ -209,7 +209,8 @@ def _activation_qdq(x: str, amax: float, nodes: list[Any], model: Any, helper: A
         helper.make_tensor(scale, 1, [], [np.float32(amax / QMAX)]),          # FLOAT
         helper.make_tensor(zp, 3, [], [0]),                                    # INT8
     ])
-    nodes.append(helper.make_node("QuantizeLinear", [x, scale, zp], [f"{base}_quantized"], name=f"{base}_QuantizeLinear"))
+    nodes.append(helper.make_node("QuantizeLinear", [x, scale, zp], [f"{base}_quantized"],
+                                  name=f"{base}_QuantizeLinear"))
     nodes.append(helper.make_node("DequantizeLinear", [f"{base}_quantized", scale, zp], [f"{base}_dequantized"],
                                   name=f"{base}_DequantizeLinear"))
     return f"{base}_dequantized"

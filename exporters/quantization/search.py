@@ -1,16 +1,14 @@
-"""Per-layer int8 choices measured on calibration activations: SmoothQuant alpha and clipping ranges.
+"""Per-layer int8 choices measured on calibration activations: the output error, and clipping ranges.
 
-Both choices minimise a GEMM's *output* error on a sample of calibration rows
-(:class:`exporters.quantization.stats.ActStats`), with the exact int8 arithmetic TensorRT runs (per-tensor
-symmetric activations ``amax / 127``, per-channel symmetric weights; ``exporters.quantization.qdq``)::
+Both searches of the TensorRT recipe minimise a GEMM's *output* error on a sample of calibration
+rows (:class:`exporters.quantization.stats.ActStats`), with the exact int8 arithmetic TensorRT runs
+(per-tensor symmetric activations ``amax / 127``, per-channel symmetric weights;
+``exporters.quantization.qdq``)::
 
-    err(X, W) = ||Q(X) Q(W) - X W||_F^2 / ||X W||_F^2
+    err(X, W) = ||Q(X) Q(W) - X W||_F^2 / ||X W||_F^2          (:func:`output_error`)
 
-* :func:`choose_alpha` -- SmoothQuant (Xiao et al. 2023, eq. 4) per LayerNorm -> GEMM site: for
-  each candidate alpha (and "no smoothing"), ``s = max|X_j|^a / max|W_j|^(1-a)``, error of
-  ``Q(X / s) Q(s W)`` summed over the site's GEMMs; the smallest wins. The search is per site
-  (two per block: ``norm1 -> qkv``, ``norm2 -> fc1``), as Intel Neural Compressor's and
-  ModelOpt's auto-alpha SmoothQuant choose alpha per layer by output error.
+* SmoothQuant's alpha per LayerNorm -> GEMM site (Xiao et al. 2023, eq. 4):
+  :func:`exporters.quantization.smoothing.choose_alpha`, with the other smoothing code;
 * :func:`choose_clip` -- the activation range ``r x max|X|`` for ``r`` on a grid: a smaller range
   rounds the many small values finer and saturates the few large ones. For ``fc2`` inputs (after
   GELU) no smoothing scale folds exactly, so clipping is what is left; the measured error decides
@@ -25,10 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from exporters.quantization.qdq import fake_quant_act, fake_quant_weight
-from exporters.quantization.smoothing import smoothing_scales
 
-#: candidate SmoothQuant strengths (None = no smoothing)
-ALPHAS: tuple[float | None, ...] = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 #: candidate clipping ratios of the MinMax range
 CLIP_RATIOS: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.33, 0.25, 0.2, 0.15, 0.1)
 
@@ -50,30 +45,6 @@ def output_error(x: np.ndarray, ws: Sequence[np.ndarray], amax: float, s: np.nda
         num += float(np.sum((xq @ wq - ref) ** 2, dtype=np.float64))
         den += float(np.sum(ref ** 2, dtype=np.float64))
     return num / max(den, 1e-30)
-
-
-def choose_alpha(x: np.ndarray, chan_amax: np.ndarray, ws: Sequence[np.ndarray],
-                 alphas: Sequence[float | None] = ALPHAS) -> tuple[float | None, np.ndarray, dict[str, float]]:
-    """SmoothQuant strength with the smallest output error for one site.
-
-    Args:
-        x: (R, K) sampled activations; ``chan_amax``: (K,) their per-channel max |x| over all
-            calibration tokens; ``ws``: the site's weights, each (K, O).
-
-    Returns:
-        ``(alpha or None, s (K,), {str(alpha): error})`` -- ``s`` is all ones for None.
-    """
-    w_amax = np.max(np.stack([np.abs(w).max(axis=1) for w in ws]), axis=0).astype(np.float64)
-    errors: dict[str, float] = {}
-    best: tuple[float, float | None, np.ndarray] | None = None
-    for a in alphas:
-        s = np.ones_like(chan_amax) if a is None else smoothing_scales(chan_amax, w_amax, a)
-        err = output_error(x, ws, float((chan_amax / s).max()), None if a is None else s)
-        errors[str(a)] = err
-        if best is None or err < best[0]:
-            best = (err, a, s)
-    assert best is not None
-    return best[1], best[2], errors
 
 
 def choose_clip(x: np.ndarray, amax: float, ws: Sequence[np.ndarray],

@@ -12,7 +12,7 @@ one fuses into GELU's kernel is not checked here -- no TensorRT on this machine)
 int8.
 
 ``s`` comes from the same per-site search as the LayerNorm sites
-(:func:`exporters.quantization.search.choose_alpha`: the alpha with the smallest GEMM output error on the
+(:func:`exporters.quantization.smoothing.choose_alpha`: the alpha with the smallest GEMM output error on the
 sampled calibration rows; "no smoothing" is a candidate, and then no node is added).
 
 The float model computes the same function (up to float32 rounding of ``x / s`` and ``s W``): the
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from exporters.quantization.stats import ActStats
-from exporters.quantization.search import ALPHAS, choose_alpha
+from exporters.quantization.smoothing import ALPHAS, choose_alpha
 from exporters.quantization.qdq import GemmNode, _safe
 
 

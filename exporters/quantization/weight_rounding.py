@@ -107,7 +107,8 @@ def round_gptq(w: np.ndarray, gram: np.ndarray | None, damp: float = DAMP) -> tu
     return q, s
 
 
-def round_weights(model: Any, gemms: Sequence[GemmNode], stats: ActStats, method: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def round_weights(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
+                  method: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Int8 weights of ``gemms`` rounded by ``method``, for :func:`exporters.quantization.qdq.insert_qdq`.
 
     Args:
