@@ -8,7 +8,7 @@ interleaved in one process (``runners.compare.bench_pair``: A B A B ...) at each
 
 * ``--backend onnxruntime`` (default): opset-17 ONNX exports on the CPU (each pruned export checked
   against PyTorch on 2 noise images); ``--int8`` adds the pruned export quantized to int8
-  (``exporters.quantize.quantize_onnx``: static QDQ, per-channel symmetric weights, MinMax;
+  (``exporters.quantization.quantize_onnx``: static QDQ, per-channel symmetric weights, MinMax;
   ``--asymmetric-activations``: uint8 activations, ONNX Runtime's fast U8S8 path);
 * ``--backend tensorrt``: an engine per export for the device profile ``--device`` (default rtx3090),
   checked against ONNX Runtime, with the attention-fusion verdict;
@@ -182,7 +182,7 @@ def open_runners(m: torch.nn.Module, tag: str, spec: Any, record: dict | None, c
         return
     yield "", make_runner(str(path), "onnxruntime", threads=args.threads), notes
     if args.int8 and record is not None:
-        from exporters.quantize import QuantizeConfig, quantize_onnx
+        from exporters.quantization import QuantizeConfig, quantize_onnx
 
         x = _as_tensor(calib)
         q = work / f"{tag}.int8.onnx"

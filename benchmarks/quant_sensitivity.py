@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Per-GEMM int8 sensitivity of an exported model: which GEMM, block and kind carry the int8 loss.
 
-Static symmetric int8 as TensorRT runs it (``exporters.qdq``: per-tensor symmetric activations,
+Static symmetric int8 as TensorRT runs it (``exporters.quantization.qdq``: per-tensor symmetric activations,
 MinMax ranges from the calibration set, per-channel symmetric weights), one GEMM at a time and by
-group (kind, block, all), with and without SmoothQuant (``exporters.sensitivity``). Prints a
+group (kind, block, all), with and without SmoothQuant (``exporters.quantization.gemm_error``). Prints a
 Markdown table per smoothing setting, optionally writes the rows as JSON.
 
 Example (exported files carry the model name, calibration record and preprocessing)::
@@ -38,12 +38,15 @@ def parse_smooth(text: str) -> list:
 def render(model: str, smooth, rows: list[dict], groups: dict, float_top1: float | None) -> str:
     """Markdown: the per-kind / per-block groups, then the costliest single GEMMs."""
     label = "none" if smooth is None else f"alpha {smooth}" if smooth != "search" else "alpha searched per site"
-    lines = [f"**{model}, smoothing: {label}**" + (f" (float top-1 {float_top1 * 100:.2f}%)" if float_top1 is not None else ""),
+    top1 = f" (float top-1 {float_top1 * 100:.2f}%)" if float_top1 is not None else ""
+    lines = [f"**{model}, smoothing: {label}**" + top1,
              "", "| quantized together | rel. output error | top-1 drop (points) | agreement (%) |",
              "|---|---:|---:|---:|"]
     for name, c in groups.items():
-        lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('drop', float('nan')):+.2f} | {c['agreement'] * 100:.1f} |")
-    lines += ["", "| single GEMM (costliest 8 by output error) | kind | block | rel. output error | top-1 drop | agreement (%) |",
+        lines.append(f"| {name} | {c['rel_err']:.2e} | {c.get('drop', float('nan')):+.2f} | "
+                     f"{c['agreement'] * 100:.1f} |")
+    lines += ["", "| single GEMM (costliest 8 by output error) | kind | block | rel. output error | top-1 drop "
+                  "| agreement (%) |",
               "|---|---|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: -r["rel_err"])[:8]:
         lines.append(f"| `{r['node']}` | {r['kind']} | {r['block']} | {r['rel_err']:.2e} | "
@@ -57,7 +60,7 @@ def render(model: str, smooth, rows: list[dict], groups: dict, float_top1: float
 
 
 #: recipe variants of ``--variants``: (smoothing, QuantizeConfig overrides); "default" is the recipe
-#: ``edgeprune quantize --precision int8`` runs (exporters.int8_tensorrt), the others take steps away
+#: ``edgeprune quantize --precision int8`` runs (exporters.quantization.recipe_tensorrt), the others take steps away
 _OFF = {"explicit_smooth_kinds": (), "weight_rounding": "nearest", "clip_kinds": (), "fallback_share": 1.0}
 VARIANTS = {
     "minmax": (None, _OFF),
@@ -83,7 +86,7 @@ def bias_correct(p, gemms) -> int:
     Returns the number of biases changed."""
     from onnx import numpy_helper
 
-    from exporters.qdq import fake_quant_act
+    from exporters.quantization.qdq import fake_quant_act
 
     inits = {t.name: t for t in p.model.graph.initializer}
     nodes = {n.name: n for n in p.model.graph.node}
@@ -111,11 +114,11 @@ def bias_correct(p, gemms) -> int:
 def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_images: int) -> list[dict]:
     """Top-1 / agreement / logit error of whole-model int8 variants (:data:`VARIANTS`) on ``x``,
     each built by the recipe's own steps (``prepare_int8``, ``measured_fallback``)."""
-    from exporters import sensitivity as sens
-    from exporters.int8_search import ALPHAS
-    from exporters.int8_tensorrt import measured_fallback, prepare_int8
-    from exporters.qdq import insert_qdq
-    from exporters.quant_config import QuantizeConfig
+    from exporters.quantization import QuantizeConfig
+    from exporters.quantization import gemm_error as sens
+    from exporters.quantization.qdq import insert_qdq
+    from exporters.quantization.recipe_tensorrt import measured_fallback, prepare_int8
+    from exporters.quantization.smoothing import ALPHAS
 
     rows = []
     ev = sens.prepare_eval(base, x, y, [], batch_size=batch_size, threads=threads)
@@ -133,9 +136,11 @@ def run_variants(base, calib, x, y, names, threads: int, batch_size: int, sens_i
         c = sens.cost(sens.run_variant(p.model, ev, None, batch_size=batch_size, threads=threads), ev)
         flops = {g.name: g.flops_per_image(p.stats.shapes.get(g.x, (1, 1, g.k))) for g in p.gemms}
         share = 1.0 - sum(flops[n] for n in fallback) / sum(flops.values())
-        rows.append({"variant": name, **c, "int8_flops_share": share, "float_top1": None if y is None else float(np.mean(ev.float_out.argmax(1) == y)),
+        float_top1 = None if y is None else float(np.mean(ev.float_out.argmax(1) == y))
+        rows.append({"variant": name, **c, "int8_flops_share": share, "float_top1": float_top1,
                      "alphas": [r["alpha"] for r in p.smoothing], "clips": p.clips, "fallback": fallback})
-        print(f"| {name} | {c.get('top1', float('nan')) * 100:.2f} | {c.get('drop', float('nan')):+.2f} | {c['agreement'] * 100:.1f} | "
+        print(f"| {name} | {c.get('top1', float('nan')) * 100:.2f} | {c.get('drop', float('nan')):+.2f} | "
+              f"{c['agreement'] * 100:.1f} | "
               f"{c['rel_err']:.2e} | {100 * share:.1f} | {', '.join(fallback) or '-'} |", flush=True)
     return rows
 
@@ -162,10 +167,12 @@ def main(argv=None) -> int:
 
     import onnx
 
-    from exporters.calibration_reader import calibration_for, eval_for, source_to_array
     from exporters.onnx import read_metadata
-    from exporters.qdq import find_gemms
-    from exporters import sensitivity as sens
+    from exporters.quantization import gemm_error as sens
+    from exporters.quantization.calibration import calibration_for, eval_for, source_to_array
+    from exporters.quantization.qdq import find_gemms
+    from exporters.quantization.smoothing import apply_smoothing
+    from exporters.quantization.stats import gemm_input_stats
 
     t0 = time.perf_counter()
     meta = read_metadata(args.onnx)
@@ -178,15 +185,16 @@ def main(argv=None) -> int:
     out: dict = {"command": " ".join(["python benchmarks/quant_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]),
                  "calibration": info, "eval_size": len(x), "settings": {}}
     if args.variants:
-        print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | GEMM FLOPs int8 (%) | kept float |")
+        print("| variant | top-1 (%) | drop (points) | agreement (%) | rel. logit error | GEMM FLOPs int8 (%) "
+              "| kept float |")
         print("|---|---:|---:|---:|---:|---:|---|", flush=True)
         out["variants"] = run_variants(base, calib, x, y, common.names(args.variants), args.threads,
                                        args.batch_size, args.sensitivity_images)
     for smooth in ([] if args.variants else parse_smooth(args.smooth)):
         model = sens.copy_model(base)
         gemms = find_gemms(model)
-        stats = sens.calibrate(model, calib, gemms, threads=args.threads)
-        report = sens.apply_smoothing(model, stats, smooth)
+        stats = gemm_input_stats(model, calib, gemms, threads=args.threads)
+        report = apply_smoothing(model, stats, smooth)
         ev = sens.prepare_eval(model, x, y, list(sens.block_cuts(model, gemms).values()),
                                batch_size=args.batch_size, threads=args.threads)
         float_top1 = None if y is None else float(np.mean(ev.float_out.argmax(1) == y))

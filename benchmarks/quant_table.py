@@ -5,7 +5,7 @@ For a labeled zoo model (``fmnist-vit``, ``dinov2-s14-fmnist``): prune it with C
 (``edgeprune.prune``; ``--prune both@0.5`` = target both at sparsity 0.5, the default, or
 ``flops@0.5`` = the budgeted ``--flops 0.5``; calibration = the model's default number of train
 images, seed 0), export dense and pruned to fp32 ONNX, and quantize each with
-``exporters.quantize.quantize_onnx`` to fp16 and int8 (int8: static QDQ, per-channel symmetric
+``exporters.quantization.quantize.quantize_onnx`` to fp16 and int8 (int8: static QDQ, per-channel symmetric
 weights, MinMax, symmetric activations, calibrated on the run's own calibration set; int8-u8 the
 same with asymmetric uint8 activations; int8-dyn = ``--mode dynamic``, activation ranges at run
 time). Then, for every file:
@@ -29,7 +29,7 @@ Example::
     # issue 31: the new default (int8) vs the earlier one (int8-ort), 3 calibration seeds, accuracy only
     python benchmarks/quant_table.py --variants int8,int8-ort --calib-seeds 0,1,2 --eval-size 2000 --no-latency
 
-``int8`` is the default static int8 (the TensorRT recipe of ``exporters.int8_tensorrt`` since
+``int8`` is the default static int8 (the TensorRT recipe of ``exporters.quantization.recipe_tensorrt`` since
 issue 31), ``int8-ort`` the earlier default (``--recipe ort``). With ``--calib-seeds`` every static
 int8 variant is quantized once per calibration seed (rows ``int8@s1`` ...) and the targets give
 the mean drop over the seeds; ``--onnx-dir`` reuses exported ``dense.onnx`` / ``pruned.onnx``.
@@ -86,7 +86,8 @@ def _prune_and_export(work: Path, calib_size: int, seed: int, log, model: str, p
     t0 = time.perf_counter()
     res = edgeprune.prune(dense, calib, **parse_prune(prune), spec=spec,
                           calibration_info={"seed": seed, "size_requested": calib_size})
-    log(f"pruned {prune} in {time.perf_counter() - t0:.1f} s: FLOPs x{res.record['flops'] / res.record['dense_flops']:.3f}")
+    ratio = res.record["flops"] / res.record["dense_flops"]
+    log(f"pruned {prune} in {time.perf_counter() - t0:.1f} s: FLOPs x{ratio:.3f}")
     md_dense = build_metadata(spec=spec, model=dense, model_name=spec.name)
     md_dense["base_model"] = spec.to_record()
     md_dense["calibration"] = {"num_images": calib_size, "seed": seed}
@@ -106,7 +107,7 @@ def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmni
     into ``work``; static int8 variants once per calibration seed (``int8@s1`` ... after the first)."""
     import torch
 
-    from exporters.quantize import QuantizeConfig, quantize_onnx
+    from exporters.quantization.quantize import QuantizeConfig, quantize_onnx
 
     torch.set_num_threads(threads)
     if onnx_dir is not None:  # exported already (dense.onnx, pruned.onnx): no prune here
@@ -128,7 +129,7 @@ def build_models(work: Path, calib_size: int, seed: int, log, model: str = "fmni
 
 
 def accuracy(files: dict, x: np.ndarray, y: np.ndarray, threads: int = 1) -> dict:
-    from exporters.int8 import run_model
+    from exporters.quantization.ort_int8 import run_model
 
     outs = {k: run_model(p, x, batch_size=250, threads=threads).argmax(1) for k, p in files.items()}
     ref = outs[("dense", "fp32")]

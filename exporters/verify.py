@@ -235,7 +235,7 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
     Raises:
         UserError: missing / corrupt files, inputs the model does not take, empty source.
     """
-    from exporters.calibration_reader import source_to_array  # imports onnxruntime.quantization (optional)
+    from exporters.quantization.calibration import source_to_array  # imports onnxruntime.quantization (optional)
     path = Path(onnx_path)
     if max_drop is not None and max_drop < 0:
         raise UserError(f"--max-drop must be >= 0 points, got {max_drop}")

@@ -1,5 +1,5 @@
-"""GPTQ weight rounding (exporters/weight_rounding.py) and explicit SmoothQuant scales before fc2
-(exporters/smooth_explicit.py), the two steps the TensorRT int8 recipe added for DINOv2.
+"""GPTQ weight rounding (exporters/quantization/weight_rounding.py) and explicit SmoothQuant scales
+before fc2 (exporters/quantization/smoothing_explicit.py), the two steps the TensorRT int8 recipe added for DINOv2.
 
 * GPTQ equals round-to-nearest exactly when the inputs are white (H ~ I: no error to move), keeps
   nearest's per-channel scales and the int8 range, and lowers the GEMM output error
@@ -18,12 +18,13 @@ import pytest
 from onnx import numpy_helper
 
 from edgeprune.errors import UserError
-from exporters import sensitivity as sens
 from exporters.onnx import read_metadata
-from exporters.qdq import find_gemms, quantize_weight
-from exporters.quantize import QuantizeConfig, quantize_onnx
-from exporters.smooth_explicit import explicit_sites, smooth_explicit
-from exporters.weight_rounding import get_weight_rounding, round_gptq, round_nearest
+from exporters.quantization import QuantizeConfig, quantize_onnx
+from exporters.quantization import gemm_error as sens
+from exporters.quantization.qdq import find_gemms, quantize_weight
+from exporters.quantization.smoothing_explicit import explicit_sites, smooth_explicit
+from exporters.quantization.stats import gemm_input_stats
+from exporters.quantization.weight_rounding import get_weight_rounding, round_gptq, round_nearest
 
 from tests.conftest import export_fmnist_vit, needs_fmnist, ort_outputs
 
@@ -90,7 +91,7 @@ def test_explicit_fc2_scales_keep_the_float_model(work):
     ref = _ort(base, x)
     model = sens.copy_model(base)
     gemms = find_gemms(model)
-    stats = sens.calibrate(model, work["calib"], gemms, threads=1, gram=True)
+    stats = gemm_input_stats(model, work["calib"], gemms, threads=1, gram=True)
     fc2 = explicit_sites(model, gemms, ("fc2",))
     assert len(fc2) == 6 and all(g.kind == "fc2" for g in fc2)
     report = smooth_explicit(model, stats, gemms, ("fc2",), alphas=(0.5,))
@@ -110,7 +111,7 @@ def test_explicit_fc2_scales_keep_the_float_model(work):
 
 @needs_fmnist
 def test_recipe_rounds_weights_by_gptq_and_records_it(work):
-    from exporters.int8_tensorrt import prepare_int8
+    from exporters.quantization.recipe_tensorrt import prepare_int8
 
     got = {}
     for rounding in ("gptq", "nearest"):

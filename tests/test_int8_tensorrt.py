@@ -1,5 +1,5 @@
-"""The default static int8 for TensorRT (exporters/int8_tensorrt.py, qdq.py, int8_search.py,
-sensitivity.py, act_stats.py) on the real fmnist-vit.
+"""The default static int8 for TensorRT (exporters/quantization/: recipe_tensorrt.py, qdq.py, search.py,
+smoothing.py, gemm_error.py, stats.py) on the real fmnist-vit.
 
 * Q/DQ placement node by node: a Q -> DQ pair (int8, zero point 0, per-tensor scale) on the
   activation input of every int8 GEMM, an int8 weight behind a per-channel DequantizeLinear, and
@@ -21,12 +21,14 @@ import pytest
 from onnx import numpy_helper
 
 from edgeprune.errors import UserError
-from exporters import sensitivity as sens
-from exporters.int8_search import choose_alpha, choose_clip
-from exporters.int8_tensorrt import choose_fallback
 from exporters.onnx import read_metadata
-from exporters.qdq import fake_quant_weight, find_gemms, insert_qdq, quantize_weight
-from exporters.quantize import QuantizeConfig, quantize_onnx
+from exporters.quantization import QuantizeConfig, quantize_onnx
+from exporters.quantization import gemm_error as sens
+from exporters.quantization.qdq import fake_quant_weight, find_gemms, insert_qdq, quantize_weight
+from exporters.quantization.recipe_tensorrt import choose_fallback
+from exporters.quantization.search import choose_clip
+from exporters.quantization.smoothing import apply_smoothing, choose_alpha
+from exporters.quantization.stats import gemm_input_stats
 
 from tests.conftest import export_fmnist_vit, needs_fmnist, ort_outputs, run_cli
 
@@ -123,8 +125,8 @@ def test_folds_keep_the_float_model(work):
     for smooth in ("search", 0.5):
         model = sens.copy_model(base)
         gemms = find_gemms(model)
-        stats = sens.calibrate(model, work["calib"], gemms, threads=1)
-        report = sens.apply_smoothing(model, stats, smooth)
+        stats = gemm_input_stats(model, work["calib"], gemms, threads=1)
+        report = apply_smoothing(model, stats, smooth)
         assert sum(r["alpha"] is not None for r in report) >= 6  # folds happened
         changed = [t.name for t, u in zip(model.graph.initializer, base.graph.initializer)
                    if not np.array_equal(numpy_helper.to_array(t), numpy_helper.to_array(u))]
@@ -250,7 +252,7 @@ def test_sensitivity_from_block_cuts_matches_whole_runs(work):
     ev = sens.prepare_eval(model, x, None, list(cuts.values()), threads=1)
     for b in (0, 3, 5):
         np.testing.assert_allclose(sens.run_variant(model, ev, cuts[b], threads=1), ev.float_out, atol=1e-5)
-    stats = sens.calibrate(model, work["calib"][:16], gemms, threads=1)
+    stats = gemm_input_stats(model, work["calib"][:16], gemms, threads=1)
     rows = sens.gemm_sensitivity(model, stats, ev, [g for g in gemms if g.block == 4], threads=1)
     for r in rows:  # from the cut == from the images, GEMM by GEMM
         variant = sens.copy_model(model)

@@ -1,4 +1,5 @@
-"""``edgeprune quantize`` (exporters/quantize.py, int8.py, fp16.py, calibration_reader.py, verify.py).
+"""``edgeprune quantize`` (exporters/quantization/: quantize.py, recipe_ort.py, ort_int8.py, recipe_fp16.py,
+calibration.py; exporters/verify.py).
 
 Properties checked on the real fmnist-vit (shipped trained weights, Fashion-MNIST):
 * int8 output is QDQ with per-output-channel weight scales, runs in ONNX Runtime and agrees with
@@ -24,7 +25,7 @@ from onnx import numpy_helper
 
 from edgeprune.errors import UserError
 from exporters.onnx import build_metadata, export_onnx, read_metadata
-from exporters.quantize import QualityGateError, QuantizeConfig, quantize_onnx
+from exporters.quantization import QualityGateError, QuantizeConfig, quantize_onnx
 
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 
@@ -162,7 +163,7 @@ def test_fp16_keeps_fp32_io_and_agrees(work):
 
 
 def test_calibration_follows_the_run_record(spec):
-    from exporters.calibration_reader import calibration_for
+    from exporters.quantization.calibration import calibration_for
 
     meta = {"base_model": spec.to_record(), "calibration": {"num_images": 24, "seed": 5}}
     images, info = calibration_for(meta)
@@ -228,11 +229,11 @@ def test_auto_exclude_keeps_the_most_sensitive_nodes_float(work, tmp_path):
     # on held-out images, keeping the 2 costliest nodes float helps more than keeping the 2 cheapest
     least = tmp_path / "least.onnx"
     quantize_onnx(work["fp32"], least, QuantizeConfig(exclude=tuple(ranking[-2:]), **cfg))
-    from exporters import int8
+    from exporters.quantization.gemm_error import output_cost
 
     x, ref = work["x"][:200], work["ref"][:200]
-    err_top = int8.node_cost(_ort(out, x), ref)["rel_err"]
-    err_least = int8.node_cost(_ort(least, x), ref)["rel_err"]
+    err_top = output_cost(_ort(out, x), ref)["rel_err"]
+    err_least = output_cost(_ort(least, x), ref)["rel_err"]
     assert err_top < err_least
 
 
@@ -256,10 +257,10 @@ def test_attention_products_stay_float_unless_asked(work, tmp_path):
     assert r.report["float_attention_nodes"] == [] and "float_attention_nodes" not in read_metadata(out)
     assert all(_quantized_inputs(out).values())
     # fewer quantized tensors, less error on held-out images
-    from exporters import int8
+    from exporters.quantization.gemm_error import output_cost
 
     x, ref = work["x"][:200], work["ref"][:200]
-    assert int8.node_cost(_ort(work["int8"].path, x), ref)["rel_err"] < int8.node_cost(_ort(out, x), ref)["rel_err"]
+    assert output_cost(_ort(work["int8"].path, x), ref)["rel_err"] < output_cost(_ort(out, x), ref)["rel_err"]
 
 
 def test_verify_quantized(work):
@@ -354,15 +355,15 @@ def test_cli_gate_exits_1(work, tmp_path, monkeypatch):
     # The gate must not depend on how much int8 happens to lose on this CPU (one calibration image
     # lost 0.4 points on an Intel Xeon and gained 0.4 on an AMD EPYC): the quantized model's
     # outputs are rolled by one class as ONNX Runtime returns them, so every prediction moves.
-    import exporters.int8 as int8
+    import exporters.quantization.quantize as quantize_module
 
-    real = int8.run_model
+    real = quantize_module.run_model
 
     def run_model(path, x, *args, **kw):
         out = real(path, x, *args, **kw)
         return np.roll(out, 1, axis=1) if Path(path).name == "quantized.onnx" else out
 
-    monkeypatch.setattr(int8, "run_model", run_model)
+    monkeypatch.setattr(quantize_module, "run_model", run_model)
     out = tmp_path / "g.onnx"
     r = invoke(work["fp32"], "--precision", "int8", "-o", out, "--calib-size", "8", "--eval-size", "100",
                "--max-drop", "0.1", "--threads", "1")
@@ -371,7 +372,7 @@ def test_cli_gate_exits_1(work, tmp_path, monkeypatch):
 
 
 def test_chunk_batches_divides_and_bounds_the_images():
-    from exporters.int8 import chunk_batches
+    from exporters.quantization.ort_int8 import chunk_batches
 
     assert chunk_batches(8, 32, 32) == 1  # one 32-image batch per chunk
     assert chunk_batches(12, 4, 32) == 6  # largest divisor of 12 with <= 8 batches
@@ -396,7 +397,7 @@ def test_chunked_calibration_gives_the_same_minmax_ranges(work, tmp_path):
 
 
 def test_reader_range_gives_out_only_those_batches():
-    from exporters.calibration_reader import ArrayCalibrationReader
+    from exporters.quantization.calibration import ArrayCalibrationReader
 
     x = np.arange(10, dtype=np.float32).reshape(10, 1, 1, 1)
     r = ArrayCalibrationReader(x, "input", batch_size=3)

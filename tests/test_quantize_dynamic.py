@@ -1,4 +1,4 @@
-"""``edgeprune quantize --precision int8 --mode dynamic`` (exporters/int8.quantize_dynamic_int8).
+"""``edgeprune quantize --precision int8 --mode dynamic`` (exporters/quantization/ort_int8.quantize_dynamic_int8).
 
 ONNX Runtime dynamic quantization: MatMul/Gemm weights stored int8 (symmetric, one scale per output
 channel), each quantized MatMul's input quantized at run time (DynamicQuantizeLinear, uint8).
@@ -24,7 +24,7 @@ from onnx import numpy_helper
 
 from edgeprune.errors import UserError
 from exporters.onnx import read_metadata
-from exporters.quantize import QuantizeConfig, quantize_onnx
+from exporters.quantization import QuantizeConfig, quantize_onnx
 
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 from tests.test_quantize import N_EVAL, assert_agrees_with_float, dense_export

@@ -1,4 +1,4 @@
-"""SmoothQuant scale migration on ONNX graphs (exporters/smooth.py).
+"""SmoothQuant scale migration on ONNX graphs (exporters/quantization/smoothing.py, stats.py).
 
 * the float model is unchanged by smoothing (up to rounding), while its constants did change;
 * the sites are exactly the LayerNorm -> weight-MatMul pairs (2 per ViT block), and a LayerNorm
@@ -19,7 +19,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeprune.errors import UserError
-from exporters.smooth import activation_absmax, find_sites, smooth_onnx, smoothing_scales
+from exporters.quantization.smoothing import find_sites, smooth_onnx, smoothing_scales
+from exporters.quantization.stats import collect_stats
 
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 
@@ -92,7 +93,7 @@ def test_scales_follow_smoothquant_eq4():
 
 def test_absmax_is_the_per_channel_max(tmp_path):
     src, x = _outlier_layer(tmp_path)
-    amax = activation_absmax(src, ["ln"], x, batch_size=10)["ln"]
+    amax = collect_stats(src, ["ln"], x, batch_size=10, rows=0).chan_amax["ln"]
     # the LayerNorm by hand
     mu = x.mean(-1, keepdims=True)
     var = x.var(-1, keepdims=True)
@@ -110,9 +111,9 @@ def test_a_norm_read_by_value_elsewhere_is_left_alone(tmp_path):
 
 
 def test_smoothing_makes_int8_more_accurate_on_an_outlier_channel(tmp_path):
-    from exporters import int8
-    from exporters.calibration_reader import ArrayCalibrationReader
-    from exporters.quant_config import QuantizeConfig
+    from exporters.quantization import ort_int8 as int8
+    from exporters.quantization.calibration import ArrayCalibrationReader
+    from exporters.quantization.config import QuantizeConfig
 
     src, x = _outlier_layer(tmp_path)
     calib, test = x[:32], x[32:]
@@ -168,10 +169,11 @@ def test_cli_smooth_alpha(tmp_path, fmnist_onnx):
     assert "smoothing (alpha 0.5): 12 LayerNorm -> MatMul sites" in r.stdout
     meta = read_metadata(out)
     assert len(meta["smoothing"]) == 12 and meta["quantization"]["smooth_alpha"] == 0.5
-    bad = run_cli(["quantize", str(src), "--precision", "int8", "--smooth-alpha", "1.5", "-o", str(tmp_path / "b.onnx")])
+    bad = run_cli(["quantize", str(src), "--precision", "int8", "--smooth-alpha", "1.5",
+                   "-o", str(tmp_path / "b.onnx")])
     assert_one_line_error(bad, "--smooth-alpha must be in [0, 1]")
     assert not (tmp_path / "b.onnx").exists()
     with pytest.raises(UserError, match="applies to int8"):
-        from exporters.quant_config import QuantizeConfig
+        from exporters.quantization.config import QuantizeConfig
 
         QuantizeConfig(precision="fp16", smooth_alpha=0.5).validate()

@@ -1,10 +1,10 @@
 """``edgeprune quantize``: int8 (ONNX Runtime static QDQ, or dynamic for CPUs) or fp16 copies of an exported model.
 
-The command parses options into an :class:`exporters.quant_config.QuantizeConfig`, calls
-:func:`exporters.quantize.quantize_onnx` and prints the measured top-1 / agreement. Errors are
+The command parses options into an :class:`exporters.quantization.QuantizeConfig`, calls
+:func:`exporters.quantization.quantize_onnx` and prints the measured top-1 / agreement. Errors are
 raised as :class:`~edgeprune.errors.UserError` and printed by the one error handler
 (:func:`edgeprune.cli.main.main`): user mistakes exit 2; a failed ``--max-drop`` gate
-(:class:`exporters.quantize.QualityGateError`) exits 1 and writes nothing.
+(:class:`exporters.quantization.QualityGateError`) exits 1 and writes nothing.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
     The output keeps the exported metadata and adds precision, calibration hash, excluded nodes
     and the measured agreement.
     """
-    from exporters.quantize import QuantizeConfig, quantize_onnx
+    from exporters.quantization import QuantizeConfig, quantize_onnx
 
     cfg = QuantizeConfig(
         precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
@@ -115,7 +115,8 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
                    f"{plan['int8_flops_share'] * 100:.1f}% of GEMM FLOPs in int8"
                    + (f"; float (fp16 on TensorRT): {', '.join(floats)}" if floats else ""))
     if rep.get("float_size_bytes"):
-        click.echo(f"size: {rep['size_bytes'] / 2**20:.2f} MiB ({rep['size_bytes'] / rep['float_size_bytes']:.2f}x fp32)")
+        ratio = rep["size_bytes"] / rep["float_size_bytes"]
+        click.echo(f"size: {rep['size_bytes'] / 2**20:.2f} MiB ({ratio:.2f}x fp32)")
     if json_out is not None:
         atomic_write_text(json_out, json.dumps({"output": str(result.path), "config": cfg.to_record(), **rep},
                                                indent=2, default=str) + "\n")

@@ -1,6 +1,6 @@
 """The quantized file's metadata: the float model's entries plus what ``quantize`` did and measured.
 
-Steps 5 and 6 of ``exporters.quantize.quantize_onnx``: :func:`output_metadata` builds the dict
+Steps 5 and 6 of ``exporters.quantization.quantize.quantize_onnx``: :func:`output_metadata` builds the dict
 (``precision``, ``quantization``, ``excluded_nodes``, ``float_attention_nodes``, ``smoothing``,
 ``quant_calibration``, ``calibration_sha256``, ``sensitivity``/``auto_excluded_nodes``,
 ``int8_plan``/``int8_flops_share`` (TensorRT recipe: each GEMM's precision and the share of GEMM
@@ -18,16 +18,17 @@ import onnx
 
 from edgeprune.atomic import file_sha256
 from exporters.onnx import encode_metadata
-from exporters.quant_config import QuantizeConfig
+from exporters.quantization.config import QuantizeConfig
+from exporters.quantization.registry import Converted
 
 
 def output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_path: Path,
-                    done: Any, calib_info: dict[str, Any] | None,
+                    done: Converted, calib_info: dict[str, Any] | None,
                     report: dict[str, Any]) -> dict[str, Any]:
     """Step 5: the output's metadata: the float model's, plus what was done and measured."""
     md = dict(meta)
     md.update({
-        "precision": cfg.precision,
+        "precision": cfg.common.precision,
         "quantization": {**cfg.to_record(), "tool": done.tool, "float_model": src.name,
                          "float_sha256": file_sha256(float_path)},
         "excluded_nodes": done.excluded,
@@ -42,7 +43,7 @@ def output_metadata(meta: dict[str, Any], cfg: QuantizeConfig, src: Path, float_
     if done.sensitivity:
         md["sensitivity"] = done.sensitivity
         md["auto_excluded_nodes"] = done.auto
-    if getattr(done, "plan", None):
+    if done.plan:
         md["int8_plan"] = done.plan
         md["int8_flops_share"] = done.plan["int8_flops_share"]
     if report:

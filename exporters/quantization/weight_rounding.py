@@ -1,6 +1,6 @@
 """How int8 weights are rounded: nearest, or GPTQ's error-compensating order (a registry).
 
-Both keep TensorRT's weight format (``exporters.qdq``): symmetric int8, one scale per output
+Both keep TensorRT's weight format (``exporters.quantization.qdq``): symmetric int8, one scale per output
 channel, ``scale_j = max_k |W_kj| / 127`` of the float weight -- only the integer values differ.
 
 * ``nearest`` -- ``q = clip(round(W / scale), -127, 127)`` (round to nearest).
@@ -19,10 +19,10 @@ channel, ``scale_j = max_k |W_kj| / 127`` of the float weight -- only the intege
 
   With ``H`` proportional to the identity (white inputs) no error moves and GPTQ equals nearest
   rounding exactly. ``H`` is the Gram matrix of the GEMM's input over every calibration token
-  (:class:`exporters.act_stats.ActStats` ``gram``), after any smoothing of that input.
+  (:class:`exporters.quantization.stats.ActStats` ``gram``), after any smoothing of that input.
 
 The float model is unchanged: only the int8 copy of each weight behind its ``DequantizeLinear``
-differs. What it buys on DINOv2: docs/quantization.md (``tools/quant_sensitivity.py --variants``).
+differs. What it buys on DINOv2: docs/quantization.md (``benchmarks/quant_sensitivity.py --variants``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edgeprune.errors import UserError
-from exporters.act_stats import ActStats
-from exporters.qdq import GemmNode, quantize_weight
+from exporters.quantization.stats import ActStats
+from exporters.quantization.qdq import GemmNode, quantize_weight
 
 QMAX = 127
 #: GPTQ's dampening: this share of the mean diagonal of H added to the diagonal (Frantar et al.: 1%)
@@ -65,7 +65,7 @@ def get_weight_rounding(name: str) -> Callable[[np.ndarray, np.ndarray | None], 
 @register_weight_rounding("nearest")
 def round_nearest(w: np.ndarray, gram: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Round to nearest: ``(q int8 (K, O), scale (O,))`` of ``w`` (K, O), exactly
-    :func:`exporters.qdq.quantize_weight` on the output axis; ``gram`` is ignored."""
+    :func:`exporters.quantization.qdq.quantize_weight` on the output axis; ``gram`` is ignored."""
     return quantize_weight(w, 1)
 
 
@@ -107,8 +107,9 @@ def round_gptq(w: np.ndarray, gram: np.ndarray | None, damp: float = DAMP) -> tu
     return q, s
 
 
-def round_weights(model: Any, gemms: Sequence[GemmNode], stats: ActStats, method: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Int8 weights of ``gemms`` rounded by ``method``, for :func:`exporters.qdq.insert_qdq`.
+def round_weights(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
+                  method: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Int8 weights of ``gemms`` rounded by ``method``, for :func:`exporters.quantization.qdq.insert_qdq`.
 
     Args:
         model: the float ``ModelProto`` (weights as they will be quantized: after smoothing).

@@ -159,7 +159,7 @@ def insert_qdq(model: Any, gemms: Sequence[GemmNode], amax: Mapping[str, float],
         gemms: the GEMMs to make int8 (from :func:`find_gemms` on this model); others stay float.
         amax: per-tensor clipping range of every quantized activation (> 0).
         weights: GEMM node name -> ``(W_q int8, scales (n_out,))`` already rounded (in the
-            weight's own layout, scales on ``g.axis``; e.g. GPTQ, ``exporters.weight_rounding``);
+            weight's own layout, scales on ``g.axis``; e.g. GPTQ, ``exporters.quantization.weight_rounding``);
             a GEMM not in it gets :func:`quantize_weight` (round to nearest).
 
     Returns:
@@ -209,7 +209,8 @@ def _activation_qdq(x: str, amax: float, nodes: list[Any], model: Any, helper: A
         helper.make_tensor(scale, 1, [], [np.float32(amax / QMAX)]),          # FLOAT
         helper.make_tensor(zp, 3, [], [0]),                                    # INT8
     ])
-    nodes.append(helper.make_node("QuantizeLinear", [x, scale, zp], [f"{base}_quantized"], name=f"{base}_QuantizeLinear"))
+    nodes.append(helper.make_node("QuantizeLinear", [x, scale, zp], [f"{base}_quantized"],
+                                  name=f"{base}_QuantizeLinear"))
     nodes.append(helper.make_node("DequantizeLinear", [f"{base}_quantized", scale, zp], [f"{base}_dequantized"],
                                   name=f"{base}_DequantizeLinear"))
     return f"{base}_dequantized"

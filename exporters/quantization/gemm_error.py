@@ -1,6 +1,6 @@
 """Where the int8 loss is: quantize one GEMM (or one group of GEMMs) at a time and measure it.
 
-For the static symmetric int8 of TensorRT (``exporters.qdq``: per-tensor symmetric activations
+For the static symmetric int8 of TensorRT (``exporters.quantization.qdq``: per-tensor symmetric activations
 with MinMax ranges from the calibration images, per-channel symmetric weights), every weighted
 GEMM is made int8 *alone*, everything else float, and the variant runs on held-out images:
 
@@ -13,9 +13,17 @@ Groups (:func:`group_sensitivity`): every GEMM of one kind (``qkv``, ``proj``, `
 ``patch_embed``, ``head``), of one block, or all at once -- errors do not add up across layers, so
 the groups say what a whole kind costs together.
 
-Smoothing (``smooth``): ``None`` (plain), a fixed SmoothQuant alpha folded into every LayerNorm ->
-GEMM site (``exporters.smooth``), or ``"search"`` (alpha per site by measured output error,
-``exporters.int8_search.choose_alpha``), applied to the float model before the ranges are taken.
+The model measured is the float model as the recipe prepared it (smoothed by
+``exporters.quantization.smoothing.apply_smoothing``, ranges from
+``exporters.quantization.stats``).
+
+Why two sensitivity passes: this one (the TensorRT recipe's fallback, ``tools/quant_sensitivity.py``)
+writes each variant's Q/DQ itself (:func:`exporters.quantization.qdq.insert_qdq`) with the recipe's
+own ranges and rounded weights, and runs only the blocks from the GEMM onward;
+``exporters.quantization.ort_int8.rank_sensitivity`` (the ONNX Runtime recipe's ``--auto-exclude``)
+has ONNX Runtime's ``quantize_static`` quantize each node, so it ranks what that quantizer will
+write (its calibration method and cache, attention products and other op types included). Both
+score a variant with :func:`output_cost`.
 
 Cost: a GEMM in block ``b`` changes nothing before block ``b``, so the held-out images' inputs of
 every block are computed once (float) and each variant runs only from its block onward
@@ -29,10 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from exporters.act_stats import ActStats, collect_stats, session_from_proto
-from exporters.int8_search import ALPHAS, choose_alpha
-from exporters.qdq import GemmNode, find_gemms, insert_qdq
-from exporters.smooth import find_sites, fold_site, site_weight_absmax, smoothing_scales
+from exporters.quantization.qdq import GemmNode, find_gemms, insert_qdq
+from exporters.quantization.stats import ActStats, session_from_proto
 
 
 @dataclasses.dataclass
@@ -52,39 +58,6 @@ def copy_model(model: Any) -> Any:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     return m
-
-
-def apply_smoothing(model: Any, stats: ActStats, smooth: float | str | None,
-                    alphas: Sequence[float | None] = ALPHAS) -> list[dict[str, Any]]:
-    """Fold SmoothQuant factors into ``model`` (in place) and rescale ``stats`` to match.
-
-    Args:
-        smooth: None (nothing), an alpha in [0, 1] for every site, or ``"search"`` (per site, by
-            output error on ``stats.rows``).
-        alphas: the candidates of ``"search"`` (:data:`exporters.int8_search.ALPHAS`).
-
-    Returns:
-        one ``{"norm", "alpha", "errors"}`` per site (``errors`` only for ``"search"``).
-    """
-    from onnx import numpy_helper
-
-    if smooth is None:
-        return []
-    inits = {t.name: t for t in model.graph.initializer}
-    report: list[dict[str, Any]] = []
-    for site in find_sites(model):
-        x_amax = stats.chan_amax[site.output]
-        if smooth == "search":
-            ws = [numpy_helper.to_array(inits[w]).astype(np.float32) for w in site.weights]
-            alpha, s, errors = choose_alpha(stats.rows[site.output], x_amax, ws, alphas)
-        else:
-            alpha, errors = float(smooth), {}
-            s = smoothing_scales(x_amax, site_weight_absmax(inits, site), alpha)
-        if alpha is not None:
-            fold_site(inits, site, s)
-            stats.rescale(site.output, s)
-        report.append({"norm": site.norm, "alpha": alpha, "errors": errors})
-    return report
 
 
 def block_cuts(model: Any, gemms: Sequence[GemmNode]) -> dict[int, str]:
@@ -148,16 +121,32 @@ def _extract(model: Any, cut: str) -> Any:
         return None
 
 
-def cost(out: np.ndarray, ev: EvalSet) -> dict[str, float]:
-    """``rel_err``, ``agreement`` and (with labels) ``top1``/``drop`` of one variant's outputs."""
+def output_cost(out: np.ndarray, float_out: np.ndarray, labels: np.ndarray | None = None) -> dict[str, float]:
+    """How far a quantized variant's outputs are from the float model's: the one error measure of both
+    recipes' sensitivity passes (:func:`gemm_sensitivity`, ``exporters.quantization.ort_int8.rank_sensitivity``).
+
+    Args:
+        out, float_out: (N, ...) outputs of the variant and of the float model on the same images.
+        labels: (N,) class labels, or None.
+
+    Returns:
+        ``{"rel_err": ||q - f||^2 / ||f||^2 over all outputs, "agreement": share of images whose
+        top-1 class is the float model's (1.0 for outputs that are not (N, classes) logits)}``,
+        plus with labels ``"top1"`` (fraction) and ``"drop"`` (float top-1 minus the variant's, in points).
+    """
     q = out.reshape(len(out), -1).astype(np.float64)
-    f = ev.float_out.reshape(len(out), -1).astype(np.float64)
+    f = float_out.reshape(len(out), -1).astype(np.float64)
     row: dict[str, float] = {"rel_err": float(np.sum((q - f) ** 2) / max(np.sum(f ** 2), 1e-30)),
-                             "agreement": float(np.mean(q.argmax(1) == f.argmax(1)))}
-    if ev.y is not None:
-        row["top1"] = float(np.mean(q.argmax(1) == ev.y))
-        row["drop"] = 100.0 * (float(np.mean(f.argmax(1) == ev.y)) - row["top1"])
+                             "agreement": float(np.mean(q.argmax(1) == f.argmax(1))) if float_out.ndim == 2 else 1.0}
+    if labels is not None:
+        row["top1"] = float(np.mean(q.argmax(1) == labels))
+        row["drop"] = 100.0 * (float(np.mean(f.argmax(1) == labels)) - row["top1"])
     return row
+
+
+def cost(out: np.ndarray, ev: EvalSet) -> dict[str, float]:
+    """:func:`output_cost` of one variant's outputs on the held-out set ``ev``."""
+    return output_cost(out, ev.float_out, ev.y)
 
 
 def gemm_sensitivity(model: Any, stats: ActStats, ev: EvalSet, gemms: Sequence[GemmNode] | None = None, *,
@@ -170,7 +159,7 @@ def gemm_sensitivity(model: Any, stats: ActStats, ev: EvalSet, gemms: Sequence[G
         model: the float (possibly smoothed) ``ModelProto``; ``stats``: its activation stats
             (``stats.amax`` are the ranges used: MinMax, or the clipped ranges of a recipe).
         gemms: the GEMMs to test (default every weighted GEMM).
-        weights: pre-rounded int8 weights by GEMM name (:func:`exporters.qdq.insert_qdq`).
+        weights: pre-rounded int8 weights by GEMM name (:func:`exporters.quantization.qdq.insert_qdq`).
 
     Returns:
         one ``{"node", "kind", "block", "flops", "rel_err", "agreement", "top1", "drop"}`` per
@@ -214,11 +203,3 @@ def default_groups(gemms: Sequence[GemmNode]) -> dict[str, list[GemmNode]]:
             groups.setdefault(f"block:{g.block}", []).append(g)
     groups["all"] = list(gemms)
     return groups
-
-
-def calibrate(model: Any, calib: np.ndarray, gemms: Sequence[GemmNode], *, rows: int = 1024,
-              batch_size: int = 8, threads: int | None = None, gram: bool = False) -> ActStats:
-    """:func:`exporters.act_stats.collect_stats` of every GEMM input of ``model`` (``gram``: also
-    the inputs' Gram matrices, for GPTQ rounding)."""
-    return collect_stats(model, [g.x for g in gemms], calib, batch_size=batch_size, rows=rows, threads=threads,
-                         gram=gram)

@@ -34,7 +34,9 @@ Sensitivity (``--auto-exclude N``)
 everything else float, the cached ranges) and runs each variant on ``sensitivity_images``
 calibration images (default 64). A node's cost is the loss of top-1 agreement with the float
 model, ties broken by the relative squared logit error ``||q - f||^2 / ||f||^2`` (with 64 images
-most single nodes flip no prediction, so the logit error carries the ranking). The N costliest
+most single nodes flip no prediction, so the logit error carries the ranking), both from
+``exporters.quantization.gemm_error.output_cost`` (why this pass and the TensorRT recipe's
+``gemm_sensitivity`` both exist: that module's docstring). The N costliest
 nodes stay float. Isolating nodes ignores interactions between them, but costs one quantizer pass
 plus one small inference per candidate: about 40 candidates and well under a minute for
 fmnist-vit on one CPU core, versus a full calibration per candidate for exclusion-based search.
@@ -53,7 +55,8 @@ import numpy as np
 
 from edgeprune.errors import RuntimeFault, UserError
 from exporters.ort_session import load_session
-from exporters.quant_config import QuantizeConfig
+from exporters.quantization.config import QuantizeConfig
+from exporters.quantization.gemm_error import output_cost
 from exporters.verify import check_input_shape, run_onnx
 
 _METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
@@ -158,14 +161,14 @@ def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader:
 
     extra: dict[str, Any] = {
         "WeightSymmetric": True,
-        "ActivationSymmetric": bool(config.activation_symmetric),
+        "ActivationSymmetric": bool(config.ort.activation_symmetric),
         # (no CalibMaxIntermediateOutputs: ORT 1.32 fails with "No data is collected" when the
         # batch count is a multiple of it)
     }
-    if config.calib_method == "percentile":
+    if config.ort.calib_method == "percentile":
         extra["CalibPercentile"] = 99.999
     if reader is not None and hasattr(reader, "set_range"):
-        stride = chunk_batches(len(reader), getattr(reader, "batch_size", 1), config.calib_chunk_images)
+        stride = chunk_batches(len(reader), getattr(reader, "batch_size", 1), config.ort.calib_chunk_images)
         if stride < len(reader):
             extra["CalibStridedMinMax"] = stride
     with ort_errors():
@@ -173,12 +176,12 @@ def quantize_static_qdq(src: Path, dst: Path, config: QuantizeConfig, *, reader:
         with contextlib.redirect_stdout(io.StringIO()):
             quantize_static(
                 str(src), str(dst), reader, quant_format=QuantFormat.QDQ,
-                op_types_to_quantize=list(config.op_types), per_channel=bool(config.per_channel),
+                op_types_to_quantize=list(config.ort.op_types), per_channel=bool(config.ort.per_channel),
                 reduce_range=False, weight_type=QuantType.QInt8,
-                activation_type=QuantType.QInt8 if config.activation_symmetric else QuantType.QUInt8,
+                activation_type=QuantType.QInt8 if config.ort.activation_symmetric else QuantType.QUInt8,
                 nodes_to_quantize=list(nodes_to_quantize) if nodes_to_quantize is not None else None,
                 nodes_to_exclude=list(nodes_to_exclude),
-                calibrate_method=getattr(CalibrationMethod, _METHODS[config.calib_method]),
+                calibrate_method=getattr(CalibrationMethod, _METHODS[config.ort.calib_method]),
                 calibration_cache_path=str(cache), extra_options=extra,
             )
     return dst
@@ -208,20 +211,20 @@ def quantize_dynamic_int8(src: Path, dst: Path, config: QuantizeConfig, *, reade
     def follow(names: Sequence[str]) -> list[str]:  # a Gemm is quantized as "<name>_MatMul"
         return [m for n in names for m in ((n, f"{n}_MatMul") if n in gemms else (n,))]
 
-    ops = ["MatMul"] if any(op in config.op_types for op in DYNAMIC_OP_TYPES) else []
-    if "Gemm" not in config.op_types:
+    ops = ["MatMul"] if any(op in config.ort.op_types for op in DYNAMIC_OP_TYPES) else []
+    if "Gemm" not in config.ort.op_types:
         nodes_to_exclude = [*nodes_to_exclude, *sorted(gemms)]
-    if "MatMul" not in config.op_types:  # Gemms only
+    if "MatMul" not in config.ort.op_types:  # Gemms only
         nodes_to_quantize = sorted(gemms) if nodes_to_quantize is None else \
             [n for n in nodes_to_quantize if n in gemms]
     with ort_errors():
         quantize_dynamic(
-            str(src), str(dst), per_channel=bool(config.per_channel), reduce_range=False,
+            str(src), str(dst), per_channel=bool(config.ort.per_channel), reduce_range=False,
             weight_type=QuantType.QInt8, op_types_to_quantize=ops,
             nodes_to_quantize=follow(nodes_to_quantize) if nodes_to_quantize is not None else None,
             nodes_to_exclude=follow(nodes_to_exclude),
             # attention's activation x activation MatMuls are excluded by name unless asked for
-            extra_options={"MatMulConstBOnly": not config.quantize_attention},
+            extra_options={"MatMulConstBOnly": not config.ort.quantize_attention},
         )
     return dst
 
@@ -232,16 +235,16 @@ QUANTIZERS = {"static": quantize_static_qdq, "dynamic": quantize_dynamic_int8}
 
 
 def quantize_int8(src: Path, dst: Path, config: QuantizeConfig, **kwargs: Any) -> Path:
-    """Quantize with the quantizer of ``config.mode`` (:data:`QUANTIZERS`)."""
-    return QUANTIZERS[config.mode](src, dst, config, **kwargs)
+    """Quantize with the quantizer of ``config.common.mode`` (:data:`QUANTIZERS`)."""
+    return QUANTIZERS[config.common.mode](src, dst, config, **kwargs)
 
 
 def quantizable_op_types(config: QuantizeConfig) -> tuple[str, ...]:
-    """The op types the chosen mode quantizes: ``config.op_types`` (static), their ``MatMul`` /
+    """The op types the chosen mode quantizes: ``config.ort.op_types`` (static), their ``MatMul`` /
     ``Gemm`` part (dynamic, :data:`DYNAMIC_OP_TYPES`)."""
-    if config.mode == "dynamic":
-        return tuple(op for op in config.op_types if op in DYNAMIC_OP_TYPES)
-    return tuple(config.op_types)
+    if config.common.mode == "dynamic":
+        return tuple(op for op in config.ort.op_types if op in DYNAMIC_OP_TYPES)
+    return tuple(config.ort.op_types)
 
 
 def run_model(path: Path, x: np.ndarray, batch_size: int = 64, threads: int | None = None) -> np.ndarray:
@@ -249,20 +252,6 @@ def run_model(path: Path, x: np.ndarray, batch_size: int = 64, threads: int | No
     sess = load_session(path, providers=["cpu"], threads=threads)
     fixed = check_input_shape(sess, x.shape)
     return run_onnx(sess, x, fixed, batch_size).astype(np.float32)
-
-
-def node_cost(quant_out: np.ndarray, float_out: np.ndarray) -> dict[str, float]:
-    """Agreement loss and relative squared error of one variant's outputs vs the float model's.
-
-    Returns:
-        ``{"agreement": fraction of images with the float model's top-1 class (logits; for other
-        outputs 1.0), "rel_err": ||q - f||^2 / ||f||^2 over all outputs}``.
-    """
-    q = quant_out.reshape(len(quant_out), -1).astype(np.float64)
-    f = float_out.reshape(len(float_out), -1).astype(np.float64)
-    agree = float(np.mean(q.argmax(1) == f.argmax(1))) if float_out.ndim == 2 else 1.0
-    rel = float(np.sum((q - f) ** 2) / max(np.sum(f ** 2), 1e-30))
-    return {"agreement": agree, "rel_err": rel}
 
 
 def rank_sensitivity(src: Path, candidates: Sequence[str], images: np.ndarray, float_out: np.ndarray,
@@ -282,8 +271,8 @@ def rank_sensitivity(src: Path, candidates: Sequence[str], images: np.ndarray, f
     variant = workdir / "sensitivity.onnx"
     for name in candidates:
         quantize_int8(src, variant, config, cache=cache, nodes_to_quantize=[name])
-        out = run_model(variant, images, config.batch_size, config.threads)
-        cost = node_cost(out, float_out)
+        out = run_model(variant, images, config.common.batch_size, config.common.threads)
+        cost = output_cost(out, float_out)
         rows.append({"node": name, "agreement": cost["agreement"], "rel_err": cost["rel_err"]})
     variant.unlink(missing_ok=True)
     rows.sort(key=lambda r: (float(r["agreement"]), -float(r["rel_err"])))

@@ -1,16 +1,16 @@
 """The default static int8 for TensorRT: searched smoothing, searched clipping, measured fallback.
 
-Pipeline of :func:`quantize_tensorrt` (``QuantizeConfig(recipe="tensorrt")``, the default for
-static symmetric int8; ``recipe="ort"`` is the earlier ONNX Runtime ``quantize_static`` path)::
+Pipeline of :func:`quantize_tensorrt` (the ``tensorrt`` recipe, :class:`TensorRTRecipe`: the default
+for static symmetric int8; ``recipe="ort"`` is the ONNX Runtime path, ``recipe_ort.py``)::
 
     float ONNX
-      -> activation statistics of every GEMM input on the calibration images  [act_stats]
+      -> activation statistics of every GEMM input on the calibration images  [stats]
       -> SmoothQuant folded into LayerNorm -> qkv / fc1 weights, alpha per site chosen by the
-         measured GEMM output error (smooth_alpha=None), or one fixed alpha     [int8_search]
+         measured GEMM output error (smooth_alpha=None), or one fixed alpha     [smoothing]
       -> activation ranges: MinMax; for the kinds in ``clip_kinds`` (default fc2: after GELU no
          scale folds exactly) the clipping ratio with the smallest GEMM output error
       -> sensitivity on ``sensitivity_images`` calibration images: each GEMM int8 alone with
-         those ranges, relative logit error                                     [sensitivity]
+         those ranges, relative logit error                                     [gemm_error]
       -> fallback: GEMMs kept float, each carrying at least the mean isolated error (or
          ``fallback_share`` of the summed isolated error), most error per FLOP first, within
          ``max_float_flops`` of the GEMM FLOPs
@@ -31,14 +31,16 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from edgeprune.errors import UserError
-from exporters.act_stats import ActStats
-from exporters.int8 import match_patterns
-from exporters.int8_search import ALPHAS, choose_clip
-from exporters.qdq import GemmNode, find_gemms, insert_qdq
-from exporters.quant_config import QuantizeConfig
-from exporters import sensitivity as sens
-from exporters.smooth_explicit import smooth_explicit
-from exporters.weight_rounding import get_weight_rounding, round_weights
+from exporters.quantization import gemm_error as sens
+from exporters.quantization.config import QuantizeConfig
+from exporters.quantization.ort_int8 import match_patterns
+from exporters.quantization.qdq import GemmNode, find_gemms, insert_qdq
+from exporters.quantization.registry import Converted, Recipe, RecipeJob, register_recipe
+from exporters.quantization.search import choose_clip
+from exporters.quantization.smoothing import ALPHAS, apply_smoothing
+from exporters.quantization.smoothing_explicit import smooth_explicit
+from exporters.quantization.stats import ActStats, gemm_input_stats
+from exporters.quantization.weight_rounding import get_weight_rounding, round_weights
 
 
 @dataclasses.dataclass
@@ -51,7 +53,7 @@ class Int8Plan:
             ``rel_err``: relative logit error with this GEMM alone int8, on calibration images).
         smoothing: one ``{"norm", "alpha", "errors"}`` per smoothed site.
         int8_flops_share: GEMM FLOPs in int8 / all weighted GEMM FLOPs.
-        weight_rounding: how the int8 weights were rounded (``exporters.weight_rounding``).
+        weight_rounding: how the int8 weights were rounded (``exporters.quantization.weight_rounding``).
     """
 
     gemms: list[dict[str, Any]]
@@ -82,7 +84,7 @@ def weights_of(model: Any, gemms: Sequence[GemmNode]) -> dict[str, np.ndarray]:
 def choose_ranges(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
                   clip_kinds: Sequence[str]) -> tuple[dict[str, float], dict[str, float]]:
     """Per-tensor activation ranges: MinMax, or for a tensor read by a GEMM of ``clip_kinds`` the
-    clipping ratio of :func:`exporters.int8_search.choose_clip` (error summed over its readers).
+    clipping ratio of :func:`exporters.quantization.search.choose_clip` (error summed over its readers).
 
     Returns:
         ``(amax by tensor, clip ratio by tensor)``.
@@ -147,7 +149,7 @@ class Prepared:
         stats: statistics of their inputs (rescaled by the smoothing).
         smoothing: one report entry per LayerNorm site and per explicit site.
         ranges: per-tensor activation ranges; clips: clipping ratio by tensor (clipped ones only).
-        weights: GEMM name -> ``(W_q int8, scales)`` (``cfg.weight_rounding``).
+        weights: GEMM name -> ``(W_q int8, scales)`` (``cfg.tensorrt.weight_rounding``).
     """
 
     model: Any
@@ -162,33 +164,35 @@ class Prepared:
 def prepare_int8(model: Any, calib: np.ndarray, cfg: QuantizeConfig,
                  say: Callable[[str], None] = lambda _m: None, smooth: float | str | None = "config",
                  alphas: Sequence[float | None] = ALPHAS) -> Prepared:
-    """Statistics, smoothing (LayerNorm folds, then explicit scales before ``cfg.explicit_smooth_kinds``),
-    activation ranges and rounded weights of ``model`` (edited in place) -- every step of the recipe
-    before the sensitivity fallback, shared by :func:`quantize_tensorrt` and
-    ``tools/quant_sensitivity.py``. ``smooth``: ``"config"`` (alpha searched, or
-    ``cfg.smooth_alpha``), or :func:`exporters.sensitivity.apply_smoothing`'s argument (None: no
-    smoothing at all, for comparisons). ``alphas``: the SmoothQuant strengths searched (default
-    :data:`exporters.int8_search.ALPHAS`; a tool compares others).
+    """Statistics, smoothing (LayerNorm folds, then explicit scales before
+    ``cfg.tensorrt.explicit_smooth_kinds``), activation ranges and rounded weights of ``model``
+    (edited in place) -- every step of the recipe before the sensitivity fallback, shared by
+    :func:`quantize_tensorrt` and ``benchmarks/quant_sensitivity.py``. ``smooth``: ``"config"`` (alpha
+    searched, or ``cfg.common.smooth_alpha``), or
+    :func:`exporters.quantization.smoothing.apply_smoothing`'s argument (None: no smoothing at all,
+    for comparisons). ``alphas``: the SmoothQuant strengths searched (default
+    :data:`exporters.quantization.smoothing.ALPHAS`; a tool compares others).
 
     Raises:
-        UserError: no GEMM in ``model``; an unknown ``cfg.weight_rounding``.
+        UserError: no GEMM in ``model``; an unknown ``cfg.tensorrt.weight_rounding``.
     """
-    get_weight_rounding(cfg.weight_rounding)
+    get_weight_rounding(cfg.tensorrt.weight_rounding)
     gemms = find_gemms(model)
     if not gemms:
         raise UserError("the model has no MatMul/Gemm/Conv with a constant weight to quantize")
-    stats = sens.calibrate(model, calib, gemms, threads=cfg.threads, gram=cfg.weight_rounding != "nearest")
+    stats = gemm_input_stats(model, calib, gemms, threads=cfg.common.threads,
+                             gram=cfg.tensorrt.weight_rounding != "nearest")
     if smooth == "config":
-        smooth = "search" if cfg.smooth_alpha is None else cfg.smooth_alpha
-    smoothing = sens.apply_smoothing(model, stats, smooth, alphas)
-    if cfg.explicit_smooth_kinds and smooth is not None:
-        explicit = alphas if cfg.smooth_alpha is None else (float(cfg.smooth_alpha),)
-        smoothing += smooth_explicit(model, stats, gemms, cfg.explicit_smooth_kinds, explicit)
+        smooth = "search" if cfg.common.smooth_alpha is None else cfg.common.smooth_alpha
+    smoothing = apply_smoothing(model, stats, smooth, alphas)
+    if cfg.tensorrt.explicit_smooth_kinds and smooth is not None:
+        explicit = alphas if cfg.common.smooth_alpha is None else (float(cfg.common.smooth_alpha),)
+        smoothing += smooth_explicit(model, stats, gemms, cfg.tensorrt.explicit_smooth_kinds, explicit)
         gemms = find_gemms(model)
     say("int8 (TensorRT): smoothing " + ", ".join(
         f"{s.get('norm') or s.get('gemm')}: {s['alpha']}" for s in smoothing))
-    ranges, clips = choose_ranges(model, gemms, stats, cfg.clip_kinds)
-    weights = round_weights(model, gemms, stats, cfg.weight_rounding)
+    ranges, clips = choose_ranges(model, gemms, stats, cfg.tensorrt.clip_kinds)
+    weights = round_weights(model, gemms, stats, cfg.tensorrt.weight_rounding)
     return Prepared(model, gemms, stats, smoothing, ranges, clips, weights)
 
 
@@ -212,13 +216,13 @@ def quantize_tensorrt(src: Path, dst: Path, calib: np.ndarray, cfg: QuantizeConf
     names = [g.name for g in find_gemms(model)]
     if not names:
         raise UserError(f"{src} has no MatMul/Gemm/Conv with a constant weight to quantize")
-    excluded = set(match_patterns(cfg.exclude, names))
+    excluded = set(match_patterns(cfg.common.exclude, names))
     p = prepare_int8(model, calib, cfg, say)
     rows, fallback = measured_fallback(p, calib, cfg, excluded, say)
     float_set = excluded | set(fallback)
     insert_qdq(model, [g for g in p.gemms if g.name not in float_set], p.ranges, p.weights)
     onnx.save_model(model, str(dst))
-    plan = _plan(p.gemms, rows, p.stats, p.clips, excluded, fallback, p.smoothing, cfg.weight_rounding)
+    plan = _plan(p.gemms, rows, p.stats, p.clips, excluded, fallback, p.smoothing, cfg.tensorrt.weight_rounding)
     say(f"int8 (TensorRT): {sum(g['precision'] == 'int8' for g in plan.gemms)} of {len(p.gemms)} GEMMs int8, "
         f"{plan.int8_flops_share * 100:.1f}% of GEMM FLOPs; float: {', '.join(sorted(float_set)) or 'none'}")
     return plan
@@ -226,19 +230,20 @@ def quantize_tensorrt(src: Path, dst: Path, calib: np.ndarray, cfg: QuantizeConf
 
 def measured_fallback(p: Prepared, calib: np.ndarray, cfg: QuantizeConfig, excluded: set[str],
                       say: Callable[[str], None] = lambda _m: None) -> tuple[list[dict[str, Any]], list[str]]:
-    """Each GEMM's isolated error on ``cfg.sensitivity_images`` calibration images (with the
+    """Each GEMM's isolated error on ``cfg.common.sensitivity_images`` calibration images (with the
     prepared ranges and rounded weights) and the GEMMs :func:`choose_fallback` keeps float
-    (none when ``cfg.fallback_share`` is 1)."""
+    (none when ``cfg.tensorrt.fallback_share`` is 1)."""
     ranged = dataclasses.replace(p.stats, amax=p.ranges)
-    rows = _sensitivity(p.model, ranged, calib[:cfg.sensitivity_images], p.gemms, excluded, cfg, say, p.weights)
-    fallback = choose_fallback([r for r in rows if r["node"] not in excluded], cfg.fallback_share,
-                               cfg.max_float_flops) if not _no_fallback(cfg) else []
+    imgs = calib[:cfg.common.sensitivity_images]
+    rows = _sensitivity(p.model, ranged, imgs, p.gemms, excluded, cfg, say, p.weights)
+    fallback = choose_fallback([r for r in rows if r["node"] not in excluded], cfg.tensorrt.fallback_share,
+                               cfg.tensorrt.max_float_flops) if not _no_fallback(cfg) else []
     return rows, fallback
 
 
 def _no_fallback(cfg: QuantizeConfig) -> bool:
     """``fallback_share`` 1: the sensitivity pass is skipped and every GEMM stays int8."""
-    return cfg.fallback_share is not None and cfg.fallback_share >= 1
+    return cfg.tensorrt.fallback_share is not None and cfg.tensorrt.fallback_share >= 1
 
 
 def _sensitivity(model: Any, stats: ActStats, imgs: np.ndarray, gemms: Sequence[GemmNode], excluded: set[str],
@@ -250,9 +255,9 @@ def _sensitivity(model: Any, stats: ActStats, imgs: np.ndarray, gemms: Sequence[
                  "rel_err": float("nan")} for g in todo]
     say(f"int8 (TensorRT): sensitivity of {len(todo)} GEMMs on {len(imgs)} calibration images")
     ev = sens.prepare_eval(model, imgs, None, list(sens.block_cuts(model, todo).values()),
-                           batch_size=cfg.batch_size, threads=cfg.threads)
-    return sens.gemm_sensitivity(model, stats, ev, todo, batch_size=cfg.batch_size, threads=cfg.threads,
-                                 weights=weights)
+                           batch_size=cfg.common.batch_size, threads=cfg.common.threads)
+    return sens.gemm_sensitivity(model, stats, ev, todo, batch_size=cfg.common.batch_size,
+                                 threads=cfg.common.threads, weights=weights)
 
 
 def _plan(gemms: Sequence[GemmNode], rows: Sequence[Mapping[str, Any]], stats: ActStats, clips: Mapping[str, float],
@@ -270,3 +275,31 @@ def _plan(gemms: Sequence[GemmNode], rows: Sequence[Mapping[str, Any]], stats: A
     total = sum(r["flops"] for r in out) or 1.0
     share = sum(r["flops"] for r in out if r["precision"] == "int8") / total
     return Int8Plan(out, smoothing, float(share), weight_rounding)
+
+
+class TensorRTRecipe(Recipe):
+    """The default static int8 (module docstring); settings: ``exporters.quantization.config.TensorRTSettings``."""
+
+    name = "tensorrt"
+
+    def check(self, cfg: QuantizeConfig) -> None:
+        """Raises: UserError: an ONNX-Runtime-only option (this recipe is symmetric int8 with
+        per-channel weights and chooses its own ranges; ``--smooth-alpha`` fixes its alpha)."""
+        bad = [k for k in cfg.ort_only_options() if k != "--smooth-alpha"]
+        if bad:
+            raise UserError(f"{', '.join(bad)} need --recipe ort (the tensorrt recipe is symmetric int8 with "
+                            f"per-channel weights and chooses its own ranges)")
+
+    def run(self, job: RecipeJob) -> Converted:
+        """:func:`quantize_tensorrt` on the calibration images; the plan goes to the metadata."""
+        import onnx
+
+        assert job.calib is not None  # needs_calibration: always
+        plan = quantize_tensorrt(job.float_path, job.quant_path, job.calib, job.cfg, log=job.say)
+        rec = plan.to_record()
+        return Converted(f"edgeprune exporters.quantization.recipe_tensorrt (TensorRT Q/DQ), onnx {onnx.__version__}",
+                         [g["node"] for g in rec["gemms"] if g["precision"] != "int8"],
+                         smoothing=rec["smoothing"], plan=rec)
+
+
+register_recipe(TensorRTRecipe())

@@ -23,6 +23,15 @@ output is read only by ``MatMul`` nodes with an initializer weight ``(C, out)`` 
 weight is multiplied by ``s_j``. ``max|X_j|`` is the largest magnitude of channel ``j`` (last
 axis) over the calibration images and tokens, measured with ONNX Runtime on the float graph.
 
+Fixed alpha or searched
+-----------------------
+:func:`smooth_onnx` (ONNX Runtime recipe, ``--smooth-alpha A``) folds one alpha everywhere;
+:func:`apply_smoothing` (TensorRT recipe) folds one alpha or, by default, the alpha of
+:func:`choose_alpha` per site: the candidate of :data:`ALPHAS` with the smallest int8 GEMM output
+error on sampled calibration rows (as Intel Neural Compressor's and ModelOpt's auto-alpha
+SmoothQuant choose alpha per layer). Both fold through :func:`fold_sites`, on statistics of
+:func:`exporters.quantization.stats.collect_stats`.
+
 The float model's outputs change only by rounding (tested: relative error ~1e-6).
 """
 
@@ -31,16 +40,20 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from edgeprune.errors import UserError
+from exporters.quantization.search import output_error
+from exporters.quantization.stats import ActStats, collect_stats
 
 #: Consumers of a LayerNorm output that read only its shape, never its values.
 _SHAPE_ONLY_OPS = ("Shape",)
 #: Bounds on s_j: a channel that is (numerically) zero everywhere must not blow up its weight row.
 _S_MIN, _S_MAX = 1e-4, 1e4
+#: candidate SmoothQuant strengths of the per-site search (None = no smoothing)
+ALPHAS: tuple[float | None, ...] = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 
 @dataclass(frozen=True)
@@ -96,43 +109,6 @@ def find_sites(model: Any) -> list[SmoothSite]:
     return sites
 
 
-def activation_absmax(model_path: Path, outputs: list[str], images: np.ndarray, batch_size: int = 32,
-                      threads: int | None = None) -> dict[str, np.ndarray]:
-    """Per-channel max |x| of the named tensors over ``images`` (N, C, H, W) float32.
-
-    The tensors are exposed as extra graph outputs of a temporary copy (ONNX Runtime CPU).
-
-    Returns:
-        ``{name: (C,) float64}``, C = the tensor's last axis.
-    """
-    import onnx
-    import onnxruntime as ort
-
-    m = onnx.load(str(model_path))
-    have = {o.name for o in m.graph.output}
-    for name in outputs:
-        if name not in have:
-            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = int(threads)
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    del m
-    in_name = sess.get_inputs()[0].name
-    fixed = sess.get_inputs()[0].shape[0]
-    step = fixed if isinstance(fixed, int) and fixed > 0 else max(1, int(batch_size))
-    amax: dict[str, np.ndarray] = {}
-    for i in range(0, len(images), step):
-        x = np.ascontiguousarray(images[i:i + step], dtype=np.float32)
-        if len(x) < step and isinstance(fixed, int) and fixed > 0:
-            x = np.concatenate([x, np.repeat(x[-1:], step - len(x), axis=0)])
-        for name, value in zip(outputs, sess.run(outputs, {in_name: x})):
-            a = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0).astype(np.float64)
-            amax[name] = a if name not in amax else np.maximum(amax[name], a)
-    return amax
-
-
 def smoothing_scales(x_absmax: np.ndarray, w_absmax: np.ndarray, alpha: float) -> np.ndarray:
     """SmoothQuant's per-channel factors ``s = x^alpha / w^(1 - alpha)`` (eq. 4), clipped to
     [1e-4, 1e4]; channels with a zero activation or weight range get 1.
@@ -173,10 +149,91 @@ def fold_site(inits: dict[str, Any], site: SmoothSite, s: np.ndarray) -> None:
         inits[name].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(w.dtype), name))
 
 
+def choose_alpha(x: np.ndarray, chan_amax: np.ndarray, ws: Sequence[np.ndarray],
+                 alphas: Sequence[float | None] = ALPHAS) -> tuple[float | None, np.ndarray, dict[str, float]]:
+    """SmoothQuant strength with the smallest int8 GEMM output error for one site
+    (:func:`exporters.quantization.search.output_error`, summed over the site's GEMMs).
+
+    Args:
+        x: (R, K) sampled activations; ``chan_amax``: (K,) their per-channel max |x| over all
+            calibration tokens; ``ws``: the site's weights, each (K, O).
+        alphas: the candidates (None = no smoothing).
+
+    Returns:
+        ``(alpha or None, s (K,), {str(alpha): error})`` -- ``s`` is all ones for None.
+    """
+    w_amax = np.max(np.stack([np.abs(w).max(axis=1) for w in ws]), axis=0).astype(np.float64)
+    errors: dict[str, float] = {}
+    best: tuple[float, float | None, np.ndarray] | None = None
+    for a in alphas:
+        s = np.ones_like(chan_amax) if a is None else smoothing_scales(chan_amax, w_amax, a)
+        err = output_error(x, ws, float((chan_amax / s).max()), None if a is None else s)
+        errors[str(a)] = err
+        if best is None or err < best[0]:
+            best = (err, a, s)
+    assert best is not None
+    return best[1], best[2], errors
+
+
+def fold_sites(model: Any, stats: ActStats, smooth: float | str,
+               alphas: Sequence[float | None] = ALPHAS) -> list[tuple[SmoothSite, float | None, np.ndarray, dict]]:
+    """Fold SmoothQuant into every site of ``model`` (in place) and rescale ``stats`` to match: the
+    one folding loop of both recipes (:func:`apply_smoothing`, :func:`smooth_onnx`).
+
+    Args:
+        stats: ``chan_amax`` of every site output (and ``rows`` for ``"search"``).
+        smooth: an alpha in [0, 1] for every site, or ``"search"`` (per site,
+            :func:`choose_alpha` on ``stats.rows``).
+
+    Returns:
+        one ``(site, alpha (None: left alone), s (C,), errors by alpha ({} unless searched))`` per site.
+    """
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    done: list[tuple[SmoothSite, float | None, np.ndarray, dict]] = []
+    for site in find_sites(model):
+        x_amax = stats.chan_amax[site.output]
+        if smooth == "search":
+            ws = [numpy_helper.to_array(inits[w]).astype(np.float32) for w in site.weights]
+            alpha, s, errors = choose_alpha(stats.rows[site.output], x_amax, ws, alphas)
+        else:
+            alpha, errors = float(smooth), {}
+            s = smoothing_scales(x_amax, site_weight_absmax(inits, site), alpha)
+        if alpha is not None:
+            fold_site(inits, site, s)
+            stats.rescale(site.output, s)
+        done.append((site, alpha, s, errors))
+    return done
+
+
+def apply_smoothing(model: Any, stats: ActStats, smooth: float | str | None,
+                    alphas: Sequence[float | None] = ALPHAS) -> list[dict[str, Any]]:
+    """The TensorRT recipe's smoothing: :func:`fold_sites` on a ``ModelProto`` whose GEMM-input
+    statistics are already gathered (``stats``, rescaled here).
+
+    Args:
+        smooth: None (nothing), an alpha in [0, 1] for every site, or ``"search"``.
+        alphas: the candidates of ``"search"`` (:data:`ALPHAS`).
+
+    Returns:
+        one ``{"norm", "alpha", "errors"}`` per site (``errors`` only for ``"search"``): the
+        chosen strength, recorded in the TensorRT plan.
+    """
+    if smooth is None:
+        return []
+    return [{"norm": site.norm, "alpha": alpha, "errors": errors}
+            for site, alpha, _, errors in fold_sites(model, stats, smooth, alphas)]
+
+
 def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, batch_size: int = 32,
                 threads: int | None = None) -> list[dict[str, Any]]:
-    """Write ``dst``: ``src`` with SmoothQuant's scales folded into every smoothable LayerNorm and
-    its MatMul weights (module docstring).
+    """The ONNX Runtime recipe's smoothing: write ``dst``, ``src`` with one fixed alpha folded into
+    every smoothable LayerNorm and its MatMul weights (module docstring), the statistics taken by
+    :func:`exporters.quantization.stats.collect_stats` (per-channel max only).
+
+    Its report differs from :func:`apply_smoothing`'s on purpose: with one fixed alpha there is no
+    choice to record, so it records how uneven the channels were before and after.
 
     Args:
         src, dst: float ONNX in / out (``dst`` is written whole; callers write it in a temp dir).
@@ -200,14 +257,11 @@ def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, ba
     if not sites:
         onnx.save_model(model, str(dst))
         return []
-    amax = activation_absmax(src, [s.output for s in sites], images, batch_size, threads)
-    inits = {t.name: t for t in model.graph.initializer}
+    stats = collect_stats(src, [s.output for s in sites], images, batch_size=batch_size, rows=0, threads=threads)
+    before = {s.output: stats.chan_amax[s.output] for s in sites}
     report: list[dict[str, Any]] = []
-    for site in sites:
-        x = amax[site.output]
-        s = smoothing_scales(x, site_weight_absmax(inits, site), alpha)
-        fold_site(inits, site, s)
-        after = x / s
+    for site, _, s, _ in fold_sites(model, stats, float(alpha)):
+        x, after = before[site.output], stats.chan_amax[site.output]
         report.append({"norm": site.norm, "channels": int(len(s)),
                        "x_range_before": float(x.max() / max(np.median(x), 1e-30)),
                        "x_range_after": float(after.max() / max(np.median(after), 1e-30)),

@@ -3,9 +3,10 @@
 ``onnxruntime.transformers.float16.convert_float_to_float16`` converts initializers and ops to
 float16 and inserts ``Cast`` nodes at the borders; ``keep_io_types=True`` leaves the graph input
 and output float32, so callers feed and read fp32 exactly as for the exported model. Ops in
-``op_block_list`` (ORT's default list plus :data:`~exporters.quant_config.FP16_KEEP_OPS`:
+``op_block_list`` (ORT's default list plus :data:`~exporters.quantization.config.FP16_KEEP_OPS`:
 LayerNorm, Softmax, reductions, exponentials) and nodes in ``node_block_list`` (``--exclude``)
-stay fp32. The result is re-sorted topologically (onnx-graphsurgeon). This avoids a dependency on ``onnxconverter-common``.
+stay fp32. The result is re-sorted topologically (onnx-graphsurgeon). This avoids a
+dependency on ``onnxconverter-common``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,38 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import onnx
+import onnxruntime
+
 from edgeprune.errors import RuntimeFault, UserError
-from exporters.quant_config import FP16_KEEP_OPS
+from exporters.quantization.config import FP16_KEEP_OPS, QuantizeConfig
+from exporters.quantization.ort_int8 import match_patterns
+from exporters.quantization.registry import Converted, Recipe, RecipeJob, register_recipe
+
+
+class Fp16Recipe(Recipe):
+    """fp16 with fp32 inputs/outputs (module docstring); no settings of its own besides ``exclude``."""
+
+    name = "fp16"
+    precisions = ("fp16",)
+
+    def needs_calibration(self, cfg: QuantizeConfig) -> bool:
+        """fp16 has no activation ranges: no calibration images."""
+        return False
+
+    def run(self, job: RecipeJob) -> Converted:
+        """Convert, keeping the excluded nodes and the sensitive op types in fp32.
+
+        Raises:
+            UserError: an ``--exclude`` pattern matching no node.
+            RuntimeFault: the conversion fails on a valid model.
+        """
+        names = [n.name for n in onnx.load(str(job.float_path), load_external_data=False).graph.node if n.name]
+        excluded = match_patterns(job.cfg.common.exclude, names)
+        job.say("fp16: converting (fp32 inputs/outputs; LayerNorm, Softmax, reductions kept fp32)")
+        convert_fp16(job.float_path, job.quant_path, excluded)
+        return Converted(f"onnxruntime {onnxruntime.__version__} transformers.float16.convert_float_to_float16",
+                         excluded)
 
 
 def convert_fp16(src: Path, dst: Path, keep_nodes: Sequence[str] = ()) -> Path:
@@ -26,7 +57,6 @@ def convert_fp16(src: Path, dst: Path, keep_nodes: Sequence[str] = ()) -> Path:
     Raises:
         RuntimeFault: the conversion fails on a valid model.
     """
-    import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     model = onnx.load(str(src))
@@ -57,3 +87,6 @@ def _toposorted(model):
     out.metadata_props.extend(model.metadata_props)
     out.producer_name, out.producer_version = model.producer_name, model.producer_version
     return out
+
+
+register_recipe(Fp16Recipe())

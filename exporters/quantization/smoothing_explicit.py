@@ -2,7 +2,7 @@
 
 SmoothQuant (Xiao et al., ICML 2023, eq. 4) divides activation channel ``j`` by ``s_j`` and
 multiplies row ``j`` of the weight by it, so that ``(X / s)(s W) = X W``. Before ``qkv`` and
-``fc1`` the division folds into the preceding LayerNorm's gamma and beta (``exporters.smooth``).
+``fc1`` the division folds into the preceding LayerNorm's gamma and beta (``exporters.quantization.smoothing``).
 ``fc2`` reads GELU's output: no scale folds through GELU, so here the division is a node of its
 own, ``Mul(x, 1 / s)``, between GELU and the GEMM's ``QuantizeLinear`` -- as Intel Neural
 Compressor's ONNX SmoothQuant inserts a ``Mul`` where no producer can absorb the scale, and as
@@ -12,7 +12,7 @@ one fuses into GELU's kernel is not checked here -- no TensorRT on this machine)
 int8.
 
 ``s`` comes from the same per-site search as the LayerNorm sites
-(:func:`exporters.int8_search.choose_alpha`: the alpha with the smallest GEMM output error on the
+(:func:`exporters.quantization.smoothing.choose_alpha`: the alpha with the smallest GEMM output error on the
 sampled calibration rows; "no smoothing" is a candidate, and then no node is added).
 
 The float model computes the same function (up to float32 rounding of ``x / s`` and ``s W``): the
@@ -25,9 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from exporters.act_stats import ActStats
-from exporters.int8_search import ALPHAS, choose_alpha
-from exporters.qdq import GemmNode, _safe
+from exporters.quantization.stats import ActStats
+from exporters.quantization.smoothing import ALPHAS, choose_alpha
+from exporters.quantization.qdq import GemmNode, _safe
 
 
 def explicit_sites(model: Any, gemms: Sequence[GemmNode], kinds: Sequence[str]) -> list[GemmNode]:
@@ -48,7 +48,7 @@ def smooth_explicit(model: Any, stats: ActStats, gemms: Sequence[GemmNode], kind
     Args:
         model: float ``ModelProto``; ``stats``: statistics of its GEMM inputs (``rows``,
             ``chan_amax``, optionally ``gram``).
-        gemms: from :func:`exporters.qdq.find_gemms` on ``model`` (call it again afterwards: the
+        gemms: from :func:`exporters.quantization.qdq.find_gemms` on ``model`` (call it again afterwards: the
             smoothed GEMMs read the new tensors).
         kinds: GEMM kinds to smooth (``("fc2",)`` in the TensorRT recipe).
         alphas: candidate strengths (one value: that alpha everywhere).
