@@ -221,7 +221,6 @@ def _load_weights(f: Path) -> dict:
         UserError: the file is not a readable safetensors file.
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
         return load_file(str(f))

@@ -21,6 +21,7 @@ from edgeprune.errors import UserError
 from exporters.agreement import SALIENCY_THRESHOLD, infer_output_kind  # noqa: F401  (re-exported)
 from exporters.agreement import compare_outputs as output_agreement
 from exporters.ort_session import load_session
+from exporters.arrays import source_to_array
 
 
 def _as_numpy(inputs: Any) -> np.ndarray:
@@ -235,7 +236,6 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
     Raises:
         UserError: missing / corrupt files, inputs the model does not take, empty source.
     """
-    from exporters.quantization.calibration import source_to_array  # imports onnxruntime.quantization (optional)
     path = Path(onnx_path)
     if max_drop is not None and max_drop < 0:
         raise UserError(f"--max-drop must be >= 0 points, got {max_drop}")

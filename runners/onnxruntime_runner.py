@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.errors import UserError
 from exporters.ort_session import (  # noqa: F401  (load_session, resolve_providers re-exported)
     GPU_PROVIDERS, PROVIDER_ALIASES, import_onnxruntime, load_session, resolve_providers,
 )

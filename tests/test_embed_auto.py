@@ -15,7 +15,7 @@ from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import load_run, save_run
 from edgeprune.cli.prune import _report_embed_auto
 from edgeprune.corp import CorpConfig
-from edgeprune.pruning.embed_auto import EMBED_CANDIDATES, candidate_sparsities
+from edgeprune.pruning.embed_auto import candidate_sparsities
 from edgeprune.embed.fold import fold_layerscale, map_writers, stream_parts
 from edgeprune.errors import UserError
 from tests.conftest import assert_one_line_error, run_cli

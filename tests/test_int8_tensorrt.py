@@ -13,7 +13,6 @@ smoothing.py, gemm_error.py, stats.py) on the real fmnist-vit.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import onnx

@@ -111,7 +111,7 @@ def test_statistics_to_moves_the_accumulators_once_and_keeps_them_equal():
         st.add_batch(torch.randn(b, 2, 5, 4, generator=g), torch.randn(b, 2, 5, 4, generator=g))
     gq, gk = st.grams()
     score = st.logit_energy.clone()
-    assert st.to("cpu") is st
+    assert st.to("cpu") is st and torch.equal(st.logit_energy, score)
     assert len(st._gq) == 2  # already there: no copy, no concatenation
     st.to(torch.device("meta"))  # another device: concatenated, one tensor per side, then moved
     assert len(st._gq) == len(st._gk) == 1 and st._gq[0].device.type == "meta" and st._score.device.type == "meta"

@@ -68,7 +68,6 @@ class QKStatistics:
         # as strided views of the fused qkv output, which batched matmul would copy twice each
         qk = torch.cat([q, k], 1).to(self.gram_dtype)
         g = qk.transpose(-1, -2) @ qk  # (B, 2H, d, d)
-        gq, gk = g[:, :h], g[:, h:]
         diag = torch.diagonal(g, dim1=-2, dim2=-1).double()  # (B, 2H, d)
         self._score += (diag[:, :h] * diag[:, h:]).sum(0)
         if self.keep_grams:

@@ -23,6 +23,7 @@ import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
 from edgeprune.errors import UserError
+from exporters.arrays import source_to_array  # noqa: F401  (handed on: quantize, benchmarks)
 from edgeprune.zoo.registry import spec_from_record
 
 class ArrayCalibrationReader(CalibrationDataReader):
@@ -85,38 +86,6 @@ def calibration_sha256(images: np.ndarray) -> str:
     h.update(repr(tuple(arr.shape)).encode())
     h.update(arr.tobytes())
     return h.hexdigest()
-
-
-def source_to_array(source: Any, limit: int | None = None, batch_size: int = 64
-                    ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Materialise a data source (``batches(b)`` yielding ``(images, labels|None)``) as arrays.
-
-    Returns:
-        ``(images (N, C, H, W) float32, labels (N,) int64 or None)``.
-
-    Raises:
-        UserError: the source is empty.
-    """
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
-    labeled = True
-    total = 0
-    for x, y in source.batches(batch_size):
-        xs.append(np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=np.float32))
-        if y is None:
-            labeled = False
-        else:
-            ys.append(np.asarray(y.cpu().numpy() if hasattr(y, "cpu") else y, dtype=np.int64))
-        total += len(xs[-1])
-        if limit is not None and total >= limit:
-            break
-    if not xs:
-        raise UserError(f"no images in {getattr(source, 'description', 'the data source')}")
-    images = np.concatenate(xs)[:limit]
-    labels = np.concatenate(ys)[:limit] if labeled and ys else None
-    if labels is not None and (labels < 0).any():
-        labels = None
-    return images, labels
 
 
 def spec_from_metadata(meta: Mapping[str, Any]):
