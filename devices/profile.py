@@ -193,7 +193,8 @@ def parse_compute_capability(value: Any, label: str, field: str = "device.comput
                              ) -> tuple[int, int]:
     """``"8.6"`` (or ``8.6``, or ``[8, 6]``) -> ``(8, 6)``."""
     text: str
-    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                           for x in value):
         return (int(value[0]), int(value[1]))
     if isinstance(value, float):
         text = repr(value)

@@ -226,7 +226,8 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
     if not blocks:
         raise UnsupportedModelError(f"{name} has no transformer blocks")
     return ViTAnatomy(
-        model=model, vit=vit, blocks=blocks, embed_dim=int(vit.embed_dim) if hasattr(vit, "embed_dim") else blocks[0].qkv.in_features,
+        model=model, vit=vit, blocks=blocks,
+        embed_dim=int(vit.embed_dim) if hasattr(vit, "embed_dim") else blocks[0].qkv.in_features,
         num_prefix_tokens=int(getattr(vit, "num_prefix_tokens", 1)),
         num_patches=int(pe.num_patches), img_size=_pair(pe.img_size), in_chans=in_chans,
         patch_size=_pair(pe.patch_size),

@@ -133,7 +133,8 @@ class BenchReport:
         """Two lines for stdout/markdown: the profile and the settings that ran."""
         src = self.profile.get("source")
         cfg = BenchConfig(**{**self.config, "batch_sizes": tuple(self.config["batch_sizes"])})
-        ran = ", ".join(f"{k.upper()} on {t['backend']}" + (f" ({t['model_precision']})" if t.get("model_precision") else "")
+        ran = ", ".join(f"{k.upper()} on {t['backend']}"
+                        + (f" ({t['model_precision']})" if t.get("model_precision") else "")
                         for k, t in self.targets.items())
         return (f"profile: {self.profile['name']}" + (f" ({src})" if src else "") + f"; {ran}\n"
                 f"settings: {cfg.describe(self.profile.get('backend'))}")

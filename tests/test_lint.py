@@ -33,7 +33,7 @@ def test_ruff_sees_a_long_library_line(tmp_path):
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     pkg = tmp_path / "edgeprune"
     pkg.mkdir()
-    (pkg / "long.py").write_text("X = '" + "a" * 114 + "'\n")  # 121 characters
+    (pkg / "long.py").write_text("X = '" + "a" * 115 + "'\n")  # 121 characters
     r = subprocess.run([*_ruff(), "check", "--no-cache", "--output-format", "concise", "."], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 1 and "E501" in r.stdout, r.stdout

@@ -9,7 +9,8 @@ pruning rules of the device it prices (the ``latency`` kind: its table's profile
   to V (the fused layout, which ``LatencyCost.config_defaults`` sets, ``edgeprune.budget.latency``);
 * ``bounds()``: the smallest measured size per module (no candidate below it: the table does not
   extrapolate);
-* ``allocates_heads = True`` (class attribute of the cost model, ``edgeprune.budget.base.CostModel``): whole heads are one more unit per block beside the
+* ``allocates_heads = True`` (class attribute of the cost model, ``edgeprune.budget.base.CostModel``): whole heads
+  are one more unit per block beside the
   MLP width and head dims when the target is ``all`` or ``v`` (``CorpConfig.allocate_heads``:
   None = this default, True / False to force), so the allocator chooses among removing heads,
   shrinking head dims and shrinking MLP widths by their measured errors and the table's times

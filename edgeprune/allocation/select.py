@@ -233,7 +233,8 @@ def measured_curves(anatomy, stats, cfg, ref_dims: list[dict], x: torch.Tensor,
     if cache is None:
         cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
     pos = [_position(c, ref_dims, step_down=True) for c in curves]
-    if known is not None and [u["kept"] for u in known] == [None if p is None else c.ks[p] for c, p in zip(curves, pos)]:
+    chosen = [None if p is None else c.ks[p] for c, p in zip(curves, pos)]
+    if known is not None and [u["kept"] for u in known] == chosen:
         first = [u["measured_output_error"] for u in known]
     else:
         first = _measure_units(anatomy, stats, cfg, curves, pos, x, dense_out, cache)

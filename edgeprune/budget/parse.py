@@ -1,4 +1,5 @@
-"""The one budget parser of ``edgeprune prune`` and ``edgeprune derive`` (CLI text or Python numbers -> :class:`Budget`).
+"""The one budget parser of ``edgeprune prune`` and ``edgeprune derive`` (CLI text or Python numbers ->
+:class:`Budget`).
 
 ``--flops 0.5`` is a fraction of the dense model, ``--flops 2.3G`` absolute (suffixes k / M / G / T multiply by
 1e3 / 1e6 / 1e9 / 1e12, case-insensitive; numbers only). A kind whose cost model declares a ``unit`` (``latency``:

@@ -3,7 +3,8 @@
 Hooks sit at the input of every block's ``mlp.fc2`` (hidden activations, for
 :class:`MLPStatistics`), at the output of every ``attn.qkv`` (queries and keys, for
 :class:`QKStatistics`) and at the input of every ``attn.proj`` (the heads' outputs z, dim H*d_v,
-for V/O and head pruning: the same :class:`MLPStatistics` class, METHODS.md §5). Activations are reduced to statistics batch by batch and dropped.
+for V/O and head pruning: the same :class:`MLPStatistics` class, METHODS.md §5). Activations are reduced to
+statistics batch by batch and dropped.
 """
 
 from __future__ import annotations

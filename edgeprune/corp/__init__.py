@@ -19,5 +19,6 @@ from edgeprune.vo import LAYOUTS
 QK_SOLVERS = list_qk_solvers()
 
 __all__ = ["CorpConfig", "ALL_IMAGES", "bias_correction_used", "gram_tokens_used", "QKHeadSystem", "QKSolve",
-           "register_qk_solver", "unregister_qk_solver", "get_qk_solver", "list_qk_solvers", "qk_solver_from_grams", "QK_SOLVERS",
+           "register_qk_solver", "unregister_qk_solver", "get_qk_solver", "list_qk_solvers", "qk_solver_from_grams",
+           "QK_SOLVERS",
            "apply_corp", "mlp_kept", "plan_corp", "prunes_attention", "cg_is_cheaper", "LAYOUTS"]

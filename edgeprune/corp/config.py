@@ -95,7 +95,8 @@ class CorpConfig:
             itself among the candidates). ``None`` (default) = auto = on whenever the output
             correction runs; False = the bias correction alone.
         last_block: "auto" (default), "cls" or "full": whether the pruned model's last block
-            computes only the class token(s) its output reads (``edgeprune.layers.class_token_block``; exact, saves 7% of a ViT-S/14's FLOPs at
+            computes only the class token(s) its output reads (``edgeprune.layers.class_token_block``; exact, saves
+            7% of a ViT-S/14's FLOPs at
             224 px). auto = with a budget, for classifiers with ``global_pool="token"``.
         embed_sparsity, embed_order, embed_refit: the residual-width slice (``edgeprune.embed``,
             docs/embed.md): fraction of the embedding dim D removed, [0, 1); "first" (slice, then

@@ -83,8 +83,8 @@ def apply_corp(anatomy: ViTAnatomy, plans: list[BlockPlan], cfg: CorpConfig,
                 st = mlp_stats[b.index]
                 bmat, cvec, lam = mlp_ridge.ridge_affine_map(st.mean, st.cov, keep, prune, cfg.ridge_alpha)
                 rec["mlp_lambda"] = lam
-            w2, b2 = mlp_ridge.fold_into_linear(b.fc2.weight.detach(), None if b.fc2.bias is None else b.fc2.bias.detach(),
-                                                keep, prune, bmat, cvec)
+            bias2 = None if b.fc2.bias is None else b.fc2.bias.detach()
+            w2, b2 = mlp_ridge.fold_into_linear(b.fc2.weight.detach(), bias2, keep, prune, bmat, cvec)
             shrink_mlp(b, keep, w2, b2)
         if plan.prunes_attention:
             vo = vo_stats[b.index] if vo_stats else None

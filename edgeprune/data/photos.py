@@ -140,8 +140,8 @@ def _calibration_images() -> tuple[Image.Image, ...]:
     return tuple(out)
 
 
-def _random_resized_crop_box(w: int, h: int, gen: torch.Generator,
-                             scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[float, float, float, float]:
+def _random_resized_crop_box(w: int, h: int, gen: torch.Generator, scale: tuple[float, float],
+                             ratio: tuple[float, float]) -> tuple[float, float, float, float]:
     """torchvision ``RandomResizedCrop.get_params`` with an explicit generator; (l, t, r, b) px."""
     area = w * h
     log_r = (math.log(ratio[0]), math.log(ratio[1]))

@@ -14,7 +14,8 @@ i.e. the write that brings the sliced stream back to the projected dense stream 
 The moments are float64 products: a float32 Gram carries noise of ~1e-7 |E z z^T| (1e-10 here, seen on a
 rank-deficient head output whose true small eigenvalues are 1e-17), which swamps the small eigenvalues of
 Cov(z~) and made the alpha -> 0 fit depend on the BLAS's summation order (a flaky exactness test, issue 43);
-in float64 an exactly representable write is re-fit exactly (tests/test_embed.py). The streams of all calibration images are held in
+in float64 an exactly representable write is re-fit exactly (tests/test_embed.py). The streams of all calibration
+images are held in
 memory (N x n x D float32 each).
 """
 
@@ -45,7 +46,8 @@ class WriterFit:
         if self.sz is None:
             self.sz, self.st, self.gzz, self.gzt = parts
         else:
-            self.sz, self.st, self.gzz, self.gzt = (a + b for a, b in zip((self.sz, self.st, self.gzz, self.gzt), parts))
+            old = (self.sz, self.st, self.gzz, self.gzt)
+            self.sz, self.st, self.gzz, self.gzt = (a + b for a, b in zip(old, parts))
         self.n += z.shape[0]
 
     def solve(self, alpha: float) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -26,5 +26,6 @@ from edgeprune.heal.trainer import HealResult, heal
 __all__ = [
     "LOSSES", "BlockCapture", "alignment_loss", "per_block_alignment", "per_image_alignment",
     "CalibrationSet", "DenseTargets", "DiskTargetCache", "state_fingerprint",
-    "HealConfig", "HealResult", "cosine_lr", "heal", "measure_alignment", "reduced_modules", "reduced_modules_from_record",
+    "HealConfig", "HealResult", "cosine_lr", "heal", "measure_alignment", "reduced_modules",
+    "reduced_modules_from_record",
 ]

@@ -37,7 +37,8 @@ CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 def deterministic_algorithms(warn_only: bool = False) -> Iterator[None]:
     """``torch.use_deterministic_algorithms(True, warn_only=warn_only)`` inside, the previous
     mode (and its ``warn_only``) restored afterwards."""
-    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:
         yield

@@ -45,7 +45,8 @@ def check_healable(run_dir: str | Path) -> dict[str, Any]:
     embed = rec.get("embed") or {}
     if embed.get("embed_dim", 0) != embed.get("dense_embed_dim", 0):
         raise UserError(f"{run_path}: heal does not take runs with a sliced residual width yet "
-                        f"(--embed-sparsity: {embed.get('dense_embed_dim')} -> {embed.get('embed_dim')}; docs/embed.md)")
+                        f"(--embed-sparsity: {embed.get('dense_embed_dim')} -> {embed.get('embed_dim')}; "
+                        "docs/embed.md)")
     if "dense_blocks" in rec and not reduced_modules_from_record(rec):
         raise UserError(f"{run_path}: nothing to heal: the run has the dense model's shapes everywhere (sparsity 0)")
     return rec

@@ -370,7 +370,8 @@ def make_targets(dense: nn.Module, calib: CalibrationSet, target_cache: Any = No
     :class:`DiskTargetCache` (``target_cache`` is its directory, or a ``DiskTargetCache``)."""
     if target_cache is None:
         return DenseTargets(dense)
-    cache = target_cache if isinstance(target_cache, DiskTargetCache) else DiskTargetCache(target_cache, memory_budget_mb)
+    cache = (target_cache if isinstance(target_cache, DiskTargetCache)
+             else DiskTargetCache(target_cache, memory_budget_mb))
     cache.prepare(dense, calib, batch_size=batch_size, progress=progress)
     return cache
 

@@ -24,7 +24,8 @@ state dict keys are those of the timm model (``blocks.11.attn.qkv.weight`` ...).
 Whether a prune ends with this block (:func:`class_token_plan`, ``CorpConfig.last_block``,
 ``--last-block``):
 
-* ``"auto"`` (default) -- the class-token last block when a budget is given (``--flops`` / ``--params``) and the model is a classifier whose output
+* ``"auto"`` (default) -- the class-token last block when a budget is given (``--flops`` / ``--params``) and the
+  model is a classifier whose output
   reads only the class token(s) (timm ``VisionTransformer`` with ``global_pool="token"`` and an
   affine ``head``); the full block otherwise (plain CORP with ``--sparsity`` stays as the paper
   defines it; a headless backbone keeps every token, since its users may read the patch tokens).

@@ -81,7 +81,8 @@ def feature_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
         ValueError: shapes differ, are not 2-D, or B == 0.
     """
     if a.shape != b.shape or a.dim() != 2 or a.shape[0] == 0:
-        raise ValueError(f"features must be two (B, D) tensors of equal shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"features must be two (B, D) tensors of equal shape, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
     a64 = a.detach().to(torch.float64).cpu()
     b64 = b.detach().to(torch.float64).cpu()
     num = (a64 * b64).sum(1)

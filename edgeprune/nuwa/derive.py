@@ -305,7 +305,8 @@ def _derive_record(prep: Prepared, plan: budget_mod.Plan, model: nn.Module, cand
                                                          "num_classes": num_classes(prep.base)}
     head = head_record(model, prep.classes, cfg.head, prep.class_names, num_classes(prep.base))
     a = achieved_sparsity(dense_blocks, blocks)
-    a["vo"] = 1.0 - sum(b["v_dim"] * b["num_heads"] for b in blocks) / sum(b["v_dim"] * b["num_heads"] for b in dense_blocks)
+    vo_dense = sum(b["v_dim"] * b["num_heads"] for b in dense_blocks)
+    a["vo"] = 1.0 - sum(b["v_dim"] * b["num_heads"] for b in blocks) / vo_dense
     return new_record(
         "nuwa", base_rec, cfg,
         {"blocks": dense_blocks, "params": dense_params, "flops": dense_flops},

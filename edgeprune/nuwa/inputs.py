@@ -40,7 +40,8 @@ def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
         else:
             idx = int(c)
         if not 0 <= idx < num_outputs:
-            raise UserError(f"class index {idx} out of range: the model has {num_outputs} classes (0..{num_outputs - 1})")
+            raise UserError(f"class index {idx} out of range: the model has {num_outputs} classes "
+                            f"(0..{num_outputs - 1})")
         if idx in out:
             raise UserError(f"class {idx} is listed twice in --classes")
         out.append(idx)

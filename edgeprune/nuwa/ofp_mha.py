@@ -54,7 +54,8 @@ class BlockFactors:
 
     Attributes:
         qk_u: (H, Da, d_qk), qk_v: (H, Dk, d_qk): left / right singular vectors of ``A_Q^T A_K``
-            (Da = D+1 with a qkv bias, else D; Dk = D unless the key bias is augmented); qk_s: (H, d_qk) singular values, descending.
+            (Da = D+1 with a qkv bias, else D; Dk = D unless the key bias is augmented); qk_s: (H, d_qk) singular
+            values, descending.
         vo_u: (H, Dv, d_v) (Dv = D, or D+1 when the V bias could not be folded), vo_v: (H, D, d_v),
             vo_s: (H, d_v): SVD of ``W_V^T W_O,h^T``.
         proj_bias: (D,) output bias with the V bias folded in, or None (no biases at all).

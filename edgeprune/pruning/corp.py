@@ -84,8 +84,8 @@ def _second_pass_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, pr
     Returns:
         (solver ``f(block, head)``, seconds of the pass).
     """
-    second = collect_statistics(anatomy, batches(), StatisticsRequest(mlp=False, qk=True, qk_keep=[p.qk_keep for p in plans]),
-                                progress=progress)
+    request = StatisticsRequest(mlp=False, qk=True, qk_keep=[p.qk_keep for p in plans])
+    second = collect_statistics(anatomy, batches(), request, progress=progress)
 
     def qk_solve(i: int, h: int):
         st = second.qk[i]

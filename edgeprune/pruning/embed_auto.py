@@ -4,7 +4,8 @@ With a budget (``--flops`` / ``--params``; a latency table cannot price a sliced
 ``embed_order="first"`` the slice and the width pruning share the budget: a smaller D' leaves less
 to take from the widths. Which split is best depends on the model (docs/embed.md: on fmnist-vit a
 quarter of the stream is nearly free, on DINOv2 it costs 4.6-7 points alone), so it is measured: for
-every candidate embed sparsity of ``CorpConfig.embed_candidates`` (default :data:`EMBED_CANDIDATES`; 0 is always one) mapped to its D' on
+every candidate embed sparsity of ``CorpConfig.embed_candidates`` (default :data:`EMBED_CANDIDATES`; 0 is always
+one) mapped to its D' on
 the ``round_to`` grid (:func:`~edgeprune.embed.slice.embed_kept_dim`; candidates with the D' of an
 earlier one dropped), the whole prune -- slice, budgeted widths, output correction -- runs on a copy of
 the model, and the relative squared error of its final output against the dense model's on the first

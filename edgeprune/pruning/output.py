@@ -88,7 +88,8 @@ class BiasCorrection:
             finite = alpha != float("inf")
             record.update(kind="head refit" if finite else "bias (chosen by the refit's cross-validation)",
                           alpha=alpha if finite else None,
-                          cv_error={(f"{a:g}" if a != float("inf") else "bias only"): e for a, e in fit["cv_error"].items()},
+                          cv_error={(f"{a:g}" if a != float("inf") else "bias only"): e
+                                    for a, e in fit["cv_error"].items()},
                           weight_change=float((fit["weight"] - w0).norm() / w0.norm().clamp_min(1e-300)))
         if note:
             record["note"] = note

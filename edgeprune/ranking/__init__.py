@@ -14,6 +14,7 @@ from edgeprune.ranking.scores import QK_CRITERIA, mlp_scores, qk_scores, top_k_i
 MLP_CRITERIA = list_criteria("mlp")
 VO_CRITERIA = list_criteria("vo")
 
-__all__ = ["Criterion", "register_criterion", "unregister_criterion", "get_criterion", "list_criteria", "KINDS", "STATISTICS",
+__all__ = ["Criterion", "register_criterion", "unregister_criterion", "get_criterion", "list_criteria", "KINDS",
+           "STATISTICS",
            "mlp_scores", "vo_scores", "qk_scores", "top_k_indices", "MLP_CRITERIA", "VO_CRITERIA",
            "QK_CRITERIA"]

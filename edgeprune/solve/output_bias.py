@@ -14,7 +14,8 @@ applied to the model's output after pruning (our addition; docs/methods.md, "Out
 
 Cost: the dense model's outputs are summed during CORP's calibration pass (a hook feeding
 :class:`OutputSums`; a separate pass only for sequential calibration), the pruned model's in one
-forward pass over the first ``k`` calibration images. Under torchrun each rank sums the outputs of its share's images whose index in the whole
+forward pass over the first ``k`` calibration images. Under torchrun each rank sums the outputs of its share's
+images whose index in the whole
 calibration set is below ``k`` and the sums are all-reduced, so every rank folds the same ``c*``
 as one process would.
 """

@@ -23,7 +23,8 @@ from runners.tensorrt.inspect import (FusionReport, attention_fusion_report, det
                                       engine_information)
 from runners.tensorrt.runner import TrtRunner
 
-__all__ = ["FP16_ATOL", "FP16_RTOL", "Agreement", "FusionReport", "TensorRTBackend", "TrtRunner", "attention_fusion_report",
+__all__ = ["FP16_ATOL", "FP16_RTOL", "Agreement", "FusionReport", "TensorRTBackend", "TrtRunner",
+           "attention_fusion_report",
            "bench_engine",
            "check_against_onnxruntime", "check_engine_matches_gpu", "compare_outputs",
            "detect_attention_fusion", "engine_information", "load_engine"]
