@@ -51,7 +51,7 @@ _UNSET: Any = object()
 def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Iterable[torch.Tensor]],
           config: CorpConfig | None = None, *, spec=None, progress: bool = False, inplace: bool = False,
           batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
-          target: str = _UNSET, sparsity: float | None = _UNSET, **settings: Any) -> PruneResult:
+          measurer: Callable[[nn.Module, nn.Module], dict] | None = None, target: str = _UNSET, sparsity: float | None = _UNSET, **settings: Any) -> PruneResult:
     """One-shot structured pruning with CORP (corp-v1 Alg. 1), through the stages of ``edgeprune.pruning``.
 
     Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings as keywords
@@ -76,6 +76,10 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
             (``edgeprune.calibration.collect``). Recorded in the run record. ``sequential`` calibration runs on the
             CPU whatever the device (recorded "cpu").
         calibration_info: extra calibration description for the record (seed, size requested).
+        measurer: with a latency budget, ``measurer(dense, pruned) -> {"dense_ms", "pruned_ms", "ratio"}`` measures
+            a round of the measure-and-correct loop (``edgeprune.pruning.latency_loop``); default: the table's
+            backend where it runs here on the table's device, else the result is predicted only (said in the
+            record's ``latency_check``).
         target, sparsity, **settings: the keyword form of ``config`` (see above).
 
     Under an initialised torch.distributed group (torchrun) every rank calls this with the same arguments; each
@@ -97,5 +101,6 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     elif target is not _UNSET or sparsity is not _UNSET or settings:
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
     pruned, record = prune_model(model, calibration, config, spec=spec, progress=progress, inplace=inplace,
-                                 batch_size=batch_size, device=device, calibration_info=calibration_info)
+                                 batch_size=batch_size, device=device, calibration_info=calibration_info,
+                                 measurer=measurer)
     return PruneResult(model=pruned, record=record)

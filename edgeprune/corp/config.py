@@ -104,6 +104,11 @@ class CorpConfig:
             ``embed_sparsity="auto"`` (with a budget, order "first"): one whole prune per candidate
             sparsity of ``embed_candidates`` (None = ``edgeprune.pruning.embed_auto.EMBED_CANDIDATES``; 0 is
             always one), the one with the lowest output error on the check images kept.
+        verify_budget, correction_tolerance, correction_rounds: with a budget whose cost model is measured (a
+            latency table) and its backend present here, the pruned model is measured against the dense one and,
+            when it misses the budget by more than ``correction_tolerance`` (a fraction), re-allocated with a
+            corrected budget from the same statistics, at most ``correction_rounds`` times
+            (``edgeprune.pruning.latency_loop``).
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams (a solver registered
@@ -146,6 +151,9 @@ class CorpConfig:
     embed_order: str = "first"
     embed_refit: bool = False
     embed_candidates: tuple | None = None  # with embed_sparsity="auto" (edgeprune.pruning.embed_auto)
+    verify_budget: bool = True  # issue 40: measure a measured budget (latency) after the prune and correct it
+    correction_tolerance: float = 0.03
+    correction_rounds: int = 3
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,

@@ -34,15 +34,31 @@ from edgeprune.option_checks import refuse_sparsities_with_budget
 SECTIONS: dict[str, tuple[str, ...]] = {
     "calibration": ("gram_dtype", "gram_tokens", "qk_memory_limit_gb", "sequential", "sequential_memory_gb"),
     "budget": ("budget", "allocation_check_images", "allocation_sensitivity", "allocation_anchors",
-               "allocate_heads"),
+               "allocate_heads", "verify_budget", "correction_tolerance", "correction_rounds"),
     "corp": ("target", "mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity", "layout", "mlp_criterion",
              "vo_criterion", "ridge_alpha", "qk_ridge_alpha", "round_to", "qk_solver", "compensation", "dims"),
     "embed": ("embed_sparsity", "embed_order", "embed_refit", "embed_candidates"),
     "output": ("bias_correction_images", "head_refit", "last_block"),
 }
 
+def check_correction_settings(config: CorpConfig) -> None:
+    """The measure-and-correct settings (``edgeprune.pruning.latency_loop``).
+
+    Raises:
+        UserError: one line naming the setting.
+    """
+    if not isinstance(config.verify_budget, bool):
+        raise UserError(f"verify budget must be True or False, got {config.verify_budget!r}")
+    tol = config.correction_tolerance
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
+        raise UserError(f"--latency-tolerance must be a fraction in (0, 1) (0.03 = 3%), got {tol!r}")
+    r = config.correction_rounds
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 10:
+        raise UserError(f"--latency-rounds must be an integer in [0, 10], got {r!r}")
+
+
 #: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)
-SECTION_CHECKS = (check_allocation_settings, check_embed_settings)
+SECTION_CHECKS = (check_allocation_settings, check_embed_settings, check_correction_settings)
 
 _LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
 #: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)

@@ -21,7 +21,7 @@ import torch
 from edgeprune.allocation.greedy import check_budget
 from edgeprune.allocation.select import select_allocation
 from edgeprune.anatomy import ViTAnatomy
-from edgeprune.calibration.collect import StatisticsRequest, collect_statistics
+from edgeprune.calibration.collect import CalibrationStatistics, StatisticsRequest, collect_statistics
 from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_used
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
@@ -96,7 +96,8 @@ def _second_pass_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, pr
 
 
 def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]], cfg: CorpConfig,
-               num_images: int | None = None, progress: bool = True, *, checked: bool = False) -> dict:
+               num_images: int | None = None, progress: bool = True, *, checked: bool = False,
+               statistics: CalibrationStatistics | None = None) -> dict:
     """Prune the model of ``anatomy`` in place with CORP.
 
     Args:
@@ -107,6 +108,9 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
         num_images: calibration size, if known (for the memory estimate and progress bar).
         progress: show progress bars.
         checked: the caller already ran :func:`check_prunable` on this model and config.
+        statistics: the statistics of an earlier call on the same dense model and config (but the budget's
+            value): reused instead of a calibration pass (the latency correction's rounds,
+            ``edgeprune.pruning.latency_loop``); not for sequential calibration.
 
     Returns:
         info dict: ``calibration_seconds``, ``solve_seconds``, ``passes``, ``num_images``,
@@ -114,7 +118,8 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
         outputs over the first :func:`bias_correction_used` images, taken in the calibration
         pass; None when not asked for or not available, e.g. sequential calibration) and
         ``output_rows`` (those outputs, this process's images in order: the classifier refit's
-        targets).
+        targets), ``statistics`` (the pass's :class:`CalibrationStatistics`, for reuse) and
+        ``statistics_reused``.
 
     Raises:
         UserError: invalid settings, empty or mis-shaped calibration data.
@@ -130,15 +135,16 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
     output_images = bias_correction_used(cfg) if classifier_head(anatomy.model) is not None else 0
     request = statistics_request(cfg, anatomy, num_images, qk_grams=keep_grams,
                                  first_image=getattr(batches, "first_image", 0), output_images=output_images)
-    stats = collect_statistics(anatomy, batches(), request, progress=progress)
-    seconds = stats.seconds
+    reused = statistics is not None
+    stats = statistics if reused else collect_statistics(anatomy, batches(), request, progress=progress)
+    seconds = 0.0 if reused else stats.seconds
     t0 = time.perf_counter()
     allocation = None
     if cfg.budget is not None:
         dims, allocation = select_allocation(anatomy, stats, cfg, batches)
         cfg = cfg.with_dims(dims)
     plans = plan_corp(anatomy, stats, cfg)
-    passes = 1
+    passes = 0 if reused else 1
     qk_solve = None
     if prune_qk and cfg.compensation:
         if keep_grams:
@@ -158,4 +164,4 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation,
             "gram_tokens_used": request.mlp_tokens,
             "output_sums": (stats.output_sum, stats.output_count) if stats.output_sum is not None else None,
-            "output_rows": stats.output_rows}
+            "output_rows": stats.output_rows, "statistics": stats, "statistics_reused": reused}

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
@@ -21,6 +22,7 @@ from edgeprune.embed.settings import is_auto
 from edgeprune.errors import UserError
 from edgeprune.pruning import stages as _stages  # noqa: F401  (registers the built-in stages)
 from edgeprune.pruning.config import check_config
+from edgeprune.pruning.latency_loop import Measurer, correct, not_measured, table_measurer, with_value
 from edgeprune.pruning.record import base_model_record, prune_record, structure_summary
 from edgeprune.pruning.stage import PruneState, run_stages
 from edgeprune.torch_device import resolve_device
@@ -58,9 +60,13 @@ def work_device(config: CorpConfig, device: str) -> str:
 
 
 def run_prune(model: nn.Module, calibration: Any, config: CorpConfig, *, spec: Any = None, progress: bool = False,
-              inplace: bool = False, batch_size: int = 32, device: str = "cpu",
-              calibration_info: dict | None = None) -> tuple[nn.Module, dict[str, Any]]:
+              inplace: bool = False, batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
+              measurer: Measurer | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Prune ``model`` with ``config``, a fixed embed sparsity (arguments as :func:`edgeprune.prune`).
+
+    A budget whose cost model is ``verifiable`` (a latency table) is measured after the prune and corrected
+    (``edgeprune.pruning.latency_loop``): ``measurer(dense, pruned)`` measures, by default the table's backend where
+    it runs here on the table's device; ``config.verify_budget=False`` skips the measurement.
 
     Returns:
         (the pruned model in eval mode, its run record).
@@ -74,12 +80,38 @@ def run_prune(model: nn.Module, calibration: Any, config: CorpConfig, *, spec: A
         raise UserError("embed_sparsity='auto' runs one prune per candidate: use edgeprune.prune "
                         "(edgeprune.pruning.embed_auto.choose_embed)")
     device = work_device(config, resolve_device(device))
-    if not inplace:
-        model = copy.deepcopy(model)
-    model.eval()
-    state = PruneState(model=model, anatomy=find_anatomy(model), config=config, asked=config, batches=None,  # type: ignore[arg-type]
-                       num_images=None, progress=progress, device=device)
-    return _run(state, spec, calibration, batch_size, calibration_info)
+    dense = None if inplace else model.eval()  # the caller's model, not modified: the reference of a measurement
+
+    def one_round(cfg: CorpConfig, statistics: Any = None) -> tuple[PruneState, nn.Module, dict[str, Any]]:
+        work = model if dense is None else copy.deepcopy(dense)
+        work.eval()
+        state = PruneState(model=work, anatomy=find_anatomy(work), config=cfg, asked=config,
+                           batches=None, num_images=None, progress=progress, device=device,  # type: ignore[arg-type]
+                           extra={"statistics": statistics} if statistics is not None else {})
+        return (state, *_run(state, spec, calibration, batch_size, calibration_info))
+
+    first, pruned, record = one_round(config)
+    budget = config.budget
+    if budget is None or not budget.model_class.verifiable:
+        return pruned, record
+    measure, reason = measurer, None
+    if not config.verify_budget:
+        reason = "not asked (--no-verify-latency)"
+    elif dense is None:
+        reason = "inplace=True: no dense model left to measure against"
+    elif measure is None:
+        measure, reason = table_measurer(budget, find_anatomy(dense))
+    if reason is not None or measure is None or dense is None:
+        not_measured(record, budget, reason or "no measurer")
+        return pruned, record
+    stats = first.extra.get("statistics")
+
+    def run_round(value: float) -> tuple[nn.Module, dict[str, Any]]:
+        cfg = check_config(dataclasses.replace(config, budget=with_value(budget, value)))
+        return one_round(cfg, stats)[1:]
+
+    return correct(run_round, dense, (pruned, record), budget, measure, config.correction_tolerance,
+                   config.correction_rounds)
 
 
 def _run(state: PruneState, spec: Any, calibration: Any, batch_size: int,

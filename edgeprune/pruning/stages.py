@@ -48,7 +48,8 @@ class Corp(Stage):
     def run(self, state: PruneState) -> None:
         embed = state.info.get("embed")
         state.info = corp_prune(state.anatomy, state.batches, state.config, num_images=state.num_images,
-                                progress=state.progress, checked=True)
+                                progress=state.progress, checked=True, statistics=state.extra.get("statistics"))
+        state.extra["statistics"] = state.info.pop("statistics", None)  # a later round reuses them (latency_loop)
         state.info["embed"] = embed
 
 

@@ -1,0 +1,155 @@
+"""Measure and correct (issue 40 item 3): a ``--latency`` prune re-allocates until the *measured* latency meets the
+budget. The device here is synthetic: its real cost is the table's prediction of the pruned model's dims, off by a
+fixed factor or by an offset (what a table that does not add up looks like), so the loop's arithmetic is tested
+without timing anything."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import edgeprune
+from edgeprune.anatomy import find_anatomy
+from edgeprune.budget.latency import load_table
+from edgeprune.errors import UserError
+from edgeprune.pruning.corp import corp_prune
+from edgeprune.pruning.config import corp_config
+from edgeprune.pruning.latency_loop import next_value
+from edgeprune.surgery import block_dims
+from tests.test_latency_budget import make_table, small_vit
+
+
+def _images(n=48, seed=3):
+    return torch.randn(n, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _device(table_path, factor=1.0, offset=0.0, block_factor=None):
+    """A synthetic device: real ms = factor x (the table's fixed ms + block_factor x its block ms at the model's
+    dims) + offset. Counts its calls."""
+    t = load_table(table_path)
+    calls = []
+
+    def real(model):
+        blocks = sum(t.block_ms({"mlp": d["mlp_hidden"], "qk": d["qk_dim"], "v": d["v_dim"], "heads": d["num_heads"]})
+                     for d in block_dims(find_anatomy(model)))
+        return factor * (t.fixed_ms + (block_factor or 1.0) * blocks) + offset
+
+    def measure(dense, pruned):
+        calls.append(1)
+        d, p = real(dense), real(pruned)
+        return {"dense_ms": d, "pruned_ms": p, "ratio": p / d}
+
+    measure.calls = calls
+    return measure
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    return make_table(tmp_path_factory.mktemp("t") / "t.json", head_ms=0.05, dim_ms=0.01, mlp_ms=0.004)
+
+
+def _prune(table, measure, value=0.6, **kw):
+    return edgeprune.prune(small_vit(), _images(), target="all", sparsity=None, latency=value, latency_table=table,
+                           allocation_check_images=0, last_block="full", measurer=measure, **kw)
+
+
+def test_an_offset_the_table_does_not_see_is_corrected(table):
+    """Per-call overhead (a constant the table misses) makes every pruned model slower than predicted, as a
+    ratio to dense: round 0 misses by more than the tolerance, the correction lands within it."""
+    dense_ms = load_table(table).dense_ms()
+    measure = _device(table, offset=0.5 * dense_ms)
+    res = _prune(table, measure)
+    chk = res.record["latency_check"]
+    first, chosen = chk["rounds"][0], chk["rounds"][chk["chosen_round"]]
+    assert first["miss"] > 0.03 and chk["chosen_round"] >= 1
+    assert abs(chosen["miss"]) <= 0.03 and chk["stopped"] == "within tolerance"
+    assert chk["measured"]["ratio"] == pytest.approx(chosen["measured"])
+    assert len(measure.calls) == len(chk["rounds"])
+    assert chosen["budget_value"] < first["budget_value"]  # it asked the table for less than the budget
+    assert res.record["allocation"]["budget"]["value"] == pytest.approx(chosen["budget_value"])
+
+
+def test_a_fixed_factor_on_an_absolute_budget_is_corrected_in_one_round(table):
+    """Absolute ms budgets compare ms: a device 25% slower than its table everywhere is corrected by the first
+    round (the ratio step), up to the allocation grid's granularity."""
+    dense = load_table(table).dense_ms()
+    measure = _device(table, factor=1.25)
+    res = _prune(table, measure, value=f"{0.6 * dense:.4f}ms", correction_tolerance=0.05)
+    chk = res.record["latency_check"]
+    assert chk["rounds"][0]["measured"] == pytest.approx(1.25 * chk["rounds"][0]["predicted"])
+    assert chk["chosen_round"] == 1 and abs(chk["rounds"][1]["miss"]) <= 0.05 and chk["compared"] == "ms"
+
+
+def test_the_round_limit_stops_and_reports_the_miss(table):
+    """A device whose overhead dwarfs the model cannot reach the budget: the loop stops after the round limit
+    (or when the corrected budget falls below the cheapest allocation) and says how much it missed."""
+    dense_ms = load_table(table).dense_ms()
+    measure = _device(table, offset=50 * dense_ms)
+    res = _prune(table, measure, correction_rounds=2)
+    chk = res.record["latency_check"]
+    assert len(chk["rounds"]) <= 3 and chk["stopped"] != "within tolerance"
+    assert chk["miss"] > 0.03 and not chk["meets_budget"]
+    assert chk["max_rounds"] == 2
+
+
+def test_rounds_zero_measures_only_and_no_measurer_means_predicted(table):
+    measure = _device(table, offset=0.5 * load_table(table).dense_ms())
+    res = _prune(table, measure, correction_rounds=0)
+    assert len(res.record["latency_check"]["rounds"]) == 1 and len(measure.calls) == 1
+    res = edgeprune.prune(small_vit(), _images(), target="all", sparsity=None, latency=0.6, latency_table=table,
+                          allocation_check_images=0)  # a hand-made table: its device is not this machine
+    chk = res.record["latency_check"]
+    assert chk["measured"] is None and "hand-made" in chk["not_measured"]
+    res = _prune(table, measure, verify_budget=False)
+    assert res.record["latency_check"]["not_measured"].startswith("not asked")
+
+
+def test_flops_budgets_are_never_measured(table):
+    measure = _device(table)
+    res = edgeprune.prune(small_vit(), _images(), target="all", sparsity=None, flops=0.6, measurer=measure)
+    assert measure.calls == [] and "latency_check" not in res.record
+
+
+def test_reused_statistics_give_the_same_prune():
+    """A correction round reuses the first round's statistics: the same config on a fresh copy then gives the
+    same weights as a prune with its own calibration pass."""
+    model, x = small_vit(), _images()
+    cfg = corp_config("all", None, flops=0.6, last_block="full", allocation_check_images=8)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    info = corp_prune(find_anatomy(a), lambda: iter([x[:24], x[24:]]), cfg, progress=False)
+    again = corp_prune(find_anatomy(b), lambda: iter([x[:24], x[24:]]), cfg, progress=False,
+                       statistics=info["statistics"])
+    assert again["statistics_reused"] and again["passes"] == 0 and not info["statistics_reused"]
+    for (k, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), k
+
+
+def test_next_value_steps():
+    assert next_value([(0.5, 0.6)], 0.5) == pytest.approx(0.5 * 0.5 / 0.6)  # one point: the ratio
+    # two points on m = p + 0.1: the secant lands exactly
+    assert next_value([(0.5, 0.6), (0.45, 0.55)], 0.5) == pytest.approx(0.4)
+    # a falling m(p) (noise): back to the ratio step
+    assert next_value([(0.5, 0.6), (0.45, 0.65)], 0.5) == pytest.approx(0.45 * 0.5 / 0.65)
+    with pytest.raises(ValueError):
+        next_value([], 0.5)
+
+
+@pytest.mark.parametrize("kw, msg", [({"correction_tolerance": 0.0}, "latency-tolerance"),
+                                     ({"correction_tolerance": float("nan")}, "latency-tolerance"),
+                                     ({"correction_tolerance": 1.5}, "latency-tolerance"),
+                                     ({"correction_rounds": -1}, "latency-rounds"),
+                                     ({"correction_rounds": 2.5}, "latency-rounds"),
+                                     ({"correction_rounds": True}, "latency-rounds"),
+                                     ({"verify_budget": "yes"}, "verify budget")])
+def test_bad_correction_settings_are_refused_before_any_pass(table, kw, msg):
+    calls = []
+
+    def batches():
+        calls.append(1)
+        return iter([_images()])
+
+    with pytest.raises(UserError, match=msg):
+        edgeprune.prune(small_vit(), batches, target="all", sparsity=None, latency=0.6, latency_table=table, **kw)
+    assert calls == []
