@@ -57,30 +57,52 @@ def build_curves(anatomy, stats, cfg, qk_weight: float | None = None, grid: Grid
         UserError: a statistic the target needs was not collected.
     """
     grid = unit_grid(cfg, anatomy) if grid is None else grid
-    mlp_cfg = cfg if grid.round_to["mlp"] == cfg.round_to else dataclasses.replace(cfg, round_to=grid.round_to["mlp"])
     curves = []
     for b in anatomy.blocks:
         for keys in allocation_modules(cfg):
-            if keys == ("mlp",):
-                st = stats.mlp[b.index] if stats.mlp else None
-                if st is None:
-                    raise UserError("budgeted allocation of the MLP needs its calibration statistics")
-                curves.append(mlp_curve(b, st, mlp_cfg))
-            elif keys == ("qk",):
-                curves.append(qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, grid.sizes("qk", b.qk_dim)))
-            elif keys == ("v",):
-                curves.append(v_curve(b, _need(stats.vo, b, "V/O"), cfg, grid.sizes("v", b.v_dim)))
-            elif keys == ("heads",):
-                curves.append(heads_curve(b, _need(stats.vo, b, "V/O"), cfg))
+            if len(keys) == 1:
+                curves.append(_raw_curve(b, keys[0], stats, cfg, grid))
             else:  # fused: Q/K and V to the same kept dim
-                r = grid.round_to["qk"]
-                ks = [k for k in grid.sizes("qk", min(b.qk_dim, b.v_dim)) if k % r == 0 or k == b.qk_dim == b.v_dim]
-                ks = [k for k in ks if k >= grid.lower.get("v", 0)] or ks
-                qc, vc = qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks), v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)
+                qc, vc = _raw_curve(b, "qk+v:qk", stats, cfg, grid), _raw_curve(b, "qk+v:v", stats, cfg, grid)
                 normalise([qc, vc], anatomy, stats, qk_weight)
                 curves.append(tie_curves(qc, vc))
     normalise([c for c in curves if len(c.keys) == 1], anatomy, stats, qk_weight)
     return [grid.restrict(c) for c in curves]
+
+
+def _raw_curve(b, unit: str, stats, cfg, grid: Grid) -> Curve:
+    """A fresh copy of unit ``unit``'s curve of block ``b`` before normalisation, computed once per statistics
+    object, unit, grid and CORP settings (``stats.derived``): the candidate allocations, the measured rescaling and
+    the latency correction's rounds all ask for the same curves (issue 40: the allocation's repeated work)."""
+    settings = dataclasses.replace(cfg, budget=None, dims=None, allocation_check_images=0)
+    key = ("allocation.curve", b.index, unit, repr(grid.describe()), repr(settings))
+    cache = stats.derived
+    if key not in cache:
+        cache[key] = _compute_curve(b, unit, stats, cfg, grid)
+    c = cache[key]
+    return dataclasses.replace(c, ks=list(c.ks), raw=list(c.raw))
+
+
+def _compute_curve(b, unit: str, stats, cfg, grid: Grid) -> Curve:
+    """Unit ``unit``'s closed-form error curve of block ``b`` (``edgeprune.allocation.curves``)."""
+    if unit == "mlp":
+        st = stats.mlp[b.index] if stats.mlp else None
+        if st is None:
+            raise UserError("budgeted allocation of the MLP needs its calibration statistics")
+        mlp_cfg = cfg if grid.round_to["mlp"] == cfg.round_to else dataclasses.replace(cfg, round_to=grid.round_to["mlp"])
+        return mlp_curve(b, st, mlp_cfg)
+    if unit == "qk":
+        return qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, grid.sizes("qk", b.qk_dim))
+    if unit == "v":
+        return v_curve(b, _need(stats.vo, b, "V/O"), cfg, grid.sizes("v", b.v_dim))
+    if unit == "heads":
+        return heads_curve(b, _need(stats.vo, b, "V/O"), cfg)
+    r = grid.round_to["qk"]  # fused: Q/K and V to the same kept dim
+    ks = [k for k in grid.sizes("qk", min(b.qk_dim, b.v_dim)) if k % r == 0 or k == b.qk_dim == b.v_dim]
+    ks = [k for k in ks if k >= grid.lower.get("v", 0)] or ks
+    if unit == "qk+v:qk":
+        return qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks)
+    return v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)
 
 
 def _need(lst, b, what):

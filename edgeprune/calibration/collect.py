@@ -48,6 +48,9 @@ class CalibrationStatistics:
     output_count: int = 0
     #: (k_local, num_outputs) float32: those outputs themselves, this process's images in order
     output_rows: torch.Tensor | None = None
+    #: what is computed from these statistics once and read many times (the allocator's error curves,
+    #: ``edgeprune.allocation.greedy.build_curves``), by the computing module's key
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
