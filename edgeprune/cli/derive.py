@@ -22,9 +22,8 @@ import torch
 
 from edgeprune.allocation.latency_cost import load_table
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, latency_table_option, make_spec,
-                                   model_options,
-                                   out_option, quiet_option)
+from edgeprune.cli.options import (FINITE, check_readable_dir, device_option, eval_options, latency_table_option,
+                                   make_spec, model_options, out_option, quiet_option)
 from edgeprune.data.labeled import class_names, load_labeled, load_labeled_eval
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
@@ -63,13 +62,14 @@ from edgeprune.nuwa.skp import SKPConfig
               help="SKP optimiser steps (0 = no SKP; the paper uses 10000).")
 @click.option("--skp-batch-size", type=int, default=1, show_default=True, help="Images per SKP step.")
 @click.option("--skp-eval-every", type=int, default=50, show_default=True, help="Evaluate SKP masks every N steps.")
-@click.option("--lr-beta", type=float, default=0.1, show_default=True, help="SKP learning rate of the mask scales.")
-@click.option("--lr-mask", type=float, default=1e-3, show_default=True, help="SKP learning rate of the mask logits.")
-@click.option("--weight-decay", type=float, default=0.05, show_default=True, help="SKP weight decay.")
-@click.option("--rho", type=float, default=None, help="Fix the retained singular-value energy ratio [search].")
+@click.option("--lr-beta", type=FINITE, default=0.1, show_default=True, help="SKP learning rate of the mask scales.")
+@click.option("--lr-mask", type=FINITE, default=1e-3, show_default=True, help="SKP learning rate of the mask logits.")
+@click.option("--weight-decay", type=FINITE, default=0.05, show_default=True, help="SKP weight decay.")
+@click.option("--rho", type=FINITE, default=None, help="Fix the retained singular-value energy ratio [search].")
 @click.option("--key-bias", type=click.Choice(["drop", "augment"]), default="drop", show_default=True,
               help="Leave the softmax-invariant key bias out of the QK SVD, or augment with it.")
-@click.option("--ridge-alpha", type=float, default=1e-4, show_default=True, help="Ridge of the fc2 least-squares re-fit.")
+@click.option("--ridge-alpha", type=FINITE, default=1e-4, show_default=True,
+              help="Ridge of the fc2 least-squares re-fit.")
 @eval_options
 @click.option("--no-eval", is_flag=True, help="Skip the final evaluation.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the on-disk SVD cache.")

@@ -6,7 +6,9 @@ them the same way.
 * :func:`calibration_options` -- ``--calib``, ``--calib-size``, ``--seed``, ``--batch-size``;
 * :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
 * :func:`device_option` -- ``--device cpu|cuda|cuda:N|auto`` (checked before any work);
-* :func:`quiet_option`, :func:`out_option`.
+* :func:`quiet_option`, :func:`out_option`;
+* :class:`FiniteFloat` (:data:`FINITE`) -- THE type of every float option of every command: ``nan``
+  and ``inf`` are refused while parsing (issue 41), with optional bounds as ``click.FloatRange``.
 
 :func:`make_spec` / :func:`load_model` turn the model options into a ``ModelSpec`` / a model.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +30,26 @@ from edgeprune.loading import load_run_or_model
 from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.torch_device import resolve_device  # noqa: F401 (the --device callback; re-exported)
 from edgeprune.zoo.registry import get_model_spec
+
+class FiniteFloat(click.FloatRange):
+    """A float option that must be a finite number (``click.FloatRange`` bounds optional): ``nan``,
+    ``inf`` and ``-inf`` -- which Python's ``float()`` parses and every comparison lets through --
+    are one usage error line, exit 2, while the options are parsed (before any work)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)
+
+    def _describe_range(self) -> str:
+        return super()._describe_range() if (self.min is not None or self.max is not None) else "finite"
+
+
+#: the unbounded finite float type (``type=FINITE``)
+FINITE = FiniteFloat()
 
 MODEL_HELP = "fmnist-vit, dinov2-s14, or a timm ViT/DeiT name (with --checkpoint or --random-init)."
 

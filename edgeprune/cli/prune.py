@@ -11,7 +11,7 @@ from edgeprune import api
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (calibration_options, check_budget_options, check_readable_dir, device_option,
+from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_readable_dir, device_option,
                                    latency_table_option,
                                    eval_options, fmt_metric, make_spec, model_options, out_option, quiet_option)
 from edgeprune.corp import LAYOUTS, list_qk_solvers
@@ -37,19 +37,19 @@ def _target_help() -> str:
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
               help=_target_help() + " [both; all with --flops/--params/--latency]")
-@click.option("--sparsity", type=float, default=0.5, show_default=True,
+@click.option("--sparsity", type=FINITE, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
-@click.option("--mlp-sparsity", type=float, default=None, help="Override the MLP sparsity (selects the MLP).")
-@click.option("--attn-sparsity", type=float, default=None, help="Override the Q/K sparsity (selects Q/K).")
-@click.option("--v-sparsity", type=float, default=None, help="Override the V/O sparsity (selects V/O).")
-@click.option("--head-sparsity", type=float, default=None, help="Fraction of whole attention heads removed.")
+@click.option("--mlp-sparsity", type=FINITE, default=None, help="Override the MLP sparsity (selects the MLP).")
+@click.option("--attn-sparsity", type=FINITE, default=None, help="Override the Q/K sparsity (selects Q/K).")
+@click.option("--v-sparsity", type=FINITE, default=None, help="Override the V/O sparsity (selects V/O).")
+@click.option("--head-sparsity", type=FINITE, default=None, help="Fraction of whole attention heads removed.")
 @click.option("--layout", type=click.Choice(LAYOUTS), default=None,
               help="Attention weight layout of the pruned model [default].")
 @click.option("--criterion", type=click.Choice(list_criteria("mlp")), default="combined",
               show_default=True, help="MLP channel ranking (a registered criterion, edgeprune.ranking).")
 @click.option("--no-compensation", is_flag=True, help="Uncompensated baseline (same ranking, plain removal).")
-@click.option("--ridge-alpha", type=float, default=None, help="Scale-free MLP ridge strength [1e-3].")
-@click.option("--qk-ridge-alpha", type=float, default=None, help="Scale-free Q/K ridge strength [1e-3].")
+@click.option("--ridge-alpha", type=FINITE, default=None, help="Scale-free MLP ridge strength [1e-3].")
+@click.option("--qk-ridge-alpha", type=FINITE, default=None, help="Scale-free Q/K ridge strength [1e-3].")
 @click.option("--qk-solver", type=click.Choice(list_qk_solvers()), default="auto", show_default=True,
               help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
