@@ -207,8 +207,8 @@ class Req:
 class Obj(Node):
     """An object with named fields (``Req(node)``: must be present; a plain node: may be absent).
 
-    Keys not named are allowed (and checked for finite numbers) unless ``closed``. ``then``: a
-    further check of the whole object (consistency between fields), called after the fields.
+    Keys not named are allowed and not checked (informational entries). ``then``: a further check
+    of the whole object (consistency between fields), called after the fields.
     """
 
     want = "an object"
@@ -229,9 +229,6 @@ class Obj(Node):
                     raise SchemaError(sub, "is missing")
                 continue
             node.check(v[name], sub)
-        for name, x in v.items():
-            if name not in self.fields:
-                _finite_everywhere(x, f"{field}.{name}" if field else name)
         if self.then is not None:
             self.then(v, field)
         return True

@@ -269,6 +269,42 @@ def check_budget_options(ctx: click.Context) -> None:
                         "allocations); without a budget there is nothing to measure")
 
 
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user typed option ``name`` (not its default)."""
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _no_embed_slice(value: Any) -> bool:
+    """``--embed-sparsity`` absent or zero (nothing sliced); its own parser checks the value later."""
+    if value is None:
+        return True
+    try:
+        return float(value) == 0.0
+    except (TypeError, ValueError):
+        return False  # "auto" or a bad value (refused by its parser)
+
+
+def check_ignored_options(ctx: click.Context) -> None:
+    """``prune``: options that would be silently ignored are refused before any work (issue 41):
+    ``--verify-latency`` / ``--no-verify-latency`` typed without ``--latency`` (only a latency budget is
+    verified; the flag's default does not count), ``--embed-order`` / ``--embed-refit`` without an
+    ``--embed-sparsity`` above 0 (nothing is sliced, but the record said order / refit).
+
+    Raises:
+        UserError: one line naming the option and the one it goes with.
+    """
+    p = ctx.params
+    if p.get("latency") is None and _given(ctx, "verify_latency"):
+        flag = "--verify-latency" if p.get("verify_latency") else "--no-verify-latency"
+        raise UserError(f"{flag} goes with --latency (it benches the pruned model against the dense one on the "
+                        "latency table's backend); without a latency budget there is nothing to verify")
+    if _no_embed_slice(p.get("embed_sparsity")):
+        for name in ("embed_order", "embed_refit"):
+            if p.get(name) is not None and _given(ctx, name):
+                raise UserError(f"--{name.replace('_', '-')} goes with --embed-sparsity S (S > 0 or auto: the "
+                                "residual-stream slicing it configures); without it nothing is sliced")
+
+
 def check_readable_dir(path: Any, what: str) -> None:
     """A data path given on the command line can be read (checked before work). A missing path
     is left to the data loader, whose message says where the data is expected.

@@ -11,9 +11,9 @@ from edgeprune import api
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_readable_dir, device_option,
-                                   latency_table_option,
-                                   eval_options, fmt_metric, make_spec, model_options, out_option, quiet_option)
+from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_ignored_options,
+                                   check_readable_dir, device_option, eval_options, fmt_metric, latency_table_option,
+                                   make_spec, model_options, out_option, quiet_option)
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.embed.settings import parse_embed_sparsity
@@ -117,6 +117,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     """
     # 1. everything that can be checked without work
     check_budget_options(click.get_current_context())
+    check_ignored_options(click.get_current_context())
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     embed_sparsity = parse_embed_sparsity(embed_sparsity)  # a number or "auto"

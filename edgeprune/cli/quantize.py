@@ -86,6 +86,9 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
     """
     from exporters.quantize import QuantizeConfig, quantize_onnx
 
+    for option, path in (("--calib", calib_dir), ("--eval-data", eval_data)):  # issue 41: before the calibration
+        if path is not None and not Path(path).exists():
+            raise UserError(f"{option} {path}: no such file or folder (the Fashion-MNIST folder or an ImageFolder)")
     cfg = QuantizeConfig(
         precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
         calib_data=str(calib_dir) if calib_dir else None, per_channel=not per_tensor,
