@@ -70,7 +70,7 @@ _BLOCK = Obj({**{k: Req(Int(min=0)) for k in BLOCK_INT_KEYS}, "index": Int(min=0
 
 _CALIBRATION = Obj({"source": Str(nullable=True), "num_images": Int(min=0, nullable=True),
                     "size_requested": Int(min=1, nullable=True), "seed": Int(nullable=True),
-                    "batch_size": Int(min=1, nullable=True), "passes": Int(min=0, nullable=True)}, nullable=True)
+                    "batch_size": Int(min=1, nullable=True), "passes": Int(min=0, nullable=True)})
 
 _BUDGET = Obj({"kind": Req(Str(nonempty=True)), "value": Req(Num(gt=0)), "unit": Str(nullable=True),
                "table": Str(nullable=True)})
@@ -122,7 +122,7 @@ _LATENCY_CHECK = Obj({"predicted_ms": Num(ge=0), "budget_ms": Num(gt=0), "dense_
                       "meets_budget": Bool(nullable=True), "backend": Str(nullable=True)}, nullable=True)
 
 _BIAS = Obj({"kind": Str(), "images": Int(min=0), "shift_norm": Num(ge=0), "skipped": Str(nullable=True),
-             "weight_change": Num(ge=0), "alpha": OneOf(Num(gt=0), Str())}, nullable=True)
+             "weight_change": Num(ge=0), "alpha": OneOf(Num(gt=0), Str(), nullable=True)}, nullable=True)
 
 _SETTINGS = Obj({"gram_tokens_used": Int(min=0), "class_token_blocks": MapOf(Int(min=1)),
                  "round_to": Int(min=1)}, nullable=True)

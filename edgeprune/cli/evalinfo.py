@@ -77,7 +77,7 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
                f"{an.num_tokens} tokens ({an.num_prefix_tokens} prefix), input {spec.input_size}")
     if rec:
         click.echo(f"method {rec.get('method')} targets {rec.get('targets')} sparsity {rec.get('sparsity')} "
-                   f"calibration: {rec.get('calibration', {}).get('source')}")
+                   f"calibration: {(rec.get('calibration') or {}).get('source')}")
         if rec.get("allocation"):  # budgeted run: the allocator's per-block dims and costs
             for line in allocation_lines(rec["allocation"]):
                 click.echo(line)
