@@ -3,23 +3,45 @@
 CORP one-shot structured pruning with closed-form compensation, STARFISH healing, NuWa
 class-specific derivation; ONNX export and TensorRT engines. See README.md.
 
-Importing edgeprune applies the torchvision-on-CPU-torch workaround (``edgeprune._compat``) so that
+The public names (``prune``, ``load_run``, ``CorpConfig``, ...) are imported on first use
+(PEP 562 module ``__getattr__``): ``import edgeprune`` does not import torch, so that the command
+line installs its Ctrl-C handling within milliseconds (issue 41). Importing edgeprune installs the
+torchvision-on-CPU-torch workaround as an import hook (``edgeprune._compat``), so that
 ``import timm`` works on CPU-only torch builds.
 """
 
-from edgeprune._compat import import_torchvision as _import_torchvision
+from __future__ import annotations
+
+import importlib
+
+from edgeprune._compat import install_torchvision_hook as _install_torchvision_hook
 from edgeprune._version import __version__
 
-try:
-    _import_torchvision()
-except ImportError:  # torchvision not installed: timm will say so when it is needed
-    pass
+_install_torchvision_hook()
 
-from edgeprune.api import PruneResult, prune, structure_summary  # noqa: E402
-from edgeprune.artifact import load_run, save_run  # noqa: E402
-from edgeprune.corp import CorpConfig  # noqa: E402
-from edgeprune.errors import RuntimeFault, UserError  # noqa: E402
-from edgeprune.zoo.registry import ModelSpec, get_model_spec  # noqa: E402
+#: public name -> the module that defines it (imported on first access)
+_LAZY = {"PruneResult": "edgeprune.api", "prune": "edgeprune.api", "structure_summary": "edgeprune.api",
+         "load_run": "edgeprune.artifact", "save_run": "edgeprune.artifact", "CorpConfig": "edgeprune.corp",
+         "UserError": "edgeprune.errors", "RuntimeFault": "edgeprune.errors",
+         "ModelSpec": "edgeprune.zoo.registry", "get_model_spec": "edgeprune.zoo.registry"}
+
+
+def __getattr__(name: str) -> object:
+    """The public names of :data:`_LAZY`, imported on first access (and cached in this module).
+
+    Raises:
+        AttributeError: not a public name of edgeprune.
+    """
+    if name not in _LAZY:
+        raise AttributeError(f"module 'edgeprune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = ["CorpConfig", "PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
            "RuntimeFault", "ModelSpec", "get_model_spec", "__version__"]

@@ -51,7 +51,8 @@ _UNSET: Any = object()
 def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Iterable[torch.Tensor]],
           config: CorpConfig | None = None, *, spec=None, progress: bool = False, inplace: bool = False,
           batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
-          measurer: Callable[[nn.Module, nn.Module], dict] | None = None, target: str = _UNSET, sparsity: float | None = _UNSET, **settings: Any) -> PruneResult:
+          measurer: Callable[[nn.Module, nn.Module], dict] | None = None, target: str = _UNSET,
+          sparsity: float | None = _UNSET, **settings: Any) -> PruneResult:
     """One-shot structured pruning with CORP (corp-v1 Alg. 1), through the stages of ``edgeprune.pruning``.
 
     Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings as keywords

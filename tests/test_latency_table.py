@@ -123,7 +123,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("content,match", [
     (None, "not found"), ("{not json", "not JSON"), ('{"a": 1}', "not an edgeprune latency table"),
-    (json.dumps({"format": FORMAT}), "missing field"),
+    (json.dumps({"format": FORMAT}), "is missing"),
 ])
 def test_load_bad_files(tmp_path: Path, content, match: str) -> None:
     p = tmp_path / "bad.json"
@@ -139,12 +139,12 @@ def test_load_refuses_a_malformed_grid(tmp_path: Path) -> None:
     d["attn"]["ms"] = d["attn"]["ms"][:2]
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(d))
-    with pytest.raises(UserError, match="attn.ms must be a nested list"):
+    with pytest.raises(UserError, match="'attn.ms' must be a nested list"):
         LatencyTable.load(p)
     d = _hand_table().to_dict()
     d["mlp"]["widths"] = [16, 8, 48, 64]
     p.write_text(json.dumps(d))
-    with pytest.raises(UserError, match="mlp.widths must be"):
+    with pytest.raises(UserError, match="'mlp.widths' must be"):
         LatencyTable.load(p)
 
 

@@ -26,8 +26,9 @@ import dataclasses
 import time
 
 from edgeprune.budget import Budget, CostModel, total_cost
-from edgeprune.allocation.curves import Curve, heads_curve, mlp_curve, normalise, qk_curve, tie_curves, v_curve
+from edgeprune.allocation.curves import Curve, normalise, tie_curves
 from edgeprune.allocation.rules import Grid, check_rules, heads_allocated, unit_grid
+from edgeprune.allocation.unit_curves import raw_curve
 from edgeprune.corp.steps import mlp_kept
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import class_token_plan
@@ -61,55 +62,13 @@ def build_curves(anatomy, stats, cfg, qk_weight: float | None = None, grid: Grid
     for b in anatomy.blocks:
         for keys in allocation_modules(cfg):
             if len(keys) == 1:
-                curves.append(_raw_curve(b, keys[0], stats, cfg, grid))
+                curves.append(raw_curve(b, keys[0], stats, cfg, grid))
             else:  # fused: Q/K and V to the same kept dim
-                qc, vc = _raw_curve(b, "qk+v:qk", stats, cfg, grid), _raw_curve(b, "qk+v:v", stats, cfg, grid)
+                qc, vc = raw_curve(b, "qk+v:qk", stats, cfg, grid), raw_curve(b, "qk+v:v", stats, cfg, grid)
                 normalise([qc, vc], anatomy, stats, qk_weight)
                 curves.append(tie_curves(qc, vc))
     normalise([c for c in curves if len(c.keys) == 1], anatomy, stats, qk_weight)
     return [grid.restrict(c) for c in curves]
-
-
-def _raw_curve(b, unit: str, stats, cfg, grid: Grid) -> Curve:
-    """A fresh copy of unit ``unit``'s curve of block ``b`` before normalisation, computed once per statistics
-    object, unit, grid and CORP settings (``stats.derived``): the candidate allocations, the measured rescaling and
-    the latency correction's rounds all ask for the same curves (issue 40: the allocation's repeated work)."""
-    settings = dataclasses.replace(cfg, budget=None, dims=None, allocation_check_images=0)
-    key = ("allocation.curve", b.index, unit, repr(grid.describe()), repr(settings))
-    cache = stats.derived
-    if key not in cache:
-        cache[key] = _compute_curve(b, unit, stats, cfg, grid)
-    c = cache[key]
-    return dataclasses.replace(c, ks=list(c.ks), raw=list(c.raw))
-
-
-def _compute_curve(b, unit: str, stats, cfg, grid: Grid) -> Curve:
-    """Unit ``unit``'s closed-form error curve of block ``b`` (``edgeprune.allocation.curves``)."""
-    if unit == "mlp":
-        st = stats.mlp[b.index] if stats.mlp else None
-        if st is None:
-            raise UserError("budgeted allocation of the MLP needs its calibration statistics")
-        mlp_cfg = cfg if grid.round_to["mlp"] == cfg.round_to else dataclasses.replace(cfg, round_to=grid.round_to["mlp"])
-        return mlp_curve(b, st, mlp_cfg)
-    if unit == "qk":
-        return qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, grid.sizes("qk", b.qk_dim))
-    if unit == "v":
-        return v_curve(b, _need(stats.vo, b, "V/O"), cfg, grid.sizes("v", b.v_dim))
-    if unit == "heads":
-        return heads_curve(b, _need(stats.vo, b, "V/O"), cfg)
-    r = grid.round_to["qk"]  # fused: Q/K and V to the same kept dim
-    ks = [k for k in grid.sizes("qk", min(b.qk_dim, b.v_dim)) if k % r == 0 or k == b.qk_dim == b.v_dim]
-    ks = [k for k in ks if k >= grid.lower.get("v", 0)] or ks
-    if unit == "qk+v:qk":
-        return qk_curve(b, _need(stats.qk, b, "Q/K"), cfg, ks)
-    return v_curve(b, _need(stats.vo, b, "V/O"), cfg, ks)
-
-
-def _need(lst, b, what):
-    st = lst[b.index] if lst else None
-    if st is None:
-        raise UserError(f"budgeted allocation of {what} needs its calibration statistics")
-    return st
 
 
 def base_dims(anatomy, cfg) -> list[dict[str, int]]:

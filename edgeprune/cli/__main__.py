@@ -1,5 +1,5 @@
-"""``python -m edgeprune.cli``: the same as the ``edgeprune`` command."""
+"""``python -m edgeprune.cli``: the same as the ``edgeprune`` command (Ctrl-C guarded from the start)."""
 
-from edgeprune.cli.main import main
+from edgeprune.cli.entry import main
 
 main()

@@ -16,7 +16,7 @@ import torch
 
 from edgeprune.artifact import check_writable
 from edgeprune.calibration.collect import exact_fp32
-from edgeprune.cli.options import device_option, load_model, model_options
+from edgeprune.cli.options import FINITE, device_option, load_model, model_options
 from edgeprune.errors import UserError
 from exporters.onnx import build_metadata, export_onnx, read_metadata
 from exporters.verify import format_quantized_report, format_report, verify_onnx, verify_quantized
@@ -85,10 +85,10 @@ def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | 
               help="Number of evaluation inputs.")
 @click.option("--data", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Evaluation data (Fashion-MNIST dir or ImageFolder) [the model's own].")
-@click.option("--atol", default=1e-4, show_default=True, type=float, help="Max abs difference allowed.")
-@click.option("--rtol", default=0.0, show_default=True, type=float, help="Plus rtol x |PyTorch output|.")
+@click.option("--atol", default=1e-4, show_default=True, type=FINITE, help="Max abs difference allowed.")
+@click.option("--rtol", default=0.0, show_default=True, type=FINITE, help="Plus rtol x |PyTorch output|.")
 @click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1), help="Images per batch.")
-@click.option("--max-drop", type=float, default=None, metavar="POINTS",
+@click.option("--max-drop", type=FINITE, default=None, metavar="POINTS",
               help="Quantized files: fail (exit 1) if top-1 (or top-1 agreement) drops by more than POINTS.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), metavar="FILE",
               help="Also write the report as JSON.")

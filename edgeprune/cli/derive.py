@@ -21,9 +21,8 @@ import click
 import torch
 
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, latency_table_option, make_spec,
-                                   model_options,
-                                   out_option, quiet_option)
+from edgeprune.cli.options import (FINITE, check_readable_dir, device_option, eval_options, latency_table_option,
+                                   make_spec, model_options, out_option, quiet_option)
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
@@ -62,13 +61,14 @@ from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
               help="SKP optimiser steps (0 = no SKP; the paper uses 10000).")
 @click.option("--skp-batch-size", type=int, default=1, show_default=True, help="Images per SKP step.")
 @click.option("--skp-eval-every", type=int, default=50, show_default=True, help="Evaluate SKP masks every N steps.")
-@click.option("--lr-beta", type=float, default=0.1, show_default=True, help="SKP learning rate of the mask scales.")
-@click.option("--lr-mask", type=float, default=1e-3, show_default=True, help="SKP learning rate of the mask logits.")
-@click.option("--weight-decay", type=float, default=0.05, show_default=True, help="SKP weight decay.")
-@click.option("--rho", type=float, default=None, help="Fix the retained singular-value energy ratio [search].")
+@click.option("--lr-beta", type=FINITE, default=0.1, show_default=True, help="SKP learning rate of the mask scales.")
+@click.option("--lr-mask", type=FINITE, default=1e-3, show_default=True, help="SKP learning rate of the mask logits.")
+@click.option("--weight-decay", type=FINITE, default=0.05, show_default=True, help="SKP weight decay.")
+@click.option("--rho", type=FINITE, default=None, help="Fix the retained singular-value energy ratio [search].")
 @click.option("--key-bias", type=click.Choice(["drop", "augment"]), default="drop", show_default=True,
               help="Leave the softmax-invariant key bias out of the QK SVD, or augment with it.")
-@click.option("--ridge-alpha", type=float, default=1e-4, show_default=True, help="Ridge of the fc2 least-squares re-fit.")
+@click.option("--ridge-alpha", type=FINITE, default=1e-4, show_default=True,
+              help="Ridge of the fc2 least-squares re-fit.")
 @eval_options
 @click.option("--no-eval", is_flag=True, help="Skip the final evaluation.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the on-disk SVD cache.")
@@ -112,7 +112,8 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     names = class_names(spec, train_data)
     cls = resolve_classes(classes, head_classes(base), names)
     tag = "-".join(str(c) for c in cls)
-    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{amount:g}{unit}{'-slice' if slice_head else ''}")
+    sliced = "-slice" if slice_head else ""
+    out_path = check_new_dir(out or f"runs/{model_name}-nuwa-{tag}-{metric}{amount:g}{unit}{sliced}")
     check_budget(base, cls, budget, cfg, names)
     x, y, train_desc = load_labeled(spec, data, train_data, cls, train_per_class, seed)
     calibration = None

@@ -27,8 +27,8 @@ from edgeprune.loading import load_base_model
               help="Also write the metrics as JSON.")
 @device_option
 @quiet_option
-def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, eval_data, eval_size, json_out,
-             device, quiet):
+def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, eval_data, eval_size,
+             json_out, device, quiet):
     """Evaluate a run or a dense model on held-out data.
 
     RUN_DIR is compared against its dense base model (top-1 and agreement); a NuWa run is scored
@@ -77,7 +77,7 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
                f"{an.num_tokens} tokens ({an.num_prefix_tokens} prefix), input {spec.input_size}")
     if rec:
         click.echo(f"method {rec.get('method')} targets {rec.get('targets')} sparsity {rec.get('sparsity')} "
-                   f"calibration: {rec.get('calibration', {}).get('source')}")
+                   f"calibration: {(rec.get('calibration') or {}).get('source')}")
         if rec.get("allocation"):  # budgeted run: the allocator's per-block dims and costs
             for line in allocation_lines(rec["allocation"]):
                 click.echo(line)

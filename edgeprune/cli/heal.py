@@ -26,7 +26,7 @@ import click
 import torch
 
 from edgeprune.artifact import check_new_dir, check_writable, load_run, save_run
-from edgeprune.cli.options import (calibration_options, check_readable_dir, device_option, eval_options,
+from edgeprune.cli.options import (FINITE, calibration_options, check_readable_dir, device_option, eval_options,
                                    fmt_metric, out_option, quiet_option)
 from edgeprune.distributed import is_main_process, process_group, world_size
 from edgeprune.errors import UserError
@@ -43,26 +43,27 @@ from edgeprune.zoo.registry import spec_from_record
 @click.argument("run_dir", type=click.Path())
 @calibration_options("Calibration images [the run's own calibration set size].")
 @eval_options
-@click.option("--epochs", type=int, default=10, show_default=True, help="Passes over the calibration set (paper: 5-10).")
-@click.option("--lr", type=float, default=1e-4, show_default=True,
+@click.option("--epochs", type=int, default=10, show_default=True,
+              help="Passes over the calibration set (paper: 5-10).")
+@click.option("--lr", type=FINITE, default=1e-4, show_default=True,
               help="AdamW learning rate (cosine schedule start). The paper's 6e-4 suits uncompensated "
                    "models with hundreds of steps; 1e-4 keeps CORP's compensation (README).")
-@click.option("--min-lr", type=float, default=1e-6, show_default=True, help="Cosine schedule end.")
+@click.option("--min-lr", type=FINITE, default=1e-6, show_default=True, help="Cosine schedule end.")
 @click.option("--warmup-steps", type=int, default=None,
               help="Linear learning-rate warm-up steps before the cosine decay (not in the paper; "
                    "0 = the paper's schedule) [10% of the steps, at least 5, at most half].")
-@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="AdamW weight decay.")
+@click.option("--weight-decay", type=FINITE, default=0.01, show_default=True, help="AdamW weight decay.")
 @click.option("--loss", type=click.Choice(["cosine", "mse"]), default="cosine", show_default=True,
               help="Block-output alignment: cosine (STARFISH eq. 1) or mse (ablation).")
 @click.option("--cache-targets", type=click.Path(), default=None, metavar="DIR",
               help="Cache the dense block outputs in DIR (safetensors shards; reusable across runs of the "
                    "same dense model and calibration set) [recompute per batch].")
-@click.option("--memory-budget-mb", type=float, default=1024, show_default=True,
+@click.option("--memory-budget-mb", type=FINITE, default=1024, show_default=True,
               help="Most memory held for cached targets; beyond it shards are streamed from disk.")
 @click.option("--keep-best/--keep-last", default=True, show_default=True,
               help="Return the epoch with the lowest alignment loss on the calibration set (the input "
                    "included), or the last epoch (the paper).")
-@click.option("--holdout", type=float, default=0.0, show_default=True,
+@click.option("--holdout", type=FINITE, default=0.0, show_default=True,
               help="Fraction of the calibration images held out of training; the kept epoch is the one "
                    "with the lowest alignment loss on them (early stopping).")
 @click.option("--no-eval", is_flag=True, help="Skip the before/after evaluation.")
@@ -173,7 +174,8 @@ def _report(info: dict, evaluation: dict | None, spec, *, loss: str, lr: float, 
                    err=True)
     elif keep_best and info["best_epoch"] is not None and info["best_epoch"] < epochs:
         click.echo(f"kept epoch {info['best_epoch']} of {epochs} (lowest alignment loss on {where})")
-    elif info["final_loss"] is not None and info["initial_loss"] is not None and info["final_loss"] > info["initial_loss"]:
+    elif (info["final_loss"] is not None and info["initial_loss"] is not None
+          and info["final_loss"] > info["initial_loss"]):
         click.echo(f"warning: healing increased the alignment loss; {advice}", err=True)
     if evaluation is not None:
         click.echo(f"| {'':8} | quality |")

@@ -16,9 +16,10 @@ import click
 from devices import load_profile
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_writable
-from edgeprune.cli.options import load_model, model_options, quiet_option
+from edgeprune.cli.options import FiniteFloat, load_model, model_options, quiet_option
 from edgeprune.errors import UserError
-from edgeprune.latency.build import BuildOptions, build_table, settings_for
+from edgeprune.zoo.registry import MissingWeightsError
+from edgeprune.latency.build import PRECISIONS, BuildOptions, build_table, settings_for
 from edgeprune.latency.measure import list_timers
 
 
@@ -29,12 +30,13 @@ from edgeprune.latency.measure import list_timers
 @click.option("--batch", type=int, default=None, metavar="N",
               help="Images per timed batch [the profile's largest bench batch size <= 8].")
 @click.option("--threads", type=int, default=None, metavar="N", help="Intra-op threads (CPU) [the profile's].")
-@click.option("--precision", default=None, metavar="P", help="Backend precision [the profile's].")
+@click.option("--precision", default=None, type=click.Choice(list(PRECISIONS)),
+              help="Backend precision [the profile's].")
 @click.option("--backend", default=None, type=click.Choice(list_timers()), help="Timing backend [the profile's].")
 @click.option("--warmup", type=int, default=None, metavar="N", help="Untimed runs per entry [the profile's].")
 @click.option("--iterations", type=int, default=None, metavar="N",
               help="Timed runs per entry, p50 reported [the profile's].")
-@click.option("--max-seconds", type=click.FloatRange(min=0.01), default=1.0, show_default=True, metavar="S",
+@click.option("--max-seconds", type=FiniteFloat(min=0.01), default=1.0, show_default=True, metavar="S",
               help="Stop an entry's timed runs after S seconds (at least 5 runs): bounds the build time.")
 @click.option("--statistic", type=click.Choice(["p50", "min"]), default="p50", show_default=True,
               help="What an entry reports of its timed runs (min: steadier on a machine shared with other work).")
@@ -63,12 +65,16 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     opts = BuildOptions(batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
                         iterations=iterations, max_seconds=max_seconds, statistic=statistic,
                         interleave=interleave, clock=clock, force=force)
-    settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent here: before any work
+    settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent: before any work
     out_path = Path(out)
     if out_path.is_dir():
         raise UserError(f"-o {out} is a folder; give the table's file name (e.g. {out_path / 'table.json'})")
     check_writable(out_path.parent)
-    model, _rec, _spec = load_model(None, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
+    try:
+        model, _rec, _spec = load_model(None, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
+    except MissingWeightsError:  # issue 41: not "--checkpoint": the timings do not depend on the weights
+        raise UserError(f"{model_name} has no weights here; a latency table times the model's shapes, not its "
+                        "weights: add --random-init (or --checkpoint PATH)") from None
     anatomy = find_anatomy(model.eval())
     t0 = time.perf_counter()
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)

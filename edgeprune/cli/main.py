@@ -125,20 +125,34 @@ def main(argv: list[str] | None = None) -> None:
     """
     previous = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm), signal.getsignal(signal.SIGINT)
     try:
         _main(argv)
     finally:
         if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
+
+
+def _invoke(argv: list[str] | None) -> object:
+    """Parse and run the command: click's ``Command.main`` in non-standalone mode minus its own
+    Ctrl-C handling, which prints a blank line before re-raising (issue 41: one line)."""
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    try:
+        with cli.make_context("edgeprune", args) as ctx:
+            return cli.invoke(ctx)
+    except click.exceptions.Exit as err:
+        return err.exit_code
 
 
 def _main(argv: list[str] | None) -> None:
     try:
-        rv = cli.main(args=argv, prog_name="edgeprune", standalone_mode=False)
+        rv = _invoke(argv)
     except UserError as err:
         _fail(str(err) or type(err).__name__, getattr(err, "exit_code", 2))
     except (KeyboardInterrupt, click.exceptions.Abort):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting: no traceback
         _say("interrupted")
         sys.exit(130)
     except Terminated:

@@ -6,7 +6,9 @@ them the same way.
 * :func:`calibration_options` -- ``--calib``, ``--calib-size``, ``--seed``, ``--batch-size``;
 * :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
 * :func:`device_option` -- ``--device cpu|cuda|cuda:N|auto`` (checked before any work);
-* :func:`quiet_option`, :func:`out_option`.
+* :func:`quiet_option`, :func:`out_option`;
+* :class:`FiniteFloat` (:data:`FINITE`) -- THE type of every float option of every command: ``nan``
+  and ``inf`` are refused while parsing (issue 41), with optional bounds as ``click.FloatRange``.
 
 :func:`make_spec` / :func:`load_model` turn the model options into a ``ModelSpec`` / a model.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +31,26 @@ from edgeprune.loading import load_run_or_model
 from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.torch_device import resolve_device  # noqa: F401 (the --device callback; re-exported)
 from edgeprune.zoo.registry import get_model_spec
+
+class FiniteFloat(click.FloatRange):
+    """A float option that must be a finite number (``click.FloatRange`` bounds optional): ``nan``,
+    ``inf`` and ``-inf`` -- which Python's ``float()`` parses and every comparison lets through --
+    are one usage error line, exit 2, while the options are parsed (before any work)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)
+
+    def _describe_range(self) -> str:
+        return super()._describe_range() if (self.min is not None or self.max is not None) else "finite"
+
+
+#: the unbounded finite float type (``type=FINITE``)
+FINITE = FiniteFloat()
 
 MODEL_HELP = "fmnist-vit, dinov2-s14, or a timm ViT/DeiT name (with --checkpoint or --random-init)."
 
@@ -245,6 +268,48 @@ def check_budget_options(ctx: click.Context) -> None:
     if budget is None and p.get("check_images") is not None:
         raise UserError("--check-images goes with --flops/--params/--latency (it measures the budget's candidate "
                         "allocations); without a budget there is nothing to measure")
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user typed option ``name`` (not its default)."""
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _no_embed_slice(value: Any) -> bool:
+    """``--embed-sparsity`` absent or zero (nothing sliced); its own parser checks the value later."""
+    if value is None:
+        return True
+    try:
+        return float(value) == 0.0
+    except (TypeError, ValueError):
+        return False  # "auto" or a bad value (refused by its parser)
+
+
+def check_ignored_options(ctx: click.Context) -> None:
+    """``prune``: options that would be silently ignored are refused before any work (issue 41):
+    ``--verify-latency`` / ``--no-verify-latency`` typed without ``--latency`` (only a latency budget is
+    verified; the flag's default does not count), ``--embed-order`` / ``--embed-refit`` without an
+    ``--embed-sparsity`` above 0 (nothing is sliced, but the record said order / refit).
+
+    Raises:
+        UserError: one line naming the option and the one it goes with.
+    """
+    p = ctx.params
+    if p.get("latency") is None and _given(ctx, "verify_latency"):
+        flag = "--verify-latency" if p.get("verify_latency") else "--no-verify-latency"
+        raise UserError(f"{flag} goes with --latency (it benches the pruned model against the dense one on the "
+                        "latency table's backend); without a latency budget there is nothing to verify")
+    for name in ("latency_tolerance", "latency_rounds"):
+        if p.get(name) is not None and p.get("latency") is None:
+            raise UserError(f"--{name.replace('_', '-')} goes with --latency (the measure-and-correct loop of a "
+                            "latency budget); without one there is nothing to correct")
+        if p.get(name) is not None and p.get("verify_latency") is False:
+            raise UserError(f"--{name.replace('_', '-')} needs the measurement that --no-verify-latency turns off")
+    if _no_embed_slice(p.get("embed_sparsity")):
+        for name in ("embed_order", "embed_refit"):
+            if p.get(name) is not None and _given(ctx, name):
+                raise UserError(f"--{name.replace('_', '-')} goes with --embed-sparsity S (S > 0 or auto: the "
+                                "residual-stream slicing it configures); without it nothing is sliced")
 
 
 def check_readable_dir(path: Any, what: str) -> None:

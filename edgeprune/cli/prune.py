@@ -11,15 +11,15 @@ from edgeprune import api
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.cli.options import (calibration_options, check_budget_options, check_readable_dir, device_option,
-                                   latency_table_option,
-                                   eval_options, fmt_metric, make_spec, model_options, out_option, quiet_option)
+from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_ignored_options,
+                                   check_readable_dir, device_option, eval_options, fmt_metric, latency_table_option,
+                                   make_spec, model_options, out_option, quiet_option)
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.embed.settings import parse_embed_sparsity
 from edgeprune.errors import UserError
 from edgeprune.evaluate import evaluate
-from edgeprune.pruning.latency_check import record_latency_check
+from edgeprune.pruning.latency_check import latency_report
 from edgeprune.plan import TARGETS
 from edgeprune.ranking import list_criteria
 
@@ -37,19 +37,19 @@ def _target_help() -> str:
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
               help=_target_help() + " [both; all with --flops/--params/--latency]")
-@click.option("--sparsity", type=float, default=0.5, show_default=True,
+@click.option("--sparsity", type=FINITE, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
-@click.option("--mlp-sparsity", type=float, default=None, help="Override the MLP sparsity (selects the MLP).")
-@click.option("--attn-sparsity", type=float, default=None, help="Override the Q/K sparsity (selects Q/K).")
-@click.option("--v-sparsity", type=float, default=None, help="Override the V/O sparsity (selects V/O).")
-@click.option("--head-sparsity", type=float, default=None, help="Fraction of whole attention heads removed.")
+@click.option("--mlp-sparsity", type=FINITE, default=None, help="Override the MLP sparsity (selects the MLP).")
+@click.option("--attn-sparsity", type=FINITE, default=None, help="Override the Q/K sparsity (selects Q/K).")
+@click.option("--v-sparsity", type=FINITE, default=None, help="Override the V/O sparsity (selects V/O).")
+@click.option("--head-sparsity", type=FINITE, default=None, help="Fraction of whole attention heads removed.")
 @click.option("--layout", type=click.Choice(LAYOUTS), default=None,
               help="Attention weight layout of the pruned model [default].")
 @click.option("--criterion", type=click.Choice(list_criteria("mlp")), default="combined",
               show_default=True, help="MLP channel ranking (a registered criterion, edgeprune.ranking).")
 @click.option("--no-compensation", is_flag=True, help="Uncompensated baseline (same ranking, plain removal).")
-@click.option("--ridge-alpha", type=float, default=None, help="Scale-free MLP ridge strength [1e-3].")
-@click.option("--qk-ridge-alpha", type=float, default=None, help="Scale-free Q/K ridge strength [1e-3].")
+@click.option("--ridge-alpha", type=FINITE, default=None, help="Scale-free MLP ridge strength [1e-3].")
+@click.option("--qk-ridge-alpha", type=FINITE, default=None, help="Scale-free Q/K ridge strength [1e-3].")
 @click.option("--qk-solver", type=click.Choice(list_qk_solvers()), default="auto", show_default=True,
               help="Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.")
 @click.option("--round-to", type=int, default=8, show_default=True, help="Kept dims are multiples of this.")
@@ -68,6 +68,11 @@ def _target_help() -> str:
                    "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms); kept heads, "
                    "head dims and MLP widths are allocated by measured error and the table's times.")
 @latency_table_option
+@click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
+              help="With --latency: re-allocate while the measured latency misses the budget by more than this "
+                   "fraction [0.03].")
+@click.option("--latency-rounds", type=int, default=None, metavar="N",
+              help="With --latency: at most N re-allocations with the corrected budget, 0-10 [3].")
 @click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
               help="With --latency: bench the pruned model against the dense one (interleaved) on the table's "
                    "backend when it is present here, and record predicted vs measured latency.")
@@ -107,9 +112,11 @@ def _target_help() -> str:
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None, check_images=None,
+              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None,
+              check_images=None,
               bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
-              verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None):
+              verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None,
+              latency_tolerance=None, latency_rounds=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -117,6 +124,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     """
     # 1. everything that can be checked without work
     check_budget_options(click.get_current_context())
+    check_ignored_options(click.get_current_context())
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     embed_sparsity = parse_embed_sparsity(embed_sparsity)  # a number or "auto"
@@ -126,7 +134,9 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("allocation_check_images", check_images),
                                    ("bias_correction_images", bias_correction), ("last_block", last_block),
                                    ("head_refit", head_refit), ("embed_sparsity", embed_sparsity),
-                                   ("embed_order", embed_order), ("embed_refit", embed_refit or None))
+                                   ("embed_order", embed_order), ("embed_refit", embed_refit or None),
+                                   ("correction_tolerance", latency_tolerance), ("correction_rounds", latency_rounds),
+                                   ("verify_budget", None if latency is None else verify_latency))
                  if v is not None}
     config = api.corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                              compensation=not no_compensation, criterion=criterion, round_to=round_to,
@@ -164,9 +174,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     rec = result.record
     metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
-    latency_lines = []
-    if config.budget and config.budget.model_class.verifiable:  # issue 30 item 6: predicted vs measured
-        latency_lines = record_latency_check(rec, dense, result.model, spec.input_size, measure=verify_latency)
+    latency_lines = latency_report(rec.get("latency_check"))  # measured and corrected by the prune (issue 40)
     save_run(out_path, result.model, rec)
 
     # 3. the report

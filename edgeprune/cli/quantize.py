@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from edgeprune.atomic import atomic_write_text
-from edgeprune.cli.options import eval_options
+from edgeprune.cli.options import FINITE, eval_options
 from edgeprune.errors import UserError
 
 
@@ -55,13 +55,13 @@ from edgeprune.errors import UserError
 @click.option("--quantize-attention", is_flag=True,
               help="Also quantize attention's activation x activation MatMuls (Q K^T, softmax V); by default "
                    "they stay float (they hold no weights; int8 there costs most of the accuracy).")
-@click.option("--smooth-alpha", type=float, default=None, metavar="A",
+@click.option("--smooth-alpha", type=FINITE, default=None, metavar="A",
               help="SmoothQuant: move this share (0-1, paper: 0.5) of LayerNorm outputs' per-channel range "
                    "into the next MatMul weights before int8 calibration [off].")
 @click.option("--auto-exclude", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Also keep the N most quantization-sensitive nodes in float (int8).")
 @eval_options
-@click.option("--max-drop", type=float, default=None, metavar="POINTS",
+@click.option("--max-drop", type=FINITE, default=None, metavar="POINTS",
               help="Fail (exit 1, nothing written) if top-1 drops by more than POINTS on the held-out "
                    "images (without labels: if more than POINTS percent of predictions disagree).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, metavar="N",
@@ -86,6 +86,9 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
     """
     from exporters.quantization import QuantizeConfig, quantize_onnx
 
+    for option, path in (("--calib", calib_dir), ("--eval-data", eval_data)):  # issue 41: before the calibration
+        if path is not None and not Path(path).exists():
+            raise UserError(f"{option} {path}: no such file or folder (the Fashion-MNIST folder or an ImageFolder)")
     cfg = QuantizeConfig(
         precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
         calib_data=str(calib_dir) if calib_dir else None, per_channel=not per_tensor,

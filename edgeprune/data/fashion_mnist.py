@@ -42,7 +42,8 @@ def dataset_dir(path: str | os.PathLike | None = None) -> Path:
             if not (root / (stem + ".gz")).exists() and not (root / stem).exists():
                 raise UserError(
                     f"Fashion-MNIST not found in {root} (missing {stem}[.gz]): install it with "
-                    f"'apt-get install dataset-fashion-mnist' or pass --data DIR"
+                    "'apt-get install dataset-fashion-mnist', or give the folder that holds it "
+                    "(--calib / --eval-data DIR)"
                 )
     return root
 

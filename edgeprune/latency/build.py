@@ -29,9 +29,18 @@ from edgeprune.latency.relative import References
 from edgeprune.latency.table import LatencyTable
 from edgeprune.progress import progress
 
+#: the precisions a table can be timed at (a profile's ``build.precision`` values)
+PRECISIONS = ("fp32", "fp16", "int8")
+
 #: key fields that must match for a partial table to be resumed
 KEY_FIELDS = ("embed_dim", "depth", "num_heads", "head_dim", "mlp_hidden", "tokens", "batch", "precision",
               "backend", "backend_version", "device_name", "profile", "threads")
+
+
+#: the way of timing recorded in ``meta["settings"]`` that must match for a resume (issue 41: a resume
+#: with other ``--iterations`` / ``--warmup`` / ``--max-seconds`` left the first run's values recorded)
+RESUME_SETTINGS = ("statistic", "interleave", "clock", "warmup", "iterations", "max_seconds", "min_iterations",
+                   "cuda_graphs")
 
 
 @dataclasses.dataclass
@@ -104,10 +113,29 @@ def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Ti
     _check_way(s)
     if s.iterations < 1 or s.warmup < 0:
         raise UserError(f"need --iterations >= 1 and --warmup >= 0, got {s.iterations}, {s.warmup}")
+    _check_backend(profile, backend, timer, s)
     reason = timer.unavailable(s)
     if reason is not None:
         raise RuntimeFault(unavailable_message(profile, backend, reason, model))
     return timer, s, batch
+
+
+def _check_backend(profile: Any, backend: str, timer: Timer, s: TimingSettings) -> None:
+    """The precision and backend fit the profile (usage mistakes, exit 2, before the backend's
+    presence is looked at).
+
+    Raises:
+        UserError: an unknown precision, a precision the backend cannot time, or TensorRT asked on a
+            profile that is not a TensorRT (GPU) one.
+    """
+    if s.precision not in PRECISIONS:
+        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, got {s.precision!r}")
+    if backend == "tensorrt" and not profile.uses_tensorrt:
+        raise UserError(f"--backend tensorrt times on a TensorRT (GPU) profile; profile {profile.name} times on "
+                        f"{profile.backend} (drop --backend, or give a TensorRT profile with --device)")
+    why = timer.refuses(s)
+    if why is not None:
+        raise UserError(why)
 
 
 def _check_way(s: TimingSettings) -> None:
@@ -152,16 +180,16 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
         fixed_ms=nan, dense_model_ms=nan, measured={"mlp": [], "attn": [], "model": False},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
-              "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic, "interleave": interleave,
-                           "clock": s.clock,
+              "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
+                           "interleave": interleave, "clock": s.clock,
                            "max_seconds": s.max_seconds, "min_iterations": s.min_iterations,
                            "cuda_graphs": s.cuda_graphs, "input": "(batch, tokens, embed_dim) noise"}})
 
 
 def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSettings,
                     opts: BuildOptions) -> LatencyTable:
-    """The partial table at ``out`` when its key, rules, grid and way of timing match; else a
-    fresh one.
+    """The partial table at ``out`` when its key, rules, grid and way of timing
+    (:data:`RESUME_SETTINGS`) match; else a fresh one.
 
     Raises:
         UserError: ``out`` exists with another key / grid / statistic / interleaving (or is not a
@@ -174,15 +202,18 @@ def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSett
     try:
         old = LatencyTable.load(out, allow_partial=True)
     except UserError as err:
-        raise UserError(f"{out} exists and is not a latency table this command can resume: {err} {hint}") from None
+        why = str(err) if "--force" in str(err) else f"{err} {hint}"
+        raise UserError(f"{out} exists and is not a latency table this command can resume: {why}") from None
     differ = [k for k in KEY_FIELDS if old.key.get(k) != key.get(k)]
     if differ:
         raise UserError(f"{out} exists with another key ({differ[0]}: {old.key.get(differ[0])!r} there, "
                         f"{key.get(differ[0])!r} now) {hint}")
-    for name in ("statistic", "interleave", "clock"):
+    for name in RESUME_SETTINGS:  # issue 41: a resume with other timing settings would mix two ways of timing
         was, now = old.meta.get("settings", {}).get(name), fresh.meta["settings"][name]
         if was != now:
-            raise UserError(f"{out} exists with another {name} ({was} there, {now} now) {hint}")
+            option = f"--{name.replace('_', '-')}"
+            raise UserError(f"{out} exists with another {name} ({was} there, {now} now): a resume times the rest "
+                            f"of the entries as the first run did (give its {option}) {hint}")
     same_grid = (old.rules == rules and old.mlp["widths"] == fresh.mlp["widths"]
                  and all(old.attn[a] == fresh.attn[a] for a in ("heads", "qk", "v")))
     if not same_grid:

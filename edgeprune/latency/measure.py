@@ -158,7 +158,12 @@ class Timer:
     name = "?"
 
     def unavailable(self, s: TimingSettings) -> str | None:
-        """Why this backend cannot time here (``None``: it can)."""
+        """Why this backend cannot time here (``None``: it can): a fault of the environment."""
+        return None
+
+    def refuses(self, s: TimingSettings) -> str | None:
+        """Why these settings are a usage mistake for this backend anywhere (``None``: they are not),
+        e.g. a precision it cannot time; checked before :meth:`unavailable` (issue 41: exit 2, not 1)."""
         return None
 
     def version(self) -> str:
@@ -264,6 +269,12 @@ class TorchTimer(Timer):
     """Eager PyTorch on the CPU or CUDA (:class:`~runners.torch_runner.TorchRunner`; CUDA graphs
     when the settings ask for them)."""
 
+    def refuses(self, s: TimingSettings) -> str | None:
+        if not s.device.startswith("cuda") and s.precision != "fp32":
+            return (f"--precision {s.precision} with --backend torch needs a GPU profile (torch times fp32 on the "
+                    "CPU): use --precision fp32, or a GPU profile")
+        return None
+
     def unavailable(self, s: TimingSettings) -> str | None:
         if s.device.startswith("cuda") and not torch.cuda.is_available():
             return f"no CUDA GPU is visible to torch {torch.__version__}"
@@ -293,8 +304,12 @@ class OrtTimer(Timer):
             import_onnxruntime()
         except UserError as err:
             return str(err)
+        return None
+
+    def refuses(self, s: TimingSettings) -> str | None:
         if s.precision != "fp32":
-            return f"latency tables on onnxruntime time fp32 only (got precision {s.precision})"
+            return (f"latency tables on onnxruntime time fp32 only, got --precision {s.precision} "
+                    "(use --precision fp32, or a TensorRT profile for fp16 / int8)")
         return None
 
     def version(self) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
+from edgeprune.latency.schema import check_table
 
 FORMAT = "edgeprune-latency-table/1"
 
@@ -195,52 +196,20 @@ class LatencyTable:
 
     @classmethod
     def from_dict(cls, d: Any, label: str = "latency table") -> "LatencyTable":
-        """Validate a parsed JSON document and build the table.
+        """Validate a parsed JSON document (:func:`edgeprune.latency.schema.check_table`: every
+        field, one schema check) and build the table.
 
         Raises:
             UserError: wrong format or a missing / malformed field (one line naming it).
         """
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise UserError(f"{label} is not an edgeprune latency table (expected \"format\": \"{FORMAT}\")")
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in d and n not in ("measured", "meta")]
-        if missing:
-            raise UserError(f"{label}: missing field {missing[0]!r}")
-        t = cls(**{n: d[n] for n in names if n in d})
-        t._validate(label)
+        check_table(d, label)
+        t = cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
         t.attn["ms"] = [[[_num_in(x) for x in row] for row in plane] for plane in t.attn["ms"]]
         t.mlp["ms"] = [_num_in(x) for x in t.mlp["ms"]]
         t.fixed_ms, t.dense_model_ms = _num_in(t.fixed_ms), _num_in(t.dense_model_ms)
         return t
-
-    def _validate(self, label: str) -> None:
-        """Shape checks of :meth:`from_dict` (raises UserError naming the field)."""
-        def fail(what: str) -> UserError:
-            return UserError(f"{label}: {what}")
-        for name in (*SHAPE_KEYS, "batch"):
-            if not isinstance(self.key, dict) or not isinstance(self.key.get(name), int):
-                raise fail(f"key.{name} must be an integer")
-        for name in ("mlp_round_to", "head_dim_round_to", "qk_equals_v"):
-            if not isinstance(self.rules, dict) or name not in self.rules:
-                raise fail(f"rules.{name} is missing")
-        _ascending(self.mlp.get("widths") if isinstance(self.mlp, dict) else None, "mlp.widths", fail)
-        if not isinstance(self.mlp.get("ms"), list) or len(self.mlp["ms"]) != len(self.mlp["widths"]):
-            raise fail("mlp.ms must be a list as long as mlp.widths")
-        if not isinstance(self.attn, dict):
-            raise fail("attn must be an object")
-        for axis in ("heads", "qk", "v"):
-            _ascending(self.attn.get(axis), f"attn.{axis}", fail)
-        ms = self.attn.get("ms")
-        shape = (len(self.attn["heads"]), len(self.attn["qk"]), len(self.attn["v"]))
-        if not (isinstance(ms, list) and len(ms) == shape[0]
-                and all(isinstance(p, list) and len(p) == shape[1] for p in ms)
-                and all(isinstance(r, list) and len(r) == shape[2] for p in ms for r in p)):
-            raise fail(f"attn.ms must be a nested list of shape {list(shape)} (heads x qk x v)")
-        numbers = [self.fixed_ms, self.dense_model_ms, *self.mlp["ms"], *(x for p in ms for r in p for x in r)]
-        if not all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in numbers):
-            raise fail("times (fixed_ms, dense_model_ms, mlp.ms, attn.ms) must be numbers or null")
-        if not isinstance(self.measured, dict) or not isinstance(self.meta, dict):
-            raise fail("measured and meta must be objects")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, allow_partial: bool = False) -> "LatencyTable":
@@ -278,14 +247,6 @@ def _num_out(x: Any) -> float | None:
 def _num_in(x: Any) -> float:
     """A time from JSON: None -> NaN."""
     return math.nan if x is None else float(x)
-
-
-def _ascending(values: Any, name: str, fail) -> None:
-    """Raise ``fail(...)`` unless ``values`` is a non-empty strictly ascending list of ints >= 0."""
-    if (not isinstance(values, list) or not values
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in values)
-            or any(a >= b for a, b in zip(values, values[1:]))):
-        raise fail(f"{name} must be a non-empty ascending list of integers")
 
 
 __all__ = ["FORMAT", "LatencyTable", "SHAPE_KEYS"]

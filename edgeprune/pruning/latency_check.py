@@ -122,6 +122,29 @@ def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None
     return out
 
 
+def latency_report(chk: dict | None) -> list[str]:
+    """The lines ``edgeprune prune`` prints about a ``--latency`` prune's ``latency_check`` (none without one):
+    predicted vs budget, measured (or why not), each correction round, and a warning when the chosen round still
+    misses the budget by more than its tolerance."""
+    if not chk:
+        return []
+    lines = [f"latency: predicted {chk['predicted_ms']:.3f} ms (x{chk['predicted_ratio']:.3f} of dense) for a "
+             f"budget of {chk['budget_ms']:.3f} ms (x{chk['budget_ratio']:.3f})"]
+    measured = chk.get("measured")
+    if measured is None:
+        return lines + [f"latency: predicted only, not measured here: {chk.get('not_measured')}"]
+    for r in chk.get("rounds", []):
+        lines.append(f"latency round {r['round']}: asked the table for {r['budget_value']:.4g}, predicted "
+                     f"{r['predicted']:.4g}, measured {r['measured']:.4g} ({100 * r['miss']:+.1f}% vs the budget)")
+    lines.append(f"latency: measured {measured['pruned_ms']:.3f} ms vs dense {measured['dense_ms']:.3f} ms "
+                 f"(x{measured['ratio']:.3f}, interleaved; round {chk.get('chosen_round', 0)} kept)")
+    tol = chk.get("tolerance", MISS_TOLERANCE)
+    if abs(chk["miss"]) > tol:
+        lines.append(f"warning: the measured latency misses the budget by {100 * chk['miss']:+.1f}% "
+                     f"({chk['compared']}; tolerance {100 * tol:.0f}%; {chk.get('stopped', 'not corrected')})")
+    return lines
+
+
 def record_latency_check(rec: dict, dense: nn.Module, pruned: nn.Module, input_shape,
                          iterations: int = 20, warmup: int = 3, measure: bool = True) -> list[str]:
     """Bench (where possible and ``measure``), put ``rec["latency_check"]`` and return the lines to

@@ -1,0 +1,85 @@
+"""The console-script entry point ``edgeprune`` (``edgeprune.cli:main``) and ``python -m edgeprune.cli``.
+
+It imports nothing heavy: :func:`main` first makes Ctrl-C (SIGINT) one ``interrupted`` line with
+exit 130, then imports the command line (:mod:`edgeprune.cli.main`: torch, timm, ...; seconds)
+and runs it. So an interrupt at any moment of a command -- while the modules are still being
+imported included -- prints one line, never a traceback (issue 41). Only this module and the light
+package ``__init__`` files run before the guard.
+
+While the modules are imported, SIGINT does not raise ``KeyboardInterrupt``: an exception raised
+inside the initialisation of a compiled module (numpy's, torch's) can be swallowed (the command
+then ran to the end) or leave the module half-initialised (an ``ImportError`` traceback). Nothing
+is written yet at that point, so the handler says ``interrupted`` and ends the process at once
+(``os._exit(130)``). From the command's start on, SIGINT raises ``KeyboardInterrupt`` again and
+:func:`edgeprune.cli.main.main` turns it into the same line after the clean-up of any output
+being written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import threading
+
+#: the exit status of an interrupted command (128 + SIGINT), as the CLI's error handler uses
+INTERRUPTED_EXIT = 130
+
+
+def _interrupted() -> None:
+    """Say ``interrupted`` (rank 0 of a torchrun job only) and exit 130, ignoring further Ctrl-C."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting: no traceback
+    _say_interrupted()
+    sys.exit(INTERRUPTED_EXIT)
+
+
+def _exit_now(signum, frame) -> None:
+    """SIGINT while the command line is imported: one line, exit 130, at once (nothing written yet)."""
+    _say_interrupted()
+    os._exit(INTERRUPTED_EXIT)
+
+
+def _say_interrupted() -> None:
+    """``interrupted`` on stderr (not on the other ranks of a torchrun job)."""
+    try:
+        rank_quiet = int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0
+    except ValueError:
+        rank_quiet = False
+    if not rank_quiet:
+        try:
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr closed: the exit status says it
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the ``edgeprune`` command line with Ctrl-C guarded from the first instant.
+
+    SIGINT while the CLI's modules are imported: ``interrupted``, exit 130 at once; later it raises
+    ``KeyboardInterrupt`` (Python's default handler), which :func:`edgeprune.cli.main.main` (or,
+    in the instant before it runs, this function) turns into the same line and status. Once the
+    command is over, SIGINT is ignored (the process is exiting with the command's status).
+
+    Raises:
+        SystemExit: the command's exit status (0, 1, 2, 130, 143).
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    try:
+        if main_thread:
+            signal.signal(signal.SIGINT, _exit_now)
+        cli_main = importlib.import_module("edgeprune.cli.main")  # the heavy part: torch, timm, ...
+        sys.modules["edgeprune.cli"].main = main  # the import bound the submodule to the package's 'main'
+        if main_thread:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        cli_main.main(argv)
+    except KeyboardInterrupt:
+        _interrupted()
+    finally:
+        if main_thread:  # the command is over (its outputs are written): Ctrl-C while exiting is ignored
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+__all__ = ["main", "INTERRUPTED_EXIT"]
