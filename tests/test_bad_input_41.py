@@ -26,7 +26,7 @@ from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
 from edgeprune.record_schema import RECORD_SCHEMA
 from edgeprune.schema import Bool, Int, ListOf, MapOf, Num, Obj, OneOf, Req
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 from tests.test_bad_input import TINY, _checkpoint, _image_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,12 +283,41 @@ def test_non_finite_float_options_are_one_line(command, option, value):
     (["--embed-order", "last"], "--embed-order goes with --embed-sparsity"),
     (["--embed-refit"], "--embed-refit goes with --embed-sparsity"),
     (["--embed-sparsity", "0", "--embed-order", "first"], "--embed-order goes with --embed-sparsity"),
+    # issue 40's options come with their conflicts (issue 41: every new option)
+    (["--latency-tolerance", "0.05"], "--latency-tolerance goes with --latency"),
+    (["--sparsity", "0.3", "--latency-rounds", "2"], "--latency-rounds goes with --latency"),
 ])
 def test_prune_refuses_settings_it_would_ignore(tmp_path, args, pattern):
     """issue 41: exit 0 and ignored (the record even said order last / refit true)."""
     r = run_cli(["prune", *args, "-o", tmp_path / "r"])
     assert_one_line_error(r, pattern)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--latency-rounds", "11"], "--latency-rounds must be an integer in \\[0, 10\\]"),
+    (["--latency-rounds", "-1"], "--latency-rounds must be an integer in \\[0, 10\\]"),
+    (["--latency-tolerance", "0"], "--latency-tolerance must be a fraction in \\(0, 1\\)"),
+    (["--latency-tolerance", "1.5"], "--latency-tolerance must be a fraction in \\(0, 1\\)"),
+    (["--latency-tolerance", "0.05", "--no-verify-latency"], "needs the measurement that --no-verify-latency"),
+])
+def test_latency_correction_options_bad_values_and_conflicts(tmp_path, args, pattern):
+    """The measure-and-correct options (issue 40): bad values and conflicts in one line, before any work."""
+    table = hand_table(tmp_path / "t.json")
+    r = run_cli(["prune", "--latency", "0.5", "--latency-table", table, *args, "-o", tmp_path / "r"])
+    assert_one_line_error(r, pattern)
+    assert not (tmp_path / "r").exists()
+
+
+@needs_fmnist
+def test_quantize_auto_exclude_of_every_node_is_refused(tmp_path):
+    """issue 41 (left over): --auto-exclude N >= the quantizable nodes kept every node float and exited 0."""
+    onnx_path = tmp_path / "m.onnx"
+    assert run_cli(["export", "--model", "fmnist-vit", "-o", onnx_path]).exit_code == 0
+    r = run_cli(["quantize", onnx_path, "--precision", "int8", "--recipe", "ort", "--auto-exclude", "100000",
+                 "--calib-size", "16", "-o", tmp_path / "q.onnx"])
+    assert_one_line_error(r, "--auto-exclude 100000 would keep all")
+    assert not (tmp_path / "q.onnx").exists()
 
 
 def test_quantize_missing_data_names_its_own_options(tmp_path):

@@ -58,9 +58,10 @@ def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
     return measure, None
 
 
-def _point(rec: dict, measured: dict, absolute: bool) -> tuple[float, float, float]:
-    """(predicted, measured, target) of one round in the budget's unit (ratio to dense, or ms)."""
-    lat = rec["allocation"]["latency"]
+def _point(rec: dict, measured: dict, absolute: bool, kind: str) -> tuple[float, float, float]:
+    """(predicted, measured, target) of one round in the budget's unit (ratio to dense, or ms); ``kind``: the
+    budget's kind (the allocation report's entry of its measured cost model)."""
+    lat = rec["allocation"][kind]
     if absolute:
         return float(lat["predicted"]), float(measured["pruned_ms"]), float(lat["target"])
     dense = float(lat["dense"])
@@ -103,7 +104,7 @@ def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, di
     for k in range(max_rounds + 1):
         t0 = time.perf_counter()
         measured = measure(dense, model)
-        pred, meas, target_k = _point(rec, measured, absolute)
+        pred, meas, target_k = _point(rec, measured, absolute, budget.kind)
         target = target_k if k == 0 else target  # the budget asked (later rounds ask the table for another value)
         miss = meas / target - 1.0
         rounds.append({"round": k, "budget_value": value, "predicted": pred, "measured": meas, "target": target,
@@ -127,7 +128,7 @@ def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, di
             break
     assert best is not None
     _miss, k, model, rec, measured = best
-    lat = {**rec["allocation"]["latency"], "absolute": absolute}
+    lat = {**rec["allocation"][budget.kind], "absolute": absolute}
     chk = latency_check(lat, measured, None)
     chk.update(rounds=rounds, chosen_round=k, tolerance=tolerance, max_rounds=max_rounds, stopped=stopped,
                rule="the round whose measured value is closest to the budget (edgeprune.pruning.latency_loop)")
@@ -137,7 +138,7 @@ def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, di
 
 def not_measured(rec: dict, budget: Budget, reason: str) -> None:
     """Put the predicted-only ``latency_check`` (with the reason it was not measured) in ``rec``."""
-    lat = rec.get("allocation", {}).get("latency")
+    lat = rec.get("allocation", {}).get(budget.kind)
     if lat is not None:
         rec["latency_check"] = latency_check({**lat, "absolute": budget.unit is not None}, None, reason)
 

@@ -47,7 +47,8 @@ class OrtRecipe(Recipe):
         """Smoothing, pre-processing, node selection, quantization, sensitivity pass (module docstring).
 
         Raises:
-            UserError: no node of the quantized op types; an ``--exclude`` pattern matching nothing.
+            UserError: no node of the quantized op types; an ``--exclude`` pattern matching nothing; ``--auto-exclude``
+                at least the number of nodes left to quantize.
         """
         cfg, c, tmp, say = job.cfg, job.cfg.common, job.workdir, job.say
         smoothing: list[dict[str, Any]] = []
@@ -59,6 +60,10 @@ class OrtRecipe(Recipe):
             say(f"smoothing (alpha {c.smooth_alpha:g}): {len(smoothing)} LayerNorm -> MatMul sites")
         pre = int8.preprocess(to_quantize, tmp / "pre.onnx") if cfg.ort.preprocess else to_quantize
         names, excluded, attention = _select(job.src, pre, cfg)
+        left = len(names) - len(excluded)
+        if cfg.ort.auto_exclude >= left:  # issue 41: else every node stays float and the "int8" file is float
+            raise UserError(f"--auto-exclude {cfg.ort.auto_exclude} would keep all {left} quantizable nodes in float "
+                            f"(nothing quantized): give --auto-exclude below {left}")
         cache = tmp / "calibration.json"
         reader = None
         if c.mode == "static":
