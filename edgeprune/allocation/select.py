@@ -293,9 +293,11 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     if len(cands) < 2:
         return allocate(anatomy, stats, cfg)
     measured: dict[str, float] = {}
+    t_check = time.perf_counter()
     for name, (dims, _rep) in cands.items():
         c = dataclasses.replace(cfg, dims=dims, budget=None)
         measured[name] = _fold_and_measure(model, plan_corp(anatomy, stats, c), c, stats, x, dense_out)
+    check_seconds = time.perf_counter() - t_check
     chosen = min(measured, key=lambda k: (measured[k], k != "uniform"))
     dims, report = cands[chosen]
     report = dict(report)
@@ -303,7 +305,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
         "chosen": chosen, "images": int(x.shape[0]),
         "measured_output_error": measured,
         "proxy_error": {k: float(sum(r["proxy_error"].values())) for k, (_d, r) in cands.items()},
-        "seconds": time.perf_counter() - t0,
+        "seconds": time.perf_counter() - t0, "check_seconds": check_seconds,
         "sensitivity": sensitivity or None,
         "rule": "lowest relative squared error of the model output vs dense on calibration images "
                 "(edgeprune.allocation.select)",
