@@ -98,6 +98,9 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
     if x is not None and dense_out is not None and cfg.allocation_sensitivity:
         t0 = time.perf_counter()
         ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
+        n = cfg.allocation_sensitivity_images
+        if n is not None and n < x.shape[0]:  # the per-unit measurements on fewer images (CorpConfig)
+            x, dense_out = x[:n], dense_out[:n]
         cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
         curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, cache=cache)
         dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
@@ -110,7 +113,7 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
             if all(dims != d for d, _ in out.values()):
                 out["greedy(measured x2)"] = (dims, rep)
         if sensitivity is not None:
-            sensitivity.update(units=units, seconds=time.perf_counter() - t0)
+            sensitivity.update(units=units, seconds=time.perf_counter() - t0, images=int(x.shape[0]))
     return out
 
 
