@@ -297,10 +297,10 @@ def test_prune_refuses_settings_it_would_ignore(tmp_path, args, pattern):
 
 
 @pytest.mark.parametrize("args, pattern", [
-    (["--latency-rounds", "11"], "--latency-rounds must be an integer in \\[0, 10\\]"),
-    (["--latency-rounds", "-1"], "--latency-rounds must be an integer in \\[0, 10\\]"),
-    (["--latency-tolerance", "0"], "--latency-tolerance must be a fraction in \\(0, 1\\)"),
-    (["--latency-tolerance", "1.5"], "--latency-tolerance must be a fraction in \\(0, 1\\)"),
+    (["--latency-rounds", "11"], "--latency-rounds must be an integer in [0, 10]"),
+    (["--latency-rounds", "-1"], "--latency-rounds must be an integer in [0, 10]"),
+    (["--latency-tolerance", "0"], "--latency-tolerance must be a fraction in (0, 1)"),
+    (["--latency-tolerance", "1.5"], "--latency-tolerance must be a fraction in (0, 1)"),
     (["--latency-tolerance", "0.05", "--no-verify-latency"], "needs the measurement that --no-verify-latency"),
 ])
 def test_latency_correction_options_bad_values_and_conflicts(tmp_path, args, pattern):
