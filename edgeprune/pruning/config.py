@@ -29,6 +29,7 @@ from edgeprune.corp.config import CorpConfig
 from edgeprune.embed.settings import check_embed_settings
 from edgeprune.errors import UserError
 from edgeprune.option_checks import refuse_sparsities_with_budget
+from edgeprune.pruning.latency_loop import check_correction
 
 #: section -> the CorpConfig fields it holds (module doc); every field is in exactly one
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -43,19 +44,12 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 def check_correction_settings(config: CorpConfig) -> None:
-    """The measure-and-correct settings (``edgeprune.pruning.latency_loop``).
+    """The measure-and-correct settings (``edgeprune.pruning.latency_loop.check_correction``).
 
     Raises:
         UserError: one line naming the setting.
     """
-    if not isinstance(config.verify_budget, bool):
-        raise UserError(f"verify budget must be True or False, got {config.verify_budget!r}")
-    tol = config.correction_tolerance
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
-        raise UserError(f"--latency-tolerance must be a fraction in (0, 1) (0.03 = 3%), got {tol!r}")
-    r = config.correction_rounds
-    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 10:
-        raise UserError(f"--latency-rounds must be an integer in [0, 10], got {r!r}")
+    check_correction(config.verify_budget, config.correction_tolerance, config.correction_rounds)
 
 
 #: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)
