@@ -42,7 +42,7 @@ def test_budgeted_rows_get_check_images_anchors_tokens_and_bias_correction():
     assert cfg.gram_tokens == 64 and cfg.bias_correction_images == 32 and cfg.round_to == 16
     assert cfg.budget == {"kind": "flops", "value": 0.5} and cfg.target == "both" and not cfg.sequential
     seq = accuracy_table.config_for(_args("--anchors", "2"), "sequential", 0.4, 0.7)
-    assert seq.sequential and seq.allocation_anchors == 2 and seq.budget["value"] == 0.4
+    assert seq.sequential and seq.allocation_anchors == 2 and seq.budget.value == 0.4
 
 
 def test_defaults_and_uniform_rows():

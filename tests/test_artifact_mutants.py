@@ -195,9 +195,9 @@ def test_read_record_refusals(tmp_path):
     (d / RECORD).write_text("{not json")
     with pytest.raises(UserError, match="cannot read .*run.json"):
         read_record(d)
-    for rec, missing in (({"blocks": []}, "base_model"), ({"base_model": {}}, "blocks")):
+    for rec, missing in (({"blocks": []}, "base_model"), ({"base_model": {"name": "m"}}, "blocks")):
         (d / RECORD).write_text(json.dumps(rec))
-        with pytest.raises(UserError, match=f"has no '{missing}' entry"):
+        with pytest.raises(UserError, match=f"field '{missing}' is missing"):
             read_record(str(d))
     (d / RECORD).write_text(json.dumps({"base_model": {"name": "m"}, "blocks": [], "x": 1}))
     assert read_record(d) == {"base_model": {"name": "m"}, "blocks": [], "x": 1}
