@@ -23,10 +23,13 @@ exactness depend on the shapes, not on the weights):
   uninterrupted heal bit for bit (weights and loss history), and two heals are identical.
 * ``cli_cuda``: ``edgeprune verify --device cuda`` (the PyTorch side on the GPU) and ``edgeprune bench``
   of a model name with the torch backend on a GPU profile (fp16, CUDA graphs).
-* ``latency_table``: ``edgeprune latency-table --backend torch --precision fp16 --batch 256`` for
-  deit_small on a GPU profile written for this GPU (CUDA graphs; the GPU rules: MLP widths on 64, head
-  dims on 16, Q/K = V); reports the entries, the dense model, and what half the heads / half the head
-  dims / half the MLP width cost against the ideal half.
+* ``prune_cost``: CUDA prune (``both`` @ 0.5, default settings) against one dense pass over the same
+  images, deit_small and deit_base, 256 and 1024 images (``benchmarks/bench_prune_cost.py``'s timers
+  and bound: <= 3x).
+* ``latency_table``: ``edgeprune latency-table --backend torch --precision fp16 --batch 256 --interleave``
+  for deit_small on a GPU profile written for this GPU (CUDA graphs; the GPU rules: MLP widths on 64,
+  head dims on 16, Q/K = V); reports the entries, the dense model, and the time saved by half the heads /
+  half the head dims / half the MLP width against the ideal (the size saved).
 * ``latency_prune``: ``prune --latency 0.6`` on that table (CUDA calibration pass): the record's
   ``latency_check`` -- predicted vs measured (interleaved, torch CUDA fp16, graphs, batch 256) for
   every round of the measure-and-correct loop, the round kept, whether it meets the budget.
@@ -36,13 +39,10 @@ exactness depend on the shapes, not on the weights):
 * ``layout``: uniform ``all`` @ 0.5 with ``--layout default`` vs ``--layout fused`` at fp16, batch 256,
   graphs: speed-up as a fraction of the FLOPs ratio (docs/layout.md's target: >= 90% for fused) and the
   attention kernel each runs.
-* ``prune_cost``: CUDA prune (``both`` @ 0.5, default settings) against one dense pass over the same
-  images, deit_small and deit_base, 256 and 1024 images (``benchmarks/bench_prune_cost.py``'s timers
-  and bound: <= 3x).
 
 What each "not measured on a GPU" of the docs gets (:data:`TODOS` holds the same list for the report):
 
-* docs/prune_cost.md "GPU rows: not yet measured" (x3), the issue-29 GPU bound "<= 3x ... not yet
+* docs/prune_cost.md "GPU rows: not yet measured" (twice), the issue-29 GPU bound "<= 3x ... not yet
   measured" and "GPU timings: not yet measured" (CUDA statistics path) -> ``prune_cost``.
 * docs/prune_cost.md "those tests skip without CUDA and have not been run on a GPU yet" (heal /
   derive on CUDA) -> ``cuda_tests`` (and ``heal_resume``); "the CUDA paths [of eval / verify / bench]
@@ -159,11 +159,13 @@ GPU = Plan(
     bench_batches=(256, 1), iterations=50, warmup=10, table_iterations=50, table_warmup=10, table_max_seconds=0.4,
     modes=tuple((p, g) for p in ("fp32", "tf32", "fp16", "bf16") for g in (False, True)), modes_batch=64,
     heal_model="deit_tiny_patch16_224", heal_images=128, heal_batch=32, threads=None,
-    budgets={"cuda_tests": 75, "runner_modes": 25, "heal_resume": 25, "cli_cuda": 30, "latency_table": 60,
-             "latency_prune": 60, "speedup": 75, "layout": 30, "prune_cost": 100},
+    # estimates (not yet run on a GPU); their sum is above DEADLINE_S, which bounds the whole run
+    budgets={"cuda_tests": 75, "runner_modes": 25, "heal_resume": 25, "cli_cuda": 20, "prune_cost": 100,
+             "latency_table": 45, "latency_prune": 90, "speedup": 90, "layout": 30},
 )
 DRY = Plan(
-    mode="dry-run", device="cpu", model="deit_tiny_patch16_224", img_size=32, model_kwargs={"depth": 2, "embed_dim": 64, "num_heads": 2}, num_classes=10,
+    mode="dry-run", device="cpu", model="deit_tiny_patch16_224", img_size=32,
+    model_kwargs={"depth": 2, "embed_dim": 64, "num_heads": 2}, num_classes=10,
     cost_models=(("tiny", "deit_tiny_patch16_224"),), cost_sizes=(8, 16), calib=16, batch_size=8,
     table_batch=2, precision="fp32", graphs=False, bench_batches=(2, 1), iterations=5, warmup=1,
     table_iterations=5, table_warmup=1, table_max_seconds=0.05, modes=(("fp32", False),), modes_batch=2,
@@ -454,10 +456,7 @@ def check_cli_cuda(ctx: Ctx, d: dict) -> tuple[str, str]:
     code, text = run_cli(["verify", onnx, *tiny, "--n", "2", "--device", plan.device, "--json", rep])
     d["verify"] = {"exit": code, "output": text[-2000:]}
     got = json.loads(rep.read_text()).get("torch_device") if rep.exists() else None
-    code2, text2 = run_cli(["bench", "deit_tiny_patch16_224", "--random-init", "--device", ctx.profile,
-                            "--backend", "torch", "--precision", plan.precision, "--batch-sizes", "1",
-                            "--iterations", "5", "--warmup", "1", "--json", bench,
-                            *(["--cuda-graphs"] if plan.graphs else []), *(["--threads", "1"] if plan.threads else [])])
+    code2, text2 = run_cli(bench_argv(ctx, bench))
     d["bench"] = {"exit": code2, "output": text2[-2000:]}
     settings = {}
     if bench.exists():
@@ -468,6 +467,15 @@ def check_cli_cuda(ctx: Ctx, d: dict) -> tuple[str, str]:
     ok = code == 0 and got == plan.device and code2 == 0 and where is not None
     return ("pass" if ok else "fail"), (f"verify --device {plan.device}: exit {code}, torch_device {got}; bench torch "
                                         f"{plan.precision}{' graphs' if plan.graphs else ''}: exit {code2} on {where}")
+
+
+def bench_argv(ctx: Ctx, json_path: Path) -> list:
+    """``edgeprune bench`` of a model name with the torch backend on the plan's profile (CUDA for the GPU one)."""
+    plan = ctx.plan
+    return ["bench", "deit_tiny_patch16_224", "--random-init", "--device", ctx.profile, "--backend", "torch",
+            "--precision", plan.precision, "--batch-sizes", "1", "--iterations", "5", "--warmup", "1",
+            "--json", json_path, *(["--cuda-graphs"] if plan.graphs else []),
+            *(["--threads", str(plan.threads)] if plan.threads else [])]
 
 
 def _first_settings(doc: Any) -> dict:
@@ -488,13 +496,9 @@ def _first_settings(doc: Any) -> dict:
 
 
 def check_latency_table(ctx: Ctx, d: dict) -> tuple[str, str]:
-    plan = ctx.plan
     path = ctx.folder / "latency_table.json"
     path.unlink(missing_ok=True)  # a fresh measurement (the same key would resume the old table)
-    argv = ["latency-table", *cli_model_args(plan), "--device", ctx.profile, "--backend", "torch",
-            "--precision", plan.precision, "--batch", str(plan.table_batch), "--warmup", str(plan.table_warmup),
-            "--iterations", str(plan.table_iterations), "--max-seconds", str(plan.table_max_seconds),
-            "--interleave", "-o", path, "--force", "--quiet", *(["--threads", str(plan.threads)] if plan.threads else [])]
+    argv = table_argv(ctx, path)
     t0 = time.perf_counter()
     code, text = run_cli(argv)
     d.update(command="edgeprune " + " ".join(str(a) for a in argv), exit=code, output=text.strip()[-2000:],
@@ -522,6 +526,17 @@ def check_latency_table(ctx: Ctx, d: dict) -> tuple[str, str]:
         f"{n} entries, {k['device_name']}, {k['precision']} batch {k['batch']}: dense {t.dense_model_ms:.2f} ms; "
         f"saved vs ideal at half: heads {h['heads']['of_ideal']:.0%}, head dims {h['head_dims']['of_ideal']:.0%}, "
         f"MLP {h['mlp']['of_ideal']:.0%}")
+
+
+def table_argv(ctx: Ctx, path: Path) -> list:
+    """``edgeprune latency-table`` of the plan's model on the plan's profile: torch backend, the plan's precision
+    and batch, interleaved with the dense sub-block (docs/latency.md: on a GPU, use --interleave)."""
+    plan = ctx.plan
+    return ["latency-table", *cli_model_args(plan), "--device", ctx.profile, "--backend", "torch",
+            "--precision", plan.precision, "--batch", str(plan.table_batch), "--warmup", str(plan.table_warmup),
+            "--iterations", str(plan.table_iterations), "--max-seconds", str(plan.table_max_seconds),
+            "--interleave", "-o", path, "--force", "--quiet",
+            *(["--threads", str(plan.threads)] if plan.threads else [])]
 
 
 def _on(grid: list, x: int) -> int:
@@ -632,11 +647,12 @@ def check_prune_cost(ctx: Ctx, d: dict) -> tuple[str, str]:
     return ("fail" if missed else "pass"), number
 
 
-#: the checks in the order they run (cheap ones first, so that the deadline cuts the long ones)
+#: the checks in the order they run (cheap ones first; the layouts, the least asked for, last: the deadline cuts
+#: the end)
 CHECKS: tuple[tuple[str, Callable[[Ctx, dict], tuple[str, str]]], ...] = (
     ("cuda_tests", check_cuda_tests), ("runner_modes", check_runner_modes), ("heal_resume", check_heal_resume),
-    ("cli_cuda", check_cli_cuda), ("latency_table", check_latency_table), ("latency_prune", check_latency_prune),
-    ("speedup", check_speedup), ("layout", check_layout), ("prune_cost", check_prune_cost))
+    ("cli_cuda", check_cli_cuda), ("prune_cost", check_prune_cost), ("latency_table", check_latency_table),
+    ("latency_prune", check_latency_prune), ("speedup", check_speedup), ("layout", check_layout))
 
 
 def run_check(fn: Callable[[Ctx, dict], tuple[str, str]], ctx: Ctx, budget: float) -> dict:

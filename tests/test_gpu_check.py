@@ -158,14 +158,22 @@ def test_cuda_tests_are_found_by_their_decorators(tmp_path):
     assert "tests/test_bench_cli.py::test_torch_precisions_refused_cleanly_without_cuda" not in real
 
 
-def test_the_gpu_profile_is_a_gpu_profile_the_torch_timer_takes_at_fp16_batch_256(tmp_path, monkeypatch):
-    from devices import load_profile
-    from edgeprune.latency.build import BuildOptions, settings_for
+class _Reached(BaseException):
+    """Raised in place of the timing: the command got past every check of its options."""
 
+
+def _fake_h100(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_the_gpu_profile_is_a_gpu_profile_the_torch_timer_takes_at_fp16_batch_256(tmp_path, monkeypatch):
+    from devices import load_profile
+    from edgeprune.latency.build import BuildOptions, settings_for
+
+    _fake_h100(monkeypatch)
     plan = gpu_check.GPU
     profile = load_profile(str(gpu_check.write_profile(plan, tmp_path)))
     assert profile.uses_tensorrt and profile.bench.cuda_graphs
@@ -222,3 +230,38 @@ def test_the_command_line_error_is_one_line_and_exit_2(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: --only: unknown check nope (one of {', '.join(NAMES)})"]
     assert "common.run_main(main)" in (ROOT / "benchmarks" / "gpu_check.py").read_text()
+
+
+def test_the_gpu_commands_pass_the_clis_checks(tmp_path, monkeypatch):
+    """The latency-table and bench command lines the GPU run gives get through the real CLIs' option checks
+    (with a GPU faked present) to the timing, with the settings meant: torch on CUDA, fp16, batch 256,
+    interleaved table, CUDA graphs."""
+    import edgeprune.cli.device as device_cli
+    import edgeprune.cli.latency_table as table_cli
+    from runners.bench import check_available
+
+    _fake_h100(monkeypatch)
+    ctx = gpu_check.Ctx(plan=gpu_check.GPU, folder=tmp_path)
+    ctx.profile = gpu_check.write_profile(ctx.plan, tmp_path)
+    seen = {}
+
+    def build_table(anatomy, profile, opts, out, show_progress):
+        seen["table"] = (profile, opts)
+        raise _Reached
+
+    def run_bench(a, b, cfg, profile):
+        check_available(cfg, profile, (a,))
+        seen["bench"] = (cfg, profile)
+        raise _Reached
+
+    monkeypatch.setattr(table_cli, "build_table", build_table)
+    monkeypatch.setattr(device_cli, "run_bench", run_bench)
+    for argv in (gpu_check.table_argv(ctx, tmp_path / "t.json"), gpu_check.bench_argv(ctx, tmp_path / "b.json")):
+        with pytest.raises(_Reached):
+            gpu_check.run_cli(argv)
+    profile, opts = seen["table"]
+    assert profile.uses_tensorrt and (opts.backend, opts.precision, opts.batch, opts.interleave) == (
+        "torch", "fp16", 256, True)
+    cfg, bench_profile = seen["bench"]
+    assert bench_profile.uses_tensorrt and (cfg.backend, cfg.precision, cfg.cuda_graphs, cfg.batch_sizes) == (
+        "torch", "fp16", True, (1,))
