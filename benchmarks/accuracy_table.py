@@ -102,6 +102,8 @@ def config_for(args, method: str, budget: float, s_uni: float):
     budgeted = {"allocation_anchors": args.anchors}
     if args.check_images is not None:
         budgeted["allocation_check_images"] = args.check_images
+    if getattr(args, "sensitivity_images", None) is not None:
+        budgeted["allocation_sensitivity_images"] = args.sensitivity_images
     return CorpConfig.from_target(args.target, None, budget={"kind": "flops", "value": budget},
                                   sequential=method == "sequential", **common, **budgeted)
 
@@ -206,6 +208,9 @@ def main(argv=None) -> int:
     p.add_argument("--gram-tokens", type=int, default=0,
                    help="MLP statistics from this many random tokens per image (CorpConfig.gram_tokens; -1 = "
                         "the library default, auto) [0: all tokens, as every table in docs/accuracy.md]")
+    p.add_argument("--sensitivity-images", type=int, default=None,
+                   help="check images of the per-unit sensitivity (CorpConfig.allocation_sensitivity_images) "
+                        "[all the check images]")
     p.add_argument("--check-images", type=int, default=None,
                    help="calibration images on which budgeted candidates and per-unit sensitivities are "
                         "measured (CorpConfig.allocation_check_images) [32]")
