@@ -163,7 +163,8 @@ RECORD_SCHEMA = Obj({
     "bias_correction": _BIAS,
     "settings": _SETTINGS,
     "config": _CONFIG,
-    "timing": MapOf(Num(ge=0), nullable=True),
+    "timing": Obj({"total_s": Num(ge=0), "calibration_s": Num(ge=0), "solve_s": Num(ge=0),
+                   "split": MapOf(Num(ge=0))}, nullable=True),  # issue 40: the budgeted prune's cost split
     "healing": _OBJ_OR_NULL, "derivation": _OBJ_OR_NULL,
     "device": Str(nullable=True), "created": Str(nullable=True),
 }, then=_blocks_match)

@@ -126,12 +126,12 @@ def test_calibration_and_evaluation_must_be_disjoint(tmp_path, capsys):
 
 @needs_fmnist
 def test_interrupted_prune_leaves_no_run_directory(tmp_path, capsys, monkeypatch):
-    import edgeprune.api
+    import edgeprune.pruning.stages
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(edgeprune.api, "corp_prune", interrupted)
+    monkeypatch.setattr(edgeprune.pruning.stages, "corp_prune", interrupted)  # the CORP stage's call
     out = tmp_path / "run"
     code, _, err = run(["prune", "--quiet", "--calib-size", "8", "-o", str(out)], capsys)
     assert code == 130 and "interrupted" in err
@@ -146,8 +146,10 @@ def _no_prune(monkeypatch):
     def called(*a, **k):
         raise AssertionError("the pruning ran before the failing check")
 
+    import edgeprune.pruning.stages
+
     monkeypatch.setattr(edgeprune.api, "prune", called)
-    monkeypatch.setattr(edgeprune.api, "corp_prune", called)
+    monkeypatch.setattr(edgeprune.pruning.stages, "corp_prune", called)
 
 
 def _fast_prune(tmp_path, *extra):

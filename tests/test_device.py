@@ -225,7 +225,7 @@ def test_sequential_calibration_runs_on_the_cpu_and_is_recorded_so(monkeypatch):
     import edgeprune
     from tests.conftest import tiny_vit
 
-    monkeypatch.setattr("edgeprune.api.resolve_device", lambda device: "cuda:0")
+    monkeypatch.setattr("edgeprune.pruning.run.resolve_device", lambda device: "cuda:0")
     x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     res = edgeprune.prune(tiny_vit(), x, target="mlp", sparsity=0.5, sequential=True, device="cuda",
                           progress=False, batch_size=4)
