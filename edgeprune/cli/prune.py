@@ -11,9 +11,12 @@ from edgeprune import api
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
+from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_ignored_options,
                                    check_readable_dir, device_option, eval_options, fmt_metric, latency_table_option,
-                                   make_spec, model_options, out_option, quiet_option)
+                                   make_spec, model_options, out_option, quiet_option, torch_device_of)
+from edgeprune.cli.calib_reuse import calibration_fields
+from edgeprune.cli.recipe import write_recipe
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.embed.settings import parse_embed_sparsity
@@ -33,7 +36,7 @@ def _target_help() -> str:
     return "Which dims to prune: " + ", ".join(parts) + "."
 
 
-@click.command("prune")
+@click.command("prune", cls=RecipeCommand)
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
               help=_target_help() + " [both; all with --flops/--params/--latency]")
@@ -112,7 +115,7 @@ def _target_help() -> str:
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None,
+              no_eval, device, torch_device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None,
               check_images=None,
               bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
               verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None,
@@ -123,6 +126,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     params, FLOPs and quality of both.
     """
     # 1. everything that can be checked without work
+    device = torch_device_of(device, torch_device, default="auto")  # --device is the deployment profile
     check_budget_options(click.get_current_context())
     check_ignored_options(click.get_current_context())
     if batch_size < 1:
@@ -168,7 +172,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
     t0 = time.perf_counter()
     result = api.prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
-                       calibration_info={"seed": seed, "size_requested": n})
+                       calibration_info={"seed": seed, "size_requested": n, **calibration_fields(calib_dir, calib)})
     prune_s = time.perf_counter() - t0
     if not main:
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
@@ -176,6 +180,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
     latency_lines = latency_report(rec.get("latency_check"))  # measured and corrected by the prune (issue 40)
     save_run(out_path, result.model, rec)
+    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
 
     # 3. the report
     _report(rec, spec, *metrics, prune_s)
