@@ -39,7 +39,7 @@ def _target_help() -> str:
 @click.command("prune", cls=RecipeCommand)
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
-              help=_target_help() + " [both; all with --flops/--params/--latency]")
+              help=_target_help() + " [both; all with a budget]")
 @click.option("--sparsity", type=FINITE, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
 @click.option("--mlp-sparsity", type=FINITE, default=None, help="Override the MLP sparsity (selects the MLP).")
@@ -59,8 +59,7 @@ def _target_help() -> str:
 @click.option("--gram-tokens", type=int, default=None, metavar="K",
               help="MLP statistics from K random tokens per image (the MLP covariance is the largest cost "
                    "of the calibration pass; an estimator, docs/prune_cost.md); 0 = all tokens (exact) "
-                   "[auto: max(64, 32 x MLP hidden / images) when at most half of the tokens, else all; all "
-                   "with --sequential].")
+                   "[auto: a sample on large calibration sets].")
 @click.option("--flops", default=None, metavar="F",
               help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
                    "kept dims are allocated per block and module.")
@@ -68,8 +67,7 @@ def _target_help() -> str:
               help="Parameter budget instead of --sparsity: a fraction (0.5) or a count (20M).")
 @click.option("--latency", default=None, metavar="F",
               help="Latency budget instead of --sparsity: a fraction of the dense model's latency on the "
-                   "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms); kept heads, "
-                   "head dims and MLP widths are allocated by measured error and the table's times.")
+                   "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms).")
 @latency_table_option
 @click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
               help="With --latency: re-allocate while the measured latency misses the budget by more than this "
@@ -85,7 +83,7 @@ def _target_help() -> str:
 @click.option("--bias-correction", "bias_correction", type=click.IntRange(min=0), default=None, metavar="N",
               help="Fold the pruned model's mean output shift against the dense model, measured on the "
                    "first N calibration images, into the classifier bias (models with a linear head; "
-                   "0 = off) [all calibration images with --flops/--params, else 0].")
+                   "0 = off) [all images with a budget, else 0].")
 @click.option("--head-refit/--no-head-refit", "head_refit", default=None,
               help="With the output correction on: re-fit the classifier head (weights and bias) to the "
                    "dense model's outputs, ridge toward the dense head with its strength chosen by "
@@ -94,8 +92,8 @@ def _target_help() -> str:
 @click.option("--last-block", "last_block", type=click.Choice(["auto", "cls", "full"]), default=None,
               help="cls: the pruned model's last block computes only the class token its classifier "
                    "reads (exact; the other tokens' queries, attention rows, proj and MLP are dropped); "
-                   "full: every token [auto: cls with --flops/--params for a timm classifier with "
-                   "global_pool='token', else full].")
+                   "full: every token (auto: cls with a budget where the classifier reads the class token) "
+                   "[auto].")
 @click.option("--embed-sparsity", default=None, metavar="S|auto",
               help="Also slice the residual stream (embedding dim D) to D' = (1-S) D, rotated into its principal "
                    "subspace (docs/embed.md) [0]. auto (with --flops/--params): the budget chooses D' "

@@ -47,7 +47,8 @@ from exporters.onnx import read_metadata
               help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
                    "[the model's own, as for prune].")
 @click.option("--calib-size", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Calibration images [the run's recorded size; else fmnist-vit 512, dinov2-s14 64, timm 256].")
+              help="Calibration images (without a recorded size: fmnist-vit 512, dinov2-s14 64, timm 256) "
+                   "[the run's own].")
 @click.option("--seed", type=int, default=None,
               help="Seed of the calibration sampling [the run's recorded seed, else 0].")
 @click.option("--calib-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",

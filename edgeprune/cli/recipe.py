@@ -169,15 +169,27 @@ def _convert(param: click.Parameter, key: str, value: Any, where: str, ctx: clic
         try:
             param.type.convert(str(v) if isinstance(param.type, click.types.StringParamType) else v, param, ctx)
         except click.BadParameter as err:
-            raise UserError(f"{where} {key} = {_toml_value(v)}: {err.format_message()}") from None
-    if items is None and isinstance(param.type, click.types.StringParamType) and not isinstance(value, dict):
+            raise UserError(f"{where} {key} = {_toml_value(v)}: {err.message}") from None
+    if isinstance(value, dict):  # model-kwargs: an inline table -> the option's K=V,... text (values as JSON)
+        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items())
+    if items is None and isinstance(param.type, click.types.StringParamType):
         return str(value)
     return value
 
 
+def plain_default(param: click.Parameter, ctx: click.Context) -> Any:
+    """The option's own default (not a recipe's; None for click's "unset" sentinel)."""
+    saved, ctx.default_map = ctx.default_map, None
+    try:
+        d = param.get_default(ctx, call=False)
+    finally:
+        ctx.default_map = saved
+    return None if type(d).__name__ == "Sentinel" else d
+
+
 def _is_default(param: click.Parameter, value: Any, ctx: click.Context) -> bool:
     """Whether a recipe value equals the option's default (then the key counts as not given)."""
-    d = param.get_default(ctx, call=False)
+    d = plain_default(param, ctx)
     if callable(d):
         return False
     if param.multiple:
@@ -279,7 +291,8 @@ def budget_from_command_line(ctx: click.Context) -> None:
     by_name = {p.name: p for p in ctx.command.params}
     for n in present - typed:
         if ctx.get_parameter_source(n) == ParameterSource.DEFAULT_MAP:
-            ctx.params[n] = by_name[n].get_default(ctx, call=True)
+            d = plain_default(by_name[n], ctx)
+            ctx.params[n] = d() if callable(d) else d
             ctx.set_parameter_source(n, ParameterSource.DEFAULT)
             ctx.meta.get(META_KEYS, {}).pop(n, None)
 
