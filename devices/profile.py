@@ -40,6 +40,9 @@ A profile is one TOML file (the shipped ones live next to this module: ``rtx3090
     head_dim_round_to = 16          # kept Q/K and V head dims: multiples of this (8 CPU, 16 GPU)
     qk_equals_v = true              # Q/K and V head dims must be equal (fused attention kernels;
                                     # default false CPU, true GPU)
+    [pruning.head_dims]             # optional: head dims the fused attention kernels take, per
+    fp16 = { min = 16, max = 256, step = 8 }   # precision (a range or a list; default for TensorRT:
+    int8 = [16, 32, 64]             # its documented rule, devices.kernels; for ONNX Runtime: none)
 
 Every field is checked on load; a bad one raises :class:`ProfileError` (a
 :class:`~edgeprune.errors.UserError`) naming the file and the field, e.g.
@@ -56,6 +59,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from devices.fields import ProfileError, Section
+from devices.kernels import TENSORRT_HEAD_DIMS, parse_head_dims
 
 BACKENDS = ("tensorrt", "onnxruntime")
 PRECISIONS = ("fp16", "fp32", "int8")
@@ -98,16 +102,25 @@ class BenchSettings:
 @dataclasses.dataclass(frozen=True)
 class PruningRules:
     """What the device's kernels reward (``[pruning]``, issue 30 item 3): the grid of kept MLP
-    widths, the grid of head dims, and whether Q/K and V head dims must be equal."""
+    widths, the grid of head dims, whether Q/K and V head dims must be equal, and per precision the
+    head dims the fused attention kernels take (``head_dims``: ``((precision, dims), ...)``, issue 40
+    item 6, :mod:`devices.kernels`; ``()``: any)."""
 
     mlp_round_to: int
     head_dim_round_to: int
     qk_equals_v: bool
+    head_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def allowed_head_dims(self, precision: str) -> tuple[int, ...] | None:
+        """The head dims allowed at ``precision`` (ascending), None when the profile has no rule for it."""
+        return dict(self.head_dims).get(precision)
 
 
 #: ``[pruning]`` defaults per backend: CPUs run any multiple of 8 at full speed; GPU kernels
-#: (TensorRT, fused attention) want wide tiles and q/k/v of one head dim (issue 30 measurements).
-DEFAULT_PRUNING = {"onnxruntime": PruningRules(8, 8, False), "tensorrt": PruningRules(64, 16, True)}
+#: (TensorRT, fused attention) want wide tiles, q/k/v of one head dim (issue 30 measurements) and
+#: the head dims TensorRT's fused MHA takes (:data:`devices.kernels.TENSORRT_HEAD_DIMS`).
+DEFAULT_PRUNING = {"onnxruntime": PruningRules(8, 8, False),
+                   "tensorrt": PruningRules(64, 16, True, tuple(sorted(TENSORRT_HEAD_DIMS.items())))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +188,10 @@ class DeviceProfile:
             },
             "source": None if self.source is None else str(self.source),
         }
-        d["pruning"] = pruning_rules(self)
+        rules = self.pruning or DEFAULT_PRUNING[self.backend]
+        d["pruning"] = {k: v for k, v in pruning_rules(self).items() if k != "head_dims"}
+        if rules.head_dims or self.uses_tensorrt:  # per precision (round trip); none: the CPU's as before
+            d["pruning"]["head_dims"] = {p: list(dims) for p, dims in rules.head_dims}
         if self.backend == "onnxruntime":
             d["onnxruntime"] = {"threads": self.ort_threads, "precision": self.ort_precision}
         if self.build is not None:
@@ -326,24 +342,37 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
 
 
 def _pruning_section(label: str, table: Mapping[str, Any] | None, default: PruningRules) -> PruningRules:
-    """The ``[pruning]`` table (each field optional, defaulting to the backend's ``default``).
+    """The ``[pruning]`` table (each field optional, defaulting to the backend's ``default``;
+    ``head_dims = {}`` states no head-dim rule).
 
     Raises:
-        ProfileError: an unknown key or a bad value (round_to values must be >= 1).
+        ProfileError: an unknown key or a bad value (round_to values must be >= 1; head dims:
+            :func:`devices.kernels.parse_head_dims`).
     """
     if table is None:
         return default
-    p = Section(label, "pruning", table, ("mlp_round_to", "head_dim_round_to", "qk_equals_v"))
+    p = Section(label, "pruning", table, ("mlp_round_to", "head_dim_round_to", "qk_equals_v", "head_dims"))
+    head_round = p.integer("head_dim_round_to", default.head_dim_round_to, lo=1)
+    head_dims = p._get("head_dims", None, False)
     return PruningRules(mlp_round_to=p.integer("mlp_round_to", default.mlp_round_to, lo=1),
-                        head_dim_round_to=p.integer("head_dim_round_to", default.head_dim_round_to, lo=1),
-                        qk_equals_v=p.boolean("qk_equals_v", default.qk_equals_v))
+                        head_dim_round_to=head_round, qk_equals_v=p.boolean("qk_equals_v", default.qk_equals_v),
+                        head_dims=default.head_dims if head_dims is None else parse_head_dims(label, head_dims,
+                                                                                             head_round))
 
 
-def pruning_rules(profile: DeviceProfile) -> dict[str, Any]:
+def pruning_rules(profile: DeviceProfile, precision: str | None = None) -> dict[str, Any]:
     """The profile's pruning rules as the dict a latency table stores in ``rules``:
-    ``{"mlp_round_to": int, "head_dim_round_to": int, "qk_equals_v": bool}``."""
+    ``{"mlp_round_to": int, "head_dim_round_to": int, "qk_equals_v": bool}`` and, when the profile has
+    a head-dim rule for ``precision`` (default: the profile's own), ``"head_dims": [int, ...]`` (the
+    allowed head dims, ascending; :mod:`devices.kernels`). Without such a rule the dict is as before
+    issue 40 (the CPU profile's tables are unchanged)."""
     rules = profile.pruning or DEFAULT_PRUNING.get(profile.backend, DEFAULT_PRUNING["onnxruntime"])
-    return dataclasses.asdict(rules)
+    d: dict[str, Any] = {"mlp_round_to": rules.mlp_round_to, "head_dim_round_to": rules.head_dim_round_to,
+                         "qk_equals_v": rules.qk_equals_v}
+    allowed = rules.allowed_head_dims(precision or profile.precision)
+    if allowed is not None:
+        d["head_dims"] = list(allowed)
+    return d
 
 
 def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:

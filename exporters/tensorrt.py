@@ -5,7 +5,9 @@
 TensorRT), reuses and updates the profile's timing cache, builds, and writes the engine
 atomically with a JSON sidecar ``<engine>.json`` (TensorRT version, GPU, profile, ONNX sha256,
 build time). It refuses to build when the local GPU's compute capability differs from the
-profile's, unless ``force_device=True``.
+profile's, unless ``force_device=True``. Before asking for TensorRT it says in one line when the
+engine's attention will not be fused (head dims outside the profile's rule for the build precision,
+:mod:`exporters.tensorrt_attention`); the forecast is kept in the sidecar (``attention_forecast``).
 
 Only the batch dimension may be dynamic: ``edgeprune export`` fixes channels and image size.
 An ONNX file with a static batch gets an engine for exactly that batch (the profile's batch
@@ -30,6 +32,7 @@ from devices import load_profile
 from devices.gpu import check_compute_capability, local_gpu
 from edgeprune.atomic import atomic_write_bytes  # noqa: F401  (re-exported)
 from edgeprune.errors import RuntimeFault, UserError
+from exporters.tensorrt_attention import attention_shapes, fusion_forecast
 from exporters.tensorrt_settings import (  # noqa: F401  (re-exported: the pure half of a build)
     Shape,
     builder_settings,
@@ -237,6 +240,9 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
     input_name, input_shape = onnx_input(onnx_file)
     settings = builder_settings(prof, input_shape, input_name=input_name, timing_cache=timing_cache,
                                 precision=precision, model_precision=onnx_precision(onnx_file))
+    forecast = fusion_forecast(attention_shapes(onnx_file), settings["precision"], prof)
+    if forecast:  # before TensorRT is even asked for: the profile's kernel rule (issue 40 item 6)
+        print(f"warning: {forecast}", file=sys.stderr)
     trt_version = tensorrt_version()
     gpu = require_gpu()
     check = check_compute_capability(prof, gpu, force=force_device)
@@ -278,6 +284,7 @@ def build_engine(onnx_path: str | os.PathLike[str], profile: DeviceProfile | str
         "onnx": {"path": str(onnx_file.resolve()), "sha256": file_sha256(onnx_file),
                  "input_name": input_name, "input_shape": list(input_shape)},
         "settings": settings,
+        "attention_forecast": forecast,
         "timing_cache_state": cache_state,
         "build_time_s": round(build_s, 3),
     }

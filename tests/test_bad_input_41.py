@@ -285,6 +285,8 @@ def test_non_finite_float_options_are_one_line(command, option, value):
     (["--embed-sparsity", "0", "--embed-order", "first"], "--embed-order goes with --embed-sparsity"),
     # issue 40's options come with their conflicts (issue 41: every new option)
     (["--latency-tolerance", "0.05"], "--latency-tolerance goes with --latency"),
+    (["--sensitivity-images", "8"], "--sensitivity-images goes with --flops/--params/--latency"),
+    (["--flops", "0.5", "--sensitivity-images", "0"], "allocation sensitivity images must be an int >= 1"),
     (["--sparsity", "0.3", "--latency-rounds", "2"], "--latency-rounds goes with --latency"),
 ])
 def test_prune_refuses_settings_it_would_ignore(tmp_path, args, pattern):
@@ -295,10 +297,10 @@ def test_prune_refuses_settings_it_would_ignore(tmp_path, args, pattern):
 
 
 @pytest.mark.parametrize("args, pattern", [
-    (["--latency-rounds", "11"], "--latency-rounds must be an integer in \\[0, 10\\]"),
-    (["--latency-rounds", "-1"], "--latency-rounds must be an integer in \\[0, 10\\]"),
-    (["--latency-tolerance", "0"], "--latency-tolerance must be a fraction in \\(0, 1\\)"),
-    (["--latency-tolerance", "1.5"], "--latency-tolerance must be a fraction in \\(0, 1\\)"),
+    (["--latency-rounds", "11"], "--latency-rounds must be an integer in [0, 10]"),
+    (["--latency-rounds", "-1"], "--latency-rounds must be an integer in [0, 10]"),
+    (["--latency-tolerance", "0"], "--latency-tolerance must be a fraction in (0, 1)"),
+    (["--latency-tolerance", "1.5"], "--latency-tolerance must be a fraction in (0, 1)"),
     (["--latency-tolerance", "0.05", "--no-verify-latency"], "needs the measurement that --no-verify-latency"),
 ])
 def test_latency_correction_options_bad_values_and_conflicts(tmp_path, args, pattern):

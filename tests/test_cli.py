@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from edgeprune.cli import main
+from edgeprune.cli.entry import main
 from tests.conftest import needs_fmnist
 
 

@@ -336,7 +336,7 @@ def test_api_rejects_bad_input(pruned, dense, calib):
 
 # ---- CLI ------------------------------------------------------------------------------------------
 def _cli(args, capsys):
-    from edgeprune.cli import main
+    from edgeprune.cli.entry import main
 
     try:
         main([str(a) for a in args])

@@ -16,6 +16,7 @@ from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
 from edgeprune.pruning.corp import corp_prune
 from edgeprune.pruning.config import corp_config
+from edgeprune.pruning.latency_check import latency_report
 from edgeprune.pruning.latency_loop import next_value
 from edgeprune.surgery import block_dims
 from tests.test_latency_budget import make_table, small_vit
@@ -66,6 +67,9 @@ def test_an_offset_the_table_does_not_see_is_corrected(table):
     assert first["miss"] > 0.03 and chk["chosen_round"] >= 1
     assert abs(chosen["miss"]) <= 0.03 and chk["stopped"] == "within tolerance"
     assert chk["measured"]["ratio"] == pytest.approx(chosen["measured"])
+    # the verdict is against the budget asked, not the corrected value the table was asked for
+    assert chk["miss"] == pytest.approx(chosen["miss"]) and chk["budget_ratio"] == pytest.approx(0.6)
+    assert chk["meets_budget"] and latency_report(chk)[-1].startswith("latency: measured")
     assert len(measure.calls) == len(chk["rounds"])
     assert chosen["budget_value"] < first["budget_value"]  # it asked the table for less than the budget
     assert res.record["allocation"]["budget"]["value"] == pytest.approx(chosen["budget_value"])

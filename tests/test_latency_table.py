@@ -156,8 +156,8 @@ def test_shipped_profiles_pruning_rules() -> None:
     assert devices.pruning_rules(devices.load_profile("cpu")) == {
         "mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False}
     for name in ("orin-nx", "rtx3090"):
-        assert devices.pruning_rules(devices.load_profile(name)) == {
-            "mlp_round_to": 64, "head_dim_round_to": 16, "qk_equals_v": True}
+        assert devices.pruning_rules(devices.load_profile(name)) == {  # + TensorRT's fp16 fused-MHA head dims
+            "mlp_round_to": 64, "head_dim_round_to": 16, "qk_equals_v": True, "head_dims": list(range(16, 257, 8))}
 
 
 def _cpu_toml(tmp_path: Path, extra: str) -> Path:

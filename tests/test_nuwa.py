@@ -459,7 +459,7 @@ def test_derive_errors():
 
 
 def _run_cli(args, capsys):
-    from edgeprune.cli import main
+    from edgeprune.cli.entry import main
 
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -487,7 +487,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_cli_derive_fmnist_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     code = 0
-    from edgeprune.cli import main
+    from edgeprune.cli.entry import main
 
     try:
         main(["derive", "--model", "fmnist-vit", "--classes", "0,Bag", "--flops", "0.6", "--skp-steps", "4",
@@ -523,7 +523,7 @@ def test_cli_eval_of_a_nuwa_run_scores_its_target_classes(tmp_path, capsys):
     cfg = DeriveConfig(skp=SKPConfig(steps=0), val_size=16, calib_size=16, rho=0.95)
     res = derive(spec.create(), [1, 7], x[:400], y[:400], flops=0.7, config=cfg, spec=spec)
     out = save_run(tmp_path / "run", res.model, res.record)
-    from edgeprune.cli import main
+    from edgeprune.cli.entry import main
 
     try:
         main(["eval", str(out), "--eval-size", "200", "--quiet", "--json", str(tmp_path / "m.json")])

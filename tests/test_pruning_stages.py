@@ -116,6 +116,11 @@ def test_the_budget_builds_each_cost_model_once_per_prune(monkeypatch):
     res = edgeprune.prune(tiny_vit(), _images(), flops=0.5, batch_size=16)
     assert res.record["allocation"]["within_tolerance"] is not None
     assert sorted(made) == ["FlopsCost", "FlopsCost", "ParamsCost"]
+    # the record's cost split (issue 40 item 4) adds up to the statistics pass plus the solve
+    t = res.record["timing"]
+    assert set(t["split"]) == {"statistics", "curves", "sensitivity", "check", "allocation", "solve"}
+    assert all(v >= 0 for v in t["split"].values()) and t["split"]["sensitivity"] > 0 and t["split"]["check"] > 0
+    assert sum(t["split"].values()) == pytest.approx(t["calibration_s"] + t["solve_s"], rel=1e-9)
 
 
 def test_budget_record_form_and_refusals():
@@ -130,3 +135,24 @@ def test_budget_record_form_and_refusals():
         Budget("flops", 0.5, table="t.json")
     with pytest.raises(UserError, match="budget must be"):
         Budget.from_dict({"kind": "flops", "value": 0.5, "colour": "red"})
+
+
+def test_sensitivity_on_fewer_images_than_the_check():
+    """``allocation_sensitivity_images`` (issue 40 item 4): the per-unit measurements use the first N check images,
+    the candidates are still compared on all of them; the split says the sensitivity cost less."""
+    model, x = tiny_vit(), _images(32)
+    full = edgeprune.prune(model, x, flops=0.5, batch_size=16, allocation_check_images=16)
+    few = edgeprune.prune(model, x, flops=0.5, batch_size=16, allocation_check_images=16,
+                          allocation_sensitivity_images=4)
+    sf, s4 = full.record["allocation"]["selection"], few.record["allocation"]["selection"]
+    assert sf["sensitivity"]["images"] == 16 and s4["sensitivity"]["images"] == 4
+    assert sf["images"] == s4["images"] == 16
+    units_f = [u["measured_output_error"] for u in sf["sensitivity"]["units"]]
+    units_4 = [u["measured_output_error"] for u in s4["sensitivity"]["units"]]
+    assert units_f != units_4  # measured on other images
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "4"])
+def test_bad_sensitivity_images_are_refused(value):
+    with pytest.raises(UserError, match="allocation sensitivity images"):
+        edgeprune.prune(tiny_vit(), _images(8), flops=0.5, allocation_sensitivity_images=value)

@@ -243,7 +243,7 @@ def _below_floor(cfg, anatomy, floor: float, dense: float, target: float) -> Use
     """The one-line error of a budget below the cheapest reachable allocation."""
     b, kind = cfg.budget, cfg.budget.kind
     grid = unit_grid(cfg, anatomy)
-    how = f"with --round-to {cfg.round_to}" if not grid.rules else f"on the latency table's grid {grid.round_to}"
+    how = f"with --round-to {cfg.round_to}" if not grid.rules else grid.where()
     return UserError(f"the {kind} budget {b.value:g}{b.unit or ''} ({_amount(b, target)}) is below the "
                      f"cheapest allocation for target {cfg.target} {how} "
                      f"({_amount(b, floor)} = {floor / dense:.3f} of the dense model)")

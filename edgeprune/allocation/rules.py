@@ -7,6 +7,10 @@ pruning rules of the device it prices (the ``latency`` kind: its table's profile
 * ``rules = {"mlp_round_to": r_m, "head_dim_round_to": r_h, "qk_equals_v": bool}``: MLP widths on
   multiples of r_m, Q/K and V head dims on multiples of r_h (they replace ``--round-to``), Q/K tied
   to V (the fused layout, which ``LatencyCost.config_defaults`` sets, ``edgeprune.budget.latency``);
+* ``rules["head_dims"]`` (GPU profiles, issue 40 item 6): the head dims the device's fused attention kernels
+  take at the table's precision (TensorRT: multiples of 8 in [16, 256] in fp16, 16 / 32 / 64 in int8;
+  :mod:`devices.kernels`): Q/K and V candidates are the multiples of r_h in that set (and the dense dim), so the
+  fused tie (one dim for Q/K and V) lands in it too;
 * ``bounds()``: the smallest measured size per module (no candidate below it: the table does not
   extrapolate);
 * ``allocates_heads = True`` (class attribute of the cost model, ``edgeprune.budget.base.CostModel``): whole heads
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from devices.kernels import allowed_head_dims, describe_allowed, keep_allowed
 from edgeprune.allocation.curves import Curve
 from edgeprune.errors import UserError
 from edgeprune.plan import target_modules
@@ -63,12 +68,26 @@ class Grid:
 
     def sizes(self, key: str, dense: int) -> list[int]:
         """Candidate kept sizes of module ``key`` of dense size ``dense``: multiples of its
-        rounding (and ``dense``), none below its lower bound."""
+        rounding (and ``dense``), none below its lower bound; for ``"qk"`` / ``"v"`` only the head
+        dims the rules allow (:attr:`head_dims`; the dense dim always stays)."""
         r = self.round_to[key]
         ks = list(range(r, dense + 1, r))
         if not ks or ks[-1] != dense:
             ks.append(dense)
+        if key in ("qk", "v"):
+            ks = keep_allowed(ks, dense, self.head_dims)
         return [k for k in ks if k >= self.lower.get(key, 0)] or [dense]
+
+    @property
+    def head_dims(self) -> tuple[int, ...] | None:
+        """The head dims the rules allow (``rules["head_dims"]``), None: any multiple of the rounding."""
+        return allowed_head_dims(self.rules)
+
+    def where(self) -> str:
+        """For messages: ``"on the latency table's grid {...}"`` plus the allowed head dims, if any."""
+        allowed = self.head_dims
+        extra = f" with head dims in {{{describe_allowed(allowed)}}} (fused attention)" if allowed else ""
+        return f"on the latency table's grid {self.round_to}{extra}"
 
     def restrict(self, c: Curve) -> Curve:
         """``c`` without its candidates below the lower bound of its modules (the same object when none)."""
@@ -95,6 +114,7 @@ def unit_grid(cfg: "CorpConfig", anatomy, cost=None) -> Grid:
         round_to.update(mlp=int(rules.get("mlp_round_to", r)), qk=int(rules.get("head_dim_round_to", r)),
                         v=int(rules.get("head_dim_round_to", r)))
     lower = cost.bounds() if cost is not None else {}
+    allowed_head_dims(rules)  # a malformed rules.head_dims: one line here, before any work
     return Grid(round_to, dict(lower), dict(rules) if rules else None)
 
 

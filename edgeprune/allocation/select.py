@@ -98,6 +98,9 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
     if x is not None and dense_out is not None and cfg.allocation_sensitivity:
         t0 = time.perf_counter()
         ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
+        n = cfg.allocation_sensitivity_images
+        if n is not None and n < x.shape[0]:  # the per-unit measurements on fewer images (CorpConfig)
+            x, dense_out = x[:n], dense_out[:n]
         cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
         curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, cache=cache)
         dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
@@ -110,7 +113,7 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
             if all(dims != d for d, _ in out.values()):
                 out["greedy(measured x2)"] = (dims, rep)
         if sensitivity is not None:
-            sensitivity.update(units=units, seconds=time.perf_counter() - t0)
+            sensitivity.update(units=units, seconds=time.perf_counter() - t0, images=int(x.shape[0]))
     return out
 
 
@@ -293,9 +296,11 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     if len(cands) < 2:
         return allocate(anatomy, stats, cfg)
     measured: dict[str, float] = {}
+    t_check = time.perf_counter()
     for name, (dims, _rep) in cands.items():
         c = dataclasses.replace(cfg, dims=dims, budget=None)
         measured[name] = _fold_and_measure(model, plan_corp(anatomy, stats, c), c, stats, x, dense_out)
+    check_seconds = time.perf_counter() - t_check
     chosen = min(measured, key=lambda k: (measured[k], k != "uniform"))
     dims, report = cands[chosen]
     report = dict(report)
@@ -303,7 +308,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
         "chosen": chosen, "images": int(x.shape[0]),
         "measured_output_error": measured,
         "proxy_error": {k: float(sum(r["proxy_error"].values())) for k, (_d, r) in cands.items()},
-        "seconds": time.perf_counter() - t0,
+        "seconds": time.perf_counter() - t0, "check_seconds": check_seconds,
         "sensitivity": sensitivity or None,
         "rule": "lowest relative squared error of the model output vs dense on calibration images "
                 "(edgeprune.allocation.select)",

@@ -6,10 +6,15 @@ The formulas are :mod:`edgeprune.allocation.curves`'; the grid is :mod:`edgeprun
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from edgeprune.allocation.curves import Curve, heads_curve, mlp_curve, qk_curve, v_curve
 from edgeprune.allocation.rules import Grid
 from edgeprune.errors import UserError
+
+
+#: ``stats.derived`` key of the seconds spent computing curves (the record's cost split)
+CURVE_SECONDS = "allocation.curve_seconds"
 
 
 def raw_curve(b, unit: str, stats, cfg, grid: Grid) -> Curve:
@@ -20,7 +25,9 @@ def raw_curve(b, unit: str, stats, cfg, grid: Grid) -> Curve:
     key = ("allocation.curve", b.index, unit, repr(grid.describe()), repr(settings))
     cache = stats.derived
     if key not in cache:
+        t0 = time.perf_counter()
         cache[key] = compute_curve(b, unit, stats, cfg, grid)
+        cache[CURVE_SECONDS] = cache.get(CURVE_SECONDS, 0.0) + time.perf_counter() - t0
     c = cache[key]
     return dataclasses.replace(c, ks=list(c.ks), raw=list(c.raw))
 

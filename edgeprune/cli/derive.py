@@ -4,7 +4,9 @@
     edgeprune derive --model fmnist-vit --classes 0,3,7 --latency 0.5 --latency-table t.json
 
 ``--latency`` (a fraction of the dense latency on ``--latency-table``, or ``12ms``) is parsed and
-refused exactly as ``edgeprune prune`` does (docs/latency_budget.md, "derive --latency").
+refused exactly as ``edgeprune prune`` does (docs/latency_budget.md, "derive --latency"); where the
+table's backend runs here the derived model is measured and the dims re-planned until it lands within
+``--latency-tolerance`` (``--latency-rounds``, ``--no-verify-latency``: as prune; ``edgeprune.nuwa.measured``).
 
 Labeled images of the target classes come from the train split (fmnist-vit) or ``--train-data``
 (an ImageFolder, timm models); the final evaluation uses the test split / ``--eval-data``, with the
@@ -23,8 +25,9 @@ import torch
 
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.help import RecipeCommand
-from edgeprune.cli.options import (FINITE, check_readable_dir, device_option, eval_options, latency_table_option,
-                                   make_spec, model_options, out_option, quiet_option, torch_device_of)
+from edgeprune.cli.options import (FINITE, check_ignored_options, check_readable_dir, device_option, eval_options,
+                                   latency_table_option, make_spec, model_options, out_option, quiet_option,
+                                   torch_device_of)
 from edgeprune.cli.recipe import write_recipe
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
@@ -32,6 +35,7 @@ from edgeprune.nuwa.derive import check_budget, derive
 from edgeprune.nuwa.head import num_classes as head_classes
 from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
 from edgeprune.nuwa.skp import SKPConfig
+from edgeprune.pruning.latency_check import latency_report
 from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 
 
@@ -48,6 +52,14 @@ from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
                    "milliseconds per batch of the table's batch size (12ms); head dims and MLP widths on the "
                    "table's grid, every head kept.")
 @latency_table_option
+@click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
+              help="With --latency: re-plan while the measured latency misses the budget by more than this "
+                   "fraction [0.03].")
+@click.option("--latency-rounds", type=int, default=None, metavar="N",
+              help="With --latency: at most N re-plans with the corrected budget, 0-10 [3].")
+@click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
+              help="With --latency: bench the derived model against the base one (interleaved) on the table's "
+                   "backend when it is present here, and record predicted vs measured latency.")
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
@@ -83,7 +95,8 @@ from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params,
                latency, latency_table, slice_head, data, train_data, train_per_class, calib_dir, calib_size, val_size,
                skp_steps, skp_batch_size, skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha,
-               eval_data, eval_size, no_eval, no_cache, seed, threads, device, out, quiet, torch_device=None):
+               eval_data, eval_size, no_eval, no_cache, seed, threads, device, out, quiet, latency_tolerance=None,
+               latency_rounds=None, verify_latency=True, torch_device=None):
     """Derive a class-specific model with NuWa.
 
     SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs, params or
@@ -91,6 +104,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     """
     # 1. everything that can be checked without work
     device = torch_device_of(device, torch_device, default="auto")  # --device is the deployment profile
+    check_ignored_options(click.get_current_context())
     budget = resolve_budget(flops, params, latency=latency, table=latency_table)
     metric, amount, unit = budget.kind, budget.value, budget.unit or ""
     budget.check_inputs()  # a missing / malformed table: one line, before the model is built
@@ -100,7 +114,9 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
         skp=SKPConfig(steps=skp_steps, batch_size=skp_batch_size, lr_beta=lr_beta, lr_mask=lr_mask,
                       weight_decay=weight_decay, eval_every=skp_eval_every, seed=seed),
         head="slice" if slice_head else "suppress", val_size=val_size, calib_size=calib_size, rho=rho,
-        key_bias=key_bias, ridge_alpha=ridge_alpha, cache=not no_cache, seed=seed, device=device)
+        key_bias=key_bias, ridge_alpha=ridge_alpha, cache=not no_cache, seed=seed, device=device,
+        **{k: v for k, v in (("correction_tolerance", latency_tolerance), ("correction_rounds", latency_rounds),
+                             ("verify_budget", verify_latency)) if v is not None})
     cfg.validate()
     if out is not None:
         check_new_dir(out)
@@ -150,12 +166,13 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
 
     # 3. the report
-    _print_report(rec, rows, metric, f"{amount:g}{unit}", out_path)
+    _print_report(rec, rows, metric, f"{amount:g}{unit}", out_path, latency_report(rec.get("latency_check")))
 
 
-def _print_report(rec: dict, rows: list[tuple], metric: str, amount: str, out_path) -> None:
-    """The summary table (params, MFLOPs, target top-1 of base, anchor and derived) and the
-    derivation's dims, budget and timing."""
+def _print_report(rec: dict, rows: list[tuple], metric: str, amount: str, out_path, latency_lines: list[str]) -> None:
+    """The summary table (params, MFLOPs, target top-1 of base, anchor and derived), the
+    derivation's dims, budget and timing, and a latency budget's measured rounds (``latency_lines``:
+    ``latency_report``, as prune prints them; warnings on stderr)."""
     d = rec["derivation"]
     click.echo("")
     click.echo(f"| {'':8} | {'params':>10} | {'MFLOPs':>9} | target top-1 |")
@@ -175,4 +192,6 @@ def _print_report(rec: dict, rows: list[tuple], metric: str, amount: str, out_pa
     t = rec["timing"]
     click.echo(f"time: SKP {t['skp_s']:.1f} s, statistics {t['stats_s']:.1f} s, SVD {t['svd_s']:.1f} s, "
                f"budget search {t['search_s']:.1f} s; total {t['total_s']:.1f} s")
+    for line in latency_lines:
+        click.echo(line, err=line.startswith("warning"))
     click.echo(f"saved {out_path}")

@@ -1,4 +1,4 @@
-"""The console-script entry point ``edgeprune`` (``edgeprune.cli:main``) and ``python -m edgeprune.cli``.
+"""The console-script entry point ``edgeprune`` (``edgeprune.cli.entry:main``) and ``python -m edgeprune.cli``.
 
 It imports nothing heavy: :func:`main` first makes Ctrl-C (SIGINT) one ``interrupted`` line with
 exit 130, then imports the command line (:mod:`edgeprune.cli.main`: torch, timm, ...; seconds)

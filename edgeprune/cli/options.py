@@ -253,9 +253,10 @@ def check_budget_options(ctx: click.Context) -> None:
     given.update({f"--{k.replace('_', '-')}": p.get(k)
                   for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
     refuse_sparsities_with_budget(budget, given)
-    if budget is None and p.get("check_images") is not None:
-        raise UserError("--check-images goes with --flops/--params/--latency (it measures the budget's candidate "
-                        "allocations); without a budget there is nothing to measure")
+    for name in ("check_images", "sensitivity_images"):
+        if budget is None and p.get(name) is not None:
+            raise UserError(f"--{name.replace('_', '-')} goes with --flops/--params/--latency (it measures the "
+                            "budget's candidate allocations); without a budget there is nothing to measure")
 
 
 def _given(ctx: click.Context, name: str) -> bool:

@@ -77,6 +77,8 @@ def _target_help() -> str:
 @click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
               help="With --latency: bench the pruned model against the dense one (interleaved) on the table's "
                    "backend when it is present here, and record predicted vs measured latency.")
+@click.option("--sensitivity-images", type=int, default=None, metavar="N",
+              help="With a budget: measure each unit's sensitivity on the first N check images [all of them].")
 @click.option("--check-images", type=int, default=None, metavar="N",
               help="With --flops/--params: the candidate allocations and the per-unit sensitivities are "
                    "measured on the first N calibration images (0: the proxy alone) [32].")
@@ -114,7 +116,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
               no_eval, device, torch_device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None,
-              check_images=None,
+              check_images=None, sensitivity_images=None,
               bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
               verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None,
               latency_tolerance=None, latency_rounds=None):
@@ -134,6 +136,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("layout", layout), ("ridge_alpha", ridge_alpha),
                                    ("qk_ridge_alpha", qk_ridge_alpha), ("gram_tokens", gram_tokens),
                                    ("allocation_check_images", check_images),
+                                   ("allocation_sensitivity_images", sensitivity_images),
                                    ("bias_correction_images", bias_correction), ("last_block", last_block),
                                    ("head_refit", head_refit), ("embed_sparsity", embed_sparsity),
                                    ("embed_order", embed_order), ("embed_refit", embed_refit or None),

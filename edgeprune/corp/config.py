@@ -55,6 +55,10 @@ class CorpConfig:
         allocation_sensitivity: with the check on, also measure each allocation unit's output
             error when it alone is pruned (on the same images) and add the greedy allocation on
             curves rescaled to those measurements as a candidate (``edgeprune.allocation.select``).
+        allocation_sensitivity_images: the per-unit sensitivity measurement uses the first this many check
+            images (None = all ``allocation_check_images``): it is the largest cost of a budgeted prune (one forward
+            pass of the check images from the unit's block on, per unit; issue 40 item 4); the candidates are still
+            compared on every check image.
         allocation_anchors: 1 = each unit's curve is rescaled to one measurement (at the uniform
             candidate's size); 2 = also measured where the first measured allocation puts the
             unit, the curve through both, and that greedy allocation is one more candidate.
@@ -141,6 +145,7 @@ class CorpConfig:
     sequential: bool = False
     sequential_memory_gb: float = 4.0
     allocation_check_images: int = 32
+    allocation_sensitivity_images: int | None = None
     allocation_sensitivity: bool = True
     allocation_anchors: int = 1
     allocate_heads: bool | None = None
@@ -227,6 +232,9 @@ class CorpConfig:
         if isinstance(self.allocation_check_images, bool) or not isinstance(self.allocation_check_images, int) \
                 or self.allocation_check_images < 0:
             raise UserError(f"allocation check images must be an int >= 0, got {self.allocation_check_images!r}")
+        n = self.allocation_sensitivity_images
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UserError(f"allocation sensitivity images must be an int >= 1 (None = every check image), got {n!r}")
         if self.allocate_heads is not None and not isinstance(self.allocate_heads, bool):
             raise UserError(f"allocate heads must be True, False or None (auto), got {self.allocate_heads!r}")
         k = self.bias_correction_images

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from devices.kernels import allowed_head_dims, keep_allowed
 from edgeprune.errors import UserError
 
 MAX_MLP_POINTS = 16
@@ -95,10 +96,12 @@ class Grid:
 def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MAX_MLP_POINTS,
               max_heads: int = MAX_HEAD_POINTS, max_dims: int = MAX_DIM_POINTS,
               max_diag: int = MAX_DIAGONAL_POINTS) -> Grid:
-    """The grid for a dense block ``shape`` (:func:`shape_of`) under the profile's ``rules``.
+    """The grid for a dense block ``shape`` (:func:`shape_of`) under the profile's ``rules``; with
+    ``rules["head_dims"]`` (a GPU profile's fused-attention rule, :mod:`devices.kernels`) only those
+    head dims (and the dense one) are timed.
 
     Raises:
-        UserError: a limit below 2 or a rule below 1.
+        UserError: a limit below 2, a rule below 1 or a malformed ``head_dims``.
     """
     if min(max_mlp, max_heads, max_dims, max_diag) < 2:
         raise UserError("latency grid: every axis needs at least 2 points")
@@ -107,7 +110,9 @@ def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MA
     mlp = thin(on_grid(shape["mlp_hidden"], rules["mlp_round_to"]), max_mlp)
     heads = thin(list(range(1, shape["num_heads"] + 1)), max_heads)
     diag = bool(rules["qk_equals_v"])
-    dims = thin(on_grid(shape["head_dim"], rules["head_dim_round_to"]), max_diag if diag else max_dims)
+    dims = keep_allowed(on_grid(shape["head_dim"], rules["head_dim_round_to"]), shape["head_dim"],
+                        allowed_head_dims(rules))
+    dims = thin(dims, max_diag if diag else max_dims)
     return Grid(mlp=mlp, heads=heads, qk=dims, v=list(dims), qk_equals_v=diag)
 
 

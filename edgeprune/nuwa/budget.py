@@ -41,6 +41,7 @@ import math
 
 import torch.nn as nn
 
+from devices.kernels import allowed_head_dims
 from edgeprune.budget import Budget
 from edgeprune.anatomy import ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
@@ -154,7 +155,8 @@ class DimGrid:
     """Where a derivation's dims live: MLP widths on multiples of ``mlp``, Q/K and V dims on
     multiples of ``head_dim``, none below ``mlp_min`` / ``qk_min`` / ``v_min`` (a head dim never
     above the block's own); ``qk_equals_v``: a layer's Q/K dim equals its V dim. ``rules``: the
-    latency table's rules these came from (None: ``round_to`` everywhere, nothing else applied)."""
+    latency table's rules these came from (None: ``round_to`` everywhere, nothing else applied);
+    ``head_dims``: the head dims the rules allow (a GPU's fused attention, ``devices.kernels``; None: any)."""
 
     mlp: int
     head_dim: int
@@ -163,6 +165,13 @@ class DimGrid:
     qk_min: int
     v_min: int
     rules: dict | None = None
+    head_dims: tuple[int, ...] | None = None
+
+    def allowed(self, k: int, dense: int) -> int:
+        """``k`` raised to the next head dim the rules allow (``dense`` when none is between)."""
+        if self.head_dims is None or k >= dense:
+            return min(k, dense)
+        return min([d for d in self.head_dims if k <= d < dense and d % self.head_dim == 0] or [dense])
 
     def describe(self) -> dict:
         """For the record: the rules applied and the resulting grid."""
@@ -183,11 +192,14 @@ def dim_grid(cost: PlanCost, round_to: int = 8) -> DimGrid:
     if not r:
         return DimGrid(round_to, round_to, False, round_to, round_to, round_to)
     rm, rh = int(r.get("mlp_round_to", round_to)), int(r.get("head_dim_round_to", round_to))
-    lo = cost.lower
+    lo, allowed = cost.lower, allowed_head_dims(r)
     qk_min, v_min = _up(max(rh, lo.get("qk", 0)), rh), _up(max(rh, lo.get("v", 0)), rh)
+    if allowed is not None:  # the smallest allowed multiple of rh at or above each (issue 40 item 6)
+        qk_min, v_min = (min([d for d in allowed if d >= m and d % rh == 0] or [m]) for m in (qk_min, v_min))
     if r.get("qk_equals_v"):
         qk_min = v_min = max(qk_min, v_min)
-    return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 0)), rm), qk_min, v_min, dict(r))
+    return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 0)), rm), qk_min, v_min, dict(r),
+                   allowed)
 
 
 def attention_dims(factors: list[BlockFactors], rho: float, grid: DimGrid) -> tuple[list[int], list[int]]:
@@ -197,8 +209,8 @@ def attention_dims(factors: list[BlockFactors], rho: float, grid: DimGrid) -> tu
     qk, vo = layer_dims(factors, rho, grid.head_dim)
     if grid.rules is None:
         return qk, vo
-    qk = [min(f.qk_dim, max(q, grid.qk_min)) for f, q in zip(factors, qk)]
-    vo = [min(f.v_dim, max(v, grid.v_min)) for f, v in zip(factors, vo)]
+    qk = [grid.allowed(max(q, grid.qk_min), f.qk_dim) for f, q in zip(factors, qk)]
+    vo = [grid.allowed(max(v, grid.v_min), f.v_dim) for f, v in zip(factors, vo)]
     if grid.qk_equals_v:
         qk = vo = [max(q, v) for q, v in zip(qk, vo)]
     return list(qk), list(vo)

@@ -3,7 +3,9 @@
 ``edgeprune derive`` builds a :class:`DeriveConfig` from its options; :func:`edgeprune.nuwa.derive`
 takes the same object; the record stores it as ``config`` (``dataclasses.asdict``). The budget
 (``flops=`` / ``params=``) is an argument of the derivation, not a setting: one prepared anchor
-serves many budgets (:func:`edgeprune.nuwa.derive.derive_from`).
+serves many budgets (:func:`edgeprune.nuwa.derive.derive_from`). The measure-and-correct settings of a latency
+budget (``verify_budget``, ``correction_tolerance``, ``correction_rounds``) are the prune's
+(:mod:`edgeprune.pruning.latency_loop`, :mod:`edgeprune.nuwa.measured`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from edgeprune.nuwa.head import HEAD_MODES
 from edgeprune.nuwa.ofp_mha import KEY_BIAS_MODES
 from edgeprune.nuwa.ofp_mlp import DEFAULT_RIDGE_ALPHA
 from edgeprune.nuwa.skp import SKPConfig
+from edgeprune.pruning.latency_loop import check_correction
 from edgeprune.torch_device import resolve_device
 
 
@@ -41,6 +44,11 @@ class DeriveConfig:
             resolved by :meth:`validate` (the resolved name is recorded). The SVD factors, the
             least-squares re-fits (float64) and the surgery run on the CPU, and the derived model
             is returned on the CPU (:mod:`edgeprune.nuwa.derive`, "Devices").
+        verify_budget, correction_tolerance, correction_rounds: with a budget whose cost model is measured (a
+            latency table) whose backend runs here, the derived model is benched against the base model; when it
+            misses the budget by more than ``correction_tolerance`` (a fraction), the dims are re-planned with a
+            corrected budget from the same anchor, statistics and factors, at most ``correction_rounds`` times
+            (:mod:`edgeprune.nuwa.measured`); ``verify_budget=False`` records the prediction only.
     """
 
     skp: SKPConfig = dataclasses.field(default_factory=SKPConfig)
@@ -57,6 +65,9 @@ class DeriveConfig:
     batch_size: int = 64
     seed: int = 0
     device: str = "cpu"
+    verify_budget: bool = True  # issue 40 item 5: measure a latency budget after the derivation and correct it
+    correction_tolerance: float = 0.03
+    correction_rounds: int = 3
 
     def validate(self) -> None:
         """Raises UserError for out-of-range settings, an unknown device or CUDA not available;
@@ -79,4 +90,5 @@ class DeriveConfig:
             raise UserError("SKP steps must be >= 0, batch size and eval interval >= 1")
         if s.lr_beta < 0 or s.lr_mask < 0 or s.weight_decay < 0:
             raise UserError("SKP learning rates and weight decay must be >= 0")
+        check_correction(self.verify_budget, self.correction_tolerance, self.correction_rounds)
         self.device = resolve_device(self.device)

@@ -62,11 +62,13 @@ from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.head import apply_head, head_record, num_classes
 from edgeprune.nuwa.inputs import (_batches, _calibration_batches, evaluate_targets,  # noqa: F401
                                    resolve_budget, resolve_classes, split_labeled)
+from edgeprune.nuwa.measured import measure_and_correct
 from edgeprune.nuwa.ofp_mha import BlockFactors, truncate_attention
 from edgeprune.nuwa.ofp_mlp import prune_mlp
 from edgeprune.nuwa.skp import Anchor, SKPConfig, run_skp  # noqa: F401
 from edgeprune.nuwa.svd_cache import get_factors
 from edgeprune.plan import achieved_sparsity
+from edgeprune.pruning.latency_loop import Measurer
 from edgeprune.surgery import block_dims, shrink_mlp
 
 
@@ -227,7 +229,8 @@ def build_plan(prep: Prepared, plan: budget_mod.Plan) -> nn.Module:
 
 def derive_from(prep: Prepared, *, flops: float | str | None = None, params: float | str | None = None,
                 latency: float | str | None = None, latency_table: str | None = None,
-                budget: Budget | dict | None = None, progress: bool = False) -> DeriveResult:
+                budget: Budget | dict | None = None, progress: bool = False,
+                measurer: Measurer | None = None) -> DeriveResult:
     """Stage 6: pick dims for the budget, build and score the candidates, return the best.
 
     The budget is one of ``flops=`` / ``params=`` (a fraction of the base model or a count such as
@@ -236,9 +239,17 @@ def derive_from(prep: Prepared, *, flops: float | str | None = None, params: flo
     ``budget={"kind": K, "value": v}`` for any registered budget kind
     (:func:`~edgeprune.nuwa.inputs.resolve_budget`).
     Candidates are built on the CPU (float64 re-fits) and scored on ``prep.config.device``.
+    A latency budget is then measured and corrected (:mod:`edgeprune.nuwa.measured`: re-plans from ``prep``,
+    ``measurer(base, derived)`` or the table's backend, ``prep.config.verify_budget`` / ``correction_*``).
     """
-    cfg = prep.config
     budget = resolve_budget(flops, params, budget=budget, latency=latency, table=latency_table)
+    first = _plan(prep, budget)
+    return measure_and_correct(lambda b: _plan(prep, b), prep.base, first, budget, prep.config, measurer)
+
+
+def _plan(prep: Prepared, budget: Budget) -> DeriveResult:
+    """Stage 6 for one resolved budget (:func:`derive_from` without the measurement)."""
+    cfg = prep.config
     metric = budget.kind
     t0 = time.perf_counter()
     dense_cost = budget_mod.measure(prep.base, budget)
@@ -343,7 +354,8 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
            latency: float | str | None = None, latency_table: str | None = None, budget: Budget | dict | None = None,
            calibration=None,
            config: DeriveConfig | None = None, class_names: Sequence[str] | None = None,
-           anchor: Anchor | None = None, spec=None, progress: bool = False) -> DeriveResult:
+           anchor: Anchor | None = None, spec=None, progress: bool = False,
+           measurer: Measurer | None = None) -> DeriveResult:
     """Derive a class-specific model from ``model`` under a FLOPs, params or latency budget (NuWa).
 
     Args:
@@ -362,6 +374,8 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
             module doc "Devices").
         class_names: base class names.
         anchor: reuse an SKP anchor; spec: ModelSpec for the record.
+        measurer: ``(base, derived) -> {"dense_ms", "pruned_ms", "ratio"}`` for a latency budget's
+            measure-and-correct loop (default: the table's backend where it runs here; :func:`derive_from`).
 
     Returns:
         :class:`DeriveResult` (models on the CPU).
@@ -376,4 +390,4 @@ def derive(model: nn.Module, classes: str | Sequence[int | str], images: torch.T
     check_budget(model, classes, budget, cfg, class_names)  # fail before SKP
     prep = prepare(model, classes, images, labels, calibration=calibration, config=cfg,
                    class_names=class_names, anchor=anchor, spec=spec, progress=progress)
-    return derive_from(prep, budget=budget, progress=progress)
+    return derive_from(prep, budget=budget, progress=progress, measurer=measurer)

@@ -33,7 +33,8 @@ from edgeprune.option_checks import refuse_sparsities_with_budget
 #: section -> the CorpConfig fields it holds (module doc); every field is in exactly one
 SECTIONS: dict[str, tuple[str, ...]] = {
     "calibration": ("gram_dtype", "gram_tokens", "qk_memory_limit_gb", "sequential", "sequential_memory_gb"),
-    "budget": ("budget", "allocation_check_images", "allocation_sensitivity", "allocation_anchors",
+    "budget": ("budget", "allocation_check_images", "allocation_sensitivity", "allocation_sensitivity_images",
+               "allocation_anchors",
                "allocate_heads", "verify_budget", "correction_tolerance", "correction_rounds"),
     "corp": ("target", "mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity", "layout", "mlp_criterion",
              "vo_criterion", "ridge_alpha", "qk_ridge_alpha", "round_to", "qk_solver", "compensation", "dims"),

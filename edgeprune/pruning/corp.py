@@ -20,6 +20,7 @@ import torch
 
 from edgeprune.allocation.greedy import check_budget
 from edgeprune.allocation.select import select_allocation
+from edgeprune.allocation.unit_curves import CURVE_SECONDS
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.collect import CalibrationStatistics, StatisticsRequest, collect_statistics
 from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_used
@@ -164,4 +165,5 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             "passes": passes, "num_images": stats.num_images, "blocks": info, "allocation": allocation,
             "gram_tokens_used": request.mlp_tokens,
             "output_sums": (stats.output_sum, stats.output_count) if stats.output_sum is not None else None,
-            "output_rows": stats.output_rows, "statistics": stats, "statistics_reused": reused}
+            "output_rows": stats.output_rows, "statistics": stats, "statistics_reused": reused,
+            "curve_seconds": stats.derived.get(CURVE_SECONDS, 0.0) if not reused else 0.0}

@@ -18,6 +18,9 @@ does not see) in a few (tests/test_latency_loop.py drives both on a synthetic de
 value is closest to the budget is returned; the record's ``latency_check`` keeps every round (budget asked of the
 allocator, predicted, measured, miss, seconds). Where the backend is absent the result is predicted, not measured,
 and the record says why.
+
+NuWa's ``derive --latency`` runs the same loop (``edgeprune.nuwa.measured``): its rounds re-plan the dims from the
+prepared SKP anchor, statistics and SVD factors, and read their record through a :data:`RecordView`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,28 @@ from edgeprune.pruning.latency_check import latency_check, measure_pair, why_not
 Measurer = Callable[[nn.Module, nn.Module], dict]
 #: budget value asked of the allocator -> (pruned model, run record) of one round
 RoundRunner = Callable[[float], "tuple[nn.Module, dict[str, Any]]"]
+#: a round's run record -> (its latency entry: {"predicted", "target", "dense", ...}, the seconds the round took)
+RecordView = Callable[[dict], "tuple[dict, float]"]
+
+
+def allocation_view(kind: str) -> RecordView:
+    """The :data:`RecordView` of a prune's record: the allocation report's entry of the budget's kind (its measured
+    cost model) and the run's ``timing.total_s``."""
+    return lambda rec: (rec["allocation"][kind], float(rec["timing"]["total_s"]))
+
+
+def check_correction(verify_budget: Any, tolerance: Any, rounds: Any) -> None:
+    """The three measure-and-correct settings, whoever holds them (``CorpConfig``, ``DeriveConfig``).
+
+    Raises:
+        UserError: one line naming the setting (by its CLI option).
+    """
+    if not isinstance(verify_budget, bool):
+        raise UserError(f"verify budget must be True or False, got {verify_budget!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+        raise UserError(f"--latency-tolerance must be a fraction in (0, 1) (0.03 = 3%), got {tolerance!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= 10:
+        raise UserError(f"--latency-rounds must be an integer in [0, 10], got {rounds!r}")
 
 
 def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
@@ -58,10 +83,9 @@ def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
     return measure, None
 
 
-def _point(rec: dict, measured: dict, absolute: bool, kind: str) -> tuple[float, float, float]:
-    """(predicted, measured, target) of one round in the budget's unit (ratio to dense, or ms); ``kind``: the
-    budget's kind (the allocation report's entry of its measured cost model)."""
-    lat = rec["allocation"][kind]
+def _point(lat: dict, measured: dict, absolute: bool) -> tuple[float, float, float]:
+    """(predicted, measured, target) of one round in the budget's unit (ratio to dense, or ms); ``lat``: the
+    round's latency entry (predicted, target and dense cost of the table, :data:`RecordView`)."""
     if absolute:
         return float(lat["predicted"]), float(measured["pruned_ms"]), float(lat["target"])
     dense = float(lat["dense"])
@@ -87,15 +111,22 @@ def next_value(points: list[tuple[float, float]], target: float) -> float:
 
 
 def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, dict], budget: Budget,
-            measure: Measurer, tolerance: float, max_rounds: int) -> tuple[nn.Module, dict]:
+            measure: Measurer, tolerance: float, max_rounds: int,
+            view: RecordView | None = None) -> tuple[nn.Module, dict]:
     """Measure round 0 (``first``) and re-allocate until the measured value is within ``tolerance`` of the
     budget or ``max_rounds`` corrections were made (module doc).
+
+    ``run_round(value)`` redoes the allocation for the budget value ``value`` (a fraction of dense or ms, as
+    ``budget.value``); ``view`` reads a round's record (default: a prune's, :func:`allocation_view`; NuWa's derive
+    passes its own, ``edgeprune.nuwa.measured``). A :class:`UserError` from ``run_round`` (the corrected budget
+    below the cheapest allocation) ends the loop with the rounds so far.
 
     Returns:
         the round closest to the budget: (pruned model, its record with ``latency_check``: the verdict of that
         round plus ``rounds``, ``chosen_round``, ``tolerance``, ``max_rounds``, ``stopped``).
     """
     absolute = budget.unit is not None
+    view = view or allocation_view(budget.kind)
     rounds: list[dict] = []
     points: list[tuple[float, float]] = []
     best: tuple[float, int, nn.Module, dict, dict] | None = None
@@ -104,11 +135,12 @@ def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, di
     for k in range(max_rounds + 1):
         t0 = time.perf_counter()
         measured = measure(dense, model)
-        pred, meas, target_k = _point(rec, measured, absolute, budget.kind)
+        lat, seconds = view(rec)
+        pred, meas, target_k = _point(lat, measured, absolute)
         target = target_k if k == 0 else target  # the budget asked (later rounds ask the table for another value)
         miss = meas / target - 1.0
         rounds.append({"round": k, "budget_value": value, "predicted": pred, "measured": meas, "target": target,
-                       "miss": miss, "measured_ms": dict(measured), "seconds": rec["timing"]["total_s"],
+                       "miss": miss, "measured_ms": dict(measured), "seconds": seconds,
                        "measure_seconds": time.perf_counter() - t0})
         if best is None or abs(miss) < best[0]:
             best = (abs(miss), k, model, rec, measured)
@@ -128,17 +160,22 @@ def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, di
             break
     assert best is not None
     _miss, k, model, rec, measured = best
-    lat = {**rec["allocation"][budget.kind], "absolute": absolute}
-    chk = latency_check(lat, measured, None)
+    # the verdict against the budget asked (round 0's target), not the corrected value the table was asked for
+    asked = view(first[1])[0]["target"]
+    chk = latency_check({**view(rec)[0], "target": asked, "absolute": absolute}, measured, None)
     chk.update(rounds=rounds, chosen_round=k, tolerance=tolerance, max_rounds=max_rounds, stopped=stopped,
                rule="the round whose measured value is closest to the budget (edgeprune.pruning.latency_loop)")
     rec["latency_check"] = chk
     return model, rec
 
 
-def not_measured(rec: dict, budget: Budget, reason: str) -> None:
-    """Put the predicted-only ``latency_check`` (with the reason it was not measured) in ``rec``."""
-    lat = rec.get("allocation", {}).get(budget.kind)
+def not_measured(rec: dict, budget: Budget, reason: str, view: RecordView | None = None) -> None:
+    """Put the predicted-only ``latency_check`` (with the reason it was not measured) in ``rec`` (``view``: as
+    :func:`correct`'s; without one, a prune's record, where a record without the entry gets nothing)."""
+    if view is None:
+        lat = rec.get("allocation", {}).get(budget.kind)
+    else:
+        lat = view(rec)[0]
     if lat is not None:
         rec["latency_check"] = latency_check({**lat, "absolute": budget.unit is not None}, None, reason)
 

@@ -96,6 +96,24 @@ def config_dict(config: CorpConfig) -> dict[str, Any]:
     return json.loads(json.dumps(out, default=str))
 
 
+def cost_split(info: dict) -> dict[str, Any]:
+    """Where a budgeted prune's time went (issue 40 item 4): ``split`` = statistics (the calibration pass), curves
+    (the allocator's closed-form error curves), sensitivity (each unit pruned alone and measured on the check images),
+    check (the candidate allocations folded and measured), allocation (the rest of choosing the dims), solve (the
+    chosen allocation's closed forms and cut), in seconds; ``{}`` without a budget."""
+    alloc = info.get("allocation")
+    if not alloc:
+        return {}
+    sel = alloc.get("selection") or {}
+    chosen_s = float(sel.get("seconds", alloc.get("seconds", 0.0)))
+    sens = float((sel.get("sensitivity") or {}).get("seconds", 0.0))
+    curves = float(info.get("curve_seconds", 0.0))
+    check = float(sel.get("check_seconds", 0.0))
+    return {"split": {"statistics": float(info["calibration_seconds"]), "curves": curves, "sensitivity": sens,
+                      "check": check, "allocation": max(0.0, chosen_s - sens - check - curves),
+                      "solve": max(0.0, float(info["solve_seconds"]) - chosen_s)}}
+
+
 def prune_record(config: CorpConfig, base_record: dict, dense: dict, pruned: dict, info: dict, last_block: Any,
                   bias_record: dict | None, *, source: str, batch_size: int, calibration_info: dict | None,
                   seconds: float, device: Any) -> dict[str, Any]:
@@ -109,7 +127,7 @@ def prune_record(config: CorpConfig, base_record: dict, dense: dict, pruned: dic
         calibration={"source": source, "num_images": info["num_images"], "passes": info["passes"],
                      "batch_size": batch_size, **(calibration_info or {}), **distributed_info()},
         timing={"total_s": seconds, "calibration_s": info["calibration_seconds"],
-                "solve_s": info["solve_seconds"]},
+                "solve_s": info["solve_seconds"], **cost_split(info)},
         device=str(device),
         targets=config.target,
         sparsity=requested,
