@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,9 @@ def test_eval_and_heal_reuse_the_folder(run, tmp_path):
     assert f"calibration: the run's folder {imgs.resolve()} (unchanged)" in res.stdout
     cal = read_record(tmp_path / "healed")["calibration"]
     assert cal["seed"] == 2 and cal["size_requested"] == 8 and cal["folder"] == str(imgs.resolve())
-    assert (tmp_path / "healed" / "recipe.toml").is_file()
+    recipe = tomllib.loads((tmp_path / "healed" / "recipe.toml").read_text())  # the values used
+    assert recipe["data"]["seed"] == 2 and recipe["data"]["calib"] == str(imgs.resolve())
+    assert recipe["model"]["run-dir"] == str(path)
 
 
 def test_quantize_without_any_folder_still_asks_for_calib(tmp_path):

@@ -143,7 +143,8 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
                                                             **calibration_fields(calib_dir, calib)},
                         evaluation=evaluation)
     save_run(out_path, result.model.cpu(), new)
-    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
+    write_recipe(click.get_current_context(), out_path / "recipe.toml",  # the values used, reused ones included
+                 {"out": str(out_path), "seed": seed, "calib": calib_dir})
     shutil.rmtree(ckpt, ignore_errors=True)
     _report(result.info, evaluation, spec, loss=loss, lr=lr, epochs=epochs, keep_best=keep_best)
     click.echo(f"saved {out_path}")
