@@ -295,7 +295,7 @@ def test_cuda_without_cuda_is_refused_before_work(cmd, tmp_path, capsys, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = {"prune": ["prune"], "eval": ["eval"], "heal": ["heal", str(tmp_path)],
             "derive": ["derive", "--classes", "0,1", "--flops", "0.5"]}[cmd]
-    code, _, err = run([*args, "--device", "cuda", "-o" if cmd != "eval" else "--quiet",
+    code, _, err = run([*args, "--torch-device", "cuda", "-o" if cmd != "eval" else "--quiet",
                         *([str(tmp_path / "o")] if cmd != "eval" else [])], capsys)
     assert code == 2
     assert_one_line_error(code, err, "CUDA is not available (use --device cpu)")
@@ -307,7 +307,7 @@ def test_unknown_device_and_cpu_only_methods(tmp_path, capsys, monkeypatch):
     code, _, err = run(["prune", "--device", "tpu", "-o", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "unknown device 'tpu'")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code, _, err = run(["prune", "--device", "cuda", "-o", str(tmp_path / "o")], capsys)
+    code, _, err = run(["prune", "--torch-device", "cuda", "-o", str(tmp_path / "o")], capsys)
     assert_one_line_error(code, err, "CUDA is not available")  # refused before any work
     assert not (tmp_path / "o").exists()
 
@@ -317,7 +317,7 @@ def test_every_command_has_help_and_the_same_model_options(capsys):
     assert code == 0
     for cmd in ("prune", "eval", "info", "heal", "derive", "export", "verify"):
         assert cmd in out
-        code, text, err = run([cmd, "--help"], capsys)
+        code, text, err = run([cmd, "--help-all" if cmd in ("prune", "heal", "derive") else "--help"], capsys)
         assert code == 0, err
         if cmd != "heal":  # heal takes its model from the run record
             for opt in ("--model", "--checkpoint", "--random-init", "--num-classes", "--img-size", "--model-kwargs"):

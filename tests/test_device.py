@@ -20,7 +20,7 @@ def _images(n: int = 24, seed: int = 0) -> torch.Tensor:
 
 @no_cuda
 def test_prune_cli_cuda_without_cuda_is_a_one_line_error(tmp_path):
-    r = run_cli(["prune", "--model", "fmnist-vit", "--device", "cuda", "--no-eval", "-o", tmp_path / "r"])
+    r = run_cli(["prune", "--model", "fmnist-vit", "--torch-device", "cuda", "--no-eval", "-o", tmp_path / "r"])
     assert_one_line_error(r, "CUDA is not available")
     assert not (tmp_path / "r").exists()
 
@@ -206,7 +206,7 @@ def test_verify_takes_a_device(tmp_path):
     assert r.exit_code == 0, r.output
     common = ["verify", onnx, "--model", "deit_tiny_patch16_224", "--random-init", "--model-kwargs", "depth=1",
               "--n", "2"]
-    r = run_cli([*common, "--device", "cpu", "--json", tmp_path / "rep.json"])
+    r = run_cli([*common, "--torch-device", "cpu", "--json", tmp_path / "rep.json"])
     assert r.exit_code == 0, r.output
     import json
 
@@ -214,7 +214,7 @@ def test_verify_takes_a_device(tmp_path):
     r = run_cli([*common, "--device", "tpu"])
     assert_one_line_error(r, "unknown device")
     if not torch.cuda.is_available():
-        r = run_cli([*common, "--device", "cuda"])
+        r = run_cli([*common, "--torch-device", "cuda"])
         assert_one_line_error(r, "CUDA is not available")
 
 

@@ -191,18 +191,19 @@ def fmnist_run(tmp_path_factory):
 def test_cli_cuda_without_cuda_is_one_line_error(cmd, fmnist_run, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a CUDA machine
     args = ([cmd, fmnist_run] if cmd == "heal" else [cmd, "--classes", "0,1", "--flops", "0.6"])
-    result = run_cli([*args, "--device", "cuda", "-o", tmp_path / "out", "--quiet"])
+    result = run_cli([*args, "--torch-device", "cuda", "-o", tmp_path / "out", "--quiet"])
     assert_one_line_error(result, "CUDA is not available (use --device cpu)")
     assert not (tmp_path / "out").exists()
-    result = run_cli([*args, "--device", "cuda:x", "-o", tmp_path / "out", "--quiet"])
+    result = run_cli([*args, "--torch-device", "cuda:x", "-o", tmp_path / "out", "--quiet"])
     assert_one_line_error(result, "unknown device 'cuda:x'")
 
 
 @pytest.mark.parametrize("cmd", ["heal", "derive"])
 def test_cli_device_defaults_to_auto(cmd):
-    result = run_cli([cmd, "--help"])
+    result = run_cli([cmd, "--help-all"])
     assert result.exit_code == 0, result.output
-    assert "cuda:N or auto" in result.stdout and "[default: auto]" in " ".join(result.stdout.split())
+    text = " ".join(result.stdout.replace("│", " ").split())
+    assert "cuda:N or auto" in text and "[cpu with a CPU profile, else auto]" in text
 
 
 @needs_fmnist

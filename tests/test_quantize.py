@@ -313,7 +313,8 @@ def test_cli_int8_on_run_directory_uses_the_runs_calibration(tmp_path, spec):
     assert md["calibration_sha256"] == hashlib.sha256(repr(expect.shape).encode() + expect.tobytes()).hexdigest()
     rep = json.loads((tmp_path / "q.json").read_text())
     assert rep["agreement"] >= 0.95 and rep["n"] == 200
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned-int8.onnx", "q.json", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned-int8.onnx", "pruned-int8.onnx.recipe.toml", "q.json",
+                                                         "run"]
 
 
 def test_cli_bad_inputs_leave_nothing(work, tmp_path):

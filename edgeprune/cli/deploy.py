@@ -16,7 +16,7 @@ import torch
 
 from edgeprune.artifact import check_writable
 from edgeprune.calibration.collect import exact_fp32
-from edgeprune.cli.options import FINITE, device_option, load_model, model_options
+from edgeprune.cli.options import FINITE, device_option, load_model, model_options, torch_device_of
 from edgeprune.errors import UserError
 from exporters.onnx import build_metadata, export_onnx, read_metadata
 from exporters.verify import format_quantized_report, format_report, verify_onnx, verify_quantized
@@ -97,18 +97,19 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
                random_init: bool, num_classes: int | None, img_size: int | None, model_kwargs: dict | None,
                n: int, data: Path | None,
                atol: float, rtol: float, batch_size: int, max_drop: float | None, json_out: Path | None,
-               device: str = "cpu") -> None:
+               device: str | None = None, torch_device: str | None = None) -> None:
     """Check an ONNX file against its PyTorch model.
 
     Runs ONNX_FILE and the model of --against RUN_DIR (or --model NAME) on real inputs. A float file
     must match within --atol/--rtol; a quantized one (int8/fp16) is judged by metric: top-1 and
     top-1 agreement with the float model on held-out images, gated by --max-drop.
 
-    The PyTorch side runs on --device (TF32 off on CUDA, so the comparison is with float32
+    The PyTorch side runs on --torch-device (TF32 off on CUDA, so the comparison is with float32
     arithmetic); ONNX Runtime runs on the CPU.
 
     Exits 1 when the check fails.
     """
+    device = torch_device_of(device, torch_device, default="cpu")  # --device is the deployment profile
     meta = read_metadata(onnx_file)  # missing / corrupt file -> one-line error first
     model, _record, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
                                       model_kwargs)

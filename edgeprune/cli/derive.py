@@ -12,7 +12,8 @@ Labeled images of the target classes come from the train split (fmnist-vit) or `
 (an ImageFolder, timm models); the final evaluation uses the test split / ``--eval-data``, with the
 argmax taken over the target classes. See ``edgeprune.nuwa``.
 
-``--device`` (default ``auto``: cuda when available, else cpu) runs SKP, the calibration pass and
+``--torch-device`` (default ``auto``: cuda when available, else cpu; cpu with ``--device cpu``, a
+CPU deployment profile) runs SKP, the calibration pass and
 the evaluations; the SVD and the least-squares re-fits run in float64 on the CPU, and the derived
 model is saved from the CPU. The device is printed and recorded (``device``, ``config.device``).
 """
@@ -23,8 +24,11 @@ import click
 import torch
 
 from edgeprune.artifact import check_new_dir, save_run
+from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, check_ignored_options, check_readable_dir, device_option, eval_options,
-                                   latency_table_option, make_spec, model_options, out_option, quiet_option)
+                                   latency_table_option, make_spec, model_options, out_option, quiet_option,
+                                   torch_device_of)
+from edgeprune.cli.recipe import write_recipe
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
@@ -35,7 +39,7 @@ from edgeprune.pruning.latency_check import latency_report
 from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 
 
-@click.command("derive")
+@click.command("derive", cls=RecipeCommand)
 @model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
 @click.option("--classes", required=True,
               help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag').")
@@ -92,13 +96,14 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
                latency, latency_table, slice_head, data, train_data, train_per_class, calib_dir, calib_size, val_size,
                skp_steps, skp_batch_size, skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha,
                eval_data, eval_size, no_eval, no_cache, seed, threads, device, out, quiet, latency_tolerance=None,
-               latency_rounds=None, verify_latency=True):
+               latency_rounds=None, verify_latency=True, torch_device=None):
     """Derive a class-specific model with NuWa.
 
     SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs, params or
     latency budget (--flops / --params / --latency with --latency-table).
     """
     # 1. everything that can be checked without work
+    device = torch_device_of(device, torch_device, default="auto")  # --device is the deployment profile
     check_ignored_options(click.get_current_context())
     budget = resolve_budget(flops, params, latency=latency, table=latency_table)
     metric, amount, unit = budget.kind, budget.value, budget.unit or ""
@@ -158,6 +163,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
         rows = [(r[0], r[1], r[2], m) for r, m in zip(rows, (m_base, m_anchor, m_derived))]
         click.echo(f"evaluation: {edesc}")
     save_run(out_path, res.model.cpu(), rec)
+    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
 
     # 3. the report
     _print_report(rec, rows, metric, f"{amount:g}{unit}", out_path, latency_report(rec.get("latency_check")))

@@ -13,7 +13,8 @@ from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_writable
 from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, fmt_metric, load_model,
-                                   make_spec, model_options, quiet_option)
+                                   make_spec, model_options, quiet_option, torch_device_of)
+from edgeprune.cli.calib_reuse import heldout_source, recorded_folder
 from edgeprune.evaluate import evaluate, evaluate_target_classes
 from edgeprune.flops import count_params, model_flops
 from edgeprune.loading import load_base_model
@@ -28,12 +29,13 @@ from edgeprune.loading import load_base_model
 @device_option
 @quiet_option
 def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, eval_data, eval_size,
-             json_out, device, quiet):
+             json_out, device, quiet, torch_device=None):
     """Evaluate a run or a dense model on held-out data.
 
     RUN_DIR is compared against its dense base model (top-1 and agreement); a NuWa run is scored
     over its target classes.
     """
+    device = torch_device_of(device, torch_device, default="cpu")  # --device is the deployment profile
     if run_dir is None and model_name is None:
         model_name = "fmnist-vit"
     check_readable_dir(eval_data, "evaluation data")
@@ -41,7 +43,7 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
         check_writable(Path(json_out).parent)
     model, rec, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
                                   model_kwargs)
-    ev = spec.eval_source(eval_data, n=eval_size)
+    ev = _eval_source(spec, rec, eval_data, eval_size)
     if rec is not None and rec.get("head"):  # NuWa run: only its target classes count
         with torch.no_grad():
             m = evaluate_target_classes(model, rec["head"], ev, device=device)
@@ -56,6 +58,22 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
         click.echo(f"{run_dir or spec.name}: {ev.description}: {fmt_metric(m, spec.output_kind)}")
     if json_out:
         atomic_write_text(json_out, json.dumps(m, indent=2) + "\n")
+
+
+def _eval_source(spec, rec: dict | None, eval_data: str | None, eval_size: int | None):
+    """The evaluation images: ``--eval-data``; else, for a run that recorded its calibration folder
+    (issue 42), that folder's test split (Fashion-MNIST) or, for a timm model, the folder's images
+    the calibration did not use (unlabeled: agreement with the dense model only); else the model's own."""
+    if eval_data is None and rec is not None and not rec.get("head"):
+        cal = rec.get("calibration") or {}
+        if cal.get("folder") and (spec.data_holds_both_splits or not spec.is_zoo):
+            folder = recorded_folder(cal, spec)
+            if folder is not None and spec.data_holds_both_splits:
+                eval_data = folder
+            elif folder is not None:
+                n = cal.get("num_images") or cal.get("size_requested")
+                return heldout_source(spec, folder, n, cal.get("seed") or 0, eval_size)
+    return spec.eval_source(eval_data, n=eval_size)
 
 
 @click.command("info")

@@ -8,12 +8,13 @@ evaluation images), trains the reduced layers to align every block output with t
 plus a ``healing`` entry. A checkpoint is written to ``HEALED_DIR.partial/`` after every epoch;
 rerunning the same command after an interruption resumes from the last completed epoch.
 
-``--device`` (default ``auto``: cuda when available, else cpu) is where both models, the images
-and the training run; the evaluation runs there too; the healed model is saved from the CPU. The
-device is printed and recorded (``healing.device``, ``healing.config.device``).
+``--torch-device`` (default ``auto``: cuda when available, else cpu; ``cpu`` with a CPU deployment
+profile ``--device cpu``) is where both models, the images and the training run; the evaluation
+runs there too; the healed model is saved from the CPU. The device is printed and recorded
+(``healing.device``, ``healing.config.device``).
 
 Under ``torchrun --nproc-per-node W --no-python edgeprune heal ...`` the W processes heal data
-parallel (:mod:`edgeprune.heal.data_parallel`; gloo on the CPU, nccl with ``--device cuda``);
+parallel (:mod:`edgeprune.heal.data_parallel`; gloo on the CPU, nccl with ``--torch-device cuda``);
 rank 0 evaluates, writes the run and reports (docs/distributed.md).
 """
 
@@ -24,10 +25,14 @@ from pathlib import Path
 
 import click
 import torch
+from click.core import ParameterSource
 
 from edgeprune.artifact import check_new_dir, check_writable, load_run, save_run
+from edgeprune.cli.calib_reuse import calibration_fields, recorded_folder
+from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, calibration_options, check_readable_dir, device_option, eval_options,
-                                   fmt_metric, out_option, quiet_option)
+                                   fmt_metric, out_option, quiet_option, torch_device_of)
+from edgeprune.cli.recipe import write_recipe
 from edgeprune.distributed import is_main_process, process_group, world_size
 from edgeprune.errors import UserError
 from edgeprune.evaluate import evaluate
@@ -39,7 +44,7 @@ from edgeprune.loading import load_base_model
 from edgeprune.zoo.registry import spec_from_record
 
 
-@click.command("heal")
+@click.command("heal", cls=RecipeCommand)
 @click.argument("run_dir", type=click.Path())
 @calibration_options("Calibration images [the run's own calibration set size].")
 @eval_options
@@ -72,13 +77,14 @@ from edgeprune.zoo.registry import spec_from_record
 @quiet_option
 def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_size, epochs, lr, min_lr,
              warmup_steps, weight_decay, loss, cache_targets, memory_budget_mb, keep_best, holdout, no_eval,
-             device, out, quiet):
+             device, torch_device, out, quiet):
     """Heal a pruned run with STARFISH.
 
     Trains the reduced layers of RUN_DIR so that every block output aligns with the dense
     model's, and saves a new run directory (resumable after an interruption).
     """
     # 1. everything that can be checked without work
+    device = torch_device_of(device, torch_device, default="auto")  # --device is the deployment profile
     config = HealConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                         loss=loss, seed=seed, warmup_steps=warmup_steps, holdout=holdout, keep_best=keep_best,
                         memory_budget_mb=memory_budget_mb, device=device)
@@ -100,6 +106,11 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     check_readable_dir(eval_data, "evaluation data")
     spec = spec_from_record(rec["base_model"])
     n = calib_size if calib_size is not None else default_calib_size(rec, spec)
+    recorded_seed = (rec.get("calibration") or {}).get("seed")
+    if _default(click.get_current_context(), "seed") and isinstance(recorded_seed, int):
+        seed = config.seed = recorded_seed  # the run's own calibration set: its seed too (issue 42)
+    if calib_dir is None:  # the run's own folder, when it is still there (issue 42)
+        calib_dir = recorded_folder(rec.get("calibration"), spec, say=_say if main else _silent)
     calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
     if len(calib) == 0:
         raise UserError("the calibration set is empty")
@@ -128,12 +139,27 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
     if not main:
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     evaluation = _evaluate(ev, rec, run_path, spec, result.model, dense, quiet, config.device)
-    new = healed_record(rec, result, run_path, calibration={"seed": seed, "size_requested": n},
+    new = healed_record(rec, result, run_path, calibration={"seed": seed, "size_requested": n,
+                                                            **calibration_fields(calib_dir, calib)},
                         evaluation=evaluation)
     save_run(out_path, result.model.cpu(), new)
+    write_recipe(click.get_current_context(), out_path / "recipe.toml",  # the values used, reused ones included
+                 {"out": str(out_path), "seed": seed, "calib": calib_dir})
     shutil.rmtree(ckpt, ignore_errors=True)
     _report(result.info, evaluation, spec, loss=loss, lr=lr, epochs=epochs, keep_best=keep_best)
     click.echo(f"saved {out_path}")
+
+
+def _default(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) in (None, ParameterSource.DEFAULT)
+
+
+def _say(line: str) -> None:
+    click.echo(line, err=line.startswith("warning"))
+
+
+def _silent(line: str) -> None:
+    """Another rank of a torchrun job: rank 0 says it."""
 
 
 def _evaluate(ev, rec: dict, run_path: Path, spec, healed, dense, quiet: bool, device: str) -> dict | None:

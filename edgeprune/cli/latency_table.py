@@ -16,14 +16,16 @@ import click
 from devices import load_profile
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_writable
+from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import FiniteFloat, load_model, model_options, quiet_option
+from edgeprune.cli.recipe import output_recipe_path, write_recipe
 from edgeprune.errors import UserError
 from edgeprune.zoo.registry import MissingWeightsError
 from edgeprune.latency.build import PRECISIONS, BuildOptions, build_table, settings_for
 from edgeprune.latency.measure import list_timers
 
 
-@click.command("latency-table")
+@click.command("latency-table", cls=RecipeCommand)
 @model_options()
 @click.option("--device", "device", default="cpu", show_default=True, metavar="PROFILE",
               help="Device profile (shipped name or .toml path): backend, batch, precision, threads, pruning rules.")
@@ -78,6 +80,7 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     anatomy = find_anatomy(model.eval())
     t0 = time.perf_counter()
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
+    write_recipe(click.get_current_context(), output_recipe_path(out_path))
     k = table.key
     n = len(table.measured["mlp"]) + len(table.measured["attn"]) + 1
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "

@@ -5,7 +5,8 @@ them the same way.
   ``--img-size``, ``--model-kwargs`` (prune, eval, info, derive, export, verify);
 * :func:`calibration_options` -- ``--calib``, ``--calib-size``, ``--seed``, ``--batch-size``;
 * :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
-* :func:`device_option` -- ``--device cpu|cuda|cuda:N|auto`` (checked before any work);
+* :func:`device_option` -- ``--device PROFILE`` and ``--torch-device cpu|cuda|cuda:N|auto`` (checked before
+  any work; :func:`torch_device_of` resolves them);
 * :func:`quiet_option`, :func:`out_option`;
 * :class:`FiniteFloat` (:data:`FINITE`) -- THE type of every float option of every command: ``nan``
   and ``inf`` are refused while parsing (issue 41), with optional bounds as ``click.FloatRange``.
@@ -29,8 +30,9 @@ from edgeprune.budget import budget_kinds
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
 from edgeprune.option_checks import refuse_sparsities_with_budget
-from edgeprune.torch_device import resolve_device  # noqa: F401 (the --device callback; re-exported)
 from edgeprune.zoo.registry import get_model_spec
+
+from edgeprune.cli.device_options import device_option, torch_device_of  # noqa: F401 (handed on)
 
 class FiniteFloat(click.FloatRange):
     """A float option that must be a finite number (``click.FloatRange`` bounds optional): ``nan``,
@@ -138,7 +140,9 @@ def parse_model_kwargs(text: str | None) -> dict[str, Any] | None:
     return out
 
 
-def _kwargs_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
+def _kwargs_callback(ctx: click.Context, param: click.Parameter, value: Any) -> dict[str, Any] | None:
+    if isinstance(value, dict):  # a recipe file's inline table (--config)
+        return dict(value) or None
     return parse_model_kwargs(value)
 
 
@@ -187,22 +191,6 @@ def out_option(default_help: str) -> Callable:
     """``-o/--out DIR``: a new run directory (never overwritten)."""
     return click.option("-o", "--out", type=click.Path(), default=None, metavar="DIR",
                         help=f"New run directory (must not exist) [{default_help}].")
-
-
-def _device_callback(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    return resolve_device(value)
-
-
-def device_option(f: Callable | None = None, *, default: str = "cpu") -> Callable:
-    """``--device cpu|cuda|cuda:N|auto`` for the torch commands, checked while parsing (the command
-    receives the resolved device, never "auto"). ``@device_option`` defaults to cpu;
-    ``@device_option(default="auto")`` (prune, heal, derive) to cuda when available."""
-    help_text = "Torch device: cpu, cuda, cuda:N or auto (cuda if available, else cpu)."
-
-    def deco(fn: Callable) -> Callable:
-        return click.option("--device", default=default, show_default=True, callback=_device_callback,
-                            metavar="DEVICE", help=help_text)(fn)
-    return deco if f is None else deco(f)
 
 
 def _supports(fn: Callable, name: str) -> bool:
@@ -272,8 +260,8 @@ def check_budget_options(ctx: click.Context) -> None:
 
 
 def _given(ctx: click.Context, name: str) -> bool:
-    """Whether the user typed option ``name`` (not its default)."""
-    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    """Whether the user set option ``name``: typed it, or a recipe file (``--config``) gave it."""
+    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
 
 
 def _no_embed_slice(value: Any) -> bool:

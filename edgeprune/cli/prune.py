@@ -11,9 +11,12 @@ from edgeprune import api
 from edgeprune.allocation.report import allocation_lines, rounding_warnings
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_new_dir, save_run
+from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_ignored_options,
                                    check_readable_dir, device_option, eval_options, fmt_metric, latency_table_option,
-                                   make_spec, model_options, out_option, quiet_option)
+                                   make_spec, model_options, out_option, quiet_option, torch_device_of)
+from edgeprune.cli.calib_reuse import calibration_fields
+from edgeprune.cli.recipe import write_recipe
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.embed.settings import parse_embed_sparsity
@@ -33,10 +36,10 @@ def _target_help() -> str:
     return "Which dims to prune: " + ", ".join(parts) + "."
 
 
-@click.command("prune")
+@click.command("prune", cls=RecipeCommand)
 @model_options(default="fmnist-vit")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=None,
-              help=_target_help() + " [both; all with --flops/--params/--latency]")
+              help=_target_help() + " [both; all with a budget]")
 @click.option("--sparsity", type=FINITE, default=0.5, show_default=True,
               help="Fraction of each targeted module's dims removed, in [0, 1).")
 @click.option("--mlp-sparsity", type=FINITE, default=None, help="Override the MLP sparsity (selects the MLP).")
@@ -56,8 +59,7 @@ def _target_help() -> str:
 @click.option("--gram-tokens", type=int, default=None, metavar="K",
               help="MLP statistics from K random tokens per image (the MLP covariance is the largest cost "
                    "of the calibration pass; an estimator, docs/prune_cost.md); 0 = all tokens (exact) "
-                   "[auto: max(64, 32 x MLP hidden / images) when at most half of the tokens, else all; all "
-                   "with --sequential].")
+                   "[auto: a sample on large calibration sets].")
 @click.option("--flops", default=None, metavar="F",
               help="FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count (2.3G); "
                    "kept dims are allocated per block and module.")
@@ -65,8 +67,7 @@ def _target_help() -> str:
               help="Parameter budget instead of --sparsity: a fraction (0.5) or a count (20M).")
 @click.option("--latency", default=None, metavar="F",
               help="Latency budget instead of --sparsity: a fraction of the dense model's latency on the "
-                   "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms); kept heads, "
-                   "head dims and MLP widths are allocated by measured error and the table's times.")
+                   "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms).")
 @latency_table_option
 @click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
               help="With --latency: re-allocate while the measured latency misses the budget by more than this "
@@ -84,7 +85,7 @@ def _target_help() -> str:
 @click.option("--bias-correction", "bias_correction", type=click.IntRange(min=0), default=None, metavar="N",
               help="Fold the pruned model's mean output shift against the dense model, measured on the "
                    "first N calibration images, into the classifier bias (models with a linear head; "
-                   "0 = off) [all calibration images with --flops/--params, else 0].")
+                   "0 = off) [all images with a budget, else 0].")
 @click.option("--head-refit/--no-head-refit", "head_refit", default=None,
               help="With the output correction on: re-fit the classifier head (weights and bias) to the "
                    "dense model's outputs, ridge toward the dense head with its strength chosen by "
@@ -93,8 +94,8 @@ def _target_help() -> str:
 @click.option("--last-block", "last_block", type=click.Choice(["auto", "cls", "full"]), default=None,
               help="cls: the pruned model's last block computes only the class token its classifier "
                    "reads (exact; the other tokens' queries, attention rows, proj and MLP are dropped); "
-                   "full: every token [auto: cls with --flops/--params for a timm classifier with "
-                   "global_pool='token', else full].")
+                   "full: every token (auto: cls with a budget where the classifier reads the class token) "
+                   "[auto].")
 @click.option("--embed-sparsity", default=None, metavar="S|auto",
               help="Also slice the residual stream (embedding dim D) to D' = (1-S) D, rotated into its principal "
                    "subspace (docs/embed.md) [0]. auto (with --flops/--params): the budget chooses D' "
@@ -114,7 +115,7 @@ def _target_help() -> str:
 def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, target, sparsity, mlp_sparsity,
               attn_sparsity, v_sparsity, head_sparsity, layout, criterion, no_compensation, ridge_alpha,
               qk_ridge_alpha, qk_solver, round_to, calib_dir, calib_size, seed, batch_size, eval_data, eval_size,
-              no_eval, device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None,
+              no_eval, device, torch_device, out, quiet, flops=None, params=None, sequential=False, gram_tokens=None,
               check_images=None, sensitivity_images=None,
               bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
               verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None,
@@ -125,6 +126,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     params, FLOPs and quality of both.
     """
     # 1. everything that can be checked without work
+    device = torch_device_of(device, torch_device, default="auto")  # --device is the deployment profile
     check_budget_options(click.get_current_context())
     check_ignored_options(click.get_current_context())
     if batch_size < 1:
@@ -171,7 +173,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
     t0 = time.perf_counter()
     result = api.prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
-                       calibration_info={"seed": seed, "size_requested": n})
+                       calibration_info={"seed": seed, "size_requested": n, **calibration_fields(calib_dir, calib)})
     prune_s = time.perf_counter() - t0
     if not main:
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
@@ -179,6 +181,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
     latency_lines = latency_report(rec.get("latency_check"))  # measured and corrected by the prune (issue 40)
     save_run(out_path, result.model, rec)
+    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
 
     # 3. the report
     _report(rec, spec, *metrics, prune_s)

@@ -14,12 +14,18 @@ from pathlib import Path
 
 import click
 
+from edgeprune.artifact import read_record
 from edgeprune.atomic import atomic_write_text
+from edgeprune.cli.calib_reuse import heldout_source, recorded_folder
+from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import FINITE, eval_options
+from edgeprune.cli.recipe import output_recipe_path, write_recipe
 from edgeprune.errors import UserError
+from edgeprune.zoo.registry import spec_from_record
+from exporters.onnx import read_metadata
 
 
-@click.command("quantize")
+@click.command("quantize", cls=RecipeCommand)
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--precision", required=True, type=click.Choice(["int8", "fp16"]),
               help="int8: ONNX Runtime quantization (--mode); fp16: float16 with fp32 inputs/outputs.")
@@ -41,7 +47,8 @@ from edgeprune.errors import UserError
               help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
                    "[the model's own, as for prune].")
 @click.option("--calib-size", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Calibration images [the run's recorded size; else fmnist-vit 512, dinov2-s14 64, timm 256].")
+              help="Calibration images (without a recorded size: fmnist-vit 512, dinov2-s14 64, timm 256) "
+                   "[the run's own].")
 @click.option("--seed", type=int, default=None,
               help="Seed of the calibration sampling [the run's recorded seed, else 0].")
 @click.option("--calib-method", type=click.Choice(["minmax", "entropy", "percentile"]), default="minmax",
@@ -89,26 +96,33 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
     for option, path in (("--calib", calib_dir), ("--eval-data", eval_data)):  # issue 41: before the calibration
         if path is not None and not Path(path).exists():
             raise UserError(f"{option} {path}: no such file or folder (the Fashion-MNIST folder or an ImageFolder)")
-    cfg = QuantizeConfig(
-        precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
-        calib_data=str(calib_dir) if calib_dir else None, per_channel=not per_tensor,
-        activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
-        quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
-        eval_size=eval_size or 1000, eval_data=str(eval_data) if eval_data else None, max_drop=max_drop,
-        threads=threads, recipe=recipe, weight_rounding=weight_rounding or "gptq",
-    ).validate()
+    def config(calib: str | None):
+        return QuantizeConfig(
+            precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
+            calib_data=str(calib) if calib else None, per_channel=not per_tensor,
+            activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
+            quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
+            eval_size=eval_size or 1000, eval_data=str(eval_data) if eval_data else None, max_drop=max_drop,
+            threads=threads, recipe=recipe, weight_rounding=weight_rounding or "gptq",
+        ).validate()
+
+    cfg = config(calib_dir)
     if weight_rounding is not None and cfg.resolved_recipe() != "tensorrt":
         raise UserError("--weight-rounding applies to static int8 with the tensorrt recipe (ONNX Runtime's "
                         "quantizer rounds to nearest)")
     if json_out is not None and json_out.exists() and not force:
         raise UserError(f"{json_out} exists (use --force to overwrite)")
-    result = quantize_onnx(model, output, cfg, overwrite=force, log=click.echo)
+    calib_dir, eval_source = _run_data(model, calib_dir, calib_size, seed, eval_data, eval_size)  # issue 42
+    cfg = config(calib_dir)
+    result = quantize_onnx(model, output, cfg, overwrite=force, eval_source=eval_source, log=click.echo)
+    write_recipe(click.get_current_context(), output_recipe_path(result.path), {"calib": calib_dir})
     rep = result.report
     if rep.get("n"):
         if rep.get("top1") is not None:
             click.echo(f"top-1 on {rep['n']} held-out images: {rep['top1'] * 100:.2f}% "
                        f"(float {rep['top1_float'] * 100:.2f}%, drop {rep['drop_points']:+.2f} points)")
-        click.echo(f"{rep['agreement_metric']} with the float model: {rep['agreement'] * 100:.2f}%")
+        where = "" if rep.get("top1") is not None else f" on {rep['n']} held-out images ({rep.get('eval_source')})"
+        click.echo(f"{rep['agreement_metric']} with the float model{where}: {rep['agreement'] * 100:.2f}%")
     else:
         click.echo("no evaluation data for this model: accuracy not measured")
     plan = rep.get("int8_plan")
@@ -124,6 +138,41 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
         atomic_write_text(json_out, json.dumps({"output": str(result.path), "config": cfg.to_record(), **rep},
                                                indent=2, default=str) + "\n")
         click.echo(f"wrote {json_out}")
+
+
+def _recorded(model: Path) -> tuple[dict | None, object | None]:
+    """``(calibration entry, model spec)`` recorded by a run directory or an edgeprune ONNX export
+    (``(None, None)`` when there is none: the quantizer says what is missing)."""
+    if model.is_dir():
+        rec = read_record(model)
+        return rec.get("calibration"), spec_from_record(rec["base_model"])
+    if model.is_file() and model.suffix == ".onnx":
+        meta = read_metadata(model)
+        base = meta.get("base_model")
+        return meta.get("calibration"), (spec_from_record(dict(base)) if isinstance(base, dict) and base.get("name")
+                                         else None)
+    return None, None
+
+
+def _run_data(model: Path, calib_dir: str | None, calib_size: int | None, seed: int | None, eval_data: str | None,
+              eval_size: int | None) -> tuple[str | None, object | None]:
+    """The calibration folder (``--calib``, else the run's recorded one when still there) and, for a
+    timm model without ``--eval-data``, the held-out unlabeled images of that folder (issue 42).
+
+    Raises:
+        UserError: no held-out image left (the calibration used the whole folder).
+    """
+    cal, spec = _recorded(model)
+    if spec is None:
+        return calib_dir, None
+    if calib_dir is None:
+        calib_dir = recorded_folder(cal, spec)
+    if eval_data is not None or spec.is_zoo or calib_dir is None:
+        return calib_dir, None
+    cal = cal or {}
+    n = calib_size or cal.get("num_images") or cal.get("size_requested") or spec.default_calib_size
+    seed = seed if seed is not None else (cal.get("seed") or 0)
+    return calib_dir, heldout_source(spec, str(calib_dir), int(n), int(seed), eval_size or 1000)
 
 
 __all__ = ["quantize_cmd"]

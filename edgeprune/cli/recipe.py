@@ -1,0 +1,384 @@
+"""Recipe files: ``--config FILE.toml`` of the commands that make something (issue 42).
+
+A recipe holds the same options as the command line, in sections::
+
+    [model]                      [budget]                 [runtime]
+    model = "fmnist-vit"         flops = "0.5"            torch-device = "cpu"
+    [data]                       [method]                 [output]
+    calib-size = 256             criterion = "combined"   out = "runs/fm-flops"
+
+A key is an option's long name without the dashes (``--calib-size`` -> ``calib-size``; a flag pair
+``--verify-latency/--no-verify-latency`` -> ``verify-latency = true|false``; a positional
+argument by its name, ``run-dir``). :data:`SECTIONS` maps every option of every command to one
+section. The command line overrides the file (the file's values are click's ``default_map``;
+click's ``ParameterSource`` tells the two apart); a budget typed on the command line replaces the
+file's budget. A key at its option's default is the same as no key.
+
+Refused, in one line naming the key and the file (before any work): a file that is not TOML, an
+unknown section or key, a key in another section than its own, a value of the wrong type or out of
+range, and two budgets (``flops`` + ``params``, or a sparsity beside a budget).
+
+:func:`write_recipe` writes the resolved recipe of a run (every option with its value, the
+defaults marked, the unset ones as comments), atomically: ``RUN/recipe.toml`` for prune, heal and
+derive, ``<output>.recipe.toml`` for quantize and latency-table.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from edgeprune.atomic import atomic_write_text
+from edgeprune.errors import UserError
+
+#: ``ctx.meta`` keys: the recipe file given with --config, and the keys it set
+META_FILE = "edgeprune.recipe_file"
+META_KEYS = "edgeprune.recipe_keys"
+
+ORDER = ("model", "data", "budget", "method", "output", "runtime")
+
+_MODEL = ["model", "checkpoint", "random-init", "num-classes", "img-size", "model-kwargs"]
+_CALIB = ["calib", "calib-size", "seed", "batch-size"]
+_EVAL = ["eval-data", "eval-size", "no-eval"]
+_DEVICE = ["device", "torch-device", "quiet"]
+
+#: command -> section -> option keys (every option of the command, in one section)
+SECTIONS: dict[str, dict[str, list[str]]] = {
+    "prune": {
+        "model": _MODEL,
+        "data": _CALIB + _EVAL,
+        "budget": ["target", "sparsity", "mlp-sparsity", "attn-sparsity", "v-sparsity", "head-sparsity", "flops",
+                   "params", "latency", "latency-table", "latency-tolerance", "latency-rounds", "verify-latency"],
+        "method": ["layout", "criterion", "no-compensation", "ridge-alpha", "qk-ridge-alpha", "qk-solver", "round-to",
+                   "gram-tokens", "check-images", "sensitivity-images", "bias-correction", "head-refit", "last-block",
+                   "embed-sparsity", "embed-order", "embed-refit", "sequential"],
+        "output": ["out"],
+        "runtime": _DEVICE,
+    },
+    "heal": {
+        "model": ["run-dir"],
+        "data": _CALIB + _EVAL + ["holdout"],
+        "method": ["epochs", "lr", "min-lr", "warmup-steps", "weight-decay", "loss", "keep-best"],
+        "output": ["out"],
+        "runtime": ["cache-targets", "memory-budget-mb"] + _DEVICE,
+    },
+    "derive": {
+        "model": _MODEL + ["classes"],
+        "data": ["data", "train-data", "train-per-class", "calib", "calib-size", "val-size", "seed"] + _EVAL,
+        "budget": ["flops", "params", "latency", "latency-table", "latency-tolerance", "latency-rounds",
+                   "verify-latency"],
+        "method": ["slice-head", "skp-steps", "skp-batch-size", "skp-eval-every", "lr-beta", "lr-mask",
+                   "weight-decay", "rho", "key-bias", "ridge-alpha"],
+        "output": ["out"],
+        "runtime": ["no-cache", "threads"] + _DEVICE,
+    },
+    "quantize": {
+        "model": ["model"],
+        "data": ["calib", "calib-size", "seed", "eval-data", "eval-size"],
+        "method": ["precision", "mode", "recipe", "weight-rounding", "calib-method", "per-tensor",
+                   "asymmetric-activations", "exclude", "quantize-attention", "smooth-alpha", "auto-exclude",
+                   "max-drop"],
+        "output": ["output", "force", "json"],
+        "runtime": ["threads"],
+    },
+    "latency-table": {
+        "model": _MODEL,
+        "method": ["batch", "precision", "backend", "warmup", "iterations", "max-seconds", "statistic",
+                   "interleave", "clock"],
+        "output": ["out", "force"],
+        "runtime": ["device", "threads", "quiet"],
+    },
+}
+
+#: the budget keys: at most one per recipe (a sparsity key is the fourth kind, "sparsity")
+BUDGET_KEYS = ("flops", "params", "latency")
+SPARSITY_KEYS = ("sparsity", "mlp-sparsity", "attn-sparsity", "v-sparsity", "head-sparsity")
+
+#: options that are never recipe keys (help, the recipe itself)
+NOT_RECIPE = ("help", "help_all", "config")
+
+
+def param_key(param: click.Parameter) -> str:
+    """The recipe key of a click parameter: its first long option name without ``--`` (the name of
+    a positional argument, with dashes)."""
+    if isinstance(param, click.Option):
+        longs = [o for o in param.opts if o.startswith("--")]
+        if longs:
+            return longs[0][2:]
+    return str(param.name).replace("_", "-")
+
+
+def recipe_params(command: click.Command) -> dict[str, click.Parameter]:
+    """``{key: parameter}`` of the command's recipe keys (help and --config left out)."""
+    return {param_key(p): p for p in command.params if p.name not in NOT_RECIPE}
+
+
+def section_of(command: click.Command) -> dict[str, str]:
+    """``{key: section}`` of a command's options (:data:`SECTIONS`); an option the table does not
+    name yet goes to ``method`` (tests/test_recipes.py asks for every option in the table)."""
+    table = {k: s for s, keys in SECTIONS.get(str(command.name), {}).items() for k in keys}
+    return {k: table.get(k, "method") for k in recipe_params(command)}
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def _kind_error(param: click.Parameter, value: Any) -> str | None:
+    """Why ``value`` (a TOML value) has the wrong type for ``param``, or None."""
+    t = param.type
+    if isinstance(param, click.Option) and param.is_flag:
+        return None if isinstance(value, bool) else "wants true or false"
+    if isinstance(value, bool):
+        number = isinstance(t, (click.types.IntParamType, click.types.FloatParamType))
+        return f"wants {'a number' if number else 'a string'}, not true/false"
+    if isinstance(t, click.types.IntParamType):
+        return None if isinstance(value, int) else "wants an integer"
+    if isinstance(t, click.types.FloatParamType):
+        return None if isinstance(value, (int, float)) else "wants a number"
+    if param.name == "model_kwargs":
+        return None if isinstance(value, (dict, str)) else "wants a table (inline: {depth = 6}) or a string"
+    if isinstance(t, click.types.StringParamType):  # budgets: "0.5" or 0.5, "2.3G", "12ms"
+        return None if isinstance(value, (str, int, float)) else "wants a string"
+    return None if isinstance(value, str) else "wants a string"
+
+
+def _convert(param: click.Parameter, key: str, value: Any, where: str, ctx: click.Context) -> Any:
+    """The value of one recipe key, checked by the option's own type (click's conversion).
+
+    Raises:
+        UserError: one line naming the key and the file.
+    """
+    if value is None:
+        return None
+    items = value if param.multiple else None
+    if param.multiple and not isinstance(value, list):
+        raise UserError(f"{where} {key} = {_toml_value(value)}: wants a list (--{key} is repeatable)")
+    for v in items if items is not None else [value]:
+        why = _kind_error(param, v)
+        if why:
+            raise UserError(f"{where} {key} = {_toml_value(v)}: {why}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{where} {key} = {v}: not a finite number")
+        if param.name == "model_kwargs" or (isinstance(param, click.Option) and param.is_flag):
+            continue
+        try:
+            param.type.convert(str(v) if isinstance(param.type, click.types.StringParamType) else v, param, ctx)
+        except click.BadParameter as err:
+            raise UserError(f"{where} {key} = {_toml_value(v)}: {err.message}") from None
+    if isinstance(value, dict):  # model-kwargs: an inline table -> the option's K=V,... text (values as JSON)
+        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items())
+    if items is None and isinstance(param.type, click.types.StringParamType):
+        return str(value)
+    return value
+
+
+def plain_default(param: click.Parameter, ctx: click.Context) -> Any:
+    """The option's own default (not a recipe's; None for click's "unset" sentinel)."""
+    saved, ctx.default_map = ctx.default_map, None
+    try:
+        d = param.get_default(ctx, call=False)
+    finally:
+        ctx.default_map = saved
+    return None if type(d).__name__ == "Sentinel" else d
+
+
+def _is_default(param: click.Parameter, value: Any, ctx: click.Context) -> bool:
+    """Whether a recipe value equals the option's default (then the key counts as not given)."""
+    d = plain_default(param, ctx)
+    if callable(d):
+        return False
+    if param.multiple:
+        return list(value or []) == list(d or [])
+    if isinstance(value, bool) or isinstance(d, bool) or d is None:
+        return value is d
+    return bool(value == d)
+
+
+def load_recipe(path: str | Path, command: click.Command, ctx: click.Context) -> dict[str, Any]:
+    """The ``default_map`` of a recipe file for ``command``: ``{parameter name: value}`` of every key
+    that is not at its option's default.
+
+    Raises:
+        UserError: a missing or non-TOML file, an unknown section or key, a key in the wrong section,
+            a bad value, two budgets (one line naming the key and the file).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config {p}: no such file (a recipe .toml, e.g. RUN/recipe.toml)")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--config {p}: cannot read it: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"{p}: not valid TOML: {err}") from None
+    name = str(command.name)
+    params, sections = recipe_params(command), section_of(command)
+    out: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # key -> "[section]"
+    for section, table in data.items():
+        if section not in set(sections.values()):
+            if not isinstance(table, dict):
+                raise UserError(f"{p}: {section} = ...: keys go into a section "
+                                f"([{sections.get(section, 'model')}] ...), not at the top")
+            raise UserError(f"{p}: unknown section [{section}] for {name} (sections: "
+                            f"{', '.join(s for s in ORDER if s in sections.values())})")
+        if not isinstance(table, dict):
+            raise UserError(f"{p}: {section} must be a section ([{section}]), not a value")
+        for key, value in table.items():
+            where = f"{p}: [{section}]"
+            if key not in params:
+                near = difflib.get_close_matches(key.replace("_", "-"), list(params), n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                raise UserError(f"{where} {key}: unknown key for edgeprune {name}{hint}")
+            if sections.get(key) != section:
+                raise UserError(f"{where} {key}: belongs in [{sections.get(key)}]")
+            param = params[key]
+            value = _convert(param, key, value, where, ctx)
+            if not _is_default(param, value, ctx):
+                out[str(param.name)] = value
+                keys[key] = f"[{section}]"
+    _check_budgets(p, keys)
+    return out
+
+
+def _check_budgets(path: Path, keys: dict[str, str]) -> None:
+    """At most one budget in a recipe: one of flops / params / latency, or sparsities.
+
+    Raises:
+        UserError: naming both keys and the file.
+    """
+    budgets = [k for k in BUDGET_KEYS if k in keys]
+    if len(budgets) > 1:
+        raise UserError(f"{path}: [budget] {budgets[0]} and {budgets[1]}: two budgets (keep one)")
+    sparsities = [k for k in SPARSITY_KEYS if k in keys]
+    if budgets and sparsities:
+        raise UserError(f"{path}: [budget] {budgets[0]} and {sparsities[0]}: two budgets (a {budgets[0]} budget "
+                        "allocates the sparsities itself; keep one)")
+
+
+def _config_callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if value is None or ctx.resilient_parsing:
+        return value
+    default_map = load_recipe(value, ctx.command, ctx)
+    ctx.default_map = {**(ctx.default_map or {}), **default_map}
+    ctx.meta[META_FILE] = str(value)
+    ctx.meta[META_KEYS] = {str(p.name): k for k, p in recipe_params(ctx.command).items() if p.name in default_map}
+    return value
+
+
+def config_option() -> click.Option:
+    """The ``--config FILE.toml`` option (eager: read before the other options take their values)."""
+    return click.Option(["--config"], metavar="FILE.toml", default=None, is_eager=True, expose_value=False,
+                        callback=_config_callback,
+                        help="Read the options from a recipe file (sections model, data, budget, method, output, "
+                             "runtime; e.g. RUN/recipe.toml); the command line overrides it.")
+
+
+def budget_from_command_line(ctx: click.Context) -> None:
+    """A budget typed on the command line replaces the recipe's budget: the file's other budget keys
+    (flops / params / latency / the sparsities) go back to their defaults."""
+    names = {"flops", "params", "latency", "sparsity", "mlp_sparsity", "attn_sparsity", "v_sparsity",
+             "head_sparsity"}
+    present = {n for n in names if n in ctx.params}
+    typed = {n for n in present if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE}
+    if not typed:
+        return
+    by_name = {p.name: p for p in ctx.command.params}
+    for n in present - typed:
+        if ctx.get_parameter_source(n) == ParameterSource.DEFAULT_MAP:
+            d = plain_default(by_name[n], ctx)
+            ctx.params[n] = d() if callable(d) else d
+            ctx.set_parameter_source(n, ParameterSource.DEFAULT)
+            ctx.meta.get(META_KEYS, {}).pop(n, None)
+
+
+def name_recipe_keys(ctx: click.Context, err: UserError) -> UserError:
+    """``err`` with `` (KEY from FILE)`` added when its message names an option that the recipe
+    set (so a conflict found by a command's own checks still names the file)."""
+    keys = ctx.meta.get(META_KEYS) or {}
+    named = [k for k in keys.values()
+             if re.search(rf"--(no-)?{re.escape(k)}\b|^{re.escape(k)} ", str(err))]
+    if named and ctx.meta.get(META_FILE) and ctx.meta[META_FILE] not in str(err):
+        err.args = (f"{err} ({', '.join(named)} from {ctx.meta[META_FILE]})", *err.args[1:])
+    return err
+
+
+# ---- writing ------------------------------------------------------------------------------------
+_BARE = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_value(v: Any) -> str:
+    """One TOML value: a boolean, integer, finite float, string, list or inline table."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"not a finite number: {v}")
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(str(v), ensure_ascii=False)  # a TOML basic string (JSON's escapes are TOML's)
+
+
+def _toml_key(k: str) -> str:
+    return k if _BARE.fullmatch(k) else json.dumps(k, ensure_ascii=False)
+
+
+def recipe_text(ctx: click.Context, values: dict[str, Any] | None = None) -> str:
+    """The resolved recipe of the running command: every option with its value (``values`` replaces
+    some, e.g. the output folder chosen by default), by section; ``# default`` marks an option at
+    its default, an unset option is a comment."""
+    name = str(ctx.command.name)
+    params, sections = recipe_params(ctx.command), section_of(ctx.command)
+    values = values or {}
+    lines = [f"# edgeprune {name} recipe (resolved: every option with its value).",
+             f"# Replay: edgeprune {name} --config THIS_FILE [-o NEW]; options typed on the command line win."]
+    for section in ORDER:
+        keys = [k for k in params if sections[k] == section]
+        if not keys:
+            continue
+        lines += ["", f"[{section}]"]
+        for key in keys:
+            p = params[key]
+            v = values.get(key, ctx.params.get(str(p.name)))
+            src = ctx.get_parameter_source(str(p.name))
+            if isinstance(v, Path):
+                v = str(v)
+            if v is None or (p.multiple and not v):
+                lines.append(f"# {key} = (not set)")
+                continue
+            mark = "  # default" if src in (ParameterSource.DEFAULT, None) and key not in values else ""
+            lines.append(f"{key} = {_toml_value(list(v) if isinstance(v, tuple) else v)}{mark}")
+    return "\n".join(lines) + "\n"
+
+
+def write_recipe(ctx: click.Context, path: str | Path, values: dict[str, Any] | None = None) -> Path:
+    """Write :func:`recipe_text` to ``path`` atomically; returns the path.
+
+    Raises:
+        RuntimeFault / OSError: the write failed (the CLI's handler: one line).
+    """
+    p = Path(path)
+    atomic_write_text(p, recipe_text(ctx, values))
+    return p
+
+
+def output_recipe_path(output: str | Path) -> Path:
+    """``<output>.recipe.toml`` beside a file output (quantize, latency-table)."""
+    o = Path(output)
+    return o.with_name(o.name + ".recipe.toml")
+
+
+__all__ = ["SECTIONS", "BUDGET_KEYS", "budget_from_command_line", "config_option", "load_recipe",
+           "name_recipe_keys", "output_recipe_path", "param_key", "recipe_params", "recipe_text", "section_of",
+           "write_recipe"]
