@@ -231,19 +231,22 @@ class _Counting:
     """The fake backends' machine: every run of a module costs a known function of its shape (:func:`_cost`);
     ``calls`` counts the opened modules, ``fail_after`` interrupts the build after N (a Ctrl-C).
 
-    ``overhead``: ms a whole block costs beyond its two sub-blocks; ``outside``: the model without its blocks;
-    ``model_factor`` / ``dense_factor``: pruned / dense whole models cost this times the sum of their parts."""
+    ``overhead``: ms a block costs inside a model beyond its two sub-blocks' compute; ``call``: ms every run of
+    a module pays once (a sub-block timed alone pays it, a block inside a model does not); ``outside``: the model
+    without its blocks; ``model_factor`` / ``dense_factor``: pruned / dense whole models cost this times the sum
+    of their parts."""
 
     calls: list = []
     fail_after: int | None = None
     overhead = 0.0
+    call = 0.0
     outside = 3.0
     model_factor = 1.0
     dense_factor = 1.0
 
     @classmethod
     def reset(cls, **kw) -> None:
-        cls.calls, cls.fail_after, cls.overhead, cls.outside = [], None, 0.0, 3.0
+        cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside = [], None, 0.0, 0.0, 3.0
         cls.model_factor = cls.dense_factor = 1.0
         for k, v in kw.items():
             setattr(cls, k, v)
@@ -267,19 +270,22 @@ def _cost(module) -> tuple[tuple, float]:
     """(what it is, ms of one run) of any module a build times (module doc of :class:`_Counting`)."""
     from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock
 
+    import torch.nn as nn
+
     c = _Counting
     if isinstance(module, MlpSubBlock):
-        return ("mlp", module.fc1.out_features), _mlp_cost(module.fc1.out_features)
+        return ("mlp", module.fc1.out_features), _mlp_cost(module.fc1.out_features) + c.call
     if isinstance(module, AttnSubBlock):
         a = module.attn
-        return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim)
-    if not hasattr(module, "blocks"):  # a whole block
-        h, q, v, m = _block_dims(module)
-        return ("block",), _attn_cost(h, q, v) + _mlp_cost(m) + c.overhead
+        return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim) + c.call
+    if not hasattr(module, "blocks"):  # one whole block, or a chain of them
+        chain = list(module) if isinstance(module, nn.Sequential) else [module]
+        ms = sum(_attn_cost(h, q, v) + _mlp_cost(m) + c.overhead for h, q, v, m in map(_block_dims, chain))
+        return (("chain", len(chain)) if len(chain) > 1 else ("block",)), ms + c.call
     dims = [_block_dims(b) for b in module.blocks]
     if not dims:
-        return ("outside",), c.outside
-    ms = c.outside + sum(_attn_cost(h, q, v) + _mlp_cost(m) + c.overhead for h, q, v, m in dims)
+        return ("outside",), c.outside + c.call
+    ms = c.outside + c.call + sum(_attn_cost(h, q, v) + _mlp_cost(m) + c.overhead for h, q, v, m in dims)
     dense = all(d == (3, 64, 64, 768) for d in dims)
     return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor)
 
@@ -354,7 +360,7 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
 
     _fake_timer()
     out = tmp_path / "t.json"
-    _Counting.reset(fail_after=4, overhead=-0.25)
+    _Counting.reset(fail_after=4, overhead=-0.25, call=0.5)
     with pytest.raises(KeyboardInterrupt):
         build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     first = list(_Counting.calls)
@@ -366,12 +372,13 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     _Counting.calls, _Counting.fail_after = [], None
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
-    # the grid, the dense model, the model without blocks, the dense block, then 3 self-check models
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 3 + 3
+    # the grid, the dense model, the model without blocks, the dense block, a chain, then 3 self-check models
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 4 + 3
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
-    assert t.mlp_ms(768) == 1.0 + 7.68 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0
-    assert t.fixed_ms == _Counting.outside and t.block_overhead_ms == pytest.approx(-0.25)
+    assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5
+    # timed directly: the model without blocks (one call); per block: its cost beyond the two calls of its sub-blocks
+    assert t.fixed_ms == _Counting.outside + 0.5 and t.block_overhead_ms == pytest.approx(-0.25 - 2 * 0.5)
     _Counting.calls = []
     build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert _Counting.calls == []  # a complete table of the same key: nothing to time

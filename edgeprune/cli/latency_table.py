@@ -95,7 +95,7 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
     k = table.key
     n = len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(
-        bool(table.measured.get(w)) for w in ("model", "outside", "block"))
+        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain"))
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
                f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
                f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "

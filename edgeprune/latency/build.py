@@ -200,7 +200,8 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
         key=key, rules=rules, mlp={"widths": list(grid.mlp), "ms": [nan] * len(grid.mlp)},
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
         fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan,
-        measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False},
+        measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
+                  "chain": False},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
@@ -261,13 +262,14 @@ def _check_failed(t: LatencyTable) -> bool:
     return (t.meta.get("self_check") or {}).get("passed") is False
 
 
-#: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block
-WHOLE = ("model", "outside", "block")
+#: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block,
+#: a chain of dense blocks
+WHOLE = ("model", "outside", "block", "chain")
 
 
 def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
     """Everything to time, in order: MLP widths, attention points, then the whole model, the model
-    without its blocks and the dense block."""
+    without its blocks, the dense block and a chain of them."""
     return ([("mlp", (w,)) for w in grid.mlp] + [("attn", p) for p in grid.attn_points()]
             + [(kind, ()) for kind in WHOLE])
 
@@ -288,8 +290,8 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
         return mlp_subblock(anatomy.blocks[0], D, dims[0]), (batch, T, D)
     if kind == "attn":
         return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
-    if kind == "block":
-        return selfcheck.dense_block(anatomy), (batch, T, D)
+    if kind in ("block", "chain"):
+        return selfcheck.dense_blocks(anatomy, 1 if kind == "block" else selfcheck.CHAIN), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 
@@ -379,7 +381,11 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
             _time_entry(t, kind, dims, anatomy, timer, s, batch, refs)
             t.save(out)
             bar.update(1)
-        t = finish(t)
+        try:
+            t = finish(t)
+        except RuntimeFault:
+            t.save(out)
+            raise
 
         def measure(model: Any) -> float:
             bar.set_postfix(entry="self-check")

@@ -14,7 +14,8 @@ build, so every entry is on one load level. Resume keeps the ratios (``meta["rel
 Issue 40: interleaving is the default, and the spread check of :mod:`edgeprune.latency.measure` applies
 to the per-group ratios (an entry whose groups disagree is timed again on the same runners).
 Besides the grid, an entry may be the model without its blocks (``outside``: against both
-references), the dense block whole (``block``: against both) or a whole model of pruned shape
+references), the dense block whole and a chain of them (``block``, ``chain``: against both) or a whole
+model of pruned shape
 (``model``).
 """
 
@@ -141,7 +142,7 @@ def record(t: LatencyTable, kind: str, dims: tuple[int, ...], ratio: float, ref_
     """Store one entry's ratio (and its reference time) in ``t.meta["relative"]``."""
     rel = t.meta.setdefault("relative", {"mlp": {}, "attn": {}, "model": None,
                                          "reference_ms": {"mlp": [], "attn": []}})
-    if kind in ("model", "outside", "block"):
+    if kind in ("model", "outside", "block", "chain"):
         rel[kind] = ratio
     else:
         rel[kind][",".join(map(str, dims))] = ratio
@@ -165,7 +166,7 @@ def apply(t: LatencyTable) -> None:
         both = ref["attn"] + ref["mlp"]
         if rel.get("model") is not None:
             t.dense_model_ms = rel["model"] * both
-        for kind in ("outside", "block"):
+        for kind in ("outside", "block", "chain"):
             if rel.get(kind) is not None:
                 t.meta.setdefault("parts", {})[f"{kind}_ms"] = rel[kind] * both
     t.meta["reference_ms"] = ref

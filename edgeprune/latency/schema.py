@@ -59,10 +59,12 @@ _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, n
 
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
                  "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
+                 "chain": Num(gt=0, nullable=True),
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
 _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
-              "sub_blocks_ms": Num(gt=0)})
+              "chain_ms": Num(gt=0, nullable=True), "chain_blocks": Int(min=2), "sub_blocks_ms": Num(gt=0),
+              "per_block_ms": Num(gt=0)})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1))})
@@ -74,7 +76,7 @@ _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "
              "edgeprune": Str(nullable=True), "parts": _PARTS, "self_check": _SELF_CHECK})
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
-                 "model": Bool(), "outside": Bool(), "block": Bool()})
+                 "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool()})
 
 
 def _fail(field: str, problem: str) -> SchemaError:
@@ -132,7 +134,7 @@ def _times_present(d: dict, complete: bool) -> None:
     if "block_overhead_ms" in d and d["block_overhead_ms"] is None:
         raise _fail("block_overhead_ms", "is null in a complete table")
     parts = d.get("meta", {}).get("parts") or {}
-    for kind in ("outside", "block"):
+    for kind in ("outside", "block", "chain"):
         if measured.get(kind) and parts.get(f"{kind}_ms") is None:
             raise _fail(f"meta.parts.{kind}_ms", f"is missing or null, but measured.{kind} says it was measured")
 
@@ -191,10 +193,10 @@ def check_adds_up(t: Any) -> None:
     mlp, attn = t.mlp_ms(dense["mlp"]), t.attn_ms(dense["heads"], dense["qk"], dense["v"])
     over = float(t.block_overhead_ms)
     parts = t.meta.get("parts")
-    block = (parts or {}).get("block_ms")
+    block = (parts or {}).get("per_block_ms")
     if block is not None and abs(block - (mlp + attn + over)) > tol * block:
-        raise _fail("block_overhead_ms", f"is {over:.4g} ms, but meta.parts.block_ms - (MLP + attention at the "
-                    f"dense dims) = {parts['block_ms'] - mlp - attn:.4g} ms")
+        raise _fail("block_overhead_ms", f"is {over:.4g} ms, but meta.parts.per_block_ms - (MLP + attention at the "
+                    f"dense dims) = {block - mlp - attn:.4g} ms")
     if parts is not None and parts.get("outside_ms") is not None and (
             abs(float(t.fixed_ms) - parts["outside_ms"]) > tol * parts["outside_ms"]):
         raise _fail("fixed_ms", f"is {t.fixed_ms:.4g} ms, but the model without its blocks was timed at "

@@ -5,9 +5,11 @@ parts are timed directly, not by subtraction:
 
 * ``outside``: the model with its blocks removed (patch embedding, position embedding, final norm,
   head; :func:`outside_model`) -- ``fixed_ms``;
-* ``block``: the dense block timed whole (:func:`dense_block`); ``block_overhead_ms`` = that minus
-  the two dense sub-blocks timed apart (the LayerNorms and residual adds are inside the sub-blocks;
-  what differs is what a call costs apart, a constant per block).
+* ``block`` and ``chain``: one dense block, and :data:`CHAIN` of them in sequence, each timed whole
+  (:func:`dense_blocks`): a block inside a model costs ``per_block_ms = (chain - block) / (CHAIN - 1)``
+  -- what a call costs (a module timed alone pays it once; inside the model the blocks do not) cancels
+  in the difference. ``block_overhead_ms`` = that minus the two dense sub-blocks timed apart (each
+  paid a call; the LayerNorms and residual adds are inside them): a constant per block.
 
 Then the self-check (:func:`allocations`, :func:`verdict`): a few allocations spread over the grid
 -- the dense model, and about x0.7, x0.5 and x0.3 of it with heads, head dims (Q/K apart from V
@@ -47,9 +49,17 @@ def outside_model(anatomy: Any) -> nn.Module:
     return m
 
 
-def dense_block(anatomy: Any) -> nn.Module:
-    """A copy of the model's first (dense) block: (B, N, D) -> (B, N, D) (eval mode)."""
-    return copy.deepcopy(anatomy.blocks[0].block).eval()
+#: the dense blocks chained for the per-block term
+CHAIN = 4
+
+
+def dense_blocks(anatomy: Any, n: int = 1) -> nn.Module:
+    """``n`` copies of the model's first (dense) block in sequence (one: the block itself, copied): (B, N, D) ->
+    (B, N, D), eval mode."""
+    block = anatomy.blocks[0].block
+    if n == 1:
+        return copy.deepcopy(block).eval()
+    return nn.Sequential(*[copy.deepcopy(block) for _ in range(n)]).eval()
 
 
 def pruned_model(anatomy: Any, blocks: list[dict[str, int]], seed: int = 0) -> nn.Module:
@@ -139,14 +149,22 @@ class SelfCheckFailed(RuntimeFault):
 
 
 def finish(t: Any) -> Any:
-    """Fill ``fixed_ms`` (the model without its blocks, timed) and ``block_overhead_ms`` (the dense block timed
-    whole minus its two sub-blocks); ``meta["fixed_by_subtraction_ms"]`` keeps what the subtraction of earlier
-    tables gave (dense model - depth x sub-blocks), for comparison. Not yet complete (the self-check decides)."""
+    """Fill ``fixed_ms`` (the model without its blocks, timed) and ``block_overhead_ms`` (a block's cost inside a
+    chain, ``per_block_ms``, minus its two sub-blocks; module doc); ``meta["fixed_by_subtraction_ms"]`` keeps what
+    the subtraction of earlier tables gave (dense model - depth x sub-blocks), for comparison. Not yet complete
+    (the self-check decides)."""
     k, parts = t.key, t.meta["parts"]
     sub = t.mlp_ms(k["mlp_hidden"]) + t.attn_ms(k["num_heads"], k["head_dim"], k["head_dim"])
-    parts["sub_blocks_ms"] = sub
+    parts["sub_blocks_ms"], parts["chain_blocks"] = sub, CHAIN
+    per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (CHAIN - 1)
+    if per_block <= 0:  # time both again on a rerun
+        t.measured["block"] = t.measured["chain"] = False
+        raise RuntimeFault(f"latency table: {CHAIN} dense blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
+                           f"alone {parts['block_ms']:.4g} ms: the machine's load changed too much between them "
+                           "(rerun the command: it times the rest again)")
+    parts["per_block_ms"] = per_block
     t.fixed_ms = float(parts["outside_ms"])
-    t.block_overhead_ms = float(parts["block_ms"]) - sub
+    t.block_overhead_ms = per_block - sub
     t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
     return t
 
@@ -172,4 +190,4 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
 
 
 __all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "allocations",
-           "dense_block", "outside_model", "pruned_model", "run_check", "verdict"]
+           "CHAIN", "dense_blocks", "outside_model", "pruned_model", "run_check", "verdict"]

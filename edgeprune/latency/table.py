@@ -97,7 +97,7 @@ class LatencyTable:
             tables: ``dense_model_ms - depth * (attn + mlp dense)``, clamped at >= 0).
         dense_model_ms: the dense model timed whole on the same backend.
         measured: which grid points were timed: ``{"mlp": [widths], "attn": [[h, qk, v], ...],
-            "model": bool, "outside": bool, "block": bool}``.
+            "model": bool, "outside": bool, "block": bool, "chain": bool}``.
         meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic,
             interleave, clock, repeats, spread, retries), ``parts`` (the outside and dense-block
             times), ``self_check`` (predicted vs measured whole models, :mod:`edgeprune.latency.selfcheck`).
