@@ -291,7 +291,8 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
     if kind == "attn":
         return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
     if kind in ("block", "chain"):
-        return selfcheck.dense_blocks(anatomy, 1 if kind == "block" else selfcheck.CHAIN), (batch, T, D)
+        n = 1 if kind == "block" else selfcheck.chain_length(len(anatomy.blocks))
+        return selfcheck.dense_blocks(anatomy, n), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 
@@ -329,17 +330,6 @@ def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any,
     relative.record(t, kind, dims, got.value, got.reference_ms)
     _record(t, kind, dims, float("nan"))
     relative.apply(t)
-
-
-def _time_model(model: Any, anatomy: Any, timer: Timer, s: TimingSettings, batch: int, refs: References | None,
-                t: LatencyTable) -> float:
-    """ms of a whole model (a self-check allocation), timed as the dense model was (interleaved: its ratio x the
-    table's references)."""
-    shape = (batch, anatomy.in_chans, *anatomy.img_size)
-    if refs is None:
-        return timer.measure(model, shape, s).value
-    ref = t.meta["reference_ms"]
-    return refs.measure("model", model, shape).value * (ref["attn"] + ref["mlp"])
 
 
 def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path, *,
@@ -387,9 +377,11 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
             t.save(out)
             raise
 
-        def measure(model: Any) -> float:
+        def measure(model: Any) -> float:  # a self-check model, timed as the dense one (interleaved: x references)
             bar.set_postfix(entry="self-check")
-            ms = _time_model(model, anatomy, timer, s, batch, refs, t)
+            image = (batch, anatomy.in_chans, *anatomy.img_size)
+            ms = (timer.measure(model, image, s).value if refs is None else refs.measure("model", model, image).value
+                  * (t.meta["reference_ms"]["attn"] + t.meta["reference_ms"]["mlp"]))
             bar.update(1)
             return ms
 

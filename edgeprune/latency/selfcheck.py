@@ -5,8 +5,10 @@ parts are timed directly, not by subtraction:
 
 * ``outside``: the model with its blocks removed (patch embedding, position embedding, final norm,
   head; :func:`outside_model`) -- ``fixed_ms``;
-* ``block`` and ``chain``: one dense block, and :data:`CHAIN` of them in sequence, each timed whole
-  (:func:`dense_blocks`): a block inside a model costs ``per_block_ms = (chain - block) / (CHAIN - 1)``
+* ``block`` and ``chain``: one dense block, and ``depth`` of them in sequence (at least 2,
+  :func:`chain_length`: the weights of as many blocks as the model has, so the caches see what they
+  see in the model), each timed whole (:func:`dense_blocks`): a block inside a model costs
+  ``per_block_ms = (chain - block) / (chain_blocks - 1)``
   -- what a call costs (a module timed alone pays it once; inside the model the blocks do not) cancels
   in the difference. ``block_overhead_ms`` = that minus the two dense sub-blocks timed apart (each
   paid a call; the LayerNorms and residual adds are inside them): a constant per block.
@@ -49,8 +51,9 @@ def outside_model(anatomy: Any) -> nn.Module:
     return m
 
 
-#: the dense blocks chained for the per-block term
-CHAIN = 4
+def chain_length(depth: int) -> int:
+    """How many dense blocks the ``chain`` entry runs in sequence: the model's depth, at least 2."""
+    return max(2, int(depth))
 
 
 def dense_blocks(anatomy: Any, n: int = 1) -> nn.Module:
@@ -155,11 +158,12 @@ def finish(t: Any) -> Any:
     (the self-check decides)."""
     k, parts = t.key, t.meta["parts"]
     sub = t.mlp_ms(k["mlp_hidden"]) + t.attn_ms(k["num_heads"], k["head_dim"], k["head_dim"])
-    parts["sub_blocks_ms"], parts["chain_blocks"] = sub, CHAIN
-    per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (CHAIN - 1)
+    n = chain_length(k["depth"])
+    parts["sub_blocks_ms"], parts["chain_blocks"] = sub, n
+    per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (n - 1)
     if per_block <= 0:  # time both again on a rerun
         t.measured["block"] = t.measured["chain"] = False
-        raise RuntimeFault(f"latency table: {CHAIN} dense blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
+        raise RuntimeFault(f"latency table: {n} dense blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
                            f"alone {parts['block_ms']:.4g} ms: the machine's load changed too much between them "
                            "(rerun the command: it times the rest again)")
     parts["per_block_ms"] = per_block
@@ -190,4 +194,4 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
 
 
 __all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "allocations",
-           "CHAIN", "dense_blocks", "outside_model", "pruned_model", "run_check", "verdict"]
+           "chain_length", "dense_blocks", "outside_model", "pruned_model", "run_check", "verdict"]
