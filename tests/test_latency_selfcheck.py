@@ -43,14 +43,16 @@ def _clean_fake():
     _Counting.reset()
 
 
-@pytest.mark.parametrize("overhead,call", [(-0.4, 0.0), (0.0, 0.3), (0.7, 0.2)])
+@pytest.mark.parametrize("overhead,call,inside", [(-0.4, 0.0, 1.0), (0.0, 0.3, 0.8), (0.7, 0.2, 1.1)])
 @pytest.mark.parametrize("interleave", [False, True])
-def test_overhead_is_recovered_and_the_self_check_passes(tmp_path: Path, tiny_vit, overhead, call,
+def test_overhead_is_recovered_and_the_self_check_passes(tmp_path: Path, tiny_vit, overhead, call, inside,
                                                          interleave) -> None:
-    _Counting.reset(overhead=overhead, call=call)
+    _Counting.reset(overhead=overhead, call=call, inside=inside)
     t = _build(tiny_vit, tmp_path / "t.json", interleave=interleave)
-    # each sub-block timed alone paid a call that a block inside the model does not
-    assert t.block_overhead_ms == pytest.approx(overhead - 2 * call, abs=1e-9)
+    # each sub-block timed alone paid a call that a block inside the model does not; inside, a block costs
+    # ``inside`` x its compute
+    assert t.block_scale == pytest.approx(inside, abs=1e-9)
+    assert t.block_overhead_ms == pytest.approx(overhead - 2 * call * inside, abs=1e-9)
     assert t.fixed_ms == pytest.approx(_Counting.outside + call)  # timed directly (the model's one call)
     chk = t.meta["self_check"]
     assert chk["passed"] and not chk["forced"] and chk["failure"] is None
@@ -73,10 +75,10 @@ def test_without_the_overhead_term_the_table_would_not_add_up(tmp_path: Path, ti
     it (planted fault: the build ignoring the measured block)."""
     from edgeprune.latency import selfcheck
 
-    _Counting.reset(overhead=1.5)
+    _Counting.reset(overhead=1.5, inside=0.7)
     t = _build(tiny_vit, tmp_path / "t.json", force=True)
     assert t.meta["self_check"]["passed"]
-    t.block_overhead_ms = 0.0
+    t.block_overhead_ms, t.block_scale = 0.0, 1.0
     models = [{**m, "predicted_ms": t.model_ms(m["blocks"])} for m in t.meta["self_check"]["models"]]
     for m in models:
         m["error"] = m["predicted_ms"] / m["measured_ms"] - 1.0
@@ -163,9 +165,13 @@ def test_a_hand_table_that_does_not_add_up_is_refused_on_load(tmp_path: Path, sc
 
 @pytest.mark.parametrize("edit,field", [
     (lambda d: d.update(block_overhead_ms=d["block_overhead_ms"] + 5.0), "'block_overhead_ms'"),
+    (lambda d: d.update(block_scale=d["block_scale"] * 1.5), "'block_overhead_ms'"),
     (lambda d: d.update(fixed_ms=d["fixed_ms"] * 2), "'fixed_ms'"),
+    # the MLP entries below the dense width: the half point's per-block cost no longer follows from them
     (lambda d: d["mlp"].update(ms=[x * 1.5 for x in d["mlp"]["ms"][:-1]] + d["mlp"]["ms"][-1:]),
-     "'meta.self_check.models[1].predicted_ms'"),
+     "'block_overhead_ms'"),
+    (lambda d: d["meta"]["self_check"]["models"][3].update(predicted_ms=d["meta"]["self_check"]["models"][3][
+        "predicted_ms"] * 1.01), "'meta.self_check.models[3].predicted_ms'"),
     (lambda d: d["meta"]["self_check"]["models"][2].update(measured_ms=100.0), "'meta.self_check.models[2]'"),
     (lambda d: d["meta"]["self_check"]["models"][1]["blocks"][0].update(mlp=4), "'meta.self_check.models[1].blocks'"),
 ])
@@ -179,11 +185,13 @@ def test_a_new_table_edited_by_hand_is_refused_naming_the_part(tmp_path: Path, t
 
 @pytest.mark.parametrize("field,value", [
     ("block_overhead_ms", "x"), ("block_overhead_ms", float("nan")), ("block_overhead_ms", None),
+    ("block_scale", 0), ("block_scale", -1.0), ("block_scale", None), ("block_scale", "1"),
     ("meta.self_check.passed", "yes"), ("meta.self_check.tolerance", 0), ("meta.self_check.tolerance", 2),
     ("meta.self_check.models", "all"), ("meta.self_check.models[0].measured_ms", -1.0),
     ("meta.self_check.models[0].blocks", []), ("meta.self_check.models[0].name", ""),
     ("meta.self_check.forced", 1), ("meta.parts.outside_ms", 0), ("meta.parts.block_ms", "1"),
     ("meta.parts.chain_ms", -2.0), ("meta.parts.chain_blocks", 1), ("measured.chain", None),
+    ("meta.parts.chain_half_ms", 0), ("meta.parts.half_dims", {"mlp": 0}), ("measured.chain_half", "x"),
     ("meta.settings.repeats", 0), ("meta.settings.spread", 0), ("meta.settings.retries", -1),
     ("measured.outside", "no"), ("measured.block", 1),
 ])
@@ -222,21 +230,20 @@ def test_a_table_without_the_new_fields_loads_and_prices_exactly_as_before(tmp_p
     from edgeprune.budget.latency import LatencyCost
 
     d = _hand_table().to_dict()
-    del d["block_overhead_ms"]
+    del d["block_overhead_ms"], d["block_scale"]
     t = LatencyTable.load(_save(tmp_path, d))
-    assert t.block_overhead_ms == 0.0 and t.unverified is None
+    assert t.block_overhead_ms == 0.0 and t.block_scale == 1.0 and t.unverified is None
     cost = object.__new__(LatencyCost)  # the cost model's pricing without an anatomy
-    cost.table, cost._overhead, cost.query_tokens = t, float(t.block_overhead_ms), {}
+    cost.table, cost.query_tokens = t, {}
     b = types.SimpleNamespace(index=0)
     for dims in ({"mlp": 24, "heads": 3, "qk": 10, "v": 13}, {"mlp": 64, "heads": 4, "qk": 16, "v": 16}):
         assert cost.block_cost(b, dims) == t.block_ms(dims)  # bit for bit
     assert t.dense_ms() == t.fixed_ms + 3 * t.block_ms(t.dense_dims())
-    # a table with the term: priced per block
-    t.block_overhead_ms = 0.25
-    cost._overhead = 0.25
+    # a table with the terms: priced per block
+    t.block_overhead_ms, t.block_scale = 0.25, 0.8
     dims = {"mlp": 24, "heads": 3, "qk": 10, "v": 13}
-    assert cost.block_cost(b, dims) == t.block_ms(dims) + 0.25
-    assert t.model_ms([dims, dims]) == pytest.approx(t.fixed_ms + 2 * (t.block_ms(dims) + 0.25))
+    assert cost.block_cost(b, dims) == pytest.approx(0.8 * t.block_ms(dims) + 0.25)
+    assert t.model_ms([dims, dims]) == pytest.approx(t.fixed_ms + 2 * (0.8 * t.block_ms(dims) + 0.25))
 
 
 # -- the spread check --------------------------------------------------------------------------
@@ -352,3 +359,29 @@ def test_cli_spread_options_bad_values_and_conflicts(tmp_path: Path, args, patte
     r = run_cli([*PLAIN, *args, "-o", tmp_path / "t.json"])
     assert_one_line_error(r, pattern, 2)
     assert not (tmp_path / "t.json").exists()
+
+
+def test_the_chain_holds_distinct_weights_of_the_blocks_scale(tiny_vit) -> None:
+    """A chain of copies of one block with equal weights would be timed as one block's weights n times (a runtime
+    may share equal initializers): every copy is perturbed, slightly."""
+    import torch
+
+    from edgeprune.anatomy import find_anatomy
+    from edgeprune.latency.selfcheck import chain_length, model_blocks
+
+    chain = model_blocks(tiny_vit)
+    assert len(chain) == 2 and chain_length(1) == 2 and chain_length(12) == 12
+    for c, b in zip(chain, tiny_vit.blocks):  # the model's own blocks
+        assert torch.equal(c.mlp.fc1.weight, b.block.mlp.fc1.weight)
+    one = find_anatomy(timm_one_block())
+    chain = model_blocks(one)
+    w = [c.mlp.fc1.weight for c in chain]
+    assert len(chain) == 2 and not torch.equal(w[0], w[1]) and torch.allclose(w[0], w[1], rtol=0.05, atol=1e-3)
+    half = model_blocks(tiny_vit, {"heads": 2, "qk": 32, "v": 32, "mlp": 384})
+    assert [b.mlp.fc1.out_features for b in half] == [384, 384] and half[0].attn.num_heads == 2
+
+
+def timm_one_block():
+    from edgeprune._compat import import_timm
+
+    return import_timm().create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1).eval()

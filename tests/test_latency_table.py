@@ -231,7 +231,8 @@ class _Counting:
     """The fake backends' machine: every run of a module costs a known function of its shape (:func:`_cost`);
     ``calls`` counts the opened modules, ``fail_after`` interrupts the build after N (a Ctrl-C).
 
-    ``overhead``: ms a block costs inside a model beyond its two sub-blocks' compute; ``call``: ms every run of
+    ``overhead``: ms a block costs inside a model beyond ``inside`` x its two sub-blocks' compute; ``call``: ms
+    every run of
     a module pays once (a sub-block timed alone pays it, a block inside a model does not); ``outside``: the model
     without its blocks; ``model_factor`` / ``dense_factor``: pruned / dense whole models cost this times the sum
     of their parts."""
@@ -239,6 +240,7 @@ class _Counting:
     calls: list = []
     fail_after: int | None = None
     overhead = 0.0
+    inside = 1.0
     call = 0.0
     outside = 3.0
     model_factor = 1.0
@@ -247,7 +249,7 @@ class _Counting:
     @classmethod
     def reset(cls, **kw) -> None:
         cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside = [], None, 0.0, 0.0, 3.0
-        cls.model_factor = cls.dense_factor = 1.0
+        cls.model_factor = cls.dense_factor = cls.inside = 1.0
         for k, v in kw.items():
             setattr(cls, k, v)
 
@@ -280,12 +282,12 @@ def _cost(module) -> tuple[tuple, float]:
         return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim) + c.call
     if not hasattr(module, "blocks"):  # one whole block, or a chain of them
         chain = list(module) if isinstance(module, nn.Sequential) else [module]
-        ms = sum(_attn_cost(h, q, v) + _mlp_cost(m) + c.overhead for h, q, v, m in map(_block_dims, chain))
+        ms = sum(c.inside * (_attn_cost(h, q, v) + _mlp_cost(m)) + c.overhead for h, q, v, m in map(_block_dims, chain))
         return (("chain", len(chain)) if len(chain) > 1 else ("block",)), ms + c.call
     dims = [_block_dims(b) for b in module.blocks]
     if not dims:
         return ("outside",), c.outside + c.call
-    ms = c.outside + c.call + sum(_attn_cost(h, q, v) + _mlp_cost(m) + c.overhead for h, q, v, m in dims)
+    ms = c.outside + c.call + sum(c.inside * (_attn_cost(h, q, v) + _mlp_cost(m)) + c.overhead for h, q, v, m in dims)
     dense = all(d == (3, 64, 64, 768) for d in dims)
     return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor)
 
@@ -372,8 +374,8 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     _Counting.calls, _Counting.fail_after = [], None
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
-    # the grid, the dense model, the model without blocks, the dense block, a chain, then 3 self-check models
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 4 + 3
+    # the grid, the dense model, the model without blocks, the dense block, two chains, then 3 self-check models
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 5 + 3
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
     assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5
@@ -586,7 +588,8 @@ def test_interleave_cancels_a_drifting_load(tmp_path: Path, tiny_vit) -> None:
     _Counting.reset()
     plain = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, force=True), tmp_path / "a.json",
                         show_progress=False)
-    il = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, interleave=True), tmp_path / "b.json",
+    il = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, interleave=True, force=True),
+                     tmp_path / "b.json",
                      show_progress=False)
     true = [1.0 + w / 100.0 for w in il.mlp["widths"]]
     rel_il = [ms / il.mlp["ms"][-1] for ms in il.mlp["ms"]]

@@ -6,11 +6,12 @@ budget ``{"kind": "latency", "value": v[, "unit": "ms"], "table": path}`` that g
 parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.budget.parse``,
 ``edgeprune.allocation.greedy``): only the prices differ.
 
-* ``block_cost(b, dims)`` = ``table.block_ms(dims) + table.block_overhead_ms``: the MLP sub-block at
-  the kept width plus the attention sub-block at (kept heads, Q/K dim, V dim), interpolated between
-  the measured grid points (:class:`edgeprune.latency.table.LatencyTable`), plus the measured
-  per-block term the sub-blocks timed apart miss (issue 40; 0 in tables built before it, which
-  therefore price exactly as before);
+* ``block_cost(b, dims)`` = ``table.block_total(dims)`` = ``block_scale x block_ms(dims) +
+  block_overhead_ms``: the MLP sub-block at the kept width plus the attention sub-block at (kept
+  heads, Q/K dim, V dim), interpolated between the measured grid points
+  (:class:`edgeprune.latency.table.LatencyTable`), corrected by the measured per-block terms of what
+  the sub-blocks timed apart miss (issue 40; 1 and 0 in tables built before it, which therefore
+  price exactly as before);
 * ``fixed_cost()`` = ``table.fixed_ms`` (patch embedding, position embedding, final norm, head).
 
 A table whose self-check missed and was kept with ``--force`` is *unverified*: the record says so
@@ -94,7 +95,6 @@ class LatencyCost(CostModel):
         self.table.check_model(anatomy)
         self.n = anatomy.num_tokens
         self._rules = dict(self.table.rules)
-        self._overhead = float(self.table.block_overhead_ms)
 
     @property
     def rules(self) -> dict[str, Any]:
@@ -104,9 +104,7 @@ class LatencyCost(CostModel):
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         """ms of block ``b`` at kept ``dims``: the table's sub-blocks plus its per-block overhead (a class-token
         block: that, times its FLOPs ratio; module doc)."""
-        ms = self.table.block_ms(dims)
-        if self._overhead:  # issue 40; a table without it prices bit for bit as before
-            ms = ms + self._overhead
+        ms = self.table.block_total(dims)  # issue 40; a table without its terms prices bit for bit as before
         t = self.query_tokens.get(b.index)
         if t is None:
             return ms
@@ -127,7 +125,8 @@ class LatencyCost(CostModel):
         """What the run record says about the table: path, key, rules, dense latencies (ms)."""
         return {"table": self.path, "key": dict(self.table.key), "rules": dict(self.rules),
                 "dense_predicted_ms": self.table.dense_ms(), "dense_measured_ms": float(self.table.dense_model_ms),
-                "unit": "ms per batch of key.batch images", "block_overhead_ms": self._overhead,
+                "unit": "ms per batch of key.batch images", "block_overhead_ms": float(self.table.block_overhead_ms),
+                "block_scale": float(self.table.block_scale),
                 "self_check": _check_summary(self.table), "unverified": self.table.unverified,
                 "class_token_blocks": ("estimated: full block x FLOPs ratio with the class token only"
                                        if self.query_tokens else None)}

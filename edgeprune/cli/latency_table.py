@@ -95,11 +95,11 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
     k = table.key
     n = len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(
-        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain"))
+        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain", "chain_half"))
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
                f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
                f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "
-               f"blocks {k['depth']} x ({table.block_ms(table.dense_dims()):.2f} + overhead "
+               f"blocks {k['depth']} x ({table.block_scale:.3f} x {table.block_ms(table.dense_dims()):.2f} + "
                f"{table.block_overhead_ms:.2f}) ms, outside the blocks {table.fixed_ms:.2f} ms")
     chk = table.meta.get("self_check") or {}
     click.echo("self-check (predicted / measured whole): " + ", ".join(

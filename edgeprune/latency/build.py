@@ -21,6 +21,7 @@ different key (or grid) is refused unless ``force`` (then it is rebuilt from scr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as _dt
 import math
@@ -199,9 +200,9 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
     return LatencyTable(
         key=key, rules=rules, mlp={"widths": list(grid.mlp), "ms": [nan] * len(grid.mlp)},
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
-        fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan,
+        fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
         measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
-                  "chain": False},
+                  "chain": False, "chain_half": False},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
@@ -264,7 +265,7 @@ def _check_failed(t: LatencyTable) -> bool:
 
 #: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block,
 #: a chain of dense blocks
-WHOLE = ("model", "outside", "block", "chain")
+WHOLE = ("model", "outside", "block", "chain", "chain_half")
 
 
 def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
@@ -290,9 +291,10 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
         return mlp_subblock(anatomy.blocks[0], D, dims[0]), (batch, T, D)
     if kind == "attn":
         return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
-    if kind in ("block", "chain"):
-        n = 1 if kind == "block" else selfcheck.chain_length(len(anatomy.blocks))
-        return selfcheck.dense_blocks(anatomy, n), (batch, T, D)
+    if kind == "block":
+        return copy.deepcopy(anatomy.blocks[0].block).eval(), (batch, T, D)
+    if kind in ("chain", "chain_half"):
+        return selfcheck.model_blocks(anatomy, selfcheck.half_dims(t) if kind == "chain_half" else None), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 

@@ -59,12 +59,13 @@ _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, n
 
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
                  "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
-                 "chain": Num(gt=0, nullable=True),
+                 "chain": Num(gt=0, nullable=True), "chain_half": Num(gt=0, nullable=True),
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
 _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
-              "chain_ms": Num(gt=0, nullable=True), "chain_blocks": Int(min=2), "sub_blocks_ms": Num(gt=0),
-              "per_block_ms": Num(gt=0)})
+              "chain_ms": Num(gt=0, nullable=True), "chain_half_ms": Num(gt=0, nullable=True),
+              "chain_blocks": Int(min=2), "sub_blocks_ms": Num(gt=0), "sub_blocks_half_ms": Num(gt=0),
+              "per_block_ms": Num(gt=0), "per_block_half_ms": Num(gt=0), "half_dims": MapOf(Int(min=1))})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1))})
@@ -76,7 +77,8 @@ _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "
              "edgeprune": Str(nullable=True), "parts": _PARTS, "self_check": _SELF_CHECK})
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
-                 "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool()})
+                 "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),
+                 "chain_half": Bool()})
 
 
 def _fail(field: str, problem: str) -> SchemaError:
@@ -131,10 +133,11 @@ def _times_present(d: dict, complete: bool) -> None:
     for name in ("fixed_ms", "dense_model_ms"):
         if d[name] is None:
             raise _fail(name, "is null in a complete table")
-    if "block_overhead_ms" in d and d["block_overhead_ms"] is None:
-        raise _fail("block_overhead_ms", "is null in a complete table")
+    for name in ("block_overhead_ms", "block_scale"):
+        if name in d and d[name] is None:
+            raise _fail(name, "is null in a complete table")
     parts = d.get("meta", {}).get("parts") or {}
-    for kind in ("outside", "block", "chain"):
+    for kind in ("outside", "block", "chain", "chain_half"):
         if measured.get(kind) and parts.get(f"{kind}_ms") is None:
             raise _fail(f"meta.parts.{kind}_ms", f"is missing or null, but measured.{kind} says it was measured")
 
@@ -149,6 +152,7 @@ TABLE_SCHEMA = Obj({
     "fixed_ms": Req(Num(ge=0, nullable=True, want="a finite time >= 0 in ms")),
     "dense_model_ms": Req(_MS),
     "block_overhead_ms": Num(nullable=True, want="a finite time in ms (negative: a call the block saves)"),
+    "block_scale": Num(gt=0, nullable=True),
     "measured": _MEASURED,
     "meta": _META,
 }, then=_consistent)
@@ -191,12 +195,13 @@ def check_adds_up(t: Any) -> None:
     k, tol = t.key, ADD_UP_TOLERANCE
     dense = t.dense_dims()
     mlp, attn = t.mlp_ms(dense["mlp"]), t.attn_ms(dense["heads"], dense["qk"], dense["v"])
-    over = float(t.block_overhead_ms)
+    over, scale = float(t.block_overhead_ms), float(t.block_scale)
     parts = t.meta.get("parts")
-    block = (parts or {}).get("per_block_ms")
-    if block is not None and abs(block - (mlp + attn + over)) > tol * block:
-        raise _fail("block_overhead_ms", f"is {over:.4g} ms, but meta.parts.per_block_ms - (MLP + attention at the "
-                    f"dense dims) = {block - mlp - attn:.4g} ms")
+    for pb, dims in (("per_block_ms", dense), ("per_block_half_ms", (parts or {}).get("half_dims"))):
+        block = (parts or {}).get(pb)
+        if block is not None and dims and abs(block - t.block_total(dims)) > tol * block:
+            raise _fail("block_overhead_ms", f"is {over:.4g} ms with block_scale {scale:.4g}: they give "
+                        f"{t.block_total(dims):.4g} ms per block at {dims}, but meta.parts.{pb} is {block:.4g} ms")
     if parts is not None and parts.get("outside_ms") is not None and (
             abs(float(t.fixed_ms) - parts["outside_ms"]) > tol * parts["outside_ms"]):
         raise _fail("fixed_ms", f"is {t.fixed_ms:.4g} ms, but the model without its blocks was timed at "
@@ -205,8 +210,8 @@ def check_adds_up(t: Any) -> None:
     gap = whole / float(t.dense_model_ms) - 1.0
     if abs(gap) > tol:
         raise _fail("dense_model_ms", f"is {t.dense_model_ms:.4g} ms, but the table's parts add up to {whole:.4g} ms "
-                    f"(fixed_ms {t.fixed_ms:.4g} + depth {k['depth']} x (mlp {mlp:.4g} + attn {attn:.4g} + "
-                    f"block_overhead_ms {over:.4g})): {_pct(gap)}, more than {100 * tol:.0f}%")
+                    f"(fixed_ms {t.fixed_ms:.4g} + depth {k['depth']} x (block_scale {scale:.4g} x (mlp {mlp:.4g} + "
+                    f"attn {attn:.4g}) + block_overhead_ms {over:.4g})): {_pct(gap)}, more than {100 * tol:.0f}%")
     for i, m in enumerate(chk.get("models", [])):
         field = f"meta.self_check.models[{i}]"
         try:

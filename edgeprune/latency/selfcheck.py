@@ -1,17 +1,23 @@
 """The parts of a model a latency table times besides the grid, and its self-check (issue 40, item 1).
 
-A table predicts a model as ``fixed_ms + sum over blocks (MLP + attention + block_overhead_ms)``. Its
-parts are timed directly, not by subtraction:
+A table predicts a model as ``fixed_ms + sum over blocks (block_scale x (MLP + attention) +
+block_overhead_ms)``. Its parts are timed directly, not by subtraction:
 
 * ``outside``: the model with its blocks removed (patch embedding, position embedding, final norm,
   head; :func:`outside_model`) -- ``fixed_ms``;
-* ``block`` and ``chain``: one dense block, and ``depth`` of them in sequence (at least 2,
-  :func:`chain_length`: the weights of as many blocks as the model has, so the caches see what they
+* ``block`` and ``chain``: one dense block, and the model's own blocks in sequence (at least 2,
+  :func:`chain_length`; the weights of as many blocks as the model has, so the caches see what they
   see in the model), each timed whole (:func:`dense_blocks`): a block inside a model costs
-  ``per_block_ms = (chain - block) / (chain_blocks - 1)``
-  -- what a call costs (a module timed alone pays it once; inside the model the blocks do not) cancels
-  in the difference. ``block_overhead_ms`` = that minus the two dense sub-blocks timed apart (each
-  paid a call; the LayerNorms and residual adds are inside them): a constant per block.
+  ``per_block_ms = (chain - block) / (chain_blocks - 1)`` -- what a call costs (a module timed alone
+  pays it once; inside the model the blocks do not) cancels in the difference;
+* ``chain_half``: the blocks of a model of half the dense dims (:func:`half_dims`), in sequence: a
+  block of those dims inside a model costs ``(chain_half - call) / chain_blocks``, with the call
+  ``block - per_block_ms``.
+
+A block inside a model does not cost what its two sub-blocks cost timed apart (each paid a call;
+measured on a shared 2-core CPU it was also cheaper in proportion to its size): the two per-block
+costs give the line ``per_block = block_scale x (MLP + attention) + block_overhead_ms`` through the
+dense and the half point (:func:`finish`).
 
 Then the self-check (:func:`allocations`, :func:`verdict`): a few allocations spread over the grid
 -- the dense model, and about x0.7, x0.5 and x0.3 of it with heads, head dims (Q/K apart from V
@@ -52,17 +58,37 @@ def outside_model(anatomy: Any) -> nn.Module:
 
 
 def chain_length(depth: int) -> int:
-    """How many dense blocks the ``chain`` entry runs in sequence: the model's depth, at least 2."""
+    """How many blocks the ``chain`` entries run in sequence: the model's depth, at least 2."""
     return max(2, int(depth))
 
 
-def dense_blocks(anatomy: Any, n: int = 1) -> nn.Module:
-    """``n`` copies of the model's first (dense) block in sequence (one: the block itself, copied): (B, N, D) ->
-    (B, N, D), eval mode."""
-    block = anatomy.blocks[0].block
-    if n == 1:
-        return copy.deepcopy(block).eval()
-    return nn.Sequential(*[copy.deepcopy(block) for _ in range(n)]).eval()
+def half_dims(t: Any) -> dict[str, int]:
+    """The ``chain_half`` entry's block dims: about half the dense heads, head dims and MLP width, on the table's
+    rules and within its grid."""
+    k, r = t.key, t.rules
+    d = _snap(k["head_dim"] / 2, r["head_dim_round_to"], max(t.attn["qk"][0], t.attn["v"][0]), k["head_dim"])
+    return {"heads": int(max(t.attn["heads"][0], round(k["num_heads"] / 2))), "qk": d, "v": d,
+            "mlp": _snap(k["mlp_hidden"] / 2, r["mlp_round_to"], t.mlp["widths"][0], k["mlp_hidden"])}
+
+
+def model_blocks(anatomy: Any, dims: dict[str, int] | None = None) -> nn.Module:
+    """The blocks of a copy of the model -- dense, or rebuilt with every block at ``dims`` -- as one module in
+    sequence, (B, N, D) -> (B, N, D); a one-block model's block twice (the second copy perturbed by a seeded 0.1%:
+    distinct weights, which a runtime does not share)."""
+    depth = len(anatomy.blocks)
+    if dims is None:
+        m = copy.deepcopy(anatomy.model)
+    else:
+        m = pruned_model(anatomy, [dims] * depth)
+    blocks = list(backbone_vit(m).blocks)
+    if len(blocks) == 1:
+        extra = copy.deepcopy(blocks[0])
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in extra.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3 * (float(p.abs().mean()) + 1e-3))
+        blocks.append(extra)
+    return nn.Sequential(*blocks).eval()
 
 
 def pruned_model(anatomy: Any, blocks: list[dict[str, int]], seed: int = 0) -> nn.Module:
@@ -138,7 +164,7 @@ def verdict(t: Any, models: list[dict[str, Any]], tolerance: float = ADD_UP_TOLE
         say = (f"predicted {m['predicted_ms']:.4g} ms, measured {m['measured_ms']:.4g} ms whole "
                f"({100 * m['error']:+.1f}%, more than {100 * tolerance:.0f}%)")
         if m["name"] == "dense":
-            block = t.block_ms(t.dense_dims()) + float(t.block_overhead_ms)
+            block = t.block_total(t.dense_dims())
             failure = (f"the parts do not add up to the dense model: outside the blocks {t.fixed_ms:.4g} ms + "
                        f"{t.key['depth']} x block {block:.4g} ms {say}")
         else:
@@ -157,18 +183,22 @@ def finish(t: Any) -> Any:
     the subtraction of earlier tables gave (dense model - depth x sub-blocks), for comparison. Not yet complete
     (the self-check decides)."""
     k, parts = t.key, t.meta["parts"]
-    sub = t.mlp_ms(k["mlp_hidden"]) + t.attn_ms(k["num_heads"], k["head_dim"], k["head_dim"])
+    sub = t.block_ms(t.dense_dims())
+    half = half_dims(t)
+    sub_half = t.block_ms(half)
     n = chain_length(k["depth"])
-    parts["sub_blocks_ms"], parts["chain_blocks"] = sub, n
+    parts.update(sub_blocks_ms=sub, chain_blocks=n, half_dims=half, sub_blocks_half_ms=sub_half)
     per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (n - 1)
-    if per_block <= 0:  # time both again on a rerun
-        t.measured["block"] = t.measured["chain"] = False
-        raise RuntimeFault(f"latency table: {n} dense blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
-                           f"alone {parts['block_ms']:.4g} ms: the machine's load changed too much between them "
-                           "(rerun the command: it times the rest again)")
-    parts["per_block_ms"] = per_block
+    per_half = (float(parts["chain_half_ms"]) - (float(parts["block_ms"]) - per_block)) / n
+    if per_block <= 0 or per_half <= 0 or per_half >= per_block or sub_half >= sub:  # time them again on a rerun
+        t.measured["block"] = t.measured["chain"] = t.measured["chain_half"] = False
+        raise RuntimeFault(f"latency table: the model's {n} blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
+                           f"alone {parts['block_ms']:.4g} ms, {n} half blocks {parts['chain_half_ms']:.4g} ms: the "
+                           "machine's load changed too much between them (rerun the command: it times them again)")
+    parts.update(per_block_ms=per_block, per_block_half_ms=per_half)
     t.fixed_ms = float(parts["outside_ms"])
-    t.block_overhead_ms = per_block - sub
+    t.block_scale = (per_block - per_half) / (sub - sub_half)
+    t.block_overhead_ms = per_block - t.block_scale * sub
     t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
     return t
 
@@ -194,4 +224,4 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
 
 
 __all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "allocations",
-           "chain_length", "dense_blocks", "outside_model", "pruned_model", "run_check", "verdict"]
+           "chain_length", "half_dims", "model_blocks", "outside_model", "pruned_model", "run_check", "verdict"]

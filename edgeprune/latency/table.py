@@ -101,8 +101,10 @@ class LatencyTable:
         meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic,
             interleave, clock, repeats, spread, retries), ``parts`` (the outside and dense-block
             times), ``self_check`` (predicted vs measured whole models, :mod:`edgeprune.latency.selfcheck`).
-        block_overhead_ms: ms added per block to the two sub-blocks' sum (may be negative: a
-            sub-block timed alone pays a call the block does not); 0 for tables without it.
+        block_overhead_ms, block_scale: a block inside a model costs ``block_scale x`` its two
+            sub-blocks' sum ``+ block_overhead_ms`` (:meth:`block_total`; the overhead may be
+            negative: a sub-block timed alone pays a call the block does not); 0 and 1 for tables
+            without them.
     """
 
     key: dict
@@ -114,6 +116,7 @@ class LatencyTable:
     measured: dict = dataclasses.field(default_factory=dict)
     meta: dict = dataclasses.field(default_factory=dict)
     block_overhead_ms: float = 0.0
+    block_scale: float = 1.0
 
     # -- prediction -------------------------------------------------------------------------
     def mlp_ms(self, width: int) -> float:
@@ -169,20 +172,25 @@ class LatencyTable:
         k = self.key
         return {"mlp": k["mlp_hidden"], "qk": k["head_dim"], "v": k["head_dim"], "heads": k["num_heads"]}
 
+    def block_total(self, dims: dict[str, int]) -> float:
+        """Predicted ms of one block of ``dims`` inside a model: ``block_scale x block_ms(dims) + block_overhead_ms``
+        (``block_ms`` itself for a table without those terms)."""
+        ms = self.block_ms(dims)
+        scale, over = float(self.block_scale), float(self.block_overhead_ms)
+        return ms if scale == 1.0 and over == 0.0 else scale * ms + over
+
     def dense_ms(self) -> float:
-        """Predicted dense model ms: ``fixed_ms + depth * (block_ms(dense dims) + block_overhead_ms)``."""
-        return float(self.fixed_ms) + int(self.key["depth"]) * (self.block_ms(self.dense_dims())
-                                                                 + float(self.block_overhead_ms))
+        """Predicted dense model ms: ``fixed_ms + depth * block_total(dense dims)``."""
+        return float(self.fixed_ms) + int(self.key["depth"]) * self.block_total(self.dense_dims())
 
     def model_ms(self, blocks: Sequence[dict[str, int]]) -> float:
         """Predicted ms of a whole model whose blocks keep ``blocks`` (one dims dict per block,
-        :meth:`block_ms`): ``fixed_ms + sum(block_ms + block_overhead_ms)``.
+        :meth:`block_ms`): ``fixed_ms + sum(block_total)``.
 
         Raises:
             UserError: a dim outside the grid.
         """
-        over = float(self.block_overhead_ms)
-        return float(self.fixed_ms) + sum(self.block_ms(d) + over for d in blocks)
+        return float(self.fixed_ms) + sum(self.block_total(d) for d in blocks)
 
     @property
     def unverified(self) -> str | None:
@@ -222,6 +230,7 @@ class LatencyTable:
         d["mlp"]["ms"] = [_num_out(x) for x in self.mlp["ms"]]
         d["fixed_ms"], d["dense_model_ms"] = _num_out(self.fixed_ms), _num_out(self.dense_model_ms)
         d["block_overhead_ms"] = _num_out(self.block_overhead_ms)  # None: not measured yet (a build in progress)
+        d["block_scale"] = _num_out(self.block_scale)
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -245,7 +254,7 @@ class LatencyTable:
         t.attn["ms"] = [[[_num_in(x) for x in row] for row in plane] for plane in t.attn["ms"]]
         t.mlp["ms"] = [_num_in(x) for x in t.mlp["ms"]]
         t.fixed_ms, t.dense_model_ms = _num_in(t.fixed_ms), _num_in(t.dense_model_ms)
-        t.block_overhead_ms = _num_in(t.block_overhead_ms)
+        t.block_overhead_ms, t.block_scale = _num_in(t.block_overhead_ms), _num_in(t.block_scale)
         try:
             check_adds_up(t)
         except SchemaError as err:
