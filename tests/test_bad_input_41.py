@@ -189,8 +189,8 @@ def _partial(tmp_path: Path, **settings) -> Path:
     """A real tiny table (torch, 3 iterations), made partial: the whole-model entry unmeasured."""
     out = tmp_path / "t.json"
     r = run_cli(["latency-table", *MODEL, "--random-init", "--backend", "torch", "--threads", "1", "--warmup", "0",
-                 "--iterations", "3", "--max-seconds", "0.05", "--quiet", "-o", out])
-    assert r.exit_code == 0, r.output
+                 "--iterations", "3", "--max-seconds", "0.05", "--quiet", "--force", "-o", out])
+    assert r.exit_code == 0, r.output  # --force: kept should its self-check (issue 40) miss on this shared box
     d = json.loads(out.read_text())
     d["meta"]["complete"], d["measured"]["model"], d["dense_model_ms"], d["fixed_ms"] = False, False, None, None
     for k, v in settings.items():

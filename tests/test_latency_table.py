@@ -228,11 +228,68 @@ def test_grid_keeps_a_dense_width_off_the_rule() -> None:
 # -- building: a fake backend that counts calls -------------------------------------------------
 
 class _Counting:
-    """Registered as a timing backend: ms = a known function of the module's shape; counts calls,
-    and can fail after N calls (an interrupted build)."""
+    """The fake backends' machine: every run of a module costs a known function of its shape (:func:`_cost`);
+    ``calls`` counts the opened modules, ``fail_after`` interrupts the build after N (a Ctrl-C).
+
+    ``overhead``: ms a block costs inside a model beyond ``inside`` x its two sub-blocks' compute; ``call``: ms
+    every run of
+    a module pays once (a sub-block timed alone pays it, a block inside a model does not); ``outside``: the model
+    without its blocks; ``model_factor`` / ``dense_factor``: pruned / dense whole models cost this times the sum
+    of their parts."""
 
     calls: list = []
     fail_after: int | None = None
+    overhead = 0.0
+    inside = 1.0
+    call = 0.0
+    outside = 3.0
+    model_factor = 1.0
+    dense_factor = 1.0
+
+    @classmethod
+    def reset(cls, **kw) -> None:
+        cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside = [], None, 0.0, 0.0, 3.0
+        cls.model_factor = cls.dense_factor = cls.inside = 1.0
+        for k, v in kw.items():
+            setattr(cls, k, v)
+
+
+def _mlp_cost(w: int) -> float:
+    return 1.0 + w / 100.0
+
+
+def _attn_cost(h: int, q: int, v: int) -> float:
+    return 2.0 + h * (2 * q + v) / 100.0
+
+
+def _block_dims(blk) -> tuple[int, int, int, int]:
+    """(heads, qk, v, mlp) of a timm block (dense or rebuilt with a PrunedAttention)."""
+    a = blk.attn
+    return a.num_heads, getattr(a, "qk_dim", a.head_dim), getattr(a, "v_dim", a.head_dim), blk.mlp.fc1.out_features
+
+
+def _cost(module) -> tuple[tuple, float]:
+    """(what it is, ms of one run) of any module a build times (module doc of :class:`_Counting`)."""
+    from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock
+
+    import torch.nn as nn
+
+    c = _Counting
+    if isinstance(module, MlpSubBlock):
+        return ("mlp", module.fc1.out_features), _mlp_cost(module.fc1.out_features) + c.call
+    if isinstance(module, AttnSubBlock):
+        a = module.attn
+        return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim) + c.call
+    if not hasattr(module, "blocks"):  # one whole block, or a chain of them
+        chain = list(module) if isinstance(module, nn.Sequential) else [module]
+        ms = sum(c.inside * (_attn_cost(h, q, v) + _mlp_cost(m)) + c.overhead for h, q, v, m in map(_block_dims, chain))
+        return (("chain", len(chain)) if len(chain) > 1 else ("block",)), ms + c.call
+    dims = [_block_dims(b) for b in module.blocks]
+    if not dims:
+        return ("outside",), c.outside + c.call
+    ms = c.outside + c.call + sum(c.inside * (_attn_cost(h, q, v) + _mlp_cost(m)) + c.overhead for h, q, v, m in dims)
+    dense = all(d == (3, 64, 64, 768) for d in dims)
+    return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -245,10 +302,22 @@ def _unregister_fake_timers():
         unregister_timer(name)
 
 
-def _fake_timer():
-    import torch.nn as nn
+class _Fixed:
+    """A runner whose every run takes ``ms``."""
 
-    from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def prepare(self, x) -> None: ...
+
+    def time_once(self, x) -> float:
+        return self.ms
+
+    def close(self) -> None: ...
+
+
+def _fake_timer():
+    from edgeprune.latency.measure import Timer, list_timers, register_timer
 
     if "fake-count" in list_timers():
         return
@@ -261,19 +330,12 @@ def _fake_timer():
         def device_name(self, s) -> str:
             return "fake-device"
 
-        def time(self, module: nn.Module, input_shape, s) -> float:
+        def open(self, module, x, s, workdir):
             if _Counting.fail_after is not None and len(_Counting.calls) >= _Counting.fail_after:
                 raise KeyboardInterrupt
-            if isinstance(module, MlpSubBlock):
-                key, ms = ("mlp", module.fc1.out_features), 1.0 + module.fc1.out_features / 100.0
-            elif isinstance(module, AttnSubBlock):
-                a = module.attn
-                key = ("attn", a.num_heads, a.qk_dim, a.v_dim)
-                ms = 2.0 + a.num_heads * (2 * a.qk_dim + a.v_dim) / 100.0
-            else:
-                key, ms = ("model",), 50.0
+            key, ms = _cost(module)
             _Counting.calls.append(key)
-            return ms
+            return _Fixed(ms), x
 
 
 @pytest.fixture
@@ -287,7 +349,8 @@ def tiny_vit(timm):
 def _opts(**kw):
     from edgeprune.latency.build import BuildOptions
 
-    base = dict(backend="fake-count", threads=1, batch=2, warmup=0, iterations=1, clock="wall",
+    base = dict(backend="fake-count", threads=1, batch=2, warmup=0, iterations=1, clock="wall", interleave=False,
+                repeats=1,
                 grid={"max_mlp": 3, "max_dims": 2, "max_heads": 2})
     base.update(kw)
     return BuildOptions(**base)
@@ -299,7 +362,7 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
 
     _fake_timer()
     out = tmp_path / "t.json"
-    _Counting.calls, _Counting.fail_after = [], 4
+    _Counting.reset(fail_after=4, overhead=-0.25, call=0.5)
     with pytest.raises(KeyboardInterrupt):
         build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     first = list(_Counting.calls)
@@ -311,11 +374,13 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     _Counting.calls, _Counting.fail_after = [], None
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 1
+    # the grid, the dense model, the model without blocks, the dense block, two chains, then 3 self-check models
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 5 + 3
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
-    assert t.mlp_ms(768) == 1.0 + 7.68 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0
-    assert t.fixed_ms == pytest.approx(50.0 - 2 * t.block_ms(t.dense_dims()))
+    assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5
+    # timed directly: the model without blocks (one call); per block: its cost beyond the two calls of its sub-blocks
+    assert t.fixed_ms == _Counting.outside + 0.5 and t.block_overhead_ms == pytest.approx(-0.25 - 2 * 0.5)
     _Counting.calls = []
     build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert _Counting.calls == []  # a complete table of the same key: nothing to time
@@ -327,7 +392,7 @@ def test_another_key_is_refused_without_force(tmp_path: Path, tiny_vit) -> None:
 
     _fake_timer()
     out = tmp_path / "t.json"
-    _Counting.calls, _Counting.fail_after = [], None
+    _Counting.reset()
     build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     before = out.read_bytes()
     _Counting.calls = []
@@ -363,8 +428,14 @@ def test_real_tiny_build_matches_the_whole_model(tmp_path: Path, tiny_vit) -> No
 
     out = tmp_path / "t.json"
     t = build_table(tiny_vit, devices.load_profile("cpu"),
-                    _opts(backend="torch", batch=4, warmup=2, iterations=15, clock="auto"), out, show_progress=False)
+                    _opts(backend="torch", batch=4, warmup=2, iterations=15, clock="auto", force=True), out,
+                    show_progress=False)  # --force: a self-check missed on this shared box keeps the table
     assert t.meta["settings"]["clock"] == "cpu"  # one CPU thread: its CPU time
+    chk = t.meta["self_check"]
+    assert [m["name"] for m in chk["models"]] == ["dense", "x0.7", "x0.5", "x0.3"]
+    assert chk["forced"] is (not chk["passed"]) and t.measured["outside"] and t.measured["block"]
+    assert all(m["measured_ms"] > 0 and m["predicted_ms"] > 0 for m in chk["models"])
+    assert t.fixed_ms == t.meta["parts"]["outside_ms"] > 0
     assert t.complete and t.key["backend"] == "torch" and t.rules["mlp_round_to"] == 8
     assert all(math.isfinite(x) and x > 0 for x in t.mlp["ms"])
     assert sorted(t.measured["mlp"]) == t.mlp["widths"] and t.measured["model"] is True
@@ -429,9 +500,9 @@ def test_cli_builds_resumes_and_refuses_another_key(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     base = ["--model", "vit_tiny_patch16_224", "--random-init", "--img-size", "32", "--model-kwargs", "depth=1",
             "--backend", "torch", "--threads", "1", "--warmup", "0", "--iterations", "3", "--quiet", "-o", out]
-    r = _cli(*base)
+    r = _cli(*base, "--force")  # --force: keep it should its self-check miss on this shared box
     assert r.exit_code == 0, r.output
-    assert "entries on" in r.stdout and LatencyTable.load(out).complete
+    assert "entries on" in r.stdout and "self-check" in r.stdout and LatencyTable.load(out).complete
     r = _cli(*base[:-2], "--batch", "2", "-o", out)
     assert r.exit_code == 2 and "exists with another key (batch" in r.stderr and "--force" in r.stderr
     r = _cli(*base[:-2], "-o", tmp_path)
@@ -461,9 +532,9 @@ def test_statistic_min_is_the_fastest_run_and_is_part_of_resume(tmp_path: Path, 
             return Seq(), x
 
     t = SeqTimer()
-    assert t.time(None, (1, 2), TimingSettings(warmup=0, iterations=5, statistic="min")) == 3.0
-    assert t.time(None, (1, 2), TimingSettings(warmup=0, iterations=5)) == 7.0
-    assert t.time(None, (1, 2), TimingSettings(warmup=1, iterations=4)) == 5.0 + (7.0 - 5.0) / 2  # p50 of 5,7,3,8
+    assert t.time(None, (1, 2), TimingSettings(warmup=0, iterations=5, statistic="min", repeats=1)) == 3.0
+    assert t.time(None, (1, 2), TimingSettings(warmup=0, iterations=5, repeats=1)) == 7.0
+    assert t.time(None, (1, 2), TimingSettings(warmup=1, iterations=4, repeats=1)) == 5.0 + (7.0 - 5.0) / 2
     _fake_timer()
     out = tmp_path / "t.json"
     build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
@@ -474,18 +545,13 @@ def test_statistic_min_is_the_fastest_run_and_is_part_of_resume(tmp_path: Path, 
 def _drifting_timer():
     """A backend whose every run costs a known function of the module's shape times a machine
     load that steps up and down every 7 runs (as on a box shared with other jobs)."""
-    from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
+    from edgeprune.latency.measure import Timer, list_timers, register_timer
 
     if "fake-drift" in list_timers():
         return
 
     def cost(module) -> float:
-        if isinstance(module, MlpSubBlock):
-            return 1.0 + module.fc1.out_features / 100.0
-        if isinstance(module, AttnSubBlock):
-            a = module.attn
-            return 2.0 + a.num_heads * (2 * a.qk_dim + a.v_dim) / 100.0
-        return 60.0
+        return _cost(module)[1]
 
     class Run:
         calls = 0
@@ -519,9 +585,11 @@ def test_interleave_cancels_a_drifting_load(tmp_path: Path, tiny_vit) -> None:
 
     _drifting_timer()
     cpu = devices.load_profile("cpu")
-    plain = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5), tmp_path / "a.json",
+    _Counting.reset()
+    plain = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, force=True), tmp_path / "a.json",
                         show_progress=False)
-    il = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, interleave=True), tmp_path / "b.json",
+    il = build_table(tiny_vit, cpu, _opts(backend="fake-drift", iterations=5, interleave=True, force=True),
+                     tmp_path / "b.json",
                      show_progress=False)
     true = [1.0 + w / 100.0 for w in il.mlp["widths"]]
     rel_il = [ms / il.mlp["ms"][-1] for ms in il.mlp["ms"]]

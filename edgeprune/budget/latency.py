@@ -6,10 +6,16 @@ budget ``{"kind": "latency", "value": v[, "unit": "ms"], "table": path}`` that g
 parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.budget.parse``,
 ``edgeprune.allocation.greedy``): only the prices differ.
 
-* ``block_cost(b, dims)`` = ``table.block_ms(dims)``: the MLP sub-block at the kept width plus the
-  attention sub-block at (kept heads, Q/K dim, V dim), interpolated between the measured grid
-  points (:class:`edgeprune.latency.table.LatencyTable`);
+* ``block_cost(b, dims)`` = ``table.block_total(dims)`` = ``block_scale x block_ms(dims) +
+  block_overhead_ms``: the MLP sub-block at the kept width plus the attention sub-block at (kept
+  heads, Q/K dim, V dim), interpolated between the measured grid points
+  (:class:`edgeprune.latency.table.LatencyTable`), corrected by the measured per-block terms of what
+  the sub-blocks timed apart miss (issue 40; 1 and 0 in tables built before it, which therefore
+  price exactly as before);
 * ``fixed_cost()`` = ``table.fixed_ms`` (patch embedding, position embedding, final norm, head).
+
+A table whose self-check missed and was kept with ``--force`` is *unverified*: the record says so
+(``unverified``) and ``prune`` prints it (``edgeprune.pruning.latency_check.latency_report``).
 
 A block that computes only its first T tokens (the class-token last block,
 ``edgeprune.layers.class_token_block``) is not in the table (it times full blocks): its time is
@@ -96,7 +102,9 @@ class LatencyCost(CostModel):
         return self._rules
 
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
-        ms = self.table.block_ms(dims)
+        """ms of block ``b`` at kept ``dims``: the table's sub-blocks plus its per-block overhead (a class-token
+        block: that, times its FLOPs ratio; module doc)."""
+        ms = self.table.block_total(dims)  # issue 40; a table without its terms prices bit for bit as before
         t = self.query_tokens.get(b.index)
         if t is None:
             return ms
@@ -117,7 +125,9 @@ class LatencyCost(CostModel):
         """What the run record says about the table: path, key, rules, dense latencies (ms)."""
         return {"table": self.path, "key": dict(self.table.key), "rules": dict(self.rules),
                 "dense_predicted_ms": self.table.dense_ms(), "dense_measured_ms": float(self.table.dense_model_ms),
-                "unit": "ms per batch of key.batch images",
+                "unit": "ms per batch of key.batch images", "block_overhead_ms": float(self.table.block_overhead_ms),
+                "block_scale": float(self.table.block_scale),
+                "self_check": _check_summary(self.table), "unverified": self.table.unverified,
                 "class_token_blocks": ("estimated: full block x FLOPs ratio with the class token only"
                                        if self.query_tokens else None)}
 
@@ -135,3 +145,14 @@ class LatencyCost(CostModel):
             UserError: a missing / malformed table.
         """
         return {"layout": "fused"} if load_table(budget.table).rules.get("qk_equals_v") else {}
+
+
+def _check_summary(table: LatencyTable) -> dict[str, Any] | None:
+    """The table's self-check for the run record: passed / forced and each model's predicted / measured ms (None
+    for a table built before the self-check)."""
+    chk = table.meta.get("self_check")
+    if not chk:
+        return None
+    return {"passed": bool(chk["passed"]), "forced": bool(chk.get("forced", False)), "tolerance": chk["tolerance"],
+            "models": [{"name": m["name"], "predicted_ms": m["predicted_ms"], "measured_ms": m["measured_ms"]}
+                       for m in chk["models"]]}

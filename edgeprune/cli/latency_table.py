@@ -42,29 +42,44 @@ from edgeprune.latency.measure import list_timers
               help="Stop an entry's timed runs after S seconds (at least 5 runs): bounds the build time.")
 @click.option("--statistic", type=click.Choice(["p50", "min"]), default="p50", show_default=True,
               help="What an entry reports of its timed runs (min: steadier on a machine shared with other work).")
-@click.option("--interleave", is_flag=True,
+@click.option("--interleave/--no-interleave", default=True, show_default=True,
               help="Time each entry side by side with the dense sub-block and keep the ratios: steady "
-                   "on a machine whose load drifts (about 2x the time).")
+                   "on a machine whose load drifts (about 2x the time of --no-interleave).")
+@click.option("--repeats", type=int, default=None, metavar="N",
+              help="Spread check: cut an entry's timed runs into N groups (1: no check) [3].")
+@click.option("--spread", type=FiniteFloat(), default=None, metavar="F",
+              help="Spread check: time an entry again when its groups disagree by more than F [0.05: 5%%].")
+@click.option("--retries", type=int, default=None, metavar="N",
+              help="Spread check: at most N more attempts for an entry whose groups disagree, 0-10 [2].")
 @click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
               help="cpu: this thread's CPU time per run (--threads 1 on a CPU profile): steady on a machine "
                    "shared with other jobs; wall: elapsed time; auto: cpu where it applies, else wall.")
 @click.option("-o", "--out", type=click.Path(), required=True, metavar="TABLE.json", help="The table to write.")
-@click.option("--force", is_flag=True, help="Replace an existing table of another key (the same key resumes).")
+@click.option("--force", is_flag=True,
+              help="Replace an existing table of another key (the same key resumes); keep a table whose self-check "
+                   "misses (marked unverified) instead of failing.")
 @quiet_option
 def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, device, batch,
-                      threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave, clock,
-                      out, force, quiet) -> None:
+                      threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave, repeats,
+                      spread, retries, clock, out, force, quiet) -> None:
     """Time one block of the model's shape for each kept structure on a grid (MLP widths, kept
     heads, Q/K and V head dims) on the profile's backend, plus the dense model whole; write the
     latency table for `prune --latency`.
 
     \b
     The output is saved after every entry: rerunning the same command resumes an interrupted build.
+    Then a few pruned-shape models (x0.7, x0.5, x0.3 of the dense one) are predicted and timed whole: when a
+    prediction misses by more than 5% the command fails (exit 1) naming the part that is off, and the table
+    is left incomplete, unless --force keeps it (marked unverified).
     """
     if model_name is None:
         raise UserError("--model is required (the dense model whose blocks are timed)")
+    if repeats == 1 and (spread is not None or retries is not None):
+        given = "--spread" if spread is not None else "--retries"
+        raise UserError(f"{given} goes with the spread check, which --repeats 1 turns off (drop one of them)")
+    check = {k: v for k, v in (("repeats", repeats), ("spread", spread), ("retries", retries)) if v is not None}
     profile = load_profile(device)
-    opts = BuildOptions(batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
+    opts = BuildOptions(**check, batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
                         iterations=iterations, max_seconds=max_seconds, statistic=statistic,
                         interleave=interleave, clock=clock, force=force)
     settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent: before any work
@@ -82,8 +97,17 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
     write_recipe(click.get_current_context(), output_recipe_path(out_path))
     k = table.key
-    n = len(table.measured["mlp"]) + len(table.measured["attn"]) + 1
+    n = len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(
+        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain", "chain_half"))
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
                f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
                f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "
-               f"blocks {k['depth']} x {table.block_ms(table.dense_dims()):.2f} ms, fixed {table.fixed_ms:.2f} ms")
+               f"blocks {k['depth']} x ({table.block_scale:.3f} x {table.block_ms(table.dense_dims()):.2f} + "
+               f"{table.block_overhead_ms:.2f}) ms, outside the blocks {table.fixed_ms:.2f} ms")
+    chk = table.meta.get("self_check") or {}
+    click.echo("self-check (predicted / measured whole): " + ", ".join(
+        f"{m['name']} {m['predicted_ms']:.2f}/{m['measured_ms']:.2f} ms ({100 * m['error']:+.1f}%)"
+        for m in chk.get("models", [])))
+    if table.unverified:
+        click.echo(f"warning: the self-check missed ({table.unverified}); kept unverified (--force): "
+                   "prune --latency will say its prediction is unverified", err=True)

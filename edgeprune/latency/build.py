@@ -1,8 +1,16 @@
 """Build a latency table for one model on one device profile (``edgeprune latency-table``).
 
 :func:`build_table` times every grid entry (:mod:`edgeprune.latency.grid`) with the chosen timing
-backend (:mod:`edgeprune.latency.measure`), then the whole dense model once, and writes the
-:class:`~edgeprune.latency.table.LatencyTable`.
+backend (:mod:`edgeprune.latency.measure`), then the whole dense model, the model without its blocks
+and the dense block whole (:mod:`edgeprune.latency.selfcheck`), and writes the
+:class:`~edgeprune.latency.table.LatencyTable`; then it predicts and times a few pruned-shape whole
+models (the self-check) and marks the table complete only when they agree (issue 40): else
+:class:`SelfCheckFailed` (exit 1) names the part that is off, unless ``force`` keeps it unverified.
+
+Defaults for a machine shared with other work (issue 40, item 2): one CPU thread timed by its CPU
+time, every entry interleaved with the dense sub-block, and the spread check (``repeats`` groups per
+entry, timed again up to ``retries`` times when they disagree by more than ``spread``); the table's
+``meta.settings`` says which were used.
 
 Cache key and resume: the table's ``key`` holds the model dims, tokens, batch, precision, backend
 and its version, the device name (CPU model or GPU name) and threads. After every measured entry
@@ -13,6 +21,7 @@ different key (or grid) is refused unless ``force`` (then it is rebuilt from scr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as _dt
 import math
@@ -22,10 +31,11 @@ from typing import Any
 from devices import pruning_rules
 from edgeprune._version import __version__
 from edgeprune.errors import RuntimeFault, UserError
-from edgeprune.latency import relative
+from edgeprune.latency import relative, selfcheck
 from edgeprune.latency.grid import Grid, make_grid, shape_of
 from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
 from edgeprune.latency.relative import References
+from edgeprune.latency.selfcheck import SelfCheckFailed, conclude, finish
 from edgeprune.latency.table import LatencyTable
 from edgeprune.progress import progress
 
@@ -40,7 +50,7 @@ KEY_FIELDS = ("embed_dim", "depth", "num_heads", "head_dim", "mlp_hidden", "toke
 #: the way of timing recorded in ``meta["settings"]`` that must match for a resume (issue 41: a resume
 #: with other ``--iterations`` / ``--warmup`` / ``--max-seconds`` left the first run's values recorded)
 RESUME_SETTINGS = ("statistic", "interleave", "clock", "warmup", "iterations", "max_seconds", "min_iterations",
-                   "cuda_graphs")
+                   "cuda_graphs", "repeats", "spread", "retries")
 
 
 @dataclasses.dataclass
@@ -59,8 +69,10 @@ class BuildOptions:
         clock: ``wall``, ``cpu`` (thread CPU time; one thread on the CPU only) or ``auto``
             (``cpu`` for one thread on the CPU, else ``wall``).
         interleave: time each entry against the dense sub-block round by round and keep the
-            ratios (:mod:`edgeprune.latency.relative`; steady on a machine whose load drifts).
-        force: replace an existing output built with another key.
+            ratios (:mod:`edgeprune.latency.relative`; steady on a machine whose load drifts; default).
+        repeats, spread, retries: the spread check (:class:`~edgeprune.latency.measure.TimingSettings`).
+        force: replace an existing output built with another key; keep a table whose self-check
+            misses (marked unverified) instead of failing.
         grid: keyword limits for :func:`~edgeprune.latency.grid.make_grid` (``max_mlp``, ...).
     """
 
@@ -72,8 +84,11 @@ class BuildOptions:
     iterations: int | None = None
     max_seconds: float | None = None
     statistic: str = "p50"
-    interleave: bool = False
+    interleave: bool = True
     clock: str = "auto"
+    repeats: int = 3
+    spread: float = 0.05
+    retries: int = 2
     force: bool = False
     grid: dict = dataclasses.field(default_factory=dict)
 
@@ -107,7 +122,8 @@ def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Ti
                        warmup=profile.bench.warmup if opts.warmup is None else opts.warmup,
                        iterations=profile.bench.iterations if opts.iterations is None else opts.iterations,
                        cuda_graphs=bool(profile.bench.cuda_graphs and on_gpu), profile=profile,
-                       max_seconds=opts.max_seconds, statistic=opts.statistic, clock=opts.clock)
+                       max_seconds=opts.max_seconds, statistic=opts.statistic, clock=opts.clock,
+                       repeats=opts.repeats, spread=opts.spread, retries=opts.retries)
     if s.clock == "auto":
         s.clock = "cpu" if s.device == "cpu" and s.threads == 1 else "wall"
     _check_way(s)
@@ -139,12 +155,19 @@ def _check_backend(profile: Any, backend: str, timer: Timer, s: TimingSettings) 
 
 
 def _check_way(s: TimingSettings) -> None:
-    """Statistic and clock.
+    """Statistic, clock and the spread check.
 
     Raises:
-        UserError: an unknown statistic or clock, or the CPU clock where it does not measure the
-            run (a GPU, or more than one thread).
+        UserError: an unknown statistic or clock, the CPU clock where it does not measure the
+            run (a GPU, or more than one thread), ``repeats`` < 1, ``spread`` not a positive finite
+            fraction <= 1, ``retries`` not in 0..10.
     """
+    if isinstance(s.repeats, bool) or not isinstance(s.repeats, int) or s.repeats < 1:
+        raise UserError(f"--repeats must be an integer >= 1, got {s.repeats!r}")
+    if isinstance(s.retries, bool) or not isinstance(s.retries, int) or not 0 <= s.retries <= 10:
+        raise UserError(f"--retries must be an integer in 0..10, got {s.retries!r}")
+    if not isinstance(s.spread, (int, float)) or not (math.isfinite(s.spread) and 0 < s.spread <= 1):
+        raise UserError(f"--spread must be a fraction in (0, 1] (0.05: 5%), got {s.spread!r}")
     if s.statistic not in ("p50", "min"):
         raise UserError(f"--statistic must be p50 or min, got {s.statistic!r}")
     if s.clock not in ("wall", "cpu"):
@@ -177,12 +200,15 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
     return LatencyTable(
         key=key, rules=rules, mlp={"widths": list(grid.mlp), "ms": [nan] * len(grid.mlp)},
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
-        fixed_ms=nan, dense_model_ms=nan, measured={"mlp": [], "attn": [], "model": False},
+        fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
+        measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
+                  "chain": False, "chain_half": False},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
                            "interleave": interleave, "clock": s.clock,
                            "max_seconds": s.max_seconds, "min_iterations": s.min_iterations,
+                           "repeats": s.repeats, "spread": s.spread, "retries": s.retries,
                            "cuda_graphs": s.cuda_graphs, "input": "(batch, tokens, embed_dim) noise"}})
 
 
@@ -196,14 +222,18 @@ def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSett
             table) and not ``opts.force``.
     """
     fresh = empty_table(key, rules, grid, s, opts.interleave)
-    if not out.exists() or opts.force:
+    if not out.exists():
         return fresh
     hint = "(use --force to replace it, or another -o)"
     try:
         old = LatencyTable.load(out, allow_partial=True)
     except UserError as err:
+        if opts.force:
+            return fresh
         why = str(err) if "--force" in str(err) else f"{err} {hint}"
         raise UserError(f"{out} exists and is not a latency table this command can resume: {why}") from None
+    if opts.force:  # replace it; but a table whose self-check failed keeps its entries (--force: keep it)
+        return old if _same(old, fresh, key) and _check_failed(old) else fresh
     differ = [k for k in KEY_FIELDS if old.key.get(k) != key.get(k)]
     if differ:
         raise UserError(f"{out} exists with another key ({differ[0]}: {old.key.get(differ[0])!r} there, "
@@ -221,9 +251,28 @@ def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSett
     return old
 
 
+def _same(old: LatencyTable, fresh: LatencyTable, key: dict) -> bool:
+    """``old`` has ``fresh``'s key, way of timing and grid."""
+    return (all(old.key.get(k) == key.get(k) for k in KEY_FIELDS) and old.rules == fresh.rules
+            and all(old.meta.get("settings", {}).get(n) == fresh.meta["settings"][n] for n in RESUME_SETTINGS)
+            and old.mlp["widths"] == fresh.mlp["widths"]
+            and all(old.attn[a] == fresh.attn[a] for a in ("heads", "qk", "v")))
+
+
+def _check_failed(t: LatencyTable) -> bool:
+    return (t.meta.get("self_check") or {}).get("passed") is False
+
+
+#: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block,
+#: a chain of dense blocks
+WHOLE = ("model", "outside", "block", "chain", "chain_half")
+
+
 def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
-    """Everything to time, in order: MLP widths, attention points, then the whole model."""
-    return ([("mlp", (w,)) for w in grid.mlp] + [("attn", p) for p in grid.attn_points()] + [("model", ())])
+    """Everything to time, in order: MLP widths, attention points, then the whole model, the model
+    without its blocks, the dense block and a chain of them."""
+    return ([("mlp", (w,)) for w in grid.mlp] + [("attn", p) for p in grid.attn_points()]
+            + [(kind, ()) for kind in WHOLE])
 
 
 def _is_measured(t: LatencyTable, kind: str, dims: tuple[int, ...]) -> bool:
@@ -231,7 +280,7 @@ def _is_measured(t: LatencyTable, kind: str, dims: tuple[int, ...]) -> bool:
         return dims[0] in t.measured["mlp"]
     if kind == "attn":
         return list(dims) in t.measured["attn"]
-    return bool(t.measured.get("model"))
+    return bool(t.measured.get(kind))
 
 
 def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any,
@@ -242,7 +291,12 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
         return mlp_subblock(anatomy.blocks[0], D, dims[0]), (batch, T, D)
     if kind == "attn":
         return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
-    return anatomy.model, (batch, anatomy.in_chans, *anatomy.img_size)
+    if kind == "block":
+        return copy.deepcopy(anatomy.blocks[0].block).eval(), (batch, T, D)
+    if kind in ("chain", "chain_half"):
+        return selfcheck.model_blocks(anatomy, selfcheck.half_dims(t) if kind == "chain_half" else None), (batch, T, D)
+    image = (batch, anatomy.in_chans, *anatomy.img_size)
+    return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 
 
 def _record(t: LatencyTable, kind: str, dims: tuple[int, ...], ms: float) -> None:
@@ -254,35 +308,30 @@ def _record(t: LatencyTable, kind: str, dims: tuple[int, ...], ms: float) -> Non
         h, q, v = dims
         t.attn["ms"][t.attn["heads"].index(h)][t.attn["qk"].index(q)][t.attn["v"].index(v)] = ms
         t.measured["attn"].append([h, q, v])
-    else:
+    elif kind == "model":
         t.dense_model_ms = ms
-        t.measured["model"] = True
+    else:
+        t.meta.setdefault("parts", {})[f"{kind}_ms"] = None if math.isnan(ms) else ms
+    if kind in WHOLE:
+        t.measured[kind] = True
 
 
 def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any, timer: Timer,
                 s: TimingSettings, batch: int, refs: References | None) -> None:
-    """Time one entry (alone, or interleaved with ``refs``) and record it in ``t``."""
+    """Time one entry (alone, or interleaved with ``refs``) and record it in ``t`` (an entry that needed more
+    than one attempt, or whose spread stayed too large, goes to ``meta["spread"]``)."""
     module, shape = _entry_module(t, kind, dims, anatomy, batch)
+    got = timer.measure(module, shape, s) if refs is None else refs.measure(kind, module, shape)
+    if got.attempts > 1 or got.spread > s.spread:
+        name = f"{kind} {','.join(map(str, dims))}".strip()
+        t.meta.setdefault("spread", {})[name] = {"spread": got.spread, "attempts": got.attempts}
     if refs is None:
-        _record(t, kind, dims, timer.time(module, shape, s))
+        _record(t, kind, dims, got.value)
         return
-    ratio, ref_ms = refs.time_entry(kind, module, shape)
-    relative.record(t, kind, dims, ratio, ref_ms)
+    assert got.reference_ms is not None
+    relative.record(t, kind, dims, got.value, got.reference_ms)
     _record(t, kind, dims, float("nan"))
     relative.apply(t)
-
-
-def finish(t: LatencyTable) -> LatencyTable:
-    """Fill ``fixed_ms`` = dense model - depth x (attn + mlp dense), clamped at >= 0 (the
-    unclamped value goes to ``meta["fixed_ms_unclamped"]``); mark complete."""
-    k = t.key
-    block = t.mlp_ms(k["mlp_hidden"]) + t.attn_ms(k["num_heads"], k["head_dim"], k["head_dim"])
-    raw = float(t.dense_model_ms) - k["depth"] * block
-    t.fixed_ms = max(0.0, raw)
-    t.meta["fixed_ms_unclamped"] = raw
-    t.meta["complete"] = True
-    t.meta["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    return t
 
 
 def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path, *,
@@ -313,21 +362,37 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
     grid = make_grid(shape, rules, **opts.grid)
     t = start_or_resume(out, make_key(shape, profile, timer, s, batch), rules, grid, s, opts)
     todo = [e for e in _entries(grid) if not _is_measured(t, *e)]
-    refs = References(timer, anatomy, t.key, s, batch) if opts.interleave and todo else None
-    bar = progress(None, desc="latency table", enabled=show_progress, total=len(todo), unit="entry")
+    if not todo and t.complete and not (opts.force and _check_failed(t)):
+        return t  # nothing to time
+    checks = len(selfcheck.FRACTIONS)
+    refs = References(timer, anatomy, t.key, s, batch) if opts.interleave else None
+    bar = progress(None, desc="latency table", enabled=show_progress, total=len(todo) + checks, unit="entry")
     try:
         for kind, dims in todo:
             bar.set_postfix(entry=f"{kind}{list(dims) if dims else ''}")
             _time_entry(t, kind, dims, anatomy, timer, s, batch, refs)
             t.save(out)
             bar.update(1)
+        try:
+            t = finish(t)
+        except RuntimeFault:
+            t.save(out)
+            raise
+
+        def measure(model: Any) -> float:  # a self-check model, timed as the dense one (interleaved: x references)
+            bar.set_postfix(entry="self-check")
+            image = (batch, anatomy.in_chans, *anatomy.img_size)
+            ms = (timer.measure(model, image, s).value if refs is None else refs.measure("model", model, image).value
+                  * (t.meta["reference_ms"]["attn"] + t.meta["reference_ms"]["mlp"]))
+            bar.update(1)
+            return ms
+
+        check = selfcheck.run_check(t, anatomy, measure)
     finally:
         bar.close()
         if refs is not None:
             refs.close()
-    t = finish(t)
-    t.save(out)
-    return t
+    return conclude(t, check, opts.force, out)
 
 
-__all__ = ["BuildOptions", "KEY_FIELDS", "build_table", "default_batch", "settings_for"]
+__all__ = ["BuildOptions", "KEY_FIELDS", "SelfCheckFailed", "build_table", "default_batch", "settings_for"]

@@ -14,6 +14,11 @@ ONNX file with :func:`exporters.onnx.export_onnx` and timed with
 :class:`runners.onnxruntime_runner.OrtRunner`), ``tensorrt`` (one small engine per entry,
 :func:`exporters.tensorrt.build_engine` + :class:`runners.tensorrt.runner.TrtRunner`). Each times
 ``warmup`` untimed runs and then reports the median (p50) of ``iterations`` timed runs, in ms.
+
+Spread check (issue 40, :func:`spread`): the timed runs of an entry are cut into ``repeats``
+consecutive groups; when the groups' statistics disagree by more than ``spread`` (relative) the
+entry is timed again on the same runner, up to ``retries`` times, and the attempt whose groups agree
+best is kept (:meth:`Timer.measure`).
 """
 
 from __future__ import annotations
@@ -124,6 +129,11 @@ class TimingSettings:
             machine shared with other work, contention only adds time: the minimum is steadier).
         cuda_graphs: torch on CUDA / TensorRT: replay CUDA graphs.
         profile: the :class:`~devices.DeviceProfile` (TensorRT builds follow it).
+        repeats: groups the timed runs are cut into for the spread check (1: no check); at least
+            2 runs per group are timed.
+        spread: the largest relative disagreement ``(max - min) / median`` of the groups'
+            statistics an entry may show before it is timed again.
+        retries: at most this many more attempts for an entry whose spread is too large.
     """
 
     device: str = "cpu"
@@ -137,6 +147,33 @@ class TimingSettings:
     min_iterations: int = 5
     statistic: str = "p50"
     clock: str = "wall"
+    repeats: int = 3
+    spread: float = 0.05
+    retries: int = 2
+
+
+@dataclasses.dataclass
+class Sample:
+    """An entry's ``value`` (ms, or a ratio), its groups' :func:`spread`, attempts and (interleaved) reference ms."""
+
+    value: float
+    spread: float
+    attempts: int
+    reference_ms: float | None = None
+
+
+def groups(values: Sequence[float], repeats: int) -> list[list[float]]:
+    """``values`` cut into ``min(repeats, len(values))`` consecutive, nearly equal groups."""
+    n = max(1, min(int(repeats), len(values)))
+    return [list(g) for g in np.array_split(np.asarray(values, dtype=np.float64), n)]
+
+
+def spread(stats: Sequence[float]) -> float:
+    """``(max - min) / median`` of per-group statistics (0 for one group or a zero median)."""
+    if len(stats) < 2:
+        return 0.0
+    mid = float(np.median(stats))
+    return 0.0 if mid <= 0 else (max(stats) - min(stats)) / mid
 
 
 def time_once(r: Runner, x: np.ndarray, s: TimingSettings) -> float:
@@ -181,7 +218,12 @@ class Timer:
 
     def time(self, module: nn.Module, input_shape: Sequence[int], s: TimingSettings) -> float:
         """ms of ``module`` on a seeded random input of ``input_shape`` (batch first): the
-        ``s.statistic`` (p50 or min) of the timed runs."""
+        ``s.statistic`` (p50 or min) of the timed runs (after the spread check, :meth:`measure`)."""
+        return self.measure(module, input_shape, s).value
+
+    def measure(self, module: nn.Module, input_shape: Sequence[int], s: TimingSettings) -> Sample:
+        """Time ``module`` (as :meth:`time`) with the spread check (module doc): the ``s.statistic`` of
+        the timed runs of the attempt whose groups agree best."""
         x = np.random.default_rng(0).standard_normal(tuple(input_shape), dtype=np.float32)
         with tempfile.TemporaryDirectory(prefix="edgeprune-latency-") as tmp:
             r, x = self.open(module, x, s, Path(tmp))
@@ -189,19 +231,29 @@ class Timer:
                 r.prepare(x)
                 for _ in range(s.warmup):
                     time_once(r, x, s)
-                lat = _timed_runs(r, x, s)
+                best: Sample | None = None
+                for attempt in range(1, s.retries + 2):
+                    lat = timed_runs(lambda: time_once(r, x, s), s)
+                    sp = spread([summarize_latencies(g)[s.statistic] for g in groups(lat, s.repeats)])
+                    if best is None or sp < best.spread:
+                        best = Sample(summarize_latencies(lat)[s.statistic], sp, attempt)
+                    best.attempts = attempt
+                    if sp <= s.spread:
+                        break
             finally:
                 r.close()
-        return summarize_latencies(lat)[s.statistic]
+        assert best is not None
+        return best
 
 
-def _timed_runs(r: Runner, x: np.ndarray, s: TimingSettings) -> list[float]:
-    """Up to ``s.iterations`` timed runs (ms), fewer once ``s.max_seconds`` is spent (at least
-    ``s.min_iterations``)."""
+def timed_runs(run: Callable[[], float], s: TimingSettings) -> list[float]:
+    """Up to ``s.iterations`` results of ``run()`` (ms), fewer once their sum reaches ``s.max_seconds``
+    (at least ``s.min_iterations`` and two per spread group, :attr:`TimingSettings.repeats`)."""
     lat: list[float] = []
+    least = max(s.min_iterations, 2 * s.repeats if s.repeats > 1 else 1)
     for _ in range(s.iterations):
-        lat.append(time_once(r, x, s))
-        if (s.max_seconds is not None and len(lat) >= s.min_iterations
+        lat.append(run())
+        if (s.max_seconds is not None and len(lat) >= least
                 and sum(lat) >= 1000.0 * s.max_seconds):
             break
     return lat

@@ -10,6 +10,13 @@ fastest reference run -- on a box where other jobs preempt a run about every oth
 median is polluted and the minimum is not). The table's times are
 then ``ratio x reference``, the reference being the median of all its per-entry p50s over the
 build, so every entry is on one load level. Resume keeps the ratios (``meta["relative"]``).
+
+Issue 40: interleaving is the default, and the spread check of :mod:`edgeprune.latency.measure` applies
+to the per-group ratios (an entry whose groups disagree is timed again on the same runners).
+Besides the grid, an entry may be the model without its blocks (``outside``: against both
+references), the dense block whole and a chain of them (``block``, ``chain``: against both) or a whole
+model of pruned shape
+(``model``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, mlp_subblock, time_once
+from edgeprune.latency.measure import (Sample, TimingSettings, Timer, attn_subblock, groups, mlp_subblock, spread,
+                                       time_once, timed_runs)
 from edgeprune.latency.table import LatencyTable
 from runners.base import summarize_latencies
 
@@ -62,16 +70,23 @@ class References:
         self._tmp.cleanup()
 
     def _refs(self, kind: str) -> list[tuple[Any, np.ndarray]]:
-        return list(self.runners.values()) if kind == "model" else [self.runners[kind]]
+        return [self.runners[kind]] if kind in ("mlp", "attn") else list(self.runners.values())
 
     def time_entry(self, kind: str, module: nn.Module, shape: tuple[int, ...]) -> tuple[float, float]:
-        """Time ``module`` (entry ``kind``: ``mlp``, ``attn`` or ``model``) interleaved with its
-        reference(s).
+        """``(ratio, reference ms)`` of :meth:`measure`."""
+        got = self.measure(kind, module, shape)
+        assert got.reference_ms is not None
+        return got.value, got.reference_ms
+
+    def measure(self, kind: str, module: nn.Module, shape: tuple[int, ...]) -> Sample:
+        """Time ``module`` (entry ``kind``: ``mlp``, ``attn``, or ``model`` / ``outside`` / ``block``
+        against both references) interleaved with its reference(s), with the spread check.
 
         Returns:
-            ``(ratio, reference ms)``: with statistic ``p50`` the median per-round ratio and the
-            reference's median time; with ``min``, fastest entry run / fastest reference run and
-            the latter (references summed per round for the model).
+            a :class:`~edgeprune.latency.measure.Sample` whose value is the ratio and
+            ``reference_ms`` the reference's time: with statistic ``p50`` the median per-round
+            ratio and the reference's median time; with ``min``, fastest entry run / fastest
+            reference run and the latter (references summed per round).
         """
         s, refs = self.s, self._refs(kind)
         with tempfile.TemporaryDirectory(prefix="edgeprune-latency-") as tmp:
@@ -82,13 +97,21 @@ class References:
                     time_once(r, x, s)
                     for q, xq in refs:
                         time_once(q, xq, s)
-                ent_ms, ref_ms = self._rounds(r, x, refs)
+                best: Sample | None = None
+                for attempt in range(1, s.retries + 2):
+                    ent_ms, ref_ms = self._rounds(r, x, refs)
+                    ratio, ref = _ratio(ent_ms, ref_ms, s.statistic)
+                    sp = spread([_ratio(e, q, s.statistic)[0] for e, q in
+                                 zip(groups(ent_ms, s.repeats), groups(ref_ms, s.repeats))])
+                    if best is None or sp < best.spread:
+                        best = Sample(ratio, sp, attempt, ref)
+                    best.attempts = attempt
+                    if sp <= s.spread:
+                        break
             finally:
                 r.close()
-        if s.statistic == "min":
-            return min(ent_ms) / min(ref_ms), min(ref_ms)
-        ratios = [e / ref for e, ref in zip(ent_ms, ref_ms)]
-        return summarize_latencies(ratios)["p50"], statistics.median(ref_ms)
+        assert best is not None
+        return best
 
     def _rounds(self, r: Any, x: np.ndarray, refs: list[tuple[Any, np.ndarray]]) -> tuple[list[float], list[float]]:
         """Timed rounds (entry, then its references): up to ``iterations``, fewer once
@@ -96,29 +119,40 @@ class References:
         s = self.s
         ent_ms: list[float] = []
         ref_ms: list[float] = []
-        for _ in range(s.iterations):
+
+        def one_round() -> float:
             ent_ms.append(time_once(r, x, s))
             ref_ms.append(sum(time_once(q, xq, s) for q, xq in refs))
-            if (s.max_seconds is not None and len(ent_ms) >= s.min_iterations
-                    and sum(ent_ms) + sum(ref_ms) >= 1000 * s.max_seconds):
-                break
+            return ent_ms[-1] + ref_ms[-1]
+
+        timed_runs(one_round, s)
         return ent_ms, ref_ms
+
+
+def _ratio(ent_ms: list[float], ref_ms: list[float], statistic: str) -> tuple[float, float]:
+    """(entry / reference, reference ms) of paired rounds: ``min``: fastest over fastest; ``p50``: the median
+    per-round ratio and the reference's median."""
+    if statistic == "min":
+        return min(ent_ms) / min(ref_ms), min(ref_ms)
+    ratios = [e / ref for e, ref in zip(ent_ms, ref_ms)]
+    return summarize_latencies(ratios)["p50"], statistics.median(ref_ms)
 
 
 def record(t: LatencyTable, kind: str, dims: tuple[int, ...], ratio: float, ref_ms: float) -> None:
     """Store one entry's ratio (and its reference time) in ``t.meta["relative"]``."""
     rel = t.meta.setdefault("relative", {"mlp": {}, "attn": {}, "model": None,
                                          "reference_ms": {"mlp": [], "attn": []}})
-    if kind == "model":
-        rel["model"] = ratio
+    if kind in ("model", "outside", "block", "chain", "chain_half"):
+        rel[kind] = ratio
     else:
         rel[kind][",".join(map(str, dims))] = ratio
         rel["reference_ms"][kind].append(ref_ms)
 
 
 def apply(t: LatencyTable) -> None:
-    """Set the table's times from the recorded ratios: ``ratio x median reference`` (the model:
-    ``ratio x (attention + MLP reference)``); unmeasured entries stay NaN."""
+    """Set the table's times from the recorded ratios: ``ratio x median reference`` (the model, the model
+    without blocks and the dense block, ``meta["parts"]``: ``ratio x (attention + MLP reference)``); unmeasured
+    entries stay NaN."""
     rel = t.meta.get("relative")
     if not rel:
         return
@@ -128,8 +162,13 @@ def apply(t: LatencyTable) -> None:
     for hqv, ratio in rel["attn"].items():
         h, q, v = (int(p) for p in hqv.split(","))
         t.attn["ms"][t.attn["heads"].index(h)][t.attn["qk"].index(q)][t.attn["v"].index(v)] = ratio * ref["attn"]
-    if rel.get("model") is not None and None not in ref.values():
-        t.dense_model_ms = rel["model"] * (ref["attn"] + ref["mlp"])
+    if None not in ref.values():
+        both = ref["attn"] + ref["mlp"]
+        if rel.get("model") is not None:
+            t.dense_model_ms = rel["model"] * both
+        for kind in ("outside", "block", "chain", "chain_half"):
+            if rel.get(kind) is not None:
+                t.meta.setdefault("parts", {})[f"{kind}_ms"] = rel[kind] * both
     t.meta["reference_ms"] = ref
 
 

@@ -11,15 +11,27 @@ a build in progress (``measured``, ``meta.settings``, ``meta.relative``). A dama
 refused in one line naming the file and the field, before any work (prune checks the table
 before its calibration pass; ``derive --latency`` too), so no ``ZeroDivisionError`` or
 ``range() arg 3 must not be zero`` later.
+
+Issue 40: a complete table must add up -- ``fixed_ms + depth x (MLP + attention at the dense dims +
+block_overhead_ms)`` within :data:`ADD_UP_TOLERANCE` of ``dense_model_ms`` -- and a self-check it
+records must agree with its own numbers (:func:`check_adds_up`); a table whose self-check was kept
+with ``--force`` (``meta.self_check.forced``) is loaded and said to be unverified instead. Tables
+without the issue-40 fields (``block_overhead_ms``, ``meta.parts``, ``meta.self_check``) load as
+before when they add up (``block_overhead_ms`` = 0).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from edgeprune.errors import UserError
 from edgeprune.schema import Bool, Int, ListOf, MapOf, Num, Obj, Req, SchemaError, Str, check
 
-__all__ = ["TABLE_SCHEMA", "check_table", "DAMAGED_HINT"]
+__all__ = ["ADD_UP_TOLERANCE", "TABLE_SCHEMA", "check_adds_up", "check_table", "DAMAGED_HINT"]
+
+#: how far (relative) a table's parts may be from the whole dense model, and a self-check's
+#: prediction from its measurement
+ADD_UP_TOLERANCE = 0.05
 
 #: what to do about a damaged table (the message's parentheses)
 DAMAGED_HINT = ("a damaged or hand-edited table: rebuild it with edgeprune latency-table --model M --device PROFILE "
@@ -38,19 +50,35 @@ _KEY = Obj({**{k: Req(_POS) for k in ("embed_dim", "depth", "num_heads", "head_d
 _RULES = Obj({"mlp_round_to": Req(_POS), "head_dim_round_to": Req(_POS), "qk_equals_v": Req(Bool())})
 
 _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, nullable=True),
+                 "repeats": Int(min=1, nullable=True), "spread": Num(gt=0, nullable=True),
+                 "retries": Int(min=0, nullable=True),
                  "max_seconds": Num(gt=0, nullable=True), "min_iterations": Int(min=1, nullable=True),
                  "statistic": Str(choices=("p50", "min"), nullable=True), "interleave": Bool(nullable=True),
                  "clock": Str(choices=("wall", "cpu"), nullable=True), "cuda_graphs": Bool(nullable=True),
                  "input": Str(nullable=True)})
 
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
+                 "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
+                 "chain": Num(gt=0, nullable=True), "chain_half": Num(gt=0, nullable=True),
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
+_PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
+              "chain_ms": Num(gt=0, nullable=True), "chain_half_ms": Num(gt=0, nullable=True),
+              "chain_blocks": Int(min=2), "sub_blocks_ms": Num(gt=0), "sub_blocks_half_ms": Num(gt=0),
+              "per_block_ms": Num(gt=0), "per_block_half_ms": Num(gt=0), "half_dims": MapOf(Int(min=1))})
+
+_CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
+                "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1))})
+
+_SELF_CHECK = Obj({"passed": Req(Bool()), "tolerance": Req(Num(gt=0, le=1)), "forced": Bool(),
+                   "failure": Str(nullable=True), "models": Req(ListOf(_CHECKED))})
+
 _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "created": Str(nullable=True),
-             "edgeprune": Str(nullable=True)})
+             "edgeprune": Str(nullable=True), "parts": _PARTS, "self_check": _SELF_CHECK})
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
-                 "model": Bool()})
+                 "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),
+                 "chain_half": Bool()})
 
 
 def _fail(field: str, problem: str) -> SchemaError:
@@ -105,6 +133,13 @@ def _times_present(d: dict, complete: bool) -> None:
     for name in ("fixed_ms", "dense_model_ms"):
         if d[name] is None:
             raise _fail(name, "is null in a complete table")
+    for name in ("block_overhead_ms", "block_scale"):
+        if name in d and d[name] is None:
+            raise _fail(name, "is null in a complete table")
+    parts = d.get("meta", {}).get("parts") or {}
+    for kind in ("outside", "block", "chain", "chain_half"):
+        if measured.get(kind) and parts.get(f"{kind}_ms") is None:
+            raise _fail(f"meta.parts.{kind}_ms", f"is missing or null, but measured.{kind} says it was measured")
 
 
 TABLE_SCHEMA = Obj({
@@ -116,6 +151,8 @@ TABLE_SCHEMA = Obj({
                      "ms": Req(ListOf(ListOf(ListOf(_MS))))})),
     "fixed_ms": Req(Num(ge=0, nullable=True, want="a finite time >= 0 in ms")),
     "dense_model_ms": Req(_MS),
+    "block_overhead_ms": Num(nullable=True, want="a finite time in ms (negative: a call the block saves)"),
+    "block_scale": Num(gt=0, nullable=True),
     "measured": _MEASURED,
     "meta": _META,
 }, then=_consistent)
@@ -133,3 +170,59 @@ def check_table(data: Any, label: str) -> dict:
             integer, got 0 (a damaged or hand-edited table: rebuild it ... --force)"``.
     """
     return check(TABLE_SCHEMA, data, label, DAMAGED_HINT)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def check_adds_up(t: Any) -> None:
+    """A complete table's parts add up to its whole dense model, and its self-check agrees with its numbers.
+
+    Args:
+        t: a :class:`~edgeprune.latency.table.LatencyTable` (complete; a partial one is not checked).
+
+    Raises:
+        SchemaError: naming the part: ``dense_model_ms`` when ``fixed_ms + depth x (MLP + attention + overhead)``
+            is more than :data:`ADD_UP_TOLERANCE` from it (the message gives each part), ``block_overhead_ms``
+            when it does not follow from ``meta.parts``, ``meta.self_check.models[i]`` when a check that says
+            it passed misses, or whose prediction the table does not make. Skipped for a table kept with
+            ``--force`` (``meta.self_check.forced``: loaded as unverified).
+    """
+    chk = t.meta.get("self_check") or {}
+    if not t.complete or chk.get("forced"):
+        return
+    k, tol = t.key, ADD_UP_TOLERANCE
+    dense = t.dense_dims()
+    mlp, attn = t.mlp_ms(dense["mlp"]), t.attn_ms(dense["heads"], dense["qk"], dense["v"])
+    over, scale = float(t.block_overhead_ms), float(t.block_scale)
+    parts = t.meta.get("parts")
+    for pb, dims in (("per_block_ms", dense), ("per_block_half_ms", (parts or {}).get("half_dims"))):
+        block = (parts or {}).get(pb)
+        if block is not None and dims and abs(block - t.block_total(dims)) > tol * block:
+            raise _fail("block_overhead_ms", f"is {over:.4g} ms with block_scale {scale:.4g}: they give "
+                        f"{t.block_total(dims):.4g} ms per block at {dims}, but meta.parts.{pb} is {block:.4g} ms")
+    if parts is not None and parts.get("outside_ms") is not None and (
+            abs(float(t.fixed_ms) - parts["outside_ms"]) > tol * parts["outside_ms"]):
+        raise _fail("fixed_ms", f"is {t.fixed_ms:.4g} ms, but the model without its blocks was timed at "
+                    f"{parts['outside_ms']:.4g} ms (meta.parts.outside_ms)")
+    whole = t.dense_ms()
+    gap = whole / float(t.dense_model_ms) - 1.0
+    if abs(gap) > tol:
+        raise _fail("dense_model_ms", f"is {t.dense_model_ms:.4g} ms, but the table's parts add up to {whole:.4g} ms "
+                    f"(fixed_ms {t.fixed_ms:.4g} + depth {k['depth']} x (block_scale {scale:.4g} x (mlp {mlp:.4g} + "
+                    f"attn {attn:.4g}) + block_overhead_ms {over:.4g})): {_pct(gap)}, more than {100 * tol:.0f}%")
+    for i, m in enumerate(chk.get("models", [])):
+        field = f"meta.self_check.models[{i}]"
+        try:
+            pred = t.model_ms(m["blocks"])
+        except UserError as err:
+            raise _fail(f"{field}.blocks", f"cannot be predicted by this table: {err}") from None
+        if abs(pred - m["predicted_ms"]) > 1e-6 * max(1.0, pred):
+            raise _fail(f"{field}.predicted_ms", f"is {m['predicted_ms']:.4g} ms, but the table predicts {pred:.4g} "
+                        f"ms for its blocks (entries edited after the self-check)")
+        miss = pred / m["measured_ms"] - 1.0
+        if chk.get("passed") and abs(miss) > chk["tolerance"]:
+            raise _fail(field, f"({m['name']}) is predicted {pred:.4g} ms, measured {m['measured_ms']:.4g} ms "
+                        f"({_pct(miss)}), beyond the tolerance {100 * chk['tolerance']:.0f}%, but "
+                        "meta.self_check.passed is true")

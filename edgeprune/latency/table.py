@@ -8,10 +8,15 @@ structures:
   per-head V dim); with the profile rule ``qk_equals_v`` only the diagonal ``qk == v`` is measured
   (off-diagonal entries are NaN, stored as ``null``),
 
-plus ``fixed_ms`` (patch embedding, position embedding, final norm, head: the dense model measured
-whole minus ``depth`` dense blocks). Between grid points the time is interpolated piecewise-linearly
-along each axis (multilinearly in (heads, qk, v)), so a prediction equals the measured value at a
-measured point. Units: milliseconds per batch of ``key["batch"]`` images.
+plus ``fixed_ms`` (patch embedding, position embedding, final norm, head: the model with its blocks
+removed, timed directly; tables built before issue 40: the dense model whole minus ``depth`` dense
+blocks) and ``block_overhead_ms`` (issue 40: the dense block timed whole minus its two timed
+sub-blocks -- the per-call overhead the sub-blocks pay apart and the block does not; a constant per
+block, independent of the kept dims; 0 in older tables), so that ``fixed_ms + depth x (attention +
+MLP + block_overhead_ms)`` predicts the dense model whole (:meth:`LatencyTable.dense_ms`).
+Between grid points the time is interpolated piecewise-linearly along each axis (multilinearly in
+(heads, qk, v)), so a prediction equals the measured value at a measured point. Units:
+milliseconds per batch of ``key["batch"]`` images.
 
 The JSON written by :meth:`LatencyTable.save` is the dataclass as a dict plus ``"format"``; it is
 what ``edgeprune latency-table`` writes and ``prune --latency-table`` reads (tables may be built on
@@ -30,7 +35,8 @@ from typing import Any, Sequence
 
 from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
-from edgeprune.latency.schema import check_table
+from edgeprune.latency.schema import DAMAGED_HINT, check_adds_up, check_table
+from edgeprune.schema import SchemaError
 
 FORMAT = "edgeprune-latency-table/1"
 
@@ -87,11 +93,18 @@ class LatencyTable:
         mlp: ``{"widths": [int ascending], "ms": [float]}``: MLP sub-block ms per kept width.
         attn: ``{"heads": [...], "qk": [...], "v": [...], "ms": [heads][qk][v]}`` attention
             sub-block ms (NaN / None where not measured: off the diagonal under ``qk_equals_v``).
-        fixed_ms: everything outside the blocks, ``dense_model_ms - depth * (attn + mlp dense)``,
-            clamped at >= 0.
+        fixed_ms: everything outside the blocks: the model with its blocks removed, timed (older
+            tables: ``dense_model_ms - depth * (attn + mlp dense)``, clamped at >= 0).
         dense_model_ms: the dense model timed whole on the same backend.
-        measured: which grid points were timed: ``{"mlp": [widths], "attn": [[h, qk, v], ...]}``.
-        meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic).
+        measured: which grid points were timed: ``{"mlp": [widths], "attn": [[h, qk, v], ...],
+            "model": bool, "outside": bool, "block": bool, "chain": bool}``.
+        meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic,
+            interleave, clock, repeats, spread, retries), ``parts`` (the outside and dense-block
+            times), ``self_check`` (predicted vs measured whole models, :mod:`edgeprune.latency.selfcheck`).
+        block_overhead_ms, block_scale: a block inside a model costs ``block_scale x`` its two
+            sub-blocks' sum ``+ block_overhead_ms`` (:meth:`block_total`; the overhead may be
+            negative: a sub-block timed alone pays a call the block does not); 0 and 1 for tables
+            without them.
     """
 
     key: dict
@@ -102,6 +115,8 @@ class LatencyTable:
     dense_model_ms: float
     measured: dict = dataclasses.field(default_factory=dict)
     meta: dict = dataclasses.field(default_factory=dict)
+    block_overhead_ms: float = 0.0
+    block_scale: float = 1.0
 
     # -- prediction -------------------------------------------------------------------------
     def mlp_ms(self, width: int) -> float:
@@ -157,9 +172,34 @@ class LatencyTable:
         k = self.key
         return {"mlp": k["mlp_hidden"], "qk": k["head_dim"], "v": k["head_dim"], "heads": k["num_heads"]}
 
+    def block_total(self, dims: dict[str, int]) -> float:
+        """Predicted ms of one block of ``dims`` inside a model: ``block_scale x block_ms(dims) + block_overhead_ms``
+        (``block_ms`` itself for a table without those terms)."""
+        ms = self.block_ms(dims)
+        scale, over = float(self.block_scale), float(self.block_overhead_ms)
+        return ms if scale == 1.0 and over == 0.0 else scale * ms + over
+
     def dense_ms(self) -> float:
-        """Predicted dense model ms: ``fixed_ms + depth * block_ms(dense dims)``."""
-        return float(self.fixed_ms) + int(self.key["depth"]) * self.block_ms(self.dense_dims())
+        """Predicted dense model ms: ``fixed_ms + depth * block_total(dense dims)``."""
+        return float(self.fixed_ms) + int(self.key["depth"]) * self.block_total(self.dense_dims())
+
+    def model_ms(self, blocks: Sequence[dict[str, int]]) -> float:
+        """Predicted ms of a whole model whose blocks keep ``blocks`` (one dims dict per block,
+        :meth:`block_ms`): ``fixed_ms + sum(block_total)``.
+
+        Raises:
+            UserError: a dim outside the grid.
+        """
+        return float(self.fixed_ms) + sum(self.block_total(d) for d in blocks)
+
+    @property
+    def unverified(self) -> str | None:
+        """Why this table's predictions are not verified (its self-check missed and ``--force`` kept it), else
+        None (passed, or a table built before the self-check: nothing to say)."""
+        chk = self.meta.get("self_check")
+        if not chk or chk.get("passed", True):
+            return None
+        return str(chk.get("failure") or "its self-check missed")
 
     # -- checks and files --------------------------------------------------------------------
     def check_model(self, anatomy: Any) -> None:
@@ -179,7 +219,8 @@ class LatencyTable:
 
     @property
     def complete(self) -> bool:
-        """Whether every entry was measured (a partial table is what an interrupted build left)."""
+        """Whether every entry was measured and the self-check passed or was overridden (a partial table is what
+        an interrupted build, or a failed self-check, left)."""
         return bool(self.meta.get("complete", True))
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +229,8 @@ class LatencyTable:
         d["attn"]["ms"] = [[[_num_out(x) for x in row] for row in plane] for plane in self.attn["ms"]]
         d["mlp"]["ms"] = [_num_out(x) for x in self.mlp["ms"]]
         d["fixed_ms"], d["dense_model_ms"] = _num_out(self.fixed_ms), _num_out(self.dense_model_ms)
+        d["block_overhead_ms"] = _num_out(self.block_overhead_ms)  # None: not measured yet (a build in progress)
+        d["block_scale"] = _num_out(self.block_scale)
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -200,7 +243,9 @@ class LatencyTable:
         field, one schema check) and build the table.
 
         Raises:
-            UserError: wrong format or a missing / malformed field (one line naming it).
+            UserError: wrong format or a missing / malformed field, or a complete table whose parts do not
+                add up to its whole dense model (one line naming the field:
+                :func:`edgeprune.latency.schema.check_adds_up`).
         """
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise UserError(f"{label} is not an edgeprune latency table (expected \"format\": \"{FORMAT}\")")
@@ -209,6 +254,11 @@ class LatencyTable:
         t.attn["ms"] = [[[_num_in(x) for x in row] for row in plane] for plane in t.attn["ms"]]
         t.mlp["ms"] = [_num_in(x) for x in t.mlp["ms"]]
         t.fixed_ms, t.dense_model_ms = _num_in(t.fixed_ms), _num_in(t.dense_model_ms)
+        t.block_overhead_ms, t.block_scale = _num_in(t.block_overhead_ms), _num_in(t.block_scale)
+        try:
+            check_adds_up(t)
+        except SchemaError as err:
+            raise UserError(f"{label}: field {err.field!r} {err.problem} ({DAMAGED_HINT})") from None
         return t
 
     @classmethod
@@ -233,6 +283,10 @@ class LatencyTable:
         except json.JSONDecodeError as err:
             raise UserError(f"{label} is not JSON ({err.msg} at line {err.lineno})") from None
         table = cls.from_dict(data, label)
+        chk = table.meta.get("self_check") or {}
+        if not allow_partial and not table.complete and chk.get("passed") is False:
+            raise UserError(f"{label} failed its self-check ({chk.get('failure')}): rerun the same edgeprune "
+                            "latency-table command to time the check again, or add --force to keep it unverified")
         if not allow_partial and not table.complete:
             raise UserError(f"{label} is incomplete: its build was interrupted (rerun the same "
                             "edgeprune latency-table command to resume it)")

@@ -112,7 +112,8 @@ def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None
     dense_pred, predicted, target = alloc_latency["dense"], alloc_latency["predicted"], alloc_latency["target"]
     out: dict[str, Any] = {"predicted_ms": predicted, "predicted_ratio": predicted / dense_pred,
                            "budget_ms": target, "budget_ratio": target / dense_pred,
-                           "dense_predicted_ms": dense_pred, "measured": None, "not_measured": reason}
+                           "dense_predicted_ms": dense_pred, "measured": None, "not_measured": reason,
+                           "table_unverified": alloc_latency.get("unverified")}  # issue 40: its self-check missed
     if measured is not None:
         absolute = bool(alloc_latency.get("absolute"))
         got, want = (measured["pruned_ms"], target) if absolute else (measured["ratio"], target / dense_pred)
@@ -130,6 +131,9 @@ def latency_report(chk: dict | None) -> list[str]:
         return []
     lines = [f"latency: predicted {chk['predicted_ms']:.3f} ms (x{chk['predicted_ratio']:.3f} of dense) for a "
              f"budget of {chk['budget_ms']:.3f} ms (x{chk['budget_ratio']:.3f})"]
+    if chk.get("table_unverified"):
+        lines.append(f"warning: the prediction is unverified: the latency table's self-check missed "
+                     f"({chk['table_unverified']}) and it was kept with --force")
     measured = chk.get("measured")
     if measured is None:
         return lines + [f"latency: predicted only, not measured here: {chk.get('not_measured')}"]

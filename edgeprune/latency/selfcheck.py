@@ -1,0 +1,227 @@
+"""The parts of a model a latency table times besides the grid, and its self-check (issue 40, item 1).
+
+A table predicts a model as ``fixed_ms + sum over blocks (block_scale x (MLP + attention) +
+block_overhead_ms)``. Its parts are timed directly, not by subtraction:
+
+* ``outside``: the model with its blocks removed (patch embedding, position embedding, final norm,
+  head; :func:`outside_model`) -- ``fixed_ms``;
+* ``block`` and ``chain``: one dense block, and the model's own blocks in sequence (at least 2,
+  :func:`chain_length`; the weights of as many blocks as the model has, so the caches see what they
+  see in the model), each timed whole (:func:`dense_blocks`): a block inside a model costs
+  ``per_block_ms = (chain - block) / (chain_blocks - 1)`` -- what a call costs (a module timed alone
+  pays it once; inside the model the blocks do not) cancels in the difference;
+* ``chain_half``: the blocks of a model of half the dense dims (:func:`half_dims`), in sequence: a
+  block of those dims inside a model costs ``(chain_half - call) / chain_blocks``, with the call
+  ``block - per_block_ms``.
+
+A block inside a model does not cost what its two sub-blocks cost timed apart (each paid a call;
+measured on a shared 2-core CPU it was also cheaper in proportion to its size): the two per-block
+costs give the line ``per_block = block_scale x (MLP + attention) + block_overhead_ms`` through the
+dense and the half point (:func:`finish`).
+
+Then the self-check (:func:`allocations`, :func:`verdict`): a few allocations spread over the grid
+-- the dense model, and about x0.7, x0.5 and x0.3 of it with heads, head dims (Q/K apart from V
+where the rules allow) and MLP widths cut in a different mix per block -- are predicted by the table
+and timed as whole models of that shape (:func:`pruned_model`: the structural rebuild of run loading,
+``edgeprune.surgery.apply_structure``, random weights: only the time matters). A prediction more than
+:data:`~edgeprune.latency.schema.ADD_UP_TOLERANCE` from its measurement fails the table, naming the
+part that is off.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from edgeprune.errors import RuntimeFault
+from edgeprune.latency.schema import ADD_UP_TOLERANCE
+from edgeprune.surgery import apply_structure, backbone_vit
+
+#: the fractions of the dense block the self-check's pruned allocations aim at
+FRACTIONS = (0.7, 0.5, 0.3)
+
+#: per block, the exponents (heads, head dims, MLP width) of the fraction: the mix of cuts rotates over the blocks
+_MIXES = ((1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (0.5, 0.5, 1.0), (0.0, 0.0, 2.0), (1.0, 1.0, 0.0))
+
+
+def outside_model(anatomy: Any) -> nn.Module:
+    """A copy of the model with no blocks: (B, C, H, W) -> the model's output; patch and position embedding, final
+    norm and head only (eval mode)."""
+    m = copy.deepcopy(anatomy.model).eval()
+    backbone_vit(m).blocks = nn.Sequential()
+    return m
+
+
+def chain_length(depth: int) -> int:
+    """How many blocks the ``chain`` entries run in sequence: the model's depth, at least 2."""
+    return max(2, int(depth))
+
+
+def half_dims(t: Any) -> dict[str, int]:
+    """The ``chain_half`` entry's block dims: about half the dense heads, head dims and MLP width, on the table's
+    rules and within its grid."""
+    k, r = t.key, t.rules
+    d = _snap(k["head_dim"] / 2, r["head_dim_round_to"], max(t.attn["qk"][0], t.attn["v"][0]), k["head_dim"])
+    return {"heads": int(max(t.attn["heads"][0], round(k["num_heads"] / 2))), "qk": d, "v": d,
+            "mlp": _snap(k["mlp_hidden"] / 2, r["mlp_round_to"], t.mlp["widths"][0], k["mlp_hidden"])}
+
+
+def model_blocks(anatomy: Any, dims: dict[str, int] | None = None) -> nn.Module:
+    """The blocks of a copy of the model -- dense, or rebuilt with every block at ``dims`` -- as one module in
+    sequence, (B, N, D) -> (B, N, D); a one-block model's block twice (the second copy perturbed by a seeded 0.1%:
+    distinct weights, which a runtime does not share)."""
+    depth = len(anatomy.blocks)
+    if dims is None:
+        m = copy.deepcopy(anatomy.model)
+    else:
+        m = pruned_model(anatomy, [dims] * depth)
+    blocks = list(backbone_vit(m).blocks)
+    if len(blocks) == 1:
+        extra = copy.deepcopy(blocks[0])
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in extra.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3 * (float(p.abs().mean()) + 1e-3))
+        blocks.append(extra)
+    return nn.Sequential(*blocks).eval()
+
+
+def pruned_model(anatomy: Any, blocks: list[dict[str, int]], seed: int = 0) -> nn.Module:
+    """A copy of the (dense) model rebuilt with per-block kept dims ``blocks`` (``{"mlp", "heads", "qk", "v"}``;
+    :func:`edgeprune.surgery.apply_structure`, seeded random weights in the resized modules), eval mode."""
+    torch.manual_seed(seed)
+    m = copy.deepcopy(anatomy.model)
+    hd = anatomy.blocks[0].head_dim
+    apply_structure(m, [{"num_heads": d["heads"], "head_dim": hd, "qk_dim": d["qk"], "v_dim": d["v"],
+                         "mlp_hidden": d["mlp"]} for d in blocks])
+    return m.eval()
+
+
+def _snap(x: float, step: int, lo: int, hi: int) -> int:
+    """``x`` rounded to a multiple of ``step``, within ``[lo, hi]``."""
+    return int(min(hi, max(lo, step * round(x / step))))
+
+
+def allocations(t: Any) -> list[tuple[str, list[dict[str, int]]]]:
+    """``[(name, per-block dims)]``: the dense model, then one allocation per :data:`FRACTIONS` (module doc).
+
+    Each block keeps about the fraction f of its cost, cut in the mix ``_MIXES[i % 5]`` (heads to
+    ``H f^a``, head dims to ``d f^b`` -- Q/K a quarter below and V a quarter above where the table's
+    rules do not tie them -- MLP width to ``M f^c``), on the rules' multiples and within the grid.
+    """
+    k, r = t.key, t.rules
+    H, d, M = k["num_heads"], k["head_dim"], k["mlp_hidden"]
+    lo_h, lo_d, lo_v, lo_m = t.attn["heads"][0], t.attn["qk"][0], t.attn["v"][0], t.mlp["widths"][0]
+    out = [("dense", [t.dense_dims() for _ in range(k["depth"])])]
+    for f in FRACTIONS:
+        blocks = []
+        for i in range(k["depth"]):
+            a, b, c = _MIXES[i % len(_MIXES)]
+            dims = d * f ** b
+            qk_scale, v_scale = (1.0, 1.0) if r["qk_equals_v"] or b == 0 else (0.75, 1.25)
+            qk = _snap(dims * qk_scale, r["head_dim_round_to"], lo_d, d)
+            v = qk if r["qk_equals_v"] else _snap(dims * v_scale, r["head_dim_round_to"], lo_v, d)
+            blocks.append({"heads": int(min(H, max(lo_h, round(H * f ** a)))), "qk": qk, "v": v,
+                           "mlp": _snap(M * f ** c, r["mlp_round_to"], lo_m, M)})
+        out.append((f"x{f:.1f}", blocks))
+    return out
+
+
+def _span(blocks: list[dict[str, int]]) -> str:
+    """``heads 2-6, qk 16-64, v 32-64, mlp 384-1536``: the range of each kept dim over the blocks."""
+    parts = []
+    for name in ("heads", "qk", "v", "mlp"):
+        lo, hi = min(b[name] for b in blocks), max(b[name] for b in blocks)
+        parts.append(f"{name} {lo}" if lo == hi else f"{name} {lo}-{hi}")
+    return ", ".join(parts)
+
+
+def run_check(t: Any, anatomy: Any, measure: Callable[[nn.Module], float]) -> dict[str, Any]:
+    """Predict and time every :func:`allocations` model (the dense one is ``t.dense_model_ms``, already timed);
+    ``measure(model) -> ms``. Returns the table's ``meta["self_check"]`` (:func:`verdict`)."""
+    models = []
+    for name, blocks in allocations(t):
+        ms = float(t.dense_model_ms) if name == "dense" else float(measure(pruned_model(anatomy, blocks)))
+        pred = t.model_ms(blocks)
+        models.append({"name": name, "predicted_ms": pred, "measured_ms": ms, "error": pred / ms - 1.0,
+                       "blocks": blocks})
+    return verdict(t, models)
+
+
+def verdict(t: Any, models: list[dict[str, Any]], tolerance: float = ADD_UP_TOLERANCE) -> dict[str, Any]:
+    """``{"passed", "tolerance", "failure", "models"}``: failed when a model's ``error`` (predicted / measured
+    - 1) exceeds ``tolerance``; ``failure`` names the worst model and the part that is off (the dense model: the
+    parts outside / per block do not add up to the whole; a pruned one: the grid's entries at its dims)."""
+    bad = [m for m in models if abs(m["error"]) > tolerance]
+    failure = None
+    if bad:
+        m = max(bad, key=lambda m: abs(m["error"]))
+        say = (f"predicted {m['predicted_ms']:.4g} ms, measured {m['measured_ms']:.4g} ms whole "
+               f"({100 * m['error']:+.1f}%, more than {100 * tolerance:.0f}%)")
+        if m["name"] == "dense":
+            block = t.block_total(t.dense_dims())
+            failure = (f"the parts do not add up to the dense model: outside the blocks {t.fixed_ms:.4g} ms + "
+                       f"{t.key['depth']} x block {block:.4g} ms {say}")
+        else:
+            failure = (f"the sub-block entries (mlp.ms / attn.ms) are off at the pruned dims of allocation "
+                       f"{m['name']} ({_span(m['blocks'])}): {say}")
+    return {"passed": not bad, "tolerance": tolerance, "failure": failure, "models": models}
+
+
+class SelfCheckFailed(RuntimeFault):
+    """The table's prediction of whole models missed their measurement (exit 1; ``--force`` keeps the table)."""
+
+
+def finish(t: Any) -> Any:
+    """Fill ``fixed_ms`` (the model without its blocks, timed) and ``block_overhead_ms`` (a block's cost inside a
+    chain, ``per_block_ms``, minus its two sub-blocks; module doc); ``meta["fixed_by_subtraction_ms"]`` keeps what
+    the subtraction of earlier tables gave (dense model - depth x sub-blocks), for comparison. Not yet complete
+    (the self-check decides)."""
+    k, parts = t.key, t.meta["parts"]
+    sub = t.block_ms(t.dense_dims())
+    half = half_dims(t)
+    sub_half = t.block_ms(half)
+    n = chain_length(k["depth"])
+    parts.update(sub_blocks_ms=sub, chain_blocks=n, half_dims=half, sub_blocks_half_ms=sub_half)
+    per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (n - 1)
+    per_half = (float(parts["chain_half_ms"]) - (float(parts["block_ms"]) - per_block)) / n
+    if per_block <= 0 or per_half <= 0 or per_half >= per_block or sub_half >= sub:  # time them again on a rerun
+        t.measured["block"] = t.measured["chain"] = t.measured["chain_half"] = False
+        raise RuntimeFault(f"latency table: the model's {n} blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
+                           f"alone {parts['block_ms']:.4g} ms, {n} half blocks {parts['chain_half_ms']:.4g} ms: the "
+                           "machine's load changed too much between them (rerun the command: it times them again)")
+    parts.update(per_block_ms=per_block, per_block_half_ms=per_half)
+    t.fixed_ms = float(parts["outside_ms"])
+    t.block_scale = (per_block - per_half) / (sub - sub_half)
+    t.block_overhead_ms = per_block - t.block_scale * sub
+    t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
+    return t
+
+
+def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
+    """Record the self-check ``check`` (:func:`~edgeprune.latency.selfcheck.verdict`) and mark the table complete
+    when it passed or ``force`` keeps it (then ``forced``: unverified); save it.
+
+    Raises:
+        SelfCheckFailed: it missed and not ``force`` (the table is saved incomplete: a rerun times the check
+            again).
+    """
+    check["forced"] = bool(force and not check["passed"])
+    t.meta["self_check"] = check
+    t.meta["complete"] = bool(check["passed"] or force)
+    if t.meta["complete"]:
+        t.meta["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    t.save(out)
+    if not t.meta["complete"]:
+        raise SelfCheckFailed(f"latency table self-check failed: {check['failure']} ({out} is left incomplete: "
+                              "rerun the command to time the check again, or add --force to keep it unverified)")
+    return t
+
+
+__all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "allocations",
+           "chain_length", "half_dims", "model_blocks", "outside_model", "pruned_model", "run_check", "verdict"]

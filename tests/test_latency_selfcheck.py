@@ -1,0 +1,387 @@
+"""Latency tables that add up, or say why not (issue 40, items 1 and 2).
+
+A fake backend (tests/test_latency_table.py: ``_Counting``, every module costs a known function of its
+shape) whose whole block costs its two sub-blocks plus a known overhead, and whose whole models cost their
+parts times a known factor: the table recovers the overhead and its self-check passes; a factor of 1.2
+fails it (exit 1, the part named) unless ``--force`` keeps the table unverified. Hand-made tables whose
+parts do not add up are refused where they are loaded; tables without the new fields price as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edgeprune.errors import UserError
+from edgeprune.latency.table import LatencyTable
+from tests.conftest import assert_one_line_error, run_cli
+from tests.test_latency_table import _Counting, _fake_timer, _hand_table, _opts
+
+
+@pytest.fixture
+def tiny_vit(timm):
+    """A 2-block vit_tiny at 32 px (5 tokens): 3 heads of 64, MLP 768 (the fake backend's dense shape)."""
+    from edgeprune.anatomy import find_anatomy
+
+    return find_anatomy(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval())
+
+
+def _build(tiny, out: Path, **kw) -> LatencyTable:
+    import devices
+    from edgeprune.latency.build import build_table
+
+    _fake_timer()
+    return build_table(tiny, devices.load_profile("cpu"), _opts(**kw), out, show_progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _clean_fake():
+    _Counting.reset()
+    yield
+    _Counting.reset()
+
+
+@pytest.mark.parametrize("overhead,call,inside", [(-0.4, 0.0, 1.0), (0.0, 0.3, 0.8), (0.7, 0.2, 1.1)])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_overhead_is_recovered_and_the_self_check_passes(tmp_path: Path, tiny_vit, overhead, call, inside,
+                                                         interleave) -> None:
+    _Counting.reset(overhead=overhead, call=call, inside=inside)
+    t = _build(tiny_vit, tmp_path / "t.json", interleave=interleave)
+    # each sub-block timed alone paid a call that a block inside the model does not; inside, a block costs
+    # ``inside`` x its compute
+    assert t.block_scale == pytest.approx(inside, abs=1e-9)
+    assert t.block_overhead_ms == pytest.approx(overhead - 2 * call * inside, abs=1e-9)
+    assert t.fixed_ms == pytest.approx(_Counting.outside + call)  # timed directly (the model's one call)
+    chk = t.meta["self_check"]
+    assert chk["passed"] and not chk["forced"] and chk["failure"] is None
+    assert [m["name"] for m in chk["models"]] == ["dense", "x0.7", "x0.5", "x0.3"]
+    for m in chk["models"]:
+        assert m["predicted_ms"] == pytest.approx(m["measured_ms"], rel=1e-9)
+    # the allocations are spread over the grid: each smaller than the last, heads and dims both cut somewhere
+    ms = [m["measured_ms"] for m in chk["models"]]
+    assert ms == sorted(ms, reverse=True) and ms[-1] < 0.6 * ms[0]
+    cut = chk["models"][2]["blocks"]
+    assert {b["heads"] for b in cut} != {3} and {b["qk"] for b in cut} != {64} and {b["mlp"] for b in cut} != {768}
+    assert any(b["qk"] != b["v"] for b in cut)  # the cpu rules do not tie Q/K to V
+    u = LatencyTable.load(tmp_path / "t.json")
+    assert u.complete and u.unverified is None and u.dense_ms() == pytest.approx(t.dense_model_ms)
+    assert t.meta["settings"]["interleave"] is interleave
+
+
+def test_without_the_overhead_term_the_table_would_not_add_up(tmp_path: Path, tiny_vit) -> None:
+    """The point of ``block_overhead_ms``: the sub-blocks alone miss the per-block term, and the self-check sees
+    it (planted fault: the build ignoring the measured block)."""
+    from edgeprune.latency import selfcheck
+
+    _Counting.reset(overhead=1.5, inside=0.7)
+    t = _build(tiny_vit, tmp_path / "t.json", force=True)
+    assert t.meta["self_check"]["passed"]
+    t.block_overhead_ms, t.block_scale = 0.0, 1.0
+    models = [{**m, "predicted_ms": t.model_ms(m["blocks"])} for m in t.meta["self_check"]["models"]]
+    for m in models:
+        m["error"] = m["predicted_ms"] / m["measured_ms"] - 1.0
+    assert not selfcheck.verdict(t, models)["passed"]
+
+
+@pytest.mark.parametrize("which,part", [("model_factor", "sub-block entries"), ("dense_factor", "do not add up")])
+def test_whole_models_20_percent_off_are_refused_naming_the_part(tmp_path: Path, tiny_vit, which, part) -> None:
+    from edgeprune.latency.build import SelfCheckFailed
+
+    _Counting.reset(**{which: 1.2})
+    out = tmp_path / "t.json"
+    with pytest.raises(SelfCheckFailed) as err:
+        _build(tiny_vit, out)
+    msg = str(err.value)
+    assert err.value.exit_code == 1 and "\n" not in msg and part in msg and "--force" in msg, msg
+    kept = LatencyTable.load(out, allow_partial=True)
+    assert not kept.complete and kept.meta["self_check"]["passed"] is False
+    with pytest.raises(UserError, match="failed its self-check"):
+        LatencyTable.load(out)
+    # rerun: only the self-check is timed again (the entries are kept), and it misses again
+    _Counting.calls = []
+    with pytest.raises(SelfCheckFailed):
+        _build(tiny_vit, out)
+    assert {c[0] for c in _Counting.calls} == {"model"} and len(_Counting.calls) == 3
+    # --force keeps it, marked unverified, without timing the entries again
+    _Counting.calls = []
+    t = _build(tiny_vit, out, force=True)
+    assert {c[0] for c in _Counting.calls} == {"model"}
+    u = LatencyTable.load(out)
+    assert u.complete and t.meta["self_check"]["forced"] and part in u.unverified
+
+
+def test_forced_table_says_unverified_in_the_record_and_the_prune_report(tmp_path: Path, tiny_vit) -> None:
+    from edgeprune.budget import make_budget
+    from edgeprune.budget.latency import LatencyCost
+    from edgeprune.pruning.latency_check import latency_check, latency_report
+
+    _Counting.reset(model_factor=1.2)
+    out = tmp_path / "t.json"
+    _build(tiny_vit, out, force=True)
+    budget = make_budget(latency=0.5, table=str(out))
+    rec = LatencyCost(tiny_vit, budget=budget).record()
+    assert rec["unverified"] and rec["self_check"]["passed"] is False and rec["self_check"]["forced"] is True
+    lat = {**rec, "predicted": 10.0, "target": 10.0, "dense": 20.0}
+    lines = latency_report(latency_check(lat, None, "not here"))
+    assert any(line.startswith("warning: the prediction is unverified") for line in lines), lines
+    # a verified table: no such line
+    _Counting.reset()
+    _build(tiny_vit, tmp_path / "ok.json")
+    rec = LatencyCost(tiny_vit, budget=make_budget(latency=0.5, table=str(tmp_path / "ok.json"))).record()
+    assert rec["unverified"] is None and rec["self_check"]["passed"] is True
+    lines = latency_report(latency_check({**rec, "predicted": 10.0, "target": 10.0, "dense": 20.0}, None, "x"))
+    assert not any("unverified" in line for line in lines)
+
+
+# -- hand-made tables --------------------------------------------------------------------------
+
+
+def _save(tmp_path: Path, d: dict) -> Path:
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def _complete_new(tmp_path: Path, tiny) -> dict:
+    _Counting.reset(overhead=0.3)
+    _build(tiny, tmp_path / "t.json")
+    return json.loads((tmp_path / "t.json").read_text())
+
+
+@pytest.mark.parametrize("scale", [1.3, 0.7])
+def test_a_hand_table_that_does_not_add_up_is_refused_on_load(tmp_path: Path, scale) -> None:
+    d = _hand_table().to_dict()
+    d["dense_model_ms"] *= scale
+    with pytest.raises(UserError) as err:
+        LatencyTable.load(_save(tmp_path, d))
+    msg = str(err.value)
+    assert "'dense_model_ms'" in msg and "add up" in msg and "fixed_ms" in msg and "\n" not in msg, msg
+    d["dense_model_ms"] /= scale
+    d["dense_model_ms"] *= 1.04  # within 5%: loads
+    LatencyTable.load(_save(tmp_path, d))
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d.update(block_overhead_ms=d["block_overhead_ms"] + 5.0), "'block_overhead_ms'"),
+    (lambda d: d.update(block_scale=d["block_scale"] * 1.5), "'block_overhead_ms'"),
+    (lambda d: d.update(fixed_ms=d["fixed_ms"] * 2), "'fixed_ms'"),
+    # the MLP entries below the dense width: the half point's per-block cost no longer follows from them
+    (lambda d: d["mlp"].update(ms=[x * 1.5 for x in d["mlp"]["ms"][:-1]] + d["mlp"]["ms"][-1:]),
+     "'block_overhead_ms'"),
+    (lambda d: d["meta"]["self_check"]["models"][3].update(predicted_ms=d["meta"]["self_check"]["models"][3][
+        "predicted_ms"] * 1.01), "'meta.self_check.models[3].predicted_ms'"),
+    (lambda d: d["meta"]["self_check"]["models"][2].update(measured_ms=100.0), "'meta.self_check.models[2]'"),
+    (lambda d: d["meta"]["self_check"]["models"][1]["blocks"][0].update(mlp=4), "'meta.self_check.models[1].blocks'"),
+])
+def test_a_new_table_edited_by_hand_is_refused_naming_the_part(tmp_path: Path, tiny_vit, edit, field) -> None:
+    d = _complete_new(tmp_path, tiny_vit)
+    edit(d)
+    with pytest.raises(UserError) as err:
+        LatencyTable.load(_save(tmp_path, d))
+    assert field in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_overhead_ms", "x"), ("block_overhead_ms", float("nan")), ("block_overhead_ms", None),
+    ("block_scale", 0), ("block_scale", -1.0), ("block_scale", None), ("block_scale", "1"),
+    ("meta.self_check.passed", "yes"), ("meta.self_check.tolerance", 0), ("meta.self_check.tolerance", 2),
+    ("meta.self_check.models", "all"), ("meta.self_check.models[0].measured_ms", -1.0),
+    ("meta.self_check.models[0].blocks", []), ("meta.self_check.models[0].name", ""),
+    ("meta.self_check.forced", 1), ("meta.parts.outside_ms", 0), ("meta.parts.block_ms", "1"),
+    ("meta.parts.chain_ms", -2.0), ("meta.parts.chain_blocks", 1), ("measured.chain", None),
+    ("meta.parts.chain_half_ms", 0), ("meta.parts.half_dims", {"mlp": 0}), ("measured.chain_half", "x"),
+    ("meta.settings.repeats", 0), ("meta.settings.spread", 0), ("meta.settings.retries", -1),
+    ("measured.outside", "no"), ("measured.block", 1),
+])
+def test_every_new_table_field_is_checked(tmp_path: Path, tiny_vit, field, value) -> None:
+    from tests.test_bad_input_41 import _set
+
+    d = _complete_new(tmp_path, tiny_vit)
+    _set(d, field, value)
+    with pytest.raises(UserError) as err:
+        LatencyTable.load(_save(tmp_path, d))
+    want = field.split(".")[0] if field.startswith("measured") else field
+    assert repr(want) in str(err.value) or f"'{field.rsplit('.', 1)[0]}" in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_complete_table_with_parts_measured_but_missing_is_refused(tmp_path: Path, tiny_vit) -> None:
+    d = _complete_new(tmp_path, tiny_vit)
+    del d["meta"]["parts"]["outside_ms"]
+    with pytest.raises(UserError, match="'meta.parts.outside_ms'"):
+        LatencyTable.load(_save(tmp_path, d))
+
+
+def test_a_forced_table_loads_although_its_parts_do_not_add_up(tmp_path: Path, tiny_vit) -> None:
+    _Counting.reset(dense_factor=1.3)
+    _build(tiny_vit, tmp_path / "t.json", force=True)
+    t = LatencyTable.load(tmp_path / "t.json")
+    assert t.unverified and "do not add up" in t.unverified
+
+
+# -- old tables price as before ----------------------------------------------------------------
+
+
+def test_a_table_without_the_new_fields_loads_and_prices_exactly_as_before(tmp_path: Path) -> None:
+    import types
+
+    from edgeprune.budget.latency import LatencyCost
+
+    d = _hand_table().to_dict()
+    del d["block_overhead_ms"], d["block_scale"]
+    t = LatencyTable.load(_save(tmp_path, d))
+    assert t.block_overhead_ms == 0.0 and t.block_scale == 1.0 and t.unverified is None
+    cost = object.__new__(LatencyCost)  # the cost model's pricing without an anatomy
+    cost.table, cost.query_tokens = t, {}
+    b = types.SimpleNamespace(index=0)
+    for dims in ({"mlp": 24, "heads": 3, "qk": 10, "v": 13}, {"mlp": 64, "heads": 4, "qk": 16, "v": 16}):
+        assert cost.block_cost(b, dims) == t.block_ms(dims)  # bit for bit
+    assert t.dense_ms() == t.fixed_ms + 3 * t.block_ms(t.dense_dims())
+    # a table with the terms: priced per block
+    t.block_overhead_ms, t.block_scale = 0.25, 0.8
+    dims = {"mlp": 24, "heads": 3, "qk": 10, "v": 13}
+    assert cost.block_cost(b, dims) == pytest.approx(0.8 * t.block_ms(dims) + 0.25)
+    assert t.model_ms([dims, dims]) == pytest.approx(t.fixed_ms + 2 * (0.8 * t.block_ms(dims) + 0.25))
+
+
+# -- the spread check --------------------------------------------------------------------------
+
+
+def test_spread_check_times_a_noisy_entry_again() -> None:
+    from edgeprune.latency.measure import Timer, TimingSettings
+
+    class Seq:
+        def __init__(self, values) -> None:
+            self.values = iter(values)
+
+        def prepare(self, x) -> None: ...
+
+        def time_once(self, x) -> float:
+            return next(self.values)
+
+        def close(self) -> None: ...
+
+    noisy, steady = [1.0, 1.0, 1.0, 1.0, 2.0, 2.0], [1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+
+    class SeqTimer(Timer):
+        def open(self, module, x, s, workdir):
+            return Seq(noisy + steady + noisy), x
+
+    s = TimingSettings(warmup=0, iterations=6, repeats=3, spread=0.05, retries=2)
+    got = SeqTimer().measure(None, (1, 2), s)
+    assert got.value == 1.5 and got.spread == 0.0 and got.attempts == 2
+    got = SeqTimer().measure(None, (1, 2), TimingSettings(warmup=0, iterations=6, repeats=3, retries=0))
+    assert got.value == 1.0 and got.spread == pytest.approx(1.0) and got.attempts == 1  # kept, spread recorded
+    got = SeqTimer().measure(None, (1, 2), TimingSettings(warmup=0, iterations=6, repeats=1))
+    assert got.value == 1.0 and got.attempts == 1  # one group: no check
+
+
+def test_build_records_a_noisy_entry(tmp_path: Path, tiny_vit) -> None:
+    """Entries whose groups disagree are timed again; the table says which (meta.spread)."""
+    from edgeprune.latency.measure import get_timer
+
+    _fake_timer()
+    timer = get_timer("fake-count")
+    plain_open = type(timer).open
+
+    def noisy_open(self, module, x, s, workdir):
+        r, x = plain_open(self, module, x, s, workdir)
+        base, n = r.ms, [0]
+
+        def time_once(_x):
+            n[0] += 1
+            return base * (2.0 if n[0] % 6 == 0 else 1.0)  # every 6th run is slow: the last group disagrees
+        r.time_once = time_once
+        return r, x
+
+    type(timer).open = noisy_open
+    try:
+        t = _build(tiny_vit, tmp_path / "t.json", repeats=3, iterations=6, retries=1, force=True)
+    finally:
+        type(timer).open = plain_open
+    noisy = t.meta["spread"]
+    assert noisy and all(v["attempts"] == 2 for v in noisy.values())
+    assert t.meta["settings"]["repeats"] == 3 and t.meta["settings"]["retries"] == 1
+
+
+# -- command line ------------------------------------------------------------------------------
+
+PLAIN = ["latency-table", "--model", "vit_tiny_patch16_224", "--random-init", "--img-size", "32",
+         "--model-kwargs", "depth=2", "--threads", "1", "--warmup", "0", "--iterations", "1", "--no-interleave",
+         "--clock", "wall",
+         "--quiet"]
+BASE = [*PLAIN, "--repeats", "1"]
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """The command's default backend replaced by the fake one."""
+    import edgeprune.latency.build as build
+    from edgeprune.latency.measure import get_timer
+
+    _fake_timer()
+    fake = get_timer("fake-count")
+    monkeypatch.setattr(build, "get_timer", lambda name: fake)
+    return fake
+
+
+def test_cli_refuses_a_failed_self_check_and_keeps_it_with_force(tmp_path: Path, fake_backend) -> None:
+    out = tmp_path / "t.json"
+    _Counting.reset(model_factor=1.2)
+    r = run_cli([*BASE, "-o", out])
+    assert_one_line_error(r, "latency table self-check failed: the sub-block entries", 1)
+    assert "x0." in r.stderr and "--force" in r.stderr
+    r = run_cli([*BASE, "-o", out, "--force"])
+    assert r.exit_code == 0, r.output
+    assert "self-check (predicted / measured whole): dense" in r.stdout
+    assert "kept unverified (--force)" in r.stderr and LatencyTable.load(out).unverified
+    _Counting.reset(overhead=0.2)
+    r = run_cli([*BASE, "-o", tmp_path / "ok.json"])
+    assert r.exit_code == 0 and "warning" not in r.stderr and "+0.0%" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--repeats", "0"], "--repeats must be an integer >= 1"),
+    (["--repeats", "-2"], "--repeats must be an integer >= 1"),
+    (["--repeats", "x"], "'--repeats'"),
+    (["--retries", "-1"], "--retries must be an integer in 0..10"),
+    (["--retries", "11"], "--retries must be an integer in 0..10"),
+    (["--spread", "0"], "--spread must be a fraction in (0, 1]"),
+    (["--spread", "-0.1"], "--spread must be a fraction in (0, 1]"),
+    (["--spread", "1.5"], "--spread must be a fraction in (0, 1]"),
+    (["--spread", "nan"], "not a finite number"),
+    (["--repeats", "1", "--spread", "0.1"], "--spread goes with the spread check, which --repeats 1 turns off"),
+    (["--repeats", "1", "--retries", "1"], "--retries goes with the spread check, which --repeats 1 turns off"),
+])
+def test_cli_spread_options_bad_values_and_conflicts(tmp_path: Path, args, pattern) -> None:
+    r = run_cli([*PLAIN, *args, "-o", tmp_path / "t.json"])
+    assert_one_line_error(r, pattern, 2)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_the_chain_holds_distinct_weights_of_the_blocks_scale(tiny_vit) -> None:
+    """A chain of copies of one block with equal weights would be timed as one block's weights n times (a runtime
+    may share equal initializers): every copy is perturbed, slightly."""
+    import torch
+
+    from edgeprune.anatomy import find_anatomy
+    from edgeprune.latency.selfcheck import chain_length, model_blocks
+
+    chain = model_blocks(tiny_vit)
+    assert len(chain) == 2 and chain_length(1) == 2 and chain_length(12) == 12
+    for c, b in zip(chain, tiny_vit.blocks):  # the model's own blocks
+        assert torch.equal(c.mlp.fc1.weight, b.block.mlp.fc1.weight)
+    one = find_anatomy(timm_one_block())
+    chain = model_blocks(one)
+    w = [c.mlp.fc1.weight for c in chain]
+    assert len(chain) == 2 and not torch.equal(w[0], w[1]) and torch.allclose(w[0], w[1], rtol=0.05, atol=1e-3)
+    half = model_blocks(tiny_vit, {"heads": 2, "qk": 32, "v": 32, "mlp": 384})
+    assert [b.mlp.fc1.out_features for b in half] == [384, 384] and half[0].attn.num_heads == 2
+
+
+def timm_one_block():
+    from edgeprune._compat import import_timm
+
+    return import_timm().create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1).eval()
