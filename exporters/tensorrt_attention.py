@@ -75,10 +75,10 @@ def graph_attention_shapes(model: Any) -> list[AttentionShape]:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
 
-    def before(name: str):
+    def before(name: str) -> Any:
         return producer.get(name)
 
-    def after(name: str):
+    def after(name: str) -> Any:
         nodes = consumers.get(name, [])
         return nodes[0] if len(nodes) == 1 else None
 
@@ -142,7 +142,7 @@ def fusion_forecast(shapes: list[AttentionShape], precision: str, profile: "Devi
         mine = [a for a in shapes if (prec == "int8") == (precision == "int8" and a.quantized)]
         allowed = profile.pruning.allowed_head_dims(prec) if profile.pruning is not None else None
         bad = [a for a in mine if allowed is not None and (a.qk not in allowed or a.v not in allowed)]
-        if bad:
+        if bad and allowed is not None:
             dims = sorted({d for a in bad for d in (a.qk, a.v) if d not in allowed and d is not None})
             problems.append(f"head dims {', '.join(map(str, dims)) or '?'} in {len(bad)} of {where} are outside "
                             f"{profile.name}'s {prec} rule {{{describe_allowed(allowed)}}}")

@@ -116,7 +116,8 @@ def test_device_block_runs_or_names_what_is_missing(worked_example, tmp_path):
         if _have_tensorrt():
             assert res.returncode == 0, f"{line}\n{res.stderr[-2000:]}"
         else:
-            err = res.stderr.strip().splitlines()
+            # one error line; a build's kernel-rule warning (attention not fused, issue 40 item 6) may come first
+            err = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("warning: ")]
             assert res.returncode == 1, f"{line}: exit {res.returncode}\n{res.stderr}"
             assert len(err) == 1 and err[0].startswith("error: ") and "TensorRT" in err[0], res.stderr
             assert not (tmp_path / "runs" / "fm50.engine").exists()
