@@ -24,7 +24,7 @@ from click.core import ParameterSource
 from devices import load_profile
 from edgeprune.cli.deploy import export_cmd, verify_cmd
 from edgeprune.cli.deploy_report import write_report
-from edgeprune.cli.deploy_state import DeployState, hash_paths, hash_settings
+from edgeprune.cli.deploy_state import STAGES, DeployState, hash_paths, hash_settings
 from edgeprune.cli.device import bench_cmd, build_cmd
 from edgeprune.cli.device_options import torch_device_of
 from edgeprune.cli.help import RecipeCommand
@@ -35,8 +35,6 @@ from edgeprune.cli.quantize import quantize_cmd
 from edgeprune.errors import UserError
 from runners.registry import backend_available
 
-#: the stages, in order
-STAGES = ("prune", "export", "verify", "quantize", "build", "bench")
 _BUDGETS = ("sparsity", "flops", "params", "latency")
 
 
@@ -109,6 +107,8 @@ def deploy_cmd(**opts: Any) -> None:
         if step.get("stop"):
             stopped = step["stop"]
             for later in STAGES[i:]:
+                if state.stages.get(later, {}).get("status") == "done":
+                    state.forget(later)  # an earlier deploy's engine / bench: not this model's
                 state.record(later, {"status": "pending", "why": "left to do on the device (the line below)"})
             break
         _run_stage(ctx, state, name, step)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeprune.artifact import read_record
-from edgeprune.cli.deploy_state import DeployState, write_if_changed
+from edgeprune.cli.deploy_state import STAGES, DeployState, write_if_changed
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -52,18 +52,20 @@ def _quantized(out: Path) -> dict[str, Any] | None:
         return None
     keys = ("output", "n", "top1", "top1_float", "drop_points", "agreement", "agreement_metric", "size_bytes",
             "float_size_bytes")
-    return {"precision": (q.get("config") or {}).get("precision"), **{k: q.get(k) for k in keys}}
+    return {"precision": (q.get("config") or {}).get("precision"), **{k: q.get(k) for k in keys},
+            "output": Path(str(q.get("output"))).name}
 
 
 def report_data(out: Path, state: DeployState, o: dict[str, Any]) -> dict[str, Any]:
     """The content of ``report.json`` (see the module)."""
     stages = [{"stage": n, **{k: e.get(k) for k in ("status", "what", "why", "seconds") if e.get(k) is not None},
-               "outputs": sorted(e.get("outputs") or {})} for n, e in state.stages.items()]
+               "outputs": sorted(e.get("outputs") or {})}
+              for n, e in sorted(state.stages.items(), key=lambda item: STAGES.index(item[0]))]
     verify = _json(out / "verify.json")
     bench = _json(out / "bench.json")
     return {
         "deploy": {"model": o["model_name"], "budget": {o["budget"]: o[o["budget"]]}, "device": o["profile"].name,
-                   "backend": o["profile"].backend, "precision": o["precision"], "out": str(out)},
+                   "backend": o["profile"].backend, "precision": o["precision"]},
         "stages": stages,
         "table": _table(out),
         "verify": None if verify is None else {k: verify.get(k) for k in ("passed", "n", "max_abs_diff", "atol")},
@@ -82,7 +84,7 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
     d = data["deploy"]
     budget = ", ".join(f"{k} {v}" for k, v in d["budget"].items())
     lines = [f"# edgeprune deploy: {d['model']} on {d['device']} ({d['backend']}, {d['precision']})", "",
-             f"Budget: {budget}. Folder: `{d['out']}`.", "", "| stage | status | seconds | what |",
+             f"Budget: {budget}.", "", "| stage | status | seconds | what |",
              "|---|---|---|---|"]
     for s in data["stages"]:
         lines.append(f"| {s['stage']} | {s.get('status')} | {_fmt(s.get('seconds'), digits=1)} | "
@@ -103,8 +105,7 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
     if q:
         top1 = (f"top-1 {_fmt(q['top1'], 100, 2)}% (float {_fmt(q['top1_float'], 100, 2)}%), "
                 if q.get("top1") is not None else "")
-        name = Path(str(q['output'])).name
-        lines += ["", f"Quantized ({q['precision']}, `{name}`): {top1}{q.get('agreement_metric')}"
+        lines += ["", f"Quantized ({q['precision']}, `{q['output']}`): {top1}{q.get('agreement_metric')}"
                       f" with the float model {_fmt(q.get('agreement'), 100, 2)}% on {q.get('n')} held-out images; "
                       f"{_fmt(q.get('size_bytes'), 2**-20, 2)} MiB."]
     if (out / "bench.md").is_file():

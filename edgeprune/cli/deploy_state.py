@@ -20,6 +20,8 @@ from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
 
 STATE_FILE = "stages.json"
+#: the stages of a deploy, in order
+STAGES = ("prune", "export", "verify", "quantize", "build", "bench")
 _CHUNK = 1 << 20
 
 
@@ -40,9 +42,9 @@ def hash_paths(paths: list[Any], content: bool = True) -> str:
     """
     h = hashlib.sha256()
     for p in paths:
-        h.update(f"\0{p}\0".encode())
+        h.update(b"\0entry\0")  # the content counts, not where it lies (a moved deploy folder is reused)
         if p is None or not Path(p).exists():
-            h.update(b"missing")
+            h.update(f"missing {p}".encode())
             continue
         root = Path(p)
         files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
@@ -123,4 +125,4 @@ def write_if_changed(path: Path, text: str) -> None:
         atomic_write_text(path, text)
 
 
-__all__ = ["DeployState", "STATE_FILE", "hash_paths", "hash_settings", "write_if_changed"]
+__all__ = ["DeployState", "STAGES", "STATE_FILE", "hash_paths", "hash_settings", "write_if_changed"]
