@@ -91,7 +91,7 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
                      f"{s.get('what') or s.get('why') or ''} |")
     t = data["table"]
     if t:
-        lines += ["", "| model | params | GFLOPs | top-1 | agreement | predicted ms | measured ms |",
+        lines += ["", "| model | params | GFLOPs | top-1 % | agreement % | predicted ms | measured ms |",
                   "|---|---|---|---|---|---|---|"]
         for name in ("dense", "pruned"):
             r = t[name]
