@@ -37,6 +37,8 @@ ESSENTIALS: dict[str, list[str]] = {
     "derive": ["model", "checkpoint", "classes", "flops", "params", "latency", "latency-table", "train-data",
                "calib", "eval-data", "device", "out"],
     "quantize": ["precision", "output", "mode", "recipe", "calib", "calib-size", "eval-data", "max-drop", "force"],
+    "deploy": ["model", "checkpoint", "calib", "sparsity", "flops", "params", "latency", "latency-table",
+               "eval-data", "precision", "device", "out"],
     "latency-table": ["model", "random-init", "checkpoint", "device", "batch", "out", "force"],
 }
 

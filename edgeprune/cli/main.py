@@ -33,6 +33,7 @@ import threading
 import click
 
 from edgeprune.cli.deploy import export_cmd, verify_cmd
+from edgeprune.cli.deploy_cmd import deploy_cmd
 from edgeprune.cli.derive import derive_cmd
 from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
 from edgeprune.cli.evalinfo import eval_cmd, info_cmd
@@ -69,7 +70,8 @@ def _register() -> None:
                       ("derive", derive_cmd), ("export", export_cmd), ("verify", verify_cmd)):
         cli.add_command(cmd, name=name)
     for name, cmd in (("quantize", quantize_cmd), ("build", build_cmd), ("bench", bench_cmd),
-                      ("devices", devices_cmd), ("latency-table", latency_table_cmd)):
+                      ("devices", devices_cmd), ("latency-table", latency_table_cmd),
+                      ("deploy", deploy_cmd)):
         cli.add_command(cmd, name=name)
 
 

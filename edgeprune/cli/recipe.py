@@ -89,6 +89,14 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
         "output": ["output", "force", "json"],
         "runtime": ["threads"],
     },
+    "deploy": {
+        "model": _MODEL,
+        "data": _CALIB + ["eval-data", "eval-size"],
+        "budget": ["sparsity", "flops", "params", "latency", "latency-table"],
+        "method": ["precision"],
+        "output": ["out"],
+        "runtime": ["device", "torch-device", "bench", "bench-iterations", "quiet"],
+    },
     "latency-table": {
         "model": _MODEL,
         "method": ["batch", "precision", "backend", "warmup", "iterations", "max-seconds", "statistic",

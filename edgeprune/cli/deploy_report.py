@@ -1,0 +1,126 @@
+"""``OUT/report.json`` and ``OUT/report.md`` of ``edgeprune deploy`` (issue 42).
+
+Every number is read from the stage outputs (nothing re-measured): params, FLOPs and the held-out
+quality of the dense and the pruned model from the run's record (``OUT/run/run.json``), the
+latency predicted by the table and measured by the prune (its ``latency_check``, a ``--latency``
+budget), the ONNX check (``OUT/verify.json``), the quantized model's top-1 / agreement with the
+float model and its size (``OUT/quantize.json``), the bench of the deployed vs the dense model
+(``OUT/bench.json``, ``bench.md``). Both files are written atomically, and only when they change.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from edgeprune.artifact import read_record
+from edgeprune.cli.deploy_state import STAGES, DeployState, write_if_changed
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except ValueError:
+        return None
+
+
+def _table(out: Path) -> dict[str, dict[str, Any]]:
+    """``{"dense": row, "pruned": row}``: params, flops, top1 / agreement, predicted / measured ms."""
+    if not (out / "run" / "run.json").is_file():
+        return {}
+    rec = read_record(out / "run")
+    ev = rec.get("evaluation") or {}
+    dense = {"params": rec["dense_params"], "flops": rec["dense_flops"]}
+    pruned = {"params": rec["params"], "flops": rec["flops"]}
+    for row, m in ((dense, ev.get("dense")), (pruned, ev.get("pruned"))):
+        for k in ("top1", "agreement"):
+            if (m or {}).get(k) is not None:
+                row[k] = m[k]
+    chk = rec.get("latency_check")
+    if chk:
+        dense["predicted_ms"] = chk["predicted_ms"] / chk["predicted_ratio"] if chk.get("predicted_ratio") else None
+        pruned["predicted_ms"] = chk["predicted_ms"]
+        measured = chk.get("measured") or {}
+        dense["measured_ms"], pruned["measured_ms"] = measured.get("dense_ms"), measured.get("pruned_ms")
+    return {"dense": dense, "pruned": pruned}
+
+
+def _quantized(out: Path) -> dict[str, Any] | None:
+    q = _json(out / "quantize.json")
+    if q is None:
+        return None
+    keys = ("output", "n", "top1", "top1_float", "drop_points", "agreement", "agreement_metric", "size_bytes",
+            "float_size_bytes")
+    return {"precision": (q.get("config") or {}).get("precision"), **{k: q.get(k) for k in keys},
+            "output": Path(str(q.get("output"))).name}
+
+
+def report_data(out: Path, state: DeployState, o: dict[str, Any]) -> dict[str, Any]:
+    """The content of ``report.json`` (see the module)."""
+    stages = [{"stage": n, **{k: e.get(k) for k in ("status", "what", "why", "seconds") if e.get(k) is not None},
+               "outputs": sorted(e.get("outputs") or {})}
+              for n, e in sorted(state.stages.items(), key=lambda item: STAGES.index(item[0]))]
+    verify = _json(out / "verify.json")
+    bench = _json(out / "bench.json")
+    return {
+        "deploy": {"model": o["model_name"], "budget": {o["budget"]: o[o["budget"]]}, "device": o["profile"].name,
+                   "backend": o["profile"].backend, "precision": o["precision"]},
+        "stages": stages,
+        "table": _table(out),
+        "verify": None if verify is None else {k: verify.get(k) for k in ("passed", "n", "max_abs_diff", "atol")},
+        "quantize": _quantized(out),
+        "bench": None if bench is None else bench.get("results"),
+        "left": [s["stage"] for s in stages if s.get("status") == "pending"],
+    }
+
+
+def _fmt(v: Any, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if v is None else f"{v * scale:,.{digits}f}"
+
+
+def report_markdown(data: dict[str, Any], out: Path) -> str:
+    """``report.md``: what was deployed, one line per stage, the dense vs pruned table, the rest."""
+    d = data["deploy"]
+    budget = ", ".join(f"{k} {v}" for k, v in d["budget"].items())
+    lines = [f"# edgeprune deploy: {d['model']} on {d['device']} ({d['backend']}, {d['precision']})", "",
+             f"Budget: {budget}.", "", "| stage | status | seconds | what |",
+             "|---|---|---|---|"]
+    for s in data["stages"]:
+        lines.append(f"| {s['stage']} | {s.get('status')} | {_fmt(s.get('seconds'), digits=1)} | "
+                     f"{s.get('what') or s.get('why') or ''} |")
+    t = data["table"]
+    if t:
+        lines += ["", "| model | params | GFLOPs | top-1 % | agreement % | predicted ms | measured ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for name in ("dense", "pruned"):
+            r = t[name]
+            lines.append(f"| {name} | {r['params']:,} | {_fmt(r['flops'], 1e-9)} | {_fmt(r.get('top1'), 100, 2)} | "
+                         f"{_fmt(r.get('agreement'), 100, 2)} | {_fmt(r.get('predicted_ms'))} | "
+                         f"{_fmt(r.get('measured_ms'))} |")
+    v, q = data["verify"], data["quantize"]
+    if v:
+        lines += ["", f"ONNX vs PyTorch on {v['n']} images: max abs diff {v['max_abs_diff']:.2e} "
+                      f"({'passed' if v['passed'] else 'FAILED'})."]
+    if q:
+        top1 = (f"top-1 {_fmt(q['top1'], 100, 2)}% (float {_fmt(q['top1_float'], 100, 2)}%), "
+                if q.get("top1") is not None else "")
+        lines += ["", f"Quantized ({q['precision']}, `{q['output']}`): {top1}{q.get('agreement_metric')}"
+                      f" with the float model {_fmt(q.get('agreement'), 100, 2)}% on {q.get('n')} held-out images; "
+                      f"{_fmt(q.get('size_bytes'), 2**-20, 2)} MiB."]
+    if (out / "bench.md").is_file():
+        lines += ["", "## Bench (deployed vs dense)", "", (out / "bench.md").read_text(encoding="utf-8").strip()]
+    if data["left"]:
+        lines += ["", f"Left to do on the device: {', '.join(data['left'])} (see the line deploy printed)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, state: DeployState, o: dict[str, Any]) -> Path:
+    """Write ``report.json`` and ``report.md`` (atomically, when changed); returns ``report.md``'s path."""
+    data = report_data(out, state, o)
+    write_if_changed(out / "report.json", json.dumps(data, indent=2, default=str) + "\n")
+    write_if_changed(out / "report.md", report_markdown(data, out))
+    return out / "report.md"
+
+
+__all__ = ["report_data", "report_markdown", "write_report"]
