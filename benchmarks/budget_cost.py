@@ -1,0 +1,53 @@
+"""What a budgeted prune costs against a uniform one of the same model and images (issue 40 item 4).
+
+    OMP_NUM_THREADS=1 python benchmarks/budget_cost.py --model deit_small_patch16_224 --images 64 --flops 0.5
+
+Prunes a random-init timm model (10 classes) twice in one process, side by side: ``target="both",
+sparsity=0.5`` (uniform) and the budget (``flops=`` or ``latency=`` with ``--latency-table``), and prints
+both wall times, their ratio and the budgeted run's ``timing.split`` (statistics, curves, sensitivity,
+check, allocation, solve; ``edgeprune.pruning.record.cost_split``). ``--json FILE`` writes the same.
+Timings are noisy on a shared machine: compare the ratio, measured in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="deit_small_patch16_224")
+    ap.add_argument("--images", type=int, default=64, help="calibration images (random noise)")
+    ap.add_argument("--flops", type=float, default=None)
+    ap.add_argument("--latency", type=float, default=None)
+    ap.add_argument("--latency-table", default=None)
+    ap.add_argument("--sensitivity-images", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import torch
+
+    import edgeprune
+
+    budget = {"latency": a.latency, "latency_table": a.latency_table} if a.latency else {"flops": a.flops or 0.5}
+    spec = edgeprune.get_model_spec(a.model, random_init=True, num_classes=10)
+    model = spec.create()
+    x = torch.randn(a.images, 3, *spec.input_size[1:], generator=torch.Generator().manual_seed(0))
+    t = time.perf_counter()
+    edgeprune.prune(model, x, target="both", sparsity=0.5, batch_size=32)
+    uniform = time.perf_counter() - t
+    t = time.perf_counter()
+    res = edgeprune.prune(model, x, batch_size=32, allocation_sensitivity_images=a.sensitivity_images, **budget)
+    budgeted = time.perf_counter() - t
+    out = {"model": a.model, "images": a.images, "budget": res.record["allocation"]["budget"],
+           "uniform_s": uniform, "budgeted_s": budgeted, "ratio": budgeted / uniform,
+           "split": res.record["timing"].get("split")}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
