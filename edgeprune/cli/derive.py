@@ -26,8 +26,8 @@ import torch
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, check_ignored_options, check_readable_dir, device_option, eval_options,
-                                   latency_table_option, make_spec, model_options, out_option, quiet_option,
-                                   torch_device_of)
+                                   latency_correction_options, latency_table_option, make_spec, model_options,
+                                   out_option, quiet_option, torch_device_of)
 from edgeprune.cli.recipe import write_recipe
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
@@ -52,14 +52,7 @@ from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
                    "milliseconds per batch of the table's batch size (12ms); head dims and MLP widths on the "
                    "table's grid, every head kept.")
 @latency_table_option
-@click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
-              help="With --latency: re-plan while the measured latency misses the budget by more than this "
-                   "fraction [0.03].")
-@click.option("--latency-rounds", type=int, default=None, metavar="N",
-              help="With --latency: at most N re-plans with the corrected budget, 0-10 [3].")
-@click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
-              help="With --latency: bench the derived model against the base one (interleaved) on the table's "
-                   "backend when it is present here, and record predicted vs measured latency.")
+@latency_correction_options("re-plan", "derived", "base")
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")

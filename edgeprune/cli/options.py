@@ -237,6 +237,29 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
     return load_run_or_model(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
 
 
+def latency_correction_options(redo: str, made: str, reference: str) -> Callable[[Callable], Callable]:
+    """``--latency-tolerance``, ``--latency-rounds``, ``--verify-latency/--no-verify-latency`` of a command with
+    ``--latency`` (prune: ``redo`` "re-allocate" the ``made`` "pruned" model against the ``reference`` "dense" one;
+    derive: re-plan, derived, base); ``edgeprune.pruning.latency_loop``."""
+    options = [
+        click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
+                     help=f"With --latency: {redo} while the measured latency misses the budget by more than this "
+                          "fraction [0.03]."),
+        click.option("--latency-rounds", type=int, default=None, metavar="N",
+                     help=f"With --latency: at most N times {redo} with the corrected budget, 0-10 [3]."),
+        click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
+                     help=f"With --latency: bench the {made} model against the {reference} one (interleaved) on "
+                          "the table's backend when it is present here, and record predicted vs measured latency."),
+    ]
+
+    def deco(f: Callable) -> Callable:
+        for opt in reversed(options):
+            f = opt(f)
+        return f
+
+    return deco
+
+
 def check_budget_options(ctx: click.Context) -> None:
     """``prune``: a ``--flops`` / ``--params`` budget with a sparsity option typed beside it
     (``--sparsity`` counts only when given, not its default) is refused before any work

@@ -14,7 +14,8 @@ from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, calibration_options, check_budget_options, check_ignored_options,
                                    check_readable_dir, device_option, eval_options, fmt_metric, latency_table_option,
-                                   make_spec, model_options, out_option, quiet_option, torch_device_of)
+                                   latency_correction_options, make_spec, model_options, out_option, quiet_option,
+                                   torch_device_of)
 from edgeprune.cli.calib_reuse import calibration_fields
 from edgeprune.cli.recipe import write_recipe
 from edgeprune.corp import LAYOUTS, list_qk_solvers
@@ -69,14 +70,7 @@ def _target_help() -> str:
               help="Latency budget instead of --sparsity: a fraction of the dense model's latency on the "
                    "--latency-table (0.5) or milliseconds per batch of the table's batch size (12ms).")
 @latency_table_option
-@click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
-              help="With --latency: re-allocate while the measured latency misses the budget by more than this "
-                   "fraction [0.03].")
-@click.option("--latency-rounds", type=int, default=None, metavar="N",
-              help="With --latency: at most N re-allocations with the corrected budget, 0-10 [3].")
-@click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
-              help="With --latency: bench the pruned model against the dense one (interleaved) on the table's "
-                   "backend when it is present here, and record predicted vs measured latency.")
+@latency_correction_options("re-allocate", "pruned", "dense")
 @click.option("--sensitivity-images", type=int, default=None, metavar="N",
               help="With a budget: measure each unit's sensitivity on the first N check images [all of them].")
 @click.option("--check-images", type=int, default=None, metavar="N",
