@@ -37,10 +37,9 @@ from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_
 from edgeprune.latency.relative import References
 from edgeprune.latency.selfcheck import SelfCheckFailed, conclude, finish
 from edgeprune.latency.table import LatencyTable
+from edgeprune.latency.timing_checks import PRECISIONS, _check_backend, _check_way, unavailable_message  # noqa: F401
 from edgeprune.progress import progress
 
-#: the precisions a table can be timed at (a profile's ``build.precision`` values)
-PRECISIONS = ("fp32", "fp16", "int8")
 
 #: key fields that must match for a partial table to be resumed
 KEY_FIELDS = ("embed_dim", "depth", "num_heads", "head_dim", "mlp_hidden", "tokens", "batch", "precision",
@@ -134,56 +133,6 @@ def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Ti
     if reason is not None:
         raise RuntimeFault(unavailable_message(profile, backend, reason, model))
     return timer, s, batch
-
-
-def _check_backend(profile: Any, backend: str, timer: Timer, s: TimingSettings) -> None:
-    """The precision and backend fit the profile (usage mistakes, exit 2, before the backend's
-    presence is looked at).
-
-    Raises:
-        UserError: an unknown precision, a precision the backend cannot time, or TensorRT asked on a
-            profile that is not a TensorRT (GPU) one.
-    """
-    if s.precision not in PRECISIONS:
-        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, got {s.precision!r}")
-    if backend == "tensorrt" and not profile.uses_tensorrt:
-        raise UserError(f"--backend tensorrt times on a TensorRT (GPU) profile; profile {profile.name} times on "
-                        f"{profile.backend} (drop --backend, or give a TensorRT profile with --device)")
-    why = timer.refuses(s)
-    if why is not None:
-        raise UserError(why)
-
-
-def _check_way(s: TimingSettings) -> None:
-    """Statistic, clock and the spread check.
-
-    Raises:
-        UserError: an unknown statistic or clock, the CPU clock where it does not measure the
-            run (a GPU, or more than one thread), ``repeats`` < 1, ``spread`` not a positive finite
-            fraction <= 1, ``retries`` not in 0..10.
-    """
-    if isinstance(s.repeats, bool) or not isinstance(s.repeats, int) or s.repeats < 1:
-        raise UserError(f"--repeats must be an integer >= 1, got {s.repeats!r}")
-    if isinstance(s.retries, bool) or not isinstance(s.retries, int) or not 0 <= s.retries <= 10:
-        raise UserError(f"--retries must be an integer in 0..10, got {s.retries!r}")
-    if not isinstance(s.spread, (int, float)) or not (math.isfinite(s.spread) and 0 < s.spread <= 1):
-        raise UserError(f"--spread must be a fraction in (0, 1] (0.05: 5%), got {s.spread!r}")
-    if s.statistic not in ("p50", "min"):
-        raise UserError(f"--statistic must be p50 or min, got {s.statistic!r}")
-    if s.clock not in ("wall", "cpu"):
-        raise UserError(f"--clock must be wall or cpu, got {s.clock!r}")
-    if s.clock == "cpu" and (s.device != "cpu" or s.threads != 1):
-        raise UserError("--clock cpu measures one CPU thread: it needs a CPU profile and --threads 1")
-
-
-def unavailable_message(profile: Any, backend: str, reason: str, model: str = "M") -> str:
-    """One line: why ``backend`` cannot time here, and (TensorRT) the command to run on the device."""
-    first = reason.splitlines()[0].split(": ")[0] if reason else "not available"
-    if backend == "tensorrt":
-        return (f"profile {profile.name} times with TensorRT on its GPU, which is not here ({first}); run "
-                f"`edgeprune latency-table --model {model} --device {profile.name} -o {profile.name}.json` "
-                "on the device and copy the file (prune --latency-table FILE)")
-    return f"backend {backend} cannot time here: {first}"
 
 
 def make_key(shape: dict[str, int], profile: Any, timer: Timer, s: TimingSettings, batch: int) -> dict[str, Any]:
@@ -334,6 +283,31 @@ def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any,
     relative.apply(t)
 
 
+#: times :func:`finish` may re-time the block chain when its entries disagree (the machine's load moved)
+FINISH_ATTEMPTS = 3
+
+
+def _finish_retimed(t: LatencyTable, grid: Grid, anatomy: Any, timer: Timer, s: TimingSettings, batch: int,
+                    refs: References | None, out: Path) -> LatencyTable:
+    """:func:`finish`, re-timing the entries it marks unmeasured (the block chain timed under a load that moved)
+    up to :data:`FINISH_ATTEMPTS` times before giving up (the table saved: a rerun times them again).
+
+    Raises:
+        RuntimeFault: the chain still disagrees after the last attempt.
+    """
+    for attempt in range(FINISH_ATTEMPTS):
+        try:
+            return finish(t)
+        except RuntimeFault:
+            t.save(out)
+            if attempt == FINISH_ATTEMPTS - 1:
+                raise
+            for kind, dims in [e for e in _entries(grid) if not _is_measured(t, *e)]:
+                _time_entry(t, kind, dims, anatomy, timer, s, batch, refs)
+                t.save(out)
+    raise AssertionError("unreachable")
+
+
 def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path, *,
                 show_progress: bool = True) -> LatencyTable:
     """Time the grid of ``anatomy``'s (dense) block shape on ``profile`` and write the table.
@@ -358,7 +332,7 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
     out = Path(out)
     timer, s, batch = settings_for(profile, opts)
     shape = shape_of(anatomy)
-    rules = pruning_rules(profile)
+    rules = pruning_rules(profile, s.precision)  # a GPU profile's head-dim rule is its precision's (issue 40)
     grid = make_grid(shape, rules, **opts.grid)
     t = start_or_resume(out, make_key(shape, profile, timer, s, batch), rules, grid, s, opts)
     todo = [e for e in _entries(grid) if not _is_measured(t, *e)]
@@ -373,11 +347,7 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
             _time_entry(t, kind, dims, anatomy, timer, s, batch, refs)
             t.save(out)
             bar.update(1)
-        try:
-            t = finish(t)
-        except RuntimeFault:
-            t.save(out)
-            raise
+        t = _finish_retimed(t, grid, anatomy, timer, s, batch, refs, out)
 
         def measure(model: Any) -> float:  # a self-check model, timed as the dense one (interleaved: x references)
             bar.set_postfix(entry="self-check")
