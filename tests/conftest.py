@@ -169,3 +169,19 @@ def export_fmnist_vit(directory: Path, name: str = "dense.onnx") -> Path:
     md = build_metadata(spec=spec, model=model, model_name=spec.name)
     md["base_model"] = spec.to_record()
     return export_onnx(model, directory / name, spec.input_size, md)
+
+
+def write_latency_table(path, key: dict, rules: dict, heads: list, dims: list, widths: list, attn_ms, mlp_ms,
+                        fixed_ms: float = 1.0) -> str:
+    """A hand-made, complete latency table (no timing) saved as JSON at ``path``: attention entries
+    ``attn_ms(heads, qk, v)`` on the grid ``heads`` x ``dims`` x ``dims``, MLP entries ``mlp_ms(width)``, fixed
+    ``fixed_ms``; the dense model's time is the table's own prediction. Returns the path."""
+    from edgeprune.latency.table import LatencyTable
+
+    ms = [[[attn_ms(h, q, v) for v in dims] for q in dims] for h in heads]
+    t = LatencyTable(key=key, rules=rules, mlp={"widths": widths, "ms": [mlp_ms(w) for w in widths]},
+                     attn={"heads": heads, "qk": dims, "v": dims, "ms": ms}, fixed_ms=fixed_ms, dense_model_ms=0.0,
+                     measured={"mlp": widths, "attn": [[h, q, v] for h in heads for q in dims for v in dims]})
+    t.dense_model_ms = t.dense_ms()
+    t.save(path)
+    return str(path)

@@ -20,7 +20,7 @@ from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
 from edgeprune.pruning.latency_check import latency_check
 from edgeprune.pruning.corp import check_prunable, statistics_request
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, run_cli, write_latency_table
 
 
 def small_vit():
@@ -44,14 +44,8 @@ def make_table(path, *, head_ms=0.0, dim_ms=0.0, mlp_ms=0.0, base=0.1, rules=Non
     def attn(h, q, v):
         return base + (dim_ms * (q + v) if head_ms is None else h * (head_ms + dim_ms * (q + v)))
 
-    ms = [[[attn(h, q, v) for v in dims] for q in dims] for h in heads]
-    t = LatencyTable(key=key, rules=rules or {"mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False},
-                     mlp={"widths": widths, "ms": [base + mlp_ms * w for w in widths]},
-                     attn={"heads": heads, "qk": dims, "v": dims, "ms": ms}, fixed_ms=1.0, dense_model_ms=0.0,
-                     measured={"mlp": widths, "attn": [[h, q, v] for h in heads for q in dims for v in dims]})
-    t.dense_model_ms = t.dense_ms()
-    t.save(path)
-    return str(path)
+    return write_latency_table(path, key, rules or {"mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False},
+                               heads, dims, widths, attn, lambda w: base + mlp_ms * w)
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,10 @@ from edgeprune.api import corp_config
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.errors import UserError
 from edgeprune.latency.grid import make_grid
-from edgeprune.latency.table import LatencyTable
 from edgeprune.nuwa.budget import attention_dims, dim_grid
 from edgeprune.pruning.corp import check_prunable, statistics_request
 from exporters.tensorrt_attention import AttentionShape, attention_shapes, fusion_forecast
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, run_cli, write_latency_table
 
 FP16 = set(range(16, 257, 8))
 INT8 = {16, 32, 64}
@@ -114,13 +113,8 @@ def make_table(path, rules):
            "batch": 8, "precision": "fp16", "backend": "onnxruntime", "backend_version": "0",
            "device_name": "hand-made", "profile": "orin-nx", "threads": 1}
     heads, dims, widths = [1, 2], [8, 16, 24, 32, 40, 48, 56, 64], [64, 128, 192, 256]
-    ms = [[[0.1 + h * 0.02 * (q + v) for v in dims] for q in dims] for h in heads]
-    t = LatencyTable(key=key, rules=rules, mlp={"widths": widths, "ms": [0.1 + 0.001 * w for w in widths]},
-                     attn={"heads": heads, "qk": dims, "v": dims, "ms": ms}, fixed_ms=1.0, dense_model_ms=0.0,
-                     measured={"mlp": widths, "attn": [[h, q, v] for h in heads for q in dims for v in dims]})
-    t.dense_model_ms = t.dense_ms()
-    t.save(path)
-    return str(path)
+    return write_latency_table(path, key, rules, heads, dims, widths, lambda h, q, v: 0.1 + h * 0.02 * (q + v),
+                               lambda w: 0.1 + 0.001 * w)
 
 
 @pytest.fixture(scope="module")
