@@ -245,10 +245,11 @@ class _Counting:
     outside = 3.0
     model_factor = 1.0
     dense_factor = 1.0
+    square = 0.0  # a block inside a model also costs ``square`` x its compute squared (a curved in-model cost)
 
     @classmethod
     def reset(cls, **kw) -> None:
-        cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside = [], None, 0.0, 0.0, 3.0
+        cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside, cls.square = [], None, 0.0, 0.0, 3.0, 0.0
         cls.model_factor = cls.dense_factor = cls.inside = 1.0
         for k, v in kw.items():
             setattr(cls, k, v)
@@ -268,6 +269,12 @@ def _block_dims(blk) -> tuple[int, int, int, int]:
     return a.num_heads, getattr(a, "qk_dim", a.head_dim), getattr(a, "v_dim", a.head_dim), blk.mlp.fc1.out_features
 
 
+def _inside(compute: float) -> float:
+    """ms of a block inside a model (or a chain) whose two sub-blocks compute ``compute`` ms."""
+    c = _Counting
+    return c.inside * compute + c.square * compute ** 2 + c.overhead
+
+
 def _cost(module) -> tuple[tuple, float]:
     """(what it is, ms of one run) of any module a build times (module doc of :class:`_Counting`)."""
     from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock
@@ -282,12 +289,12 @@ def _cost(module) -> tuple[tuple, float]:
         return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim) + c.call
     if not hasattr(module, "blocks"):  # one whole block, or a chain of them
         chain = list(module) if isinstance(module, nn.Sequential) else [module]
-        ms = sum(c.inside * (_attn_cost(h, q, v) + _mlp_cost(m)) + c.overhead for h, q, v, m in map(_block_dims, chain))
+        ms = sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m)) for h, q, v, m in map(_block_dims, chain))
         return (("chain", len(chain)) if len(chain) > 1 else ("block",)), ms + c.call
     dims = [_block_dims(b) for b in module.blocks]
     if not dims:
         return ("outside",), c.outside + c.call
-    ms = c.outside + c.call + sum(c.inside * (_attn_cost(h, q, v) + _mlp_cost(m)) + c.overhead for h, q, v, m in dims)
+    ms = c.outside + c.call + sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m)) for h, q, v, m in dims)
     dense = all(d == (3, 64, 64, 768) for d in dims)
     return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor)
 
@@ -374,8 +381,8 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     _Counting.calls, _Counting.fail_after = [], None
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
-    # the grid, the dense model, the model without blocks, the dense block, two chains, then 3 self-check models
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 5 + 3
+    # the grid, the dense model, the model without blocks, the dense block, three chains, then 3 self-check models
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 6 + 3
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
     assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5

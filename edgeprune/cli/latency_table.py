@@ -98,7 +98,7 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     write_recipe(click.get_current_context(), output_recipe_path(out_path))
     k = table.key
     n = len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(
-        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain", "chain_half"))
+        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain", "chain_half", "chain_quarter"))
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
                f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
                f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "

@@ -151,7 +151,7 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
         fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
         measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
-                  "chain": False, "chain_half": False},
+                  "chain": False, "chain_half": False, "chain_quarter": False},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
@@ -214,7 +214,7 @@ def _check_failed(t: LatencyTable) -> bool:
 
 #: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block,
 #: a chain of dense blocks
-WHOLE = ("model", "outside", "block", "chain", "chain_half")
+WHOLE = ("model", "outside", "block", "chain", "chain_half", "chain_quarter")
 
 
 def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
@@ -242,8 +242,8 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
         return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
     if kind == "block":
         return copy.deepcopy(anatomy.blocks[0].block).eval(), (batch, T, D)
-    if kind in ("chain", "chain_half"):
-        return selfcheck.model_blocks(anatomy, selfcheck.half_dims(t) if kind == "chain_half" else None), (batch, T, D)
+    if kind == "chain" or kind in selfcheck.FIT_FRACTIONS:
+        return selfcheck.model_blocks(anatomy, selfcheck.chain_dims(t, kind)), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 

@@ -142,7 +142,7 @@ def record(t: LatencyTable, kind: str, dims: tuple[int, ...], ratio: float, ref_
     """Store one entry's ratio (and its reference time) in ``t.meta["relative"]``."""
     rel = t.meta.setdefault("relative", {"mlp": {}, "attn": {}, "model": None,
                                          "reference_ms": {"mlp": [], "attn": []}})
-    if kind in ("model", "outside", "block", "chain", "chain_half"):
+    if kind in ("model", "outside", "block", "chain", "chain_half", "chain_quarter"):
         rel[kind] = ratio
     else:
         rel[kind][",".join(map(str, dims))] = ratio
@@ -166,7 +166,7 @@ def apply(t: LatencyTable) -> None:
         both = ref["attn"] + ref["mlp"]
         if rel.get("model") is not None:
             t.dense_model_ms = rel["model"] * both
-        for kind in ("outside", "block", "chain", "chain_half"):
+        for kind in ("outside", "block", "chain", "chain_half", "chain_quarter"):
             if rel.get(kind) is not None:
                 t.meta.setdefault("parts", {})[f"{kind}_ms"] = rel[kind] * both
     t.meta["reference_ms"] = ref

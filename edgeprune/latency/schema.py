@@ -60,12 +60,16 @@ _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, n
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
                  "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
                  "chain": Num(gt=0, nullable=True), "chain_half": Num(gt=0, nullable=True),
+                 "chain_quarter": Num(gt=0, nullable=True),
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
 _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
               "chain_ms": Num(gt=0, nullable=True), "chain_half_ms": Num(gt=0, nullable=True),
               "chain_blocks": Int(min=2), "sub_blocks_ms": Num(gt=0), "sub_blocks_half_ms": Num(gt=0),
-              "per_block_ms": Num(gt=0), "per_block_half_ms": Num(gt=0), "half_dims": MapOf(Int(min=1))})
+              "per_block_ms": Num(gt=0), "per_block_half_ms": Num(gt=0), "half_dims": MapOf(Int(min=1)),
+              "chain_quarter_ms": Num(gt=0, nullable=True), "sub_blocks_quarter_ms": Num(gt=0),
+              "per_block_quarter_ms": Num(), "quarter_dims": MapOf(Int(min=1)),
+              "points_used": Int(min=1)})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1))})
@@ -78,7 +82,7 @@ _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
                  "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),
-                 "chain_half": Bool()})
+                 "chain_half": Bool(), "chain_quarter": Bool()})
 
 
 def _fail(field: str, problem: str) -> SchemaError:
@@ -137,7 +141,7 @@ def _times_present(d: dict, complete: bool) -> None:
         if name in d and d[name] is None:
             raise _fail(name, "is null in a complete table")
     parts = d.get("meta", {}).get("parts") or {}
-    for kind in ("outside", "block", "chain", "chain_half"):
+    for kind in ("outside", "block", "chain", "chain_half", "chain_quarter"):
         if measured.get(kind) and parts.get(f"{kind}_ms") is None:
             raise _fail(f"meta.parts.{kind}_ms", f"is missing or null, but measured.{kind} says it was measured")
 
@@ -153,6 +157,7 @@ TABLE_SCHEMA = Obj({
     "dense_model_ms": Req(_MS),
     "block_overhead_ms": Num(nullable=True, want="a finite time in ms (negative: a call the block saves)"),
     "block_scale": Num(gt=0, nullable=True),
+    "block_points": ListOf(ListOf(Num(gt=0), min_len=2, max_len=2), min_len=2, nullable=True),
     "measured": _MEASURED,
     "meta": _META,
 }, then=_consistent)
@@ -197,11 +202,20 @@ def check_adds_up(t: Any) -> None:
     mlp, attn = t.mlp_ms(dense["mlp"]), t.attn_ms(dense["heads"], dense["qk"], dense["v"])
     over, scale = float(t.block_overhead_ms), float(t.block_scale)
     parts = t.meta.get("parts")
-    for pb, dims in (("per_block_ms", dense), ("per_block_half_ms", (parts or {}).get("half_dims"))):
+    quarter = (parts or {}).get("quarter_dims") if len(t.block_points or ()) > 2 else None  # used where it fit
+    for pb, dims in (("per_block_ms", dense), ("per_block_half_ms", (parts or {}).get("half_dims")),
+                     ("per_block_quarter_ms", quarter)):
         block = (parts or {}).get(pb)
-        if block is not None and dims and abs(block - t.block_total(dims)) > tol * block:
-            raise _fail("block_overhead_ms", f"is {over:.4g} ms with block_scale {scale:.4g}: they give "
-                        f"{t.block_total(dims):.4g} ms per block at {dims}, but meta.parts.{pb} is {block:.4g} ms")
+        if block is None or not dims:
+            continue
+        line = scale * t.block_ms(dims) + over
+        for field, got in (("block_points", t.block_total(dims)), ("block_overhead_ms", line)):
+            if pb == "per_block_quarter_ms" and field == "block_overhead_ms":
+                continue  # the line runs through the dense and the half point only
+            if abs(block - got) > tol * block:
+                raise _fail(field, f"is {over:.4g} ms with block_scale {scale:.4g} and block_points "
+                            f"{t.block_points}: they give {got:.4g} ms per block at {dims}, but meta.parts.{pb} is "
+                            f"{block:.4g} ms")
     if parts is not None and parts.get("outside_ms") is not None and (
             abs(float(t.fixed_ms) - parts["outside_ms"]) > tol * parts["outside_ms"]):
         raise _fail("fixed_ms", f"is {t.fixed_ms:.4g} ms, but the model without its blocks was timed at "

@@ -10,14 +10,17 @@ block_overhead_ms)``. Its parts are timed directly, not by subtraction:
   see in the model), each timed whole (:func:`dense_blocks`): a block inside a model costs
   ``per_block_ms = (chain - block) / (chain_blocks - 1)`` -- what a call costs (a module timed alone
   pays it once; inside the model the blocks do not) cancels in the difference;
-* ``chain_half``: the blocks of a model of half the dense dims (:func:`half_dims`), in sequence: a
-  block of those dims inside a model costs ``(chain_half - call) / chain_blocks``, with the call
-  ``block - per_block_ms``.
+* ``chain_half`` and ``chain_quarter``: the blocks of models of about half and a quarter of the dense dims
+  (:func:`fraction_dims`), in sequence: a block of those dims inside a model costs ``(chain_x - call) /
+  chain_blocks``, with the call ``block - per_block_ms``.
 
 A block inside a model does not cost what its two sub-blocks cost timed apart (each paid a call;
-measured on a shared 2-core CPU it was also cheaper in proportion to its size): the two per-block
-costs give the line ``per_block = block_scale x (MLP + attention) + block_overhead_ms`` through the
-dense and the half point (:func:`finish`).
+measured on a shared 2-core CPU it was also cheaper in proportion to its size): the three per-block
+costs against the sub-blocks' sums give a piecewise-linear map (``block_points``, :func:`finish`).
+A line through two points (dense and half, the tables of before: ``block_scale``,
+``block_overhead_ms``) extrapolated the half point's error to small blocks: a deit_small table
+predicted an x0.3 allocation 10.7% low (issue 40, measured on the 2-core box under load); the
+quarter point pins the small end.
 
 Then the self-check (:func:`allocations`, :func:`verdict`): a few allocations spread over the grid
 -- the dense model, and about x0.7, x0.5 and x0.3 of it with heads, head dims (Q/K apart from V
@@ -62,13 +65,30 @@ def chain_length(depth: int) -> int:
     return max(2, int(depth))
 
 
+#: the fractions of the dense dims whose block chains, beside the dense one, fit the in-model block line
+#: (``chain_half``, ``chain_quarter``; :func:`finish`)
+FIT_FRACTIONS = {"chain_half": 0.5, "chain_quarter": 0.25}
+
+
+def fraction_dims(t: Any, f: float) -> dict[str, int]:
+    """Block dims at about the fraction ``f`` of the dense heads, head dims and MLP width, on the table's rules and
+    within its grid (``{"heads", "qk", "v", "mlp"}``)."""
+    k, r = t.key, t.rules
+    d = _snap(k["head_dim"] * f, r["head_dim_round_to"], max(t.attn["qk"][0], t.attn["v"][0]), k["head_dim"])
+    return {"heads": int(max(t.attn["heads"][0], round(k["num_heads"] * f))), "qk": d, "v": d,
+            "mlp": _snap(k["mlp_hidden"] * f, r["mlp_round_to"], t.mlp["widths"][0], k["mlp_hidden"])}
+
+
 def half_dims(t: Any) -> dict[str, int]:
     """The ``chain_half`` entry's block dims: about half the dense heads, head dims and MLP width, on the table's
     rules and within its grid."""
-    k, r = t.key, t.rules
-    d = _snap(k["head_dim"] / 2, r["head_dim_round_to"], max(t.attn["qk"][0], t.attn["v"][0]), k["head_dim"])
-    return {"heads": int(max(t.attn["heads"][0], round(k["num_heads"] / 2))), "qk": d, "v": d,
-            "mlp": _snap(k["mlp_hidden"] / 2, r["mlp_round_to"], t.mlp["widths"][0], k["mlp_hidden"])}
+    return fraction_dims(t, 0.5)
+
+
+def chain_dims(t: Any, kind: str) -> dict[str, int] | None:
+    """The block dims of a chain entry: None (dense) for ``chain``, :func:`fraction_dims` of
+    :data:`FIT_FRACTIONS` for the others."""
+    return None if kind == "chain" else fraction_dims(t, FIT_FRACTIONS[kind])
 
 
 def model_blocks(anatomy: Any, dims: dict[str, int] | None = None) -> nn.Module:
@@ -177,28 +197,52 @@ class SelfCheckFailed(RuntimeFault):
     """The table's prediction of whole models missed their measurement (exit 1; ``--force`` keeps the table)."""
 
 
+def _retime(t: Any, problem: str) -> RuntimeFault:
+    """Mark the block entries unmeasured (a rerun or :func:`~edgeprune.latency.build` times them again) and say
+    why."""
+    for kind in ("block", "chain", *FIT_FRACTIONS):
+        t.measured[kind] = False
+    return RuntimeFault(f"latency table: {problem}: the machine's load changed too much between them (rerun the "
+                        "command: it times them again)")
+
+
 def finish(t: Any) -> Any:
-    """Fill ``fixed_ms`` (the model without its blocks, timed) and ``block_overhead_ms`` (a block's cost inside a
-    chain, ``per_block_ms``, minus its two sub-blocks; module doc); ``meta["fixed_by_subtraction_ms"]`` keeps what
-    the subtraction of earlier tables gave (dense model - depth x sub-blocks), for comparison. Not yet complete
-    (the self-check decides)."""
+    """Fill ``fixed_ms`` (the model without its blocks, timed) and the in-model block cost ``block_points``
+    (module doc): the per-block costs inside a model against the two sub-blocks' sum at the dense dims and the
+    :data:`FIT_FRACTIONS` chains (the points of distinct dims), through which ``LatencyTable.block_total`` is
+    piecewise-linear; ``block_scale`` / ``block_overhead_ms`` keep the line through the dense and half point.
+    ``meta["fixed_by_subtraction_ms"]`` keeps what the subtraction of earlier tables gave (dense model - depth x
+    sub-blocks), for comparison. Not yet complete (the self-check decides).
+
+    Raises:
+        RuntimeFault: the dense and half chains disagree (the half block timed slower): the load moved.
+    """
     k, parts = t.key, t.meta["parts"]
-    sub = t.block_ms(t.dense_dims())
-    half = half_dims(t)
-    sub_half = t.block_ms(half)
     n = chain_length(k["depth"])
-    parts.update(sub_blocks_ms=sub, chain_blocks=n, half_dims=half, sub_blocks_half_ms=sub_half)
+    sub = t.block_ms(t.dense_dims())
     per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (n - 1)
-    per_half = (float(parts["chain_half_ms"]) - (float(parts["block_ms"]) - per_block)) / n
-    if per_block <= 0 or per_half <= 0 or per_half >= per_block or sub_half >= sub:  # time them again on a rerun
-        t.measured["block"] = t.measured["chain"] = t.measured["chain_half"] = False
-        raise RuntimeFault(f"latency table: the model's {n} blocks in sequence timed {parts['chain_ms']:.4g} ms, one "
-                           f"alone {parts['block_ms']:.4g} ms, {n} half blocks {parts['chain_half_ms']:.4g} ms: the "
-                           "machine's load changed too much between them (rerun the command: it times them again)")
-    parts.update(per_block_ms=per_block, per_block_half_ms=per_half)
+    call = float(parts["block_ms"]) - per_block
+    parts.update(sub_blocks_ms=sub, chain_blocks=n, per_block_ms=per_block)
+    points, seen = [(sub, per_block)], [t.dense_dims()]
+    for kind in FIT_FRACTIONS:  # largest first
+        dims = chain_dims(t, kind)
+        name = kind.removeprefix("chain_")
+        sub_f, per_f = t.block_ms(dims), (float(parts[f"{kind}_ms"]) - call) / n
+        parts.update({f"{name}_dims": dims, f"sub_blocks_{name}_ms": sub_f, f"per_block_{name}_ms": per_f})
+        if dims in seen:
+            continue
+        seen.append(dims)
+        if kind == "chain_half" and not (0 < per_f < per_block and sub_f < sub):
+            raise _retime(t, f"the model's {n} blocks in sequence timed {parts['chain_ms']:.4g} ms, one alone "
+                             f"{parts['block_ms']:.4g} ms, {n} half blocks {parts['chain_half_ms']:.4g} ms")
+        if 0 < per_f < points[-1][1] and sub_f < points[-1][0]:
+            points.append((sub_f, per_f))  # a smaller point out of order (tiny blocks, noise) is left out
+    parts["points_used"] = len(points)
+    (x1, y1), (x0, y0) = points[0], points[1] if len(points) > 1 else points[0]
+    t.block_scale = (y1 - y0) / (x1 - x0) if x1 > x0 else 1.0  # the line through the dense and the half point
+    t.block_overhead_ms = y1 - t.block_scale * x1
+    t.block_points = [[float(x), float(y)] for x, y in sorted(points)] if len(points) > 1 else None
     t.fixed_ms = float(parts["outside_ms"])
-    t.block_scale = (per_block - per_half) / (sub - sub_half)
-    t.block_overhead_ms = per_block - t.block_scale * sub
     t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
     return t
 
@@ -223,5 +267,6 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
     return t
 
 
-__all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "allocations",
-           "chain_length", "half_dims", "model_blocks", "outside_model", "pruned_model", "run_check", "verdict"]
+__all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "FIT_FRACTIONS", "allocations", "chain_dims",
+           "chain_length", "fraction_dims", "half_dims", "model_blocks", "outside_model", "pruned_model", "run_check",
+           "verdict"]

@@ -102,9 +102,13 @@ class LatencyTable:
             interleave, clock, repeats, spread, retries), ``parts`` (the outside and dense-block
             times), ``self_check`` (predicted vs measured whole models, :mod:`edgeprune.latency.selfcheck`).
         block_overhead_ms, block_scale: a block inside a model costs ``block_scale x`` its two
-            sub-blocks' sum ``+ block_overhead_ms`` (:meth:`block_total`; the overhead may be
-            negative: a sub-block timed alone pays a call the block does not); 0 and 1 for tables
-            without them.
+            sub-blocks' sum ``+ block_overhead_ms`` (the line through the dense and the half-dims
+            block; the overhead may be negative: a sub-block timed alone pays a call the block does
+            not); 0 and 1 for tables without them.
+        block_points: ``[[sub-block sum ms, per-block ms inside a model], ...]`` ascending, measured at
+            a quarter, half and all of the dense dims (:mod:`edgeprune.latency.selfcheck`); where
+            present, :meth:`block_total` is piecewise-linear through them (extended by the end
+            segments) instead of the one line of ``block_scale`` / ``block_overhead_ms``.
     """
 
     key: dict
@@ -117,6 +121,7 @@ class LatencyTable:
     meta: dict = dataclasses.field(default_factory=dict)
     block_overhead_ms: float = 0.0
     block_scale: float = 1.0
+    block_points: list | None = None
 
     # -- prediction -------------------------------------------------------------------------
     def mlp_ms(self, width: int) -> float:
@@ -173,9 +178,12 @@ class LatencyTable:
         return {"mlp": k["mlp_hidden"], "qk": k["head_dim"], "v": k["head_dim"], "heads": k["num_heads"]}
 
     def block_total(self, dims: dict[str, int]) -> float:
-        """Predicted ms of one block of ``dims`` inside a model: ``block_scale x block_ms(dims) + block_overhead_ms``
+        """Predicted ms of one block of ``dims`` inside a model: piecewise-linear in ``block_ms(dims)`` through
+        ``block_points`` where the table has them, else ``block_scale x block_ms(dims) + block_overhead_ms``
         (``block_ms`` itself for a table without those terms)."""
         ms = self.block_ms(dims)
+        if self.block_points:
+            return _through(self.block_points, ms)
         scale, over = float(self.block_scale), float(self.block_overhead_ms)
         return ms if scale == 1.0 and over == 0.0 else scale * ms + over
 
@@ -291,6 +299,14 @@ class LatencyTable:
             raise UserError(f"{label} is incomplete: its build was interrupted (rerun the same "
                             "edgeprune latency-table command to resume it)")
         return table
+
+
+def _through(points: Sequence[Sequence[float]], x: float) -> float:
+    """``y(x)`` piecewise-linear through ``points`` (``[[x, y], ...]`` ascending in x, at least 2), extended by the
+    first and the last segment."""
+    i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 def _num_out(x: Any) -> float | None:
