@@ -181,7 +181,8 @@ def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
     data = {k: o[k] for k in ("calib_dir", "calib_size", "seed", "eval_data", "eval_size")}
     plan: dict[str, dict[str, Any]] = {}
     prune = {**model, **data, "batch_size": o["batch_size"], o["budget"]: o[o["budget"]],
-             "latency_table": o["latency_table"], "torch_device": o["torch_device"], "tokens_merge": o["tokens_merge"]}
+             "latency_table": o["latency_table"], "torch_device": o["torch_device"],
+             **({"tokens_merge": o["tokens_merge"]} if o["tokens_merge"] is not None else {})}  # older hashes kept
     plan["prune"] = {"settings": prune, "inputs": [o["checkpoint"], o["latency_table"]]
                      + [_listing(o["calib_dir"]), _listing(o["eval_data"])], "outputs": ["run"],
                      "what": f"prune {o['model_name']} with a {o['budget']} budget of {o[o['budget']]}",
