@@ -23,21 +23,24 @@ from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 PATCHES = 64
 
 
-def vit(depth: int = 4, seed: int = 0, **kw):
-    """A seeded random timm ViT: 32 px, patch 4 (64 patches), width 48, 3 heads, LayerScale, 5 classes."""
+def vit(depth: int = 4, seed: int = 0, distilled: bool = False, **kw):
+    """A seeded random timm ViT (or distilled DeiT: class and distillation tokens): 32 px, patch 4 (64 patches),
+    width 48, 3 heads, LayerScale, 5 classes."""
     from edgeprune._compat import import_timm
 
     import_timm()
+    from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(seed)
-    m = VisionTransformer(img_size=32, patch_size=4, embed_dim=48, depth=depth, num_heads=3, num_classes=5,
+    m = (VisionTransformerDistilled if distilled else VisionTransformer)(img_size=32, patch_size=4, embed_dim=48, depth=depth, num_heads=3, num_classes=5,
                           init_values=0.5, **kw).eval()
     with torch.no_grad():  # visible position embeddings, peaked attention, logits of order 1 (timm's init is
         m.pos_embed.normal_(0, 0.5)  # small: nearly uniform attention, outputs near 0)
         for blk in m.blocks:
             blk.attn.qkv.weight.normal_(0, 0.5)
-        m.head.weight.normal_(0, 1.0)
+        for head in (m.head, getattr(m, "head_dist", m.head)):
+            head.weight.normal_(0, 1.0)
     return m
 
 
@@ -60,6 +63,7 @@ CASES = {
     "avg pool, no class token": lambda: vit(class_token=False, global_pool="avg"),
     "avg pool after a class token": lambda: vit(global_pool="avg"),
     "register tokens": lambda: vit(reg_tokens=2),
+    "distilled (2 prefix tokens)": lambda: vit(distilled=True),
     "pruned attention": lambda: pruned_attention(vit()),
     "class-token last block": lambda: class_token_last(vit()),
 }

@@ -22,14 +22,16 @@ def check_mergeable(model: nn.Module) -> tuple[nn.Module, int | None]:
     pool).
 
     Raises:
-        UserError: one line saying where the model does not fit: a wrapper whose head reads the patch tokens, an
-            attention pool, a pool other than 'token' / 'avg', ``global_pool='token'`` without a class token, or a
-            final norm before an average pool.
+        UserError: one line saying where the model does not fit: merged already, a wrapper whose head reads the
+            patch tokens, an attention pool, a pool other than 'token' / 'avg', ``global_pool='token'`` without a
+            class token, or a final norm before an average pool.
     """
     name = type(model).__name__
     if not hasattr(model, "blocks"):
         raise UserError(f"{OPTION}: {name} wraps its ViT and its head reads the patch tokens, whose number a merge "
                         "changes; merge a classifier ViT (global_pool 'token' or 'avg')")
+    if isinstance(model.blocks, MergedBlocks):
+        raise UserError(f"{OPTION}: the model is merged already (r per block {model.blocks.merges()})")
     if getattr(model, "attn_pool", None) is not None:
         raise UserError(f"{OPTION}: {name} pools with attention (global_pool='map'); merging needs a class-token "
                         "or an average pool")
@@ -82,8 +84,6 @@ def apply_token_merge(model: nn.Module, r: list[int]) -> list[int]:
         UserError: a model that does not fit, an already merged one, a bad ``r`` (as :func:`merge_plan`).
     """
     vit, pool_from = check_mergeable(model)
-    if isinstance(vit.blocks, MergedBlocks):
-        raise UserError(f"{OPTION}: the model is merged already ({vit.blocks.merges()})")
     blocks = list(vit.blocks)
     prefix = int(getattr(vit, "num_prefix_tokens", 0))
     ctb = getattr(blocks[-1], "query_tokens", None) is not None
