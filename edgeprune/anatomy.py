@@ -27,6 +27,7 @@ from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import ClassTokenBlock
 from edgeprune.layers.pruned_attention import PrunedAttention
+from edgeprune.tokens.model import TokenMergeBlock
 
 
 class UnsupportedModelError(UserError):
@@ -53,6 +54,8 @@ class BlockAnatomy:
         query_tokens: ``None`` for a full block; T for a block that computes only its first T
             tokens' outputs (:class:`~edgeprune.layers.class_token_block.ClassTokenBlock`, the last
             block of a class-token classifier).
+        merge_r: tokens the block merges away between its attention and its MLP
+            (:class:`~edgeprune.tokens.model.TokenMergeBlock`, ToMe); 0 for a block without a merge.
     """
 
     index: int
@@ -72,6 +75,7 @@ class BlockAnatomy:
     ls1: Optional[nn.Module]
     ls2: Optional[nn.Module]
     query_tokens: Optional[int] = None
+    merge_r: int = 0
 
 
 @dataclasses.dataclass
@@ -116,7 +120,7 @@ def _timm_classes() -> dict[str, tuple[type, ...]]:
     from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import Block, VisionTransformer
 
-    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block, ClassTokenBlock),
+    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block, ClassTokenBlock, TokenMergeBlock),
             "attn": (Attention, PrunedAttention), "mlp": (Mlp,), "patch_embed": (PatchEmbed,)}
 
 
@@ -265,7 +269,7 @@ def _block_anatomy(i: int, blk: nn.Module, num_blocks: int, name: str) -> BlockA
         UnsupportedModelError: a missing or unsupported attention or MLP piece, named.
     """
     where = f"{name} block {i}"
-    if isinstance(blk, ClassTokenBlock) and i != num_blocks - 1:
+    if getattr(blk, "query_tokens", None) is not None and i != num_blocks - 1:
         raise UnsupportedModelError(f"{where} computes only the class token but is not the last block")
     attn = getattr(blk, "attn", None)
     mlp = getattr(blk, "mlp", None)
@@ -283,7 +287,8 @@ def _block_anatomy(i: int, blk: nn.Module, num_blocks: int, name: str) -> BlockA
         fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features,
         ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
         ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
-        query_tokens=blk.query_tokens if isinstance(blk, ClassTokenBlock) else None,
+        query_tokens=blk.query_tokens if isinstance(blk, (ClassTokenBlock, TokenMergeBlock)) else None,
+        merge_r=blk.r if isinstance(blk, TokenMergeBlock) else 0,
     )
 
 

@@ -36,6 +36,7 @@ from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.residual import apply_embed_structure
 from edgeprune.run_record import validate_record
 from edgeprune.surgery import apply_head_structure, apply_structure
+from edgeprune.tokens.apply import apply_token_merge
 from edgeprune.zoo.registry import spec_from_record
 
 WEIGHTS = "model.safetensors"
@@ -250,6 +251,11 @@ def load_run(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
             apply_head_structure(model, rec["head"])
         state = _load_weights(p / WEIGHTS)
         model.load_state_dict(state, strict=True)
+        if rec.get("tokens_merge"):  # issue 44: token merging (its modules hold no weights of their own)
+            try:
+                apply_token_merge(model, list(rec["tokens_merge"]["r"]))
+            except UserError as err:
+                raise UserError(f"{p}: the recorded token merging does not fit the model: {err}") from None
     except (ValueError, RuntimeError, KeyError) as err:
         raise UserError(f"{p}: weights do not fit the recorded model: {str(err).splitlines()[0]}") from None
     return model.eval(), rec

@@ -19,6 +19,12 @@ functions are the one place the formulas live: the budget cost models
 (``edgeprune.budget``, shared by prune and derive) evaluate them at candidate dims through
 :func:`with_dims`.
 
+Token merging (ToMe, ``edgeprune.tokens``): block i receives n_i = n - r_0 - ... - r_{i-1} tokens and merges
+r_i of them between its attention and its MLP, so its qkv, attention and proj use n_i tokens and its MLP n_i - r_i
+(:func:`block_tokens`). The merge itself adds ``2 |A| |B| d_qk`` (the cosine similarities of the keys averaged over
+heads; |A|, |B| the two halves of the n_i - prefix tokens) and ``2 |B| r (D + 1)`` (the one-hot assignment MatMul of
+the weighted tokens and their sizes) -- the matrix products of the exported graph (``merge`` below).
+
 A wrapper model with a head of its own outside the ViT (the dinov2-s14 saliency decoder) counts it
 by defining ``head_flops(img_size: tuple[int, int]) -> int``; :func:`model_flops` adds it, so the
 FLOPs ratio of a pruned wrapper compares whole models, not backbones.
@@ -35,6 +41,7 @@ import torch.nn as nn
 from types import SimpleNamespace
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
+from edgeprune.tokens.merge import split_sizes
 
 
 def count_params(model: nn.Module) -> int:
@@ -42,8 +49,9 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def block_flops(b: BlockAnatomy, n: int) -> dict[str, int]:
-    """FLOPs of one block for one image of n tokens: keys qkv, attn, proj, mlp, total.
+def block_flops(b: BlockAnatomy, n: int, prefix: int = 0) -> dict[str, int]:
+    """FLOPs of one block for one image of n tokens: keys qkv, attn, proj, mlp, total, and merge for a block that
+    merges ``b.merge_r`` tokens (``prefix``: the tokens a merge sets aside; module doc).
 
     A block that computes only its first T tokens (``b.query_tokens``, the class-token last block,
     ``edgeprune.layers.class_token_block``) projects queries, attention rows, ``proj`` and the MLP
@@ -58,7 +66,21 @@ def block_flops(b: BlockAnatomy, n: int) -> dict[str, int]:
         "proj": 2 * m * H * b.v_dim * D,
         "mlp": 2 * 2 * m * D * b.mlp_hidden,
     }
+    r = int(getattr(b, "merge_r", 0))
+    if r:
+        na, nb = split_sizes(n, prefix)
+        out["mlp"] = 2 * 2 * (m - r) * D * b.mlp_hidden
+        out["merge"] = 2 * na * nb * b.qk_dim + 2 * nb * r * (D + 1)
     out["total"] = sum(out.values())
+    return out
+
+
+def block_tokens(anatomy: ViTAnatomy) -> list[int]:
+    """The tokens each block receives: n, less the tokens the earlier blocks merged away."""
+    out, n = [], anatomy.num_tokens
+    for b in anatomy.blocks:
+        out.append(n)
+        n -= b.merge_r
     return out
 
 
@@ -99,7 +121,6 @@ def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
         ``patch_embed`` and ``head`` (int): the ViT's linear head, or the wrapper's own head
         (``anatomy.model.head_flops``) when the ViT sits inside one.
     """
-    n = anatomy.num_tokens
     ph, pw = anatomy.patch_size
     pe = 2 * anatomy.num_patches * anatomy.in_chans * ph * pw * anatomy.embed_dim
     head = 0
@@ -109,6 +130,6 @@ def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
     wrapper_head = getattr(anatomy.model, "head_flops", None)
     if anatomy.model is not anatomy.vit and callable(wrapper_head):
         head += int(wrapper_head(anatomy.img_size))
-    blocks = [block_flops(b, n) for b in anatomy.blocks]
+    blocks = [block_flops(b, t, anatomy.num_prefix_tokens) for b, t in zip(anatomy.blocks, block_tokens(anatomy))]
     total = pe + head + sum(b["total"] for b in blocks)
     return {"total": total, "blocks": blocks, "patch_embed": pe, "head": head}

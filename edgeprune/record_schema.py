@@ -66,7 +66,8 @@ _BASE_MODEL = Obj({
 }, then=_base_sha_ok)
 
 _BLOCK = Obj({**{k: Req(Int(min=0)) for k in BLOCK_INT_KEYS}, "index": Int(min=0),
-              "head_dim": Int(min=1, nullable=True), "query_tokens": Int(min=1, nullable=True)})
+              "head_dim": Int(min=1, nullable=True), "query_tokens": Int(min=1, nullable=True),
+              "tokens": Int(min=1), "merge": Int(min=0)})
 
 _CALIBRATION = Obj({"source": Str(nullable=True), "num_images": Int(min=0, nullable=True),
                     "size_requested": Int(min=1, nullable=True), "seed": Int(nullable=True),
@@ -112,6 +113,10 @@ _EMBED = Obj({"embed_dim": Req(Int(min=2)), "dense_embed_dim": Req(Int(min=2)), 
 _EMBED_AUTO = Obj({"chosen": Num(ge=0, le=1), "embed_dim": Int(min=2), "images": Int(min=0),
                    "candidates": ListOf(Obj({"embed_sparsity": Num(ge=0, le=1), "embed_dim": Int(min=2),
                                              "check_error": Num(ge=0)}))}, nullable=True)
+
+#: token merging (edgeprune.tokens): load_run re-applies ``r``
+_TOKENS_MERGE = Obj({"schedule": OneOf(Int(min=0), Str(), ListOf(Int(min=0))), "r": Req(ListOf(Int(min=0))),
+                     "tokens": ListOf(Int(min=1)), "output_tokens": Int(min=1)}, nullable=True)
 
 _HEAD = Obj({"classes": ListOf(Int(min=0)), "num_classes": Int(min=1, nullable=True), "mode": Str()}, nullable=True)
 
@@ -159,6 +164,7 @@ RECORD_SCHEMA = Obj({
     "allocation": _ALLOCATION,
     "embed": _EMBED,
     "embed_auto": _EMBED_AUTO,
+    "tokens_merge": _TOKENS_MERGE,
     "head": _HEAD,
     "evaluation": _EVALUATION,
     "latency_check": _LATENCY_CHECK,

@@ -108,12 +108,19 @@ def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | 
 
 def block_dims(anatomy: ViTAnatomy) -> list[dict[str, int]]:
     """Per-block dims for the run record: index, num_heads (the current, i.e. kept, heads), head_dim
-    (the dense model's), qk_dim, v_dim, mlp_hidden, and ``query_tokens`` for a block that
-    computes only its first T tokens (the class-token last block)."""
-    return [dict(index=b.index, num_heads=b.num_heads, head_dim=b.head_dim, qk_dim=b.qk_dim,
-                 v_dim=b.v_dim, mlp_hidden=b.mlp_hidden,
-                 **({} if b.query_tokens is None else {"query_tokens": int(b.query_tokens)}))
-            for b in anatomy.blocks]
+    (the dense model's), qk_dim, v_dim, mlp_hidden, ``query_tokens`` for a block that
+    computes only its first T tokens (the class-token last block), and for a model with token merging
+    (``edgeprune.tokens``) ``tokens`` (the tokens the block receives) and ``merge`` (the tokens it merges away)."""
+    merged = any(b.merge_r for b in anatomy.blocks)
+    n = anatomy.num_tokens
+    out = []
+    for b in anatomy.blocks:
+        out.append(dict(index=b.index, num_heads=b.num_heads, head_dim=b.head_dim, qk_dim=b.qk_dim,
+                        v_dim=b.v_dim, mlp_hidden=b.mlp_hidden,
+                        **({} if b.query_tokens is None else {"query_tokens": int(b.query_tokens)}),
+                        **({"tokens": n, "merge": b.merge_r} if merged else {})))
+        n -= b.merge_r
+    return out
 
 
 def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Module:

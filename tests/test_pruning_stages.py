@@ -16,7 +16,7 @@ from edgeprune.pruning import SECTIONS, Stage, check_config, register_stage, sta
 from edgeprune.pruning.stage import PruneState
 from tests.conftest import tiny_vit
 
-BUILT_IN = ["embed_first", "corp", "embed_last", "class_token_block", "output_correction"]
+BUILT_IN = ["embed_first", "corp", "embed_last", "class_token_block", "tokens_merge", "output_correction"]
 
 
 def _images(n=32, seed=3):

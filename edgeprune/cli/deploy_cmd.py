@@ -33,6 +33,7 @@ from edgeprune.cli.options import (FINITE, calibration_options, eval_options, la
 from edgeprune.cli.prune import prune_cmd
 from edgeprune.cli.quantize import quantize_cmd
 from edgeprune.errors import UserError
+from edgeprune.tokens.schedule import parse_tokens_merge
 from runners.registry import backend_available
 
 _BUDGETS = ("sparsity", "flops", "params", "latency")
@@ -70,6 +71,9 @@ def call_command(ctx: click.Context, cmd: click.Command, **given: Any) -> Any:
 @click.option("--latency", default=None, metavar="F",
               help="Budget: latency on --latency-table, a fraction of the dense model's (0.5) or ms (12ms).")
 @latency_table_option
+@click.option("--tokens-merge", "tokens_merge", default=None, metavar="R",
+              help="Token merging in the pruned model (prune's --tokens-merge: R per block, r0,r1,... or "
+                   "decreasing:R; docs/tokens.md) [off].")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
               help="Deployed precision (int8: TensorRT recipe on a TensorRT profile, dynamic on ONNX Runtime) "
                    "[the profile's: build.precision or onnxruntime.precision].")
@@ -137,7 +141,7 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         UserError: no budget or two, a latency budget without a table, a bad profile, -o an existing file
-            or a folder that is not a deploy's, a missing data folder.
+            or a folder that is not a deploy's, a missing data folder, a bad --tokens-merge (or one with --latency).
     """
     o = dict(opts)
     budgets = [b for b in _BUDGETS if o.get(b) is not None]
@@ -148,6 +152,9 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
     if o.get("latency_table") is not None and o.get("latency") is None:
         raise UserError("--latency-table goes with --latency (the table a latency budget is priced on)")
     o["budget"] = budgets[0]
+    if parse_tokens_merge(o.get("tokens_merge")) is not None and o["budget"] == "latency":
+        raise UserError("--tokens-merge with a --latency budget: the latency table does not price token counts "
+                        "yet (issue 44); use --flops, --params or --sparsity")
     out: Path = o["out"]
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: is a file (the deploy folder: a new folder or an earlier deploy's)")
@@ -174,7 +181,8 @@ def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
     data = {k: o[k] for k in ("calib_dir", "calib_size", "seed", "eval_data", "eval_size")}
     plan: dict[str, dict[str, Any]] = {}
     prune = {**model, **data, "batch_size": o["batch_size"], o["budget"]: o[o["budget"]],
-             "latency_table": o["latency_table"], "torch_device": o["torch_device"]}
+             "latency_table": o["latency_table"], "torch_device": o["torch_device"],
+             **({"tokens_merge": o["tokens_merge"]} if o["tokens_merge"] is not None else {})}  # older hashes kept
     plan["prune"] = {"settings": prune, "inputs": [o["checkpoint"], o["latency_table"]]
                      + [_listing(o["calib_dir"]), _listing(o["eval_data"])], "outputs": ["run"],
                      "what": f"prune {o['model_name']} with a {o['budget']} budget of {o[o['budget']]}",

@@ -16,7 +16,7 @@ from edgeprune.cli.options import (check_readable_dir, device_option, eval_optio
                                    make_spec, model_options, quiet_option, torch_device_of)
 from edgeprune.cli.calib_reuse import heldout_source, recorded_folder
 from edgeprune.evaluate import evaluate, evaluate_target_classes
-from edgeprune.flops import count_params, model_flops
+from edgeprune.flops import block_tokens, count_params, model_flops
 from edgeprune.loading import load_base_model
 
 
@@ -99,12 +99,16 @@ def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
         if rec.get("allocation"):  # budgeted run: the allocator's per-block dims and costs
             for line in allocation_lines(rec["allocation"]):
                 click.echo(line)
-    click.echo("| block | heads | head_dim | qk_dim | v_dim | mlp_hidden | params | MFLOPs |")
-    click.echo("|------:|------:|---------:|-------:|------:|-----------:|-------:|-------:|")
-    for b, f in zip(an.blocks, fl["blocks"]):
+    merged = any(b.merge_r for b in an.blocks)  # token merging (issue 44): tokens in, merged away
+    click.echo("| block | " + ("tokens | merged | " if merged else "")
+               + "heads | head_dim | qk_dim | v_dim | mlp_hidden | params | MFLOPs |")
+    click.echo("|------:|" + ("-------:|-------:|" if merged else "")
+               + "------:|---------:|-------:|------:|-----------:|-------:|-------:|")
+    for b, f, t in zip(an.blocks, fl["blocks"], block_tokens(an)):
         params = sum(p.numel() for p in b.block.parameters())
         only = "" if b.query_tokens is None else f" (computes {b.query_tokens} token(s): class-token block)"
-        click.echo(f"| {b.index}{only} | {b.num_heads} | {b.head_dim} | {b.qk_dim} | {b.v_dim} | {b.mlp_hidden} | "
-                   f"{params:,} | {f['total'] / 1e6:.1f} |")
+        tokens = f"{t} | {b.merge_r} | " if merged else ""
+        click.echo(f"| {b.index}{only} | {tokens}{b.num_heads} | {b.head_dim} | {b.qk_dim} | {b.v_dim} | "
+                   f"{b.mlp_hidden} | {params:,} | {f['total'] / 1e6:.1f} |")
     click.echo(f"total: {count_params(model):,} params, {fl['total'] / 1e9:.3f} GFLOPs per image "
                f"(patch embedding {fl['patch_embed'] / 1e9:.3f}, head {fl['head'] / 1e9:.3f})")

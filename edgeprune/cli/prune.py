@@ -98,6 +98,10 @@ def _target_help() -> str:
 @click.option("--embed-order", type=click.Choice(["first", "last"]), default=None,
               help="Slice the stream before (first) or after (last) the width pruning [first].")
 @click.option("--embed-refit", is_flag=True, default=None, help="Ridge re-fit of the writers to the dense stream.")
+@click.option("--tokens-merge", "tokens_merge", default=None, metavar="R",
+              help="Token merging after the width pruning (ToMe, training-free, docs/tokens.md): R tokens merged "
+                   "per block, a list r0,r1,... (one per block) or decreasing:R (r falls from 2R to 0); fixed "
+                   "shapes, exports to ONNX / TensorRT [off].")
 @click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
               "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
@@ -113,7 +117,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
               check_images=None, sensitivity_images=None,
               bias_correction=None, last_block=None, head_refit=None, latency=None, latency_table=None,
               verify_latency=True, embed_sparsity=None, embed_order=None, embed_refit=None,
-              latency_tolerance=None, latency_rounds=None):
+              latency_tolerance=None, latency_rounds=None, tokens_merge=None):
     """Prune a model with CORP into a new run directory.
 
     Evaluates the dense and the pruned model on held-out data (unless --no-eval) and prints
@@ -135,7 +139,8 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
                                    ("head_refit", head_refit), ("embed_sparsity", embed_sparsity),
                                    ("embed_order", embed_order), ("embed_refit", embed_refit or None),
                                    ("correction_tolerance", latency_tolerance), ("correction_rounds", latency_rounds),
-                                   ("verify_budget", None if latency is None else verify_latency))
+                                   ("verify_budget", None if latency is None else verify_latency),
+                                   ("tokens_merge", tokens_merge))
                  if v is not None}
     config = api.corp_config(target, sparsity, mlp_sparsity=mlp_sparsity, attn_sparsity=attn_sparsity,
                              compensation=not no_compensation, criterion=criterion, round_to=round_to,
@@ -223,6 +228,10 @@ def _report(rec: dict, spec, dense_m, pruned_m, prune_s: float) -> None:
         e = rec["embed"]
         click.echo(f"residual stream sliced {e['dense_embed_dim']} -> {e['embed_dim']} ({e['rotation']} rotation, "
                    f"{100 * e['kept_energy']:.2f}% of the readers' moment kept, order {rec['config']['embed_order']})")
+    if rec.get("tokens_merge"):  # issue 44
+        tm = rec["tokens_merge"]
+        click.echo(f"token merging: r per block {tm['r']}; tokens per block {tm['tokens']}, "
+                   f"{tm['output_tokens']} after the last block (edgeprune info RUN)")
     for i, t in rec["settings"].get("class_token_blocks", {}).items():
         click.echo(f"block {i} computes only the first {t} token(s) (the class token the classifier reads; "
                    f"exact, --last-block full: every token)")

@@ -113,6 +113,9 @@ class CorpConfig:
             when it misses the budget by more than ``correction_tolerance`` (a fraction), re-allocated with a
             corrected budget from the same statistics, at most ``correction_rounds`` times
             (``edgeprune.pruning.latency_loop``).
+        tokens_merge: token merging after the width stages (ToMe, ``edgeprune.tokens``, docs/tokens.md): None
+            (off), r per block (an int), one r per block (a tuple) or ``"decreasing:R"``; checked by
+            ``edgeprune.pruning.config`` and, against the model, by the ``tokens_merge`` stage.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams (a solver registered
@@ -159,6 +162,7 @@ class CorpConfig:
     verify_budget: bool = True  # issue 40: measure a measured budget (latency) after the prune and correct it
     correction_tolerance: float = 0.03
     correction_rounds: int = 3
+    tokens_merge: int | tuple | str | None = None  # issue 44: ToMe token merging (edgeprune.tokens.schedule)
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,

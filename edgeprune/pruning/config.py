@@ -15,6 +15,7 @@ corp                    target, the sparsities, layout, criteria, ridge alphas, 
                         round_to, qk_solver, compensation, dims
 embed                   embed_sparsity, embed_order, embed_refit, embed_candidates  ``edgeprune.embed.settings``
 output                  bias_correction_images, head_refit, last_block              ``edgeprune.corp.config``
+tokens                  tokens_merge                                                ``edgeprune.tokens.schedule``
 ======================  =========================================================  ================================
 """
 
@@ -30,6 +31,7 @@ from edgeprune.embed.settings import check_embed_settings
 from edgeprune.errors import UserError
 from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.pruning.latency_loop import check_correction
+from edgeprune.tokens.schedule import parse_tokens_merge
 
 #: section -> the CorpConfig fields it holds (module doc); every field is in exactly one
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -41,6 +43,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
              "vo_criterion", "ridge_alpha", "qk_ridge_alpha", "round_to", "qk_solver", "compensation", "dims"),
     "embed": ("embed_sparsity", "embed_order", "embed_refit", "embed_candidates"),
     "output": ("bias_correction_images", "head_refit", "last_block"),
+    "tokens": ("tokens_merge",),
 }
 
 def check_correction_settings(config: CorpConfig) -> None:
@@ -52,8 +55,24 @@ def check_correction_settings(config: CorpConfig) -> None:
     check_correction(config.verify_budget, config.correction_tolerance, config.correction_rounds)
 
 
+def check_tokens_settings(config: CorpConfig) -> None:
+    """The token-merging schedule's form (``edgeprune.tokens.schedule.parse_tokens_merge``; the model's limits are
+    checked by the ``tokens_merge`` stage) and its conflict with a latency budget.
+
+    Raises:
+        UserError: one line naming the setting.
+    """
+    if parse_tokens_merge(config.tokens_merge) is None:
+        return
+    budget = config.budget
+    if budget is not None and budget.model_class.needs_table:
+        raise UserError(f"--tokens-merge with a --{budget.kind} budget: the latency table does not price token "
+                        "counts yet (issue 44), so the measured correction would undo the merge's saving; use "
+                        "--flops, --params or --sparsity")
+
+
 #: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)
-SECTION_CHECKS = (check_allocation_settings, check_embed_settings, check_correction_settings)
+SECTION_CHECKS = (check_allocation_settings, check_embed_settings, check_correction_settings, check_tokens_settings)
 
 _LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
 #: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)
@@ -121,6 +140,8 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
             settings[key] = value if settings.get(key) is None else settings[key]
     if target is None:
         target = DEFAULT_TARGET if budget is None else DEFAULT_BUDGET_TARGET
+    if settings.get("tokens_merge") is not None:  # the canonical form (an int, a tuple, "decreasing:R")
+        settings["tokens_merge"] = parse_tokens_merge(settings["tokens_merge"])
     kw = {_LEGACY.get(key, key): value for key, value in settings.items() if value is not None}
     return check_config(CorpConfig.from_target(target, sparsity, **kw))
 

@@ -21,6 +21,7 @@ from edgeprune.distributed import shard_calibration
 from edgeprune.embed.settings import is_auto
 from edgeprune.errors import UserError
 from edgeprune.pruning import stages as _stages  # noqa: F401  (registers the built-in stages)
+from edgeprune.pruning import tokens_stage as _tokens_stage  # noqa: F401  (token merging, issue 44)
 from edgeprune.pruning.config import check_config
 from edgeprune.pruning.latency_loop import Measurer, correct, not_measured, table_measurer, with_value
 from edgeprune.pruning.record import base_model_record, prune_record, structure_summary

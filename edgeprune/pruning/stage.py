@@ -5,7 +5,7 @@ A stage checks its section of the config before any pass (:meth:`Stage.check`), 
 to the record (``state.info`` / ``state.record_parts``). The built-in order (``edgeprune.pruning.stages``):
 
     embed (first) -> CORP (statistics -> allocation -> plan -> solve -> cut) -> embed (last)
-    -> class-token last block -> output correction
+    -> class-token last block -> token merging (``tokens_stage.py``) -> output correction
 
 A new stage is one file with a :class:`Stage` subclass registered with ``@register_stage("name", after=...)``
 (tests/test_pruning_stages.py registers a toy one inside the test).
