@@ -99,6 +99,34 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                     "tests/test_allocation.py::test_budget_values_parse",
                     "tests/test_allocation.py::test_prefix_errors_equal_the_fold_error_computed_directly",
                     "tests/test_allocation.py::test_qk_curve_is_the_diagonal_m_least_squares_residual"]),
+    # --- issue 43: the embed slicing and the quantization code (tests/test_embed_quant_mutants.py) ---
+    # (test_embed.py's prune/CLI/save-load tests and test_smooth.py's fmnist ViT tests: too slow per mutant)
+    "embed": (["edgeprune/embed/fold.py", "edgeprune/embed/rotate.py", "edgeprune/embed/slice.py",
+               "edgeprune/embed/covariance.py"],
+              ["tests/test_embed_quant_mutants.py::TestEmbed",
+               "tests/test_embed.py::test_folds_are_exact_and_make_every_norm_an_rmsnorm",
+               "tests/test_embed.py::test_ones_complement_and_basis_are_orthogonal_to_ones",
+               "tests/test_embed.py::test_sparsity_zero_keeps_the_logits",
+               "tests/test_embed.py::test_a_stream_in_a_subspace_is_sliced_exactly",
+               "tests/test_embed.py::test_kept_dim_and_refusals"]),
+    "smoothquant": (["exporters/quantization/smoothing.py", "exporters/quantization/smoothing_explicit.py",
+                     "exporters/quantization/stats.py"],
+                    ["tests/test_embed_quant_mutants.py::TestSmoothQuant",
+                     "tests/test_smooth.py::test_smoothing_keeps_the_float_model_and_moves_the_range",
+                     "tests/test_smooth.py::test_scales_follow_smoothquant_eq4",
+                     "tests/test_smooth.py::test_absmax_is_the_per_channel_max",
+                     "tests/test_smooth.py::test_a_norm_read_by_value_elsewhere_is_left_alone",
+                     "tests/test_int8_tensorrt.py::test_alpha_search_smooths_an_outlier_channel"]),
+    "gptq": (["exporters/quantization/weight_rounding.py"],
+             ["tests/test_embed_quant_mutants.py::TestGPTQ",
+              "tests/test_int8_rounding.py::test_gptq_equals_nearest_for_white_inputs",
+              "tests/test_int8_rounding.py::test_gptq_lowers_the_output_error_on_correlated_inputs",
+              "tests/test_int8_rounding.py::test_unknown_weight_rounding_is_one_line"]),
+    # (only the lines these tests run: the rest of recipe_tensorrt.py is the ONNX pipeline)
+    "quant_fallback": (["exporters/quantization/recipe_tensorrt.py"],
+                       ["tests/test_embed_quant_mutants.py::TestFallback",
+                        "tests/test_int8_tensorrt.py::test_fallback_takes_the_most_error_per_flop_within_the_flop_cap"]),
+    # --- end of issue 43's block ---
 }
 
 #: what runs without arguments, in this order (the issue's priorities first)
@@ -107,6 +135,7 @@ DEFAULT = ("solve_mlp", "solve_qk", "ranking", "plan", "flops", "runner_stats")
 #: modules whose files hold much more than the statistics under test: mutate only the lines the
 #: selected tests execute (mutmut's ``mutate_only_covered_lines``)
 COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa", "allocation"}
+COVERED_LINES_ONLY |= {"smoothquant", "quant_fallback"}  # issue 43: stats.py / recipe_tensorrt.py hold more
 
 #: mutants judged equivalent (same behaviour for every input the code can get), with the reason;
 #: keyed by the diff line that mutmut shows (``+`` side, stripped). See docs/mutation.md.
