@@ -18,16 +18,16 @@ import torch
 import torch.nn as nn
 from onnx import TensorProto, helper, numpy_helper
 
+from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
+
+import_timm()  # at import: mutmut's fork server collects this file once, so its workers inherit timm
 
 # ----------------------------------------------------------------------------------------- helpers
 
 
 def _vit(**kw) -> nn.Module:
     """A seeded 2-block timm ViT of width 16 with random LayerNorm affines and prefix tokens."""
-    from edgeprune._compat import import_timm
-
-    import_timm()
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
@@ -204,6 +204,21 @@ class TestEmbed:
         assert rec["eps"] == model.norm.eps and "refit" not in rec and rec["seconds"] >= 0
         assert rec["kept_energy"] == pytest.approx(ev[:7].sum() / ev.sum(), rel=1e-6)
         assert model.blocks[1].norm2.eps == pytest.approx(1e-6 * 16 / 8)
+        # round_to reaches the width: 16 x 0.7 = 11.2 -> 12 with round_to 4 (8 with the default 8)
+        _, rec4 = slice_embed(find_anatomy(_vit()), lambda: iter([x]), 0.3, round_to=4)
+        assert rec4["embed_dim"] == 12
+
+    def test_embed_refit_default_strength_is_1e_3(self):
+        from edgeprune.anatomy import find_anatomy
+        from edgeprune.embed.slice import slice_embed
+
+        x = _images(7)
+        outs = []
+        for kw in ({}, {"refit_alpha": 1e-3}, {"refit_alpha": 1.001}):
+            m = _vit()
+            slice_embed(find_anatomy(m), lambda: iter([x]), 0.5, refit=True, **kw)
+            outs.append(m(x).detach())
+        assert torch.equal(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2], atol=1e-6)
 
     def test_embed_kept_dim_bounds(self):
         from edgeprune.embed.slice import embed_kept_dim
@@ -561,6 +576,43 @@ class TestSmoothQuant:
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
 
 
+    def test_smooth_explicit_skips_and_keeps_going(self):
+        from exporters.quantization.qdq import find_gemms
+        from exporters.quantization.smoothing import choose_alpha
+        from exporters.quantization.smoothing_explicit import smooth_explicit
+
+        rng = np.random.default_rng(5)
+        wz = rng.normal(size=(4, 4)).astype(np.float32)
+        wn = rng.normal(size=(4, 4)).astype(np.float32)
+        w = rng.normal(size=(4, 3)).astype(np.float32)
+        inits = [numpy_helper.from_array(a, n) for a, n in ((wz, "WZ"), (wn, "WN"), (w, "W"))]
+        nodes = [helper.make_node("MatMul", ["x", "WZ"], ["y0"], name="/blocks.0/mlp/fc2/MatMul"),
+                 helper.make_node("Relu", ["y0"], ["h1"], name="r1"),
+                 helper.make_node("MatMul", ["h1", "WN"], ["y1"], name="/blocks.1/mlp/fc2/MatMul"),
+                 helper.make_node("Relu", ["y1"], ["h2"], name="r2"),
+                 helper.make_node("MatMul", ["h2", "W"], ["y2"], name="/blocks.2/mlp/fc2/MatMul")]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                                  [helper.make_tensor_value_info("y2", TensorProto.FLOAT, None)], inits)
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        r1 = np.zeros((12, 4), np.float32)  # a dead input: every alpha ties at error 0, the first (None) stays
+        r2 = np.abs(rng.normal(size=(12, 4))).astype(np.float32) * np.array([40, 1, 1, 3], np.float32)
+        chan = {k: np.abs(v).max(0).astype(np.float64) for k, v in (("h1", r1), ("h2", r2))}
+        chan["x"] = np.ones(4)
+        st = _stats(chan, {"h1": r1, "h2": r2})
+        rep = smooth_explicit(m, st, find_gemms(m), ("fc2",), (None, 0.5))
+        # x has no sampled rows: skipped; h1 keeps None (no node), h2 gets its Mul
+        assert [(r["gemm"], r["alpha"]) for r in rep] == [("/blocks.1/mlp/fc2/MatMul", None),
+                                                          ("/blocks.2/mlp/fc2/MatMul", 0.5)]
+        for r, rows, wt in ((rep[0], r1, wn), (rep[1], r2, w)):
+            assert r["errors"] == choose_alpha(rows, chan["h1" if wt is wn else "h2"], [wt], (None, 0.5))[2]
+        mul = [n for n in m.graph.node if n.op_type == "Mul"]
+        assert len(mul) == 1 and mul[0].name == "blocks.2_mlp_fc2_MatMul_smooth_Mul"
+        assert list(mul[0].input) == ["h2", "blocks.2_mlp_fc2_MatMul_smooth_inv_scale"]
+        assert mul[0].output[0] == "h2_smoothed_blocks.2_mlp_fc2_MatMul"
+        assert [n.name for n in m.graph.node][-2:] == [mul[0].name, "/blocks.2/mlp/fc2/MatMul"]
+        np.testing.assert_array_equal(_inits(m)["WN"], wn)
+
+
 # ------------------------------------------------------------------------------------------- gptq
 
 
@@ -638,8 +690,21 @@ class TestGPTQ:
             round_gptq(w, np.eye(2))
         assert WEIGHT_ROUNDING["gptq"] is round_gptq and WEIGHT_ROUNDING["nearest"] is round_nearest
 
+    def test_gptq_register_adds_the_function_under_its_name(self):
+        from exporters.quantization.weight_rounding import (WEIGHT_ROUNDING, get_weight_rounding,
+                                                            register_weight_rounding)
+
+        def mine(w, gram=None):
+            return w, w
+
+        try:
+            assert register_weight_rounding("mine-43")(mine) is mine
+            assert WEIGHT_ROUNDING["mine-43"] is mine and get_weight_rounding("mine-43") is mine
+        finally:
+            WEIGHT_ROUNDING.pop("mine-43", None)
+
     def test_gptq_registry_and_round_weights_layouts(self):
-        from exporters.quantization.qdq import find_gemms
+        from exporters.quantization.qdq import GemmNode, find_gemms
         from exporters.quantization.weight_rounding import get_weight_rounding, round_gptq, round_weights
 
         with pytest.raises(UserError, match="gptq or nearest"):
@@ -650,12 +715,14 @@ class TestGPTQ:
         wg = rng.normal(size=(2, 3)).astype(np.float32)       # Gemm transB: (O, K)
         wc = rng.normal(size=(2, 1, 1, 1)).astype(np.float32)  # Conv: skipped
         inits = [numpy_helper.from_array(a, n) for a, n in ((wm, "WM"), (wg, "WG"), (wc, "WC"))]
-        nodes = [helper.make_node("MatMul", ["x", "WM"], ["a"], name="mm"),
-                 helper.make_node("Gemm", ["a", "WG"], ["b"], name="gemm", transB=1),
-                 helper.make_node("Conv", ["img", "WC"], ["c"], name="conv")]
+        nodes = [helper.make_node("Conv", ["img", "WC"], ["c"], name="conv"),  # first: skipped, not the end
+                 helper.make_node("MatMul", ["x", "WM"], ["a"], name="mm"),
+                 helper.make_node("Gemm", ["a", "WG"], ["b"], name="gemm", transB=1)]
         graph = helper.make_graph(nodes, "g", [], [], inits)
         m = helper.make_model(graph)
-        gemms = find_gemms(m)
+        gone = GemmNode("gone", "MatMul", "fc1", 0, "x", "NOT_AN_INIT", 1, 4, 3)  # weight not (any more) constant
+        gemms = [gone] + find_gemms(m)
+        assert [g.op_type for g in gemms] == ["MatMul", "Conv", "MatMul", "Gemm"]
         x = rng.normal(size=(20, 4)) @ rng.normal(size=(4, 4))
         a = x @ wm.astype(np.float64)
         st = _stats({"x": np.ones(4), "a": np.ones(3)}, gram={"x": x.T @ x, "a": a.T @ a})
@@ -702,6 +769,11 @@ class TestFallback:
         # error per FLOP orders the candidates; a FLOP count below 1 counts as 1
         tiny = [{"node": "s", "rel_err": 1.0, "flops": 0.5}, {"node": "t", "rel_err": 1.5, "flops": 1.0}]
         assert choose_fallback(tiny, 0.1, 1.0) == ["t", "s"]
+        small = [{"node": "s", "rel_err": 1.0, "flops": 1.0}, {"node": "u", "rel_err": 1.5, "flops": 2.0}]
+        assert choose_fallback(small, 0.1, 1.0) == ["s", "u"]  # 1.0 / 1 FLOP before 1.5 / 2 FLOPs
+        # summed errors below 1 still choose
+        assert choose_fallback([{"node": "v", "rel_err": 0.3, "flops": 1}, {"node": "w", "rel_err": 0.1, "flops": 1}],
+                               None, 0.5) == ["v"]
 
     def test_fallback_share_one_skips_the_sensitivity_pass(self):
         from exporters.quantization.qdq import GemmNode
@@ -721,6 +793,44 @@ class TestFallback:
         rows, fb = measured_fallback(p, np.zeros((0, 1, 2, 2), np.float32), _cfg(), set())
         assert fb == [] and [r["node"] for r in rows] == ["mm1", "mm2"]
         assert rows[1]["flops"] == 2.0 * 3 * 2  # no recorded shape: one row of k
+
+    def test_fallback_measured_rows_feed_the_choice(self, monkeypatch):
+        from exporters.quantization import recipe_tensorrt as rt
+        from exporters.quantization.qdq import GemmNode
+
+        gs = [GemmNode(n, "MatMul", "fc1", 0, "x", "W", 1, 4, 3) for n in ("a", "b", "c")]
+        st = _stats({"x": np.array([4.0, 2.0])})
+        p = rt.Prepared("MODEL", gs, st, [], {"x": 0.5}, {}, {"a": "WQ"})
+        calls = []
+        rows = [{"node": "a", "rel_err": 0.1, "flops": 10.0}, {"node": "b", "rel_err": 5.0, "flops": 10.0},
+                {"node": "c", "rel_err": 2.0, "flops": 10.0}]
+
+        def fake(model, stats, imgs, gemms, excluded, cfg, say, weights=None):
+            calls.append((model, stats, len(imgs), gemms, excluded, say, weights))
+            return rows
+
+        def say(_m):
+            return None
+
+        monkeypatch.setattr(rt, "_sensitivity", fake)
+        calib = np.zeros((10, 1, 2, 2), np.float32)
+        got, fb = rt.measured_fallback(p, calib, _cfg(sensitivity_images=4, max_float_flops=0.5), {"b"}, say)
+        assert got is rows
+        # b is excluded: of a and c (errors 0.1, 2.0: mean 1.05) only c; it fits in 50% of their FLOPs
+        assert fb == ["c"]
+        model, stats, n, gemms, excluded, said, weights = calls[0]
+        assert model == "MODEL" and n == 4 and gemms is gs and excluded == {"b"} and said is say
+        assert weights == {"a": "WQ"}
+        assert stats.amax == {"x": 0.5} and stats.chan_amax is st.chan_amax  # the prepared ranges
+        # nothing excluded: the mean (7.1 / 3) leaves b alone; a share of 0.05 (0.355) adds c
+        _, fb = rt.measured_fallback(p, calib, _cfg(max_float_flops=0.7), set())
+        assert fb == ["b"]
+        _, fb = rt.measured_fallback(p, calib, _cfg(max_float_flops=0.7, fallback_share=0.05), set())
+        assert fb == ["b", "c"]
+        _, fb = rt.measured_fallback(p, calib, _cfg(max_float_flops=0.4, fallback_share=0.05), set())
+        assert fb == ["b"]  # c does not fit within 40%
+        _, fb = rt.measured_fallback(p, calib, _cfg(fallback_share=1.0), set())
+        assert fb == []
 
     def test_fallback_plan_by_hand(self):
         from exporters.quantization.qdq import GemmNode
@@ -743,7 +853,8 @@ class TestFallback:
              "clip": 1.0, "rel_err": None}]
         assert plan.int8_flops_share == pytest.approx(fa / (fa + fb + fc))
         assert plan.weight_rounding == "gptq"
-        assert plan.to_record()["smoothing"] == [{"norm": "n", "alpha": 0.5}]
+        assert plan.to_record() == {"gemms": plan.gemms, "smoothing": [{"norm": "n", "alpha": 0.5}],
+                                    "int8_flops_share": plan.int8_flops_share, "weight_rounding": "gptq"}
         assert _plan(gs[:1], [], _stats({}), {}, set(), [], []).weight_rounding == "nearest"
         empty = _plan([GemmNode("e", "MatMul", "fc1", 0, "x", "W", 1, 0, 0)], [], _stats({}), {}, set(), [], [])
         assert empty.int8_flops_share == 0.0
