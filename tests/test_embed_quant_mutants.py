@@ -184,6 +184,27 @@ class TestEmbed:
         assert torch.allclose(model(x), ref, atol=1e-5)
         assert model.blocks[0].norm1.normalized_shape == (16,)
 
+    def test_embed_rotation_to_a_smaller_width_is_exact_for_a_stream_in_the_subspace(self):
+        from edgeprune.anatomy import find_anatomy
+        from edgeprune.embed.covariance import stream_moment
+        from edgeprune.embed.fold import fold_centring_and_affine, fold_layerscale, map_writers, stream_parts
+        from edgeprune.embed.rotate import principal_basis, rotate_and_slice
+
+        model = _vit()
+        an = find_anatomy(model)
+        q, _ = torch.linalg.qr(torch.randn(16, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+        fold_layerscale(an)
+        map_writers(an, stream_parts(an), q @ q.T)  # every write in one 7-dim subspace
+        x = _images(9)
+        ref = model(x).detach()
+        parts = fold_centring_and_affine(an)
+        m, _ = stream_moment(an, parts, [x])
+        v, _ = principal_basis(m, 7)
+        rotate_and_slice(an, parts, v, 8)  # the centred 7 dims fit in D' = 8 (D' - 1 = 7)
+        assert model.blocks[0].norm1.normalized_shape == (8,)
+        assert model.blocks[0].norm1.eps == pytest.approx(1e-6 * 16 / 8)
+        assert torch.allclose(model(x), ref, atol=1e-4)
+
     def test_embed_slice_record_by_hand(self):
         from edgeprune.anatomy import find_anatomy
         from edgeprune.embed.covariance import stream_moment
