@@ -637,9 +637,10 @@ class TestSmoothQuant:
 # ------------------------------------------------------------------------------------------- gptq
 
 
-def _gptq_by_hand(w: np.ndarray, h: np.ndarray, damp: float) -> np.ndarray:
+def _gptq_by_hand(w: np.ndarray, h: np.ndarray, damp: float, dead: float = 1.0) -> np.ndarray:
     """GPTQ in the inverse-Hessian (OBQ) form: quantize row k, spread its error with the k-th column
-    of H^-1 over the rows not yet quantized, then eliminate k from H^-1 (Frantar & Alistarh 2022)."""
+    of H^-1 over the rows not yet quantized, then eliminate k from H^-1 (Frantar & Alistarh 2022).
+    A dead input (H_kk <= 0) gets H_kk = ``dead`` and a zero weight row."""
     k_in = w.shape[0]
     scale = np.abs(w).max(0) / 127.0
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32).astype(np.float64)
@@ -647,7 +648,7 @@ def _gptq_by_hand(w: np.ndarray, h: np.ndarray, damp: float) -> np.ndarray:
     h = h.astype(np.float64).copy()
     for k in range(k_in):
         if h[k, k] <= 0:
-            h[k, k] = 1.0
+            h[k, k] = dead
             work[k] = 0.0
     h = h + damp * np.trace(h) / k_in * np.eye(k_in)
     hinv = np.linalg.inv(h)
@@ -697,6 +698,31 @@ class TestGPTQ:
         q2, _ = round_gptq(w2, h2, damp=0.0)
         np.testing.assert_array_equal(q2, _gptq_by_hand(w2, h2, 0.0))
         assert q2.min() >= -127 and q2.max() <= 127
+
+    def test_gptq_works_in_float64_whatever_the_input_dtypes(self):
+        from exporters.quantization.weight_rounding import round_gptq
+
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(64, 12)) @ rng.normal(size=(12, 12))
+        h = x.T @ x
+        w16 = rng.normal(size=(12, 16)).astype(np.float16)  # values exact in float32 and float64
+        want = _gptq_by_hand(w16.astype(np.float32), h, 0.01)
+        np.testing.assert_array_equal(round_gptq(w16.astype(np.float32), h)[0], want)
+        np.testing.assert_array_equal(round_gptq(w16, h)[0], want)  # no float16 arithmetic
+        hi = np.rint(h).astype(np.int64)  # an integer Gram: the same numbers as its float64 copy
+        np.testing.assert_array_equal(round_gptq(w16, hi)[0], _gptq_by_hand(w16.astype(np.float32), hi, 0.01))
+
+    def test_gptq_dead_input_counts_1_in_the_damping(self):
+        from exporters.quantization.weight_rounding import round_gptq
+
+        rng = np.random.default_rng(6)
+        x = (rng.normal(size=(64, 16)) @ rng.normal(size=(16, 16))) * 0.005  # a Gram far below 1
+        x[:, 0] = 0.0
+        h = x.T @ x
+        w = rng.normal(size=(16, 16)).astype(np.float32)
+        q, _ = round_gptq(w, h, damp=0.1)  # the dead input's H_kk = 1 weighs in the mean diagonal
+        np.testing.assert_array_equal(q, _gptq_by_hand(w, h, 0.1))
+        assert not np.array_equal(q, _gptq_by_hand(w, h, 0.1, dead=2.0))  # a dead H_kk of 2 damps more
 
     def test_gptq_without_gram_is_nearest_and_shape_check(self):
         from exporters.quantization.weight_rounding import WEIGHT_ROUNDING, round_gptq, round_nearest
