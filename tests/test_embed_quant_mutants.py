@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import numpy as np
 import onnx
@@ -219,15 +220,40 @@ class TestEmbed:
         m, _ = stream_moment(an, parts, [x])
         c = np.eye(16) - 1.0 / 16
         ev = np.sort(np.linalg.eigvalsh(c @ m.numpy() @ c))[::-1][:15].clip(0)
+        t0 = time.perf_counter()
         new, rec = slice_embed(find_anatomy(model), lambda: iter([x[:3], x[3:]]), 0.5)
+        assert 0 <= rec["seconds"] <= time.perf_counter() - t0
         assert rec["embed_dim"] == 8 and rec["dense_embed_dim"] == 16 and new.embed_dim == 8
         assert rec["images"] == 7 and rec["sparsity"] == 0.5 and rec["rotation"] == "single"
-        assert rec["eps"] == model.norm.eps and "refit" not in rec and rec["seconds"] >= 0
+        assert rec["eps"] == model.norm.eps and "refit" not in rec
         assert rec["kept_energy"] == pytest.approx(ev[:7].sum() / ev.sum(), rel=1e-6)
         assert model.blocks[1].norm2.eps == pytest.approx(1e-6 * 16 / 8)
         # round_to reaches the width: 16 x 0.7 = 11.2 -> 12 with round_to 4 (8 with the default 8)
         _, rec4 = slice_embed(find_anatomy(_vit()), lambda: iter([x]), 0.3, round_to=4)
         assert rec4["embed_dim"] == 12
+        # at sparsity 0 every eigenvalue is kept (the smallest are below 1)
+        _, rec0 = slice_embed(find_anatomy(_vit()), lambda: iter([x]), 0.0)
+        assert rec0["kept_energy"] == pytest.approx(1.0, abs=1e-9)
+
+    def test_embed_kept_energy_of_a_tiny_moment(self):
+        from edgeprune.anatomy import find_anatomy
+        from edgeprune.embed.covariance import stream_moment
+        from edgeprune.embed.fold import fold_centring_and_affine
+        from edgeprune.embed.slice import slice_embed
+
+        model = _vit()
+        for n in model.modules():
+            if isinstance(n, nn.LayerNorm):
+                n.eps = 1e4  # u = x_c / sqrt(|x_c|^2 / D + eps): every u is tiny, the moment's trace < 1
+        x = _images(7)
+        probe = copy.deepcopy(model)
+        an = find_anatomy(probe)
+        m, _ = stream_moment(an, fold_centring_and_affine(an), [x])
+        c = np.eye(16) - 1.0 / 16
+        ev = np.sort(np.linalg.eigvalsh(c @ m.numpy() @ c))[::-1][:15].clip(0)
+        assert ev.sum() < 0.1
+        _, rec = slice_embed(find_anatomy(model), lambda: iter([x]), 0.5)
+        assert rec["kept_energy"] == pytest.approx(ev[:7].sum() / ev.sum(), rel=1e-5)
 
     def test_embed_refit_default_strength_is_1e_3(self):
         from edgeprune.anatomy import find_anatomy
@@ -237,7 +263,8 @@ class TestEmbed:
         outs = []
         for kw in ({}, {"refit_alpha": 1e-3}, {"refit_alpha": 1.001}):
             m = _vit()
-            slice_embed(find_anatomy(m), lambda: iter([x]), 0.5, refit=True, **kw)
+            _, rec = slice_embed(find_anatomy(m), lambda: iter([x]), 0.5, refit=True, **kw)
+            assert rec["refit"]["blocks"] == 2
             outs.append(m(x).detach())
         assert torch.equal(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2], atol=1e-6)
 
@@ -245,6 +272,8 @@ class TestEmbed:
         from edgeprune.embed.slice import embed_kept_dim
 
         assert embed_kept_dim(4, 0.5, 2) == 2  # exactly 2 channels is allowed
+        with pytest.raises(UserError, match=r"no dims in the embedding \(residual stream\)"):
+            embed_kept_dim(8, 0.99, 8)
         assert embed_kept_dim(16, 0.5) == 8 and embed_kept_dim(16, 0.25, 4) == 12
         with pytest.raises(UserError, match="need >= 2"):
             embed_kept_dim(8, 0.85, 1)  # round(1.2) = 1 channel

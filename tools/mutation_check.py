@@ -316,6 +316,11 @@ EQUIVALENT: dict[str, str] = {
     'total_flops = sum(float(r["flops"]) for r in rows) or 2.0':
         "a total of 0 FLOPs means every row has 0: (used + 0) / any positive number is 0",
     '"rel_err": float("NAN")} for g in todo]': 'float("NAN") is float("nan")',
+    # embed: the moment is square (D, D); slice_embed's `reference` is read only when refit is set
+    # (and then it is the deep copy)
+    "u = ones_complement(moment.shape[1])": "the moment is square (D, D)",
+    'reference = ""': "`reference` is read only under `if refit`, where it is the deep copy",
+    "if refit or reference is not None:": "reference is not None exactly when refit is set",
     # smoothing.choose_alpha: the max of a float32 |W| cast to float64 either way
     "w_amax = np.max(np.stack([np.abs(w).max(axis=1) for w in ws]), axis=0).astype(None)":
         "numpy's astype(None) is float64 (the same cast)",
