@@ -845,6 +845,9 @@ class TestFallback:
         # error per FLOP orders the candidates; a FLOP count below 1 counts as 1
         tiny = [{"node": "s", "rel_err": 1.0, "flops": 0.5}, {"node": "t", "rel_err": 1.5, "flops": 1.0}]
         assert choose_fallback(tiny, 0.1, 1.0) == ["t", "s"]
+        # the float FLOPs add up: after a and b (40 of 100) c (60) passes a 45% cap no more
+        three = [{"node": n, "rel_err": e, "flops": 20.0} for n, e in (("a", 3.0), ("b", 2.0), ("c", 1.0))]
+        assert choose_fallback(three + [{"node": "d", "rel_err": 0.0, "flops": 40.0}], 0.1, 0.45) == ["a", "b"]
         small = [{"node": "s", "rel_err": 1.0, "flops": 1.0}, {"node": "u", "rel_err": 1.5, "flops": 2.0}]
         assert choose_fallback(small, 0.1, 1.0) == ["s", "u"]  # 1.0 / 1 FLOP before 1.5 / 2 FLOPs
         # summed errors below 1 still choose
@@ -905,7 +908,10 @@ class TestFallback:
         assert fb == ["b", "c"]
         _, fb = rt.measured_fallback(p, calib, _cfg(max_float_flops=0.4, fallback_share=0.05), set())
         assert fb == ["b"]  # c does not fit within 40%
-        _, fb = rt.measured_fallback(p, calib, _cfg(fallback_share=1.0), set())
+        # share 1 skips the choice, even where one GEMM carries all the error (the choice would take it)
+        rows[:] = [{"node": "b", "rel_err": 5.0, "flops": 10.0}, {"node": "a", "rel_err": 0.0, "flops": 10.0}]
+        assert rt.choose_fallback(rows, 1.0, 1.0) == ["b"]
+        _, fb = rt.measured_fallback(p, calib, _cfg(fallback_share=1.0, max_float_flops=1.0), set())
         assert fb == []
 
     def test_fallback_plan_by_hand(self):
