@@ -302,6 +302,7 @@ EQUIVALENT: dict[str, str] = {
     # weight_rounding.round_weights: exported weights are float32 (or float16) initializers, whose
     # float32 and float64 copies hold the same values (GPTQ works in float64, scales are float32)
     "s64 = s.astype(None)": "numpy's astype(None) is float64 (the same cast)",
+    "q[k] = qk.astype(None)": "q is int8: the row of whole numbers in [-127, 127] is cast on assignment",
     "w = numpy_helper.to_array(inits[g.w]).astype(None)":
         "float32/float16 initializers: the float64 copy holds the same values as the float32 one",
     # recipe_tensorrt: GemmNode.flops_per_image divides the rows by the batch n = shape[0]
