@@ -511,7 +511,7 @@ class TestSmoothQuant:
         np.testing.assert_allclose(bare.chan_amax["w"], chan / s)
 
     def test_smooth_fold_sites_fixed_alpha_and_search(self):
-        from exporters.quantization.smoothing import apply_smoothing, fold_sites
+        from exporters.quantization.smoothing import apply_smoothing, choose_alpha, fold_sites
 
         m = _ln_graph(readers="mm,mm2")
         before = _inits(m)
@@ -538,6 +538,8 @@ class TestSmoothQuant:
         np.testing.assert_array_equal(st2.chan_amax["ln"], chan)
         rec = apply_smoothing(m2, st2, "search", (0.5,))
         assert rec[0]["alpha"] == 0.5 and set(rec[0]["errors"]) == {"0.5"}
+        # the search measures the float32 weights, as the GEMMs hold them
+        assert rec[0]["errors"] == choose_alpha(rows, chan, [before["W"], before["W2"]], (0.5,))[2]
         s5 = chan ** 0.5 / wmax ** 0.5
         np.testing.assert_allclose(_inits(m2)["gamma"], before["gamma"] / s5, rtol=1e-6)
         m3 = _ln_graph(readers="mm,mm2")
@@ -552,6 +554,8 @@ class TestSmoothQuant:
         x = np.random.default_rng(0).normal(size=(7, 1, 5, 6)).astype(np.float32)
         with pytest.raises(UserError, match="smooth-alpha"):
             smooth_onnx(src, tmp_path / "b.onnx", x, alpha=1.5)
+        for bound in (0.0, 1.0):  # both ends of [0, 1] are allowed
+            assert len(smooth_onnx(src, tmp_path / "bound.onnx", x, alpha=bound)) == 1
         [rep] = smooth_onnx(src, tmp_path / "b.onnx", x, alpha=0.5, batch_size=3)
         ini = _inits(m)
         xc = x - x.mean(-1, keepdims=True)

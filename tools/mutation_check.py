@@ -325,6 +325,11 @@ EQUIVALENT: dict[str, str] = {
     # smoothing.choose_alpha: the max of a float32 |W| cast to float64 either way
     "w_amax = np.max(np.stack([np.abs(w).max(axis=1) for w in ws]), axis=0).astype(None)":
         "numpy's astype(None) is float64 (the same cast)",
+    "return np.max(np.stack(ws), axis=0).astype(None)": "numpy's astype(None) is float64 (the same cast)",
+    "err = output_error(x, ws, float((chan_amax / s).max()), None if (a is None) and False else s)":
+        "for a = None, s is all ones: x / 1 and W * 1 are exact",
+    "def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, batch_size: int = 33,":
+        "the batch size of the statistics pass: a per-channel max does not depend on the batching",
 }
 
 DO_NOT_MUTATE_PATTERNS = (r"^\s*raise \w+(Error|Fault)\(",)
