@@ -99,6 +99,35 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                     "tests/test_allocation.py::test_budget_values_parse",
                     "tests/test_allocation.py::test_prefix_errors_equal_the_fold_error_computed_directly",
                     "tests/test_allocation.py::test_qk_curve_is_the_diagonal_m_least_squares_residual"]),
+    # --- issue 43: the embed slicing and the quantization code (tests/test_embed_quant_mutants.py) ---
+    # (test_embed.py's prune/CLI/save-load tests and test_smooth.py's fmnist ViT tests: too slow per mutant)
+    "embed": (["edgeprune/embed/fold.py", "edgeprune/embed/rotate.py", "edgeprune/embed/slice.py",
+               "edgeprune/embed/covariance.py"],
+              # (test_embed.py's sparsity-0 and subspace slices: 3-7 s each under load; TestEmbed has
+              # the same checks on a smaller model)
+              ["tests/test_embed_quant_mutants.py::TestEmbed",
+               "tests/test_embed.py::test_folds_are_exact_and_make_every_norm_an_rmsnorm",
+               "tests/test_embed.py::test_ones_complement_and_basis_are_orthogonal_to_ones",
+               "tests/test_embed.py::test_kept_dim_and_refusals"]),
+    # (stats.py's ActStats.rescale / alias -- the folds' effect on the int8 ranges -- are tested by
+    # test_smooth_stats_rescale_and_alias_by_hand, but not mutated: the whole file is ~200 more mutants)
+    "smoothquant": (["exporters/quantization/smoothing.py", "exporters/quantization/smoothing_explicit.py"],
+                    ["tests/test_embed_quant_mutants.py::TestSmoothQuant",
+                     "tests/test_smooth.py::test_smoothing_keeps_the_float_model_and_moves_the_range",
+                     "tests/test_smooth.py::test_scales_follow_smoothquant_eq4",
+                     "tests/test_smooth.py::test_absmax_is_the_per_channel_max",
+                     "tests/test_smooth.py::test_a_norm_read_by_value_elsewhere_is_left_alone",
+                     "tests/test_int8_tensorrt.py::test_alpha_search_smooths_an_outlier_channel"]),
+    "gptq": (["exporters/quantization/weight_rounding.py"],
+             ["tests/test_embed_quant_mutants.py::TestGPTQ",
+              "tests/test_int8_rounding.py::test_gptq_equals_nearest_for_white_inputs",
+              "tests/test_int8_rounding.py::test_gptq_lowers_the_output_error_on_correlated_inputs",
+              "tests/test_int8_rounding.py::test_unknown_weight_rounding_is_one_line"]),
+    # (only the lines these tests run: the rest of recipe_tensorrt.py is the ONNX pipeline)
+    "quant_fallback": (["exporters/quantization/recipe_tensorrt.py"],
+                       ["tests/test_embed_quant_mutants.py::TestFallback",
+                        "tests/test_int8_tensorrt.py::test_fallback_takes_the_most_error_per_flop_within_the_flop_cap"]),
+    # --- end of issue 43's block ---
 }
 
 #: what runs without arguments, in this order (the issue's priorities first)
@@ -107,6 +136,7 @@ DEFAULT = ("solve_mlp", "solve_qk", "ranking", "plan", "flops", "runner_stats")
 #: modules whose files hold much more than the statistics under test: mutate only the lines the
 #: selected tests execute (mutmut's ``mutate_only_covered_lines``)
 COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa", "allocation"}
+COVERED_LINES_ONLY |= {"quant_fallback"}  # issue 43: recipe_tensorrt.py is mostly the ONNX pipeline
 
 #: mutants judged equivalent (same behaviour for every input the code can get), with the reason;
 #: keyed by the diff line that mutmut shows (``+`` side, stripped). See docs/mutation.md.
@@ -268,6 +298,38 @@ EQUIVALENT: dict[str, str] = {
         "this branch runs only when every energy is known and > 0",
     'gamma = getattr(layer_scale, "gamma", None) if (layer_scale is not None) or True else None':
         "getattr(None, 'gamma', None) is None",
+    # --- issue 43: embed, smoothquant, gptq, quant_fallback (docs/mutation.md, its section) ---
+    # weight_rounding.round_weights: exported weights are float32 (or float16) initializers, whose
+    # float32 and float64 copies hold the same values (GPTQ works in float64, scales are float32)
+    "s64 = s.astype(None)": "numpy's astype(None) is float64 (the same cast)",
+    "q[k] = qk.astype(None)": "q is int8: the row of whole numbers in [-127, 127] is cast on assignment",
+    "w = numpy_helper.to_array(inits[g.w]).astype(None)":
+        "float32/float16 initializers: the float64 copy holds the same values as the float32 one",
+    # recipe_tensorrt: GemmNode.flops_per_image divides the rows by the batch n = shape[0]
+    # (MatMul/Gemm: prod(shape) // (n k); Conv: the spatial axes only), so the default shape's batch
+    # size does not matter; a FLOP total of 0 means every row has 0 FLOPs (numerator 0)
+    "flops = g.flops_per_image(stats.shapes.get(g.x, (2, 1, g.k)))":
+        "flops_per_image divides the batch size out: (2, 1, k) and (1, 1, k) give one row",
+    'return [{"node": g.name, "flops": g.flops_per_image(stats.shapes.get(g.x, (2, 1, g.k))),':
+        "flops_per_image divides the batch size out: (2, 1, k) and (1, 1, k) give one row",
+    'total = sum(r["flops"] for r in out) or 2.0':
+        "a total of 0 FLOPs means every GEMM has 0: the int8 share is 0 / any positive number",
+    'total_flops = sum(float(r["flops"]) for r in rows) or 2.0':
+        "a total of 0 FLOPs means every row has 0: (used + 0) / any positive number is 0",
+    '"rel_err": float("NAN")} for g in todo]': 'float("NAN") is float("nan")',
+    # embed: the moment is square (D, D); slice_embed's `reference` is read only when refit is set
+    # (and then it is the deep copy)
+    "u = ones_complement(moment.shape[1])": "the moment is square (D, D)",
+    'reference = ""': "`reference` is read only under `if refit`, where it is the deep copy",
+    "if refit or reference is not None:": "reference is not None exactly when refit is set",
+    # smoothing.choose_alpha: the max of a float32 |W| cast to float64 either way
+    "w_amax = np.max(np.stack([np.abs(w).max(axis=1) for w in ws]), axis=0).astype(None)":
+        "numpy's astype(None) is float64 (the same cast)",
+    "return np.max(np.stack(ws), axis=0).astype(None)": "numpy's astype(None) is float64 (the same cast)",
+    "err = output_error(x, ws, float((chan_amax / s).max()), None if (a is None) and False else s)":
+        "for a = None, s is all ones: x / 1 and W * 1 are exact",
+    "def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, batch_size: int = 33,":
+        "the batch size of the statistics pass: a per-channel max does not depend on the batching",
 }
 
 DO_NOT_MUTATE_PATTERNS = (r"^\s*raise \w+(Error|Fault)\(",)

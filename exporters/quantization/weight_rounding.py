@@ -62,14 +62,12 @@ def get_weight_rounding(name: str) -> Callable[[np.ndarray, np.ndarray | None], 
     return WEIGHT_ROUNDING[name]
 
 
-@register_weight_rounding("nearest")
 def round_nearest(w: np.ndarray, gram: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Round to nearest: ``(q int8 (K, O), scale (O,))`` of ``w`` (K, O), exactly
     :func:`exporters.quantization.qdq.quantize_weight` on the output axis; ``gram`` is ignored."""
     return quantize_weight(w, 1)
 
 
-@register_weight_rounding("gptq")
 def round_gptq(w: np.ndarray, gram: np.ndarray | None, damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
     """GPTQ rounding (module docstring) of ``w`` (K, O) for inputs with Gram matrix ``gram`` (K, K).
 
@@ -105,6 +103,11 @@ def round_gptq(w: np.ndarray, gram: np.ndarray | None, damp: float = DAMP) -> tu
         err = (work[k] - qk * s64) / u[k, k]
         work[k + 1:] -= np.outer(u[k, k + 1:], err)
     return q, s
+
+
+# registered by a call, not a decorator: mutmut (tools/mutation_check.py) skips decorated functions
+register_weight_rounding("nearest")(round_nearest)
+register_weight_rounding("gptq")(round_gptq)
 
 
 def round_weights(model: Any, gemms: Sequence[GemmNode], stats: ActStats,
