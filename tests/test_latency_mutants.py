@@ -1,0 +1,294 @@
+"""Known-answer tests for the latency / allocation code that its mutation check (issue 43,
+``tools/mutation_check.py``: latency_table, latency_cost, rules, greedy_heads, derive_latency,
+latency_loop) showed missing. Tables are hand-made (``tests/conftest.py::write_latency_table``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from edgeprune.anatomy import find_anatomy
+from edgeprune.budget import make_budget
+from edgeprune.budget.latency import LatencyCost
+from edgeprune.errors import UserError
+from edgeprune.latency.build import BuildOptions, empty_table, start_or_resume
+from edgeprune.latency.grid import Grid
+from edgeprune.latency.measure import TimingSettings
+from edgeprune.latency.table import LatencyTable
+from tests.conftest import write_latency_table
+
+# the small ViT of tests/test_latency_budget.py: width 64, 4 heads of 16, MLP 128, 17 tokens, 2 blocks
+D, H, HD, MLP, N, DEPTH = 64, 4, 16, 128, 17, 2
+KEY = {"embed_dim": D, "depth": DEPTH, "num_heads": H, "head_dim": HD, "mlp_hidden": MLP, "tokens": N,
+       "batch": 8, "precision": "fp32", "backend": "onnxruntime", "backend_version": "1.0",
+       "device_name": "hand-made", "profile": "cpu", "threads": 1}
+RULES = {"mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False}
+
+
+def small_vit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=D, depth=DEPTH,
+                             num_heads=H, mlp_ratio=MLP / D).eval()
+
+
+def attn_ms(h, q, v):
+    return 0.1 + h * (0.05 + 0.01 * (q + v))
+
+
+def mlp_ms(w):
+    return 0.1 + 0.002 * w
+
+
+@pytest.fixture
+def table(tmp_path):
+    return write_latency_table(tmp_path / "t.json", KEY, RULES, [1, 2, 3, 4], [8, 16], [0, 32, 64, 96, 128],
+                               attn_ms, mlp_ms, fixed_ms=1.0)
+
+
+# -- latency_cost: the class-token last block -------------------------------------------------------
+
+def _hand_flops(heads, qk, v, mlp, t):
+    """FLOPs of one block of the small ViT computing t query tokens (keys / values for all N), by hand:
+    2 x multiply-accumulates of q (t), k and v (N) projections, t x N scores and weighted values,
+    the output projection and the two MLP layers for t tokens."""
+    macs = (t * D * heads * qk + N * D * heads * (qk + v) + t * N * heads * (qk + v) + t * heads * v * D
+            + 2 * t * D * mlp)
+    return 2 * macs
+
+
+@pytest.mark.parametrize("dims", [dict(mlp=128, qk=16, v=16, heads=4), dict(mlp=64, qk=8, v=16, heads=2)])
+def test_class_token_last_block_is_priced_at_its_flops_share(table, dims):
+    an = find_anatomy(small_vit())
+    budget = make_budget(latency=0.5, table=table)
+    full = LatencyCost(an, budget=budget)
+    cls = LatencyCost(an, {1: 1}, budget=budget)
+    ms = mlp_ms(dims["mlp"]) + attn_ms(dims["heads"], dims["qk"], dims["v"])  # a measured point: no interpolation
+    ratio = _hand_flops(dims["heads"], dims["qk"], dims["v"], dims["mlp"], 1) / _hand_flops(
+        dims["heads"], dims["qk"], dims["v"], dims["mlp"], N)
+    assert 0.05 < ratio < 0.9
+    assert full.block_cost(an.blocks[1], dims) == pytest.approx(ms, rel=1e-12)
+    assert cls.block_cost(an.blocks[0], dims) == pytest.approx(ms, rel=1e-12)  # only block 1 is a class-token one
+    assert cls.block_cost(an.blocks[1], dims) == pytest.approx(ms * ratio, rel=1e-12)
+    assert cls.fixed_cost() == 1.0
+    assert cls.record()["class_token_blocks"].startswith("estimated") and full.record()["class_token_blocks"] is None
+
+
+# -- latency_table: a partial table of another key is never resumed ---------------------------------
+
+GRID = Grid(mlp=[64, 128], heads=[2, 4], qk=[8, 16], v=[8, 16], qk_equals_v=False)
+
+
+def _partial(path, key, failed=False):
+    """A partial table of ``key`` on :data:`GRID` with one MLP entry measured; saved at ``path``."""
+    t = empty_table(dict(key), dict(RULES), GRID, TimingSettings(threads=1))
+    t.mlp["ms"][0] = 0.7
+    t.measured["mlp"].append(64)
+    if failed:
+        t.meta["self_check"] = {"passed": False, "forced": False, "tolerance": 0.1, "models": []}
+    t.save(path)
+    return t
+
+
+def _resume(out, key, rules=RULES, grid=GRID, s=None, **opts):
+    return start_or_resume(out, dict(key), dict(rules), grid, s or TimingSettings(threads=1),
+                           BuildOptions(interleave=False, **opts))
+
+
+OTHER = [("precision", "fp16"), ("backend_version", "1.1"), ("device_name", "another cpu"), ("profile", "gpu"),
+         ("threads", 2), ("backend", "torch"), ("batch", 4), ("tokens", 5), ("embed_dim", 32), ("depth", 3),
+         ("num_heads", 2), ("head_dim", 8), ("mlp_hidden", 64)]
+
+
+@pytest.mark.parametrize("field,value", OTHER)
+def test_a_partial_table_of_another_key_is_neither_resumed_nor_mixed(tmp_path, field, value):
+    out = tmp_path / "t.json"
+    _partial(out, KEY)
+    before = out.read_bytes()
+    now = {**KEY, field: value}
+    with pytest.raises(UserError, match=f"another key \\({field}: ") as err:
+        _resume(out, now)
+    assert "\n" not in str(err.value) and out.read_bytes() == before
+    # --force replaces it (fresh entries, the new key), even when its self-check failed (that keeps only its own key)
+    for failed in (False, True):
+        _partial(out, KEY, failed=failed)
+        t = _resume(out, now, force=True)
+        assert t.key == now and t.measured["mlp"] == [] and math.isnan(t.mlp["ms"][0])
+
+
+def test_a_partial_table_of_the_same_key_is_resumed(tmp_path):
+    out = tmp_path / "t.json"
+    _partial(out, KEY)
+    t = _resume(out, KEY)
+    assert t.measured["mlp"] == [64] and t.mlp["ms"][0] == 0.7 and t.key == KEY
+    # --force with a failed self-check keeps a table of the same key and grid; a passed / unchecked one is replaced
+    _partial(out, KEY, failed=True)
+    t = _resume(out, KEY, force=True)
+    assert t.measured["mlp"] == [64]
+    _partial(out, KEY)
+    t = _resume(out, KEY, force=True)
+    assert t.measured["mlp"] == []
+    # another way of timing or another grid is refused too
+    _partial(out, KEY)
+    with pytest.raises(UserError, match="another iterations"):
+        _resume(out, KEY, s=TimingSettings(threads=1, iterations=3))
+    other = Grid(mlp=[64, 128], heads=[2, 4], qk=[8, 16], v=[16], qk_equals_v=False)
+    with pytest.raises(UserError, match="another grid"):
+        _resume(out, KEY, grid=other)
+    with pytest.raises(UserError, match="another grid"):
+        _resume(out, KEY, rules={**RULES, "qk_equals_v": True})
+
+
+# -- latency_cost: the rest of the cost model -------------------------------------------------------
+
+def test_latency_cost_bounds_rules_record_and_fixed_cost(table):
+    an = find_anatomy(small_vit())
+    c = LatencyCost(an, budget=make_budget(latency=0.5, table=table))
+    assert c.bounds() == {"mlp": 0, "qk": 8, "v": 8, "heads": 1}
+    assert c.rules == RULES and c.rules is not c.table.rules  # a copy
+    dense = DEPTH * (mlp_ms(MLP) + attn_ms(H, HD, HD)) + 1.0
+    r = c.record()
+    assert r["table"] == table and r["key"] == KEY and r["rules"] == RULES
+    assert r["dense_predicted_ms"] == pytest.approx(dense) and r["dense_measured_ms"] == pytest.approx(dense)
+    assert r["block_overhead_ms"] == 0.0 and r["block_scale"] == 1.0 and r["self_check"] is None
+    assert r["unverified"] is None and r["unit"] == "ms per batch of key.batch images"
+    assert c.fixed_cost() == 1.0 and isinstance(c.fixed_cost(), float)
+    assert LatencyCost.config_defaults(make_budget(latency=0.5, table=table)) == {}
+
+
+def test_latency_cost_self_check_summary_and_fused_default(tmp_path):
+    path = write_latency_table(tmp_path / "f.json", KEY, {**RULES, "qk_equals_v": True}, [1, 2, 3, 4], [8, 16],
+                               [0, 64, 128], attn_ms, mlp_ms, fixed_ms=0.5)
+    t = LatencyTable.load(path)
+    blocks = [{"mlp": 128, "qk": 16, "v": 16, "heads": 4}] * 2
+    pred = t.model_ms(blocks)
+    models = [{"name": "dense", "predicted_ms": pred, "measured_ms": pred * 1.02, "extra": 1, "blocks": blocks}]
+    t.meta["self_check"] = {"passed": True, "tolerance": 0.1, "models": models}
+    t.save(path)
+    budget = make_budget(latency=0.5, table=path)
+    assert LatencyCost.config_defaults(budget) == {"layout": "fused"}
+    LatencyCost.check_inputs(budget)
+    r = LatencyCost(find_anatomy(small_vit()), budget=budget).record()
+    assert r["self_check"] == {"passed": True, "forced": False, "tolerance": 0.1,
+                               "models": [{"name": "dense", "predicted_ms": pred, "measured_ms": pred * 1.02}]}
+
+
+def test_load_table_is_cached_per_file_version_and_a_missing_one_is_one_line(tmp_path):
+    from edgeprune.budget.latency import load_table
+
+    path = tmp_path / "t.json"
+    write_latency_table(path, KEY, RULES, [1, 4], [8, 16], [0, 128], attn_ms, mlp_ms, fixed_ms=1.0)
+    a = load_table(str(path))
+    assert load_table(str(path)) is a and load_table(str(tmp_path / "." / "t.json")) is a
+    write_latency_table(path, KEY, RULES, [1, 4], [8, 16], [0, 128], attn_ms, mlp_ms, fixed_ms=2.0)
+    import os
+
+    os.utime(path, ns=(1, 10**18))  # a new version of the file
+    b = load_table(str(path))
+    assert b is not a and b.fixed_ms == 2.0
+    with pytest.raises(UserError, match=r"^latency table .*nope\.json not found \(a latency table of this model"):
+        load_table(str(tmp_path / "nope.json"))
+    with pytest.raises(UserError, match="needs a latency table"):
+        LatencyCost(find_anatomy(small_vit()), budget=None)
+
+
+# -- rules: the allocator's candidate grid and the kernels' head-dim rule -----------------------------
+
+def _cfg(budget, target="all", allocate_heads=None, layout="default", round_to=8):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(budget=budget, target=target, allocate_heads=allocate_heads, layout=layout,
+                           round_to=round_to)
+
+
+def test_heads_allocated_follows_the_budget_kind_target_and_setting(table):
+    from edgeprune.allocation.rules import heads_allocated
+
+    lat, flops = make_budget(latency=0.5, table=table), make_budget(flops=0.5)
+    assert heads_allocated(_cfg(lat)) and heads_allocated(_cfg(lat, target="v"))
+    assert not heads_allocated(_cfg(lat, target="mlp")) and not heads_allocated(_cfg(lat, target="heads"))
+    assert not heads_allocated(_cfg(flops)) and not heads_allocated(_cfg(None))
+    assert heads_allocated(_cfg(flops, allocate_heads=True)) is True
+    assert heads_allocated(_cfg(lat, allocate_heads=False)) is False
+    assert not heads_allocated(_cfg(lat, target="heads", allocate_heads=True))
+    assert not heads_allocated(_cfg(None, allocate_heads=True))
+
+
+def test_rules_grid_sizes_restrict_where_and_describe():
+    from edgeprune.allocation.curves import Curve
+    from edgeprune.allocation.rules import Grid as RGrid
+
+    g = RGrid({"mlp": 8, "qk": 8, "v": 8, "heads": 1}, {"mlp": 16, "qk": 16}, None)
+    assert g.sizes("mlp", 20) == [16, 20] and g.sizes("mlp", 32) == [16, 24, 32] and g.sizes("v", 16) == [8, 16]
+    assert g.sizes("qk", 12) == [12] and g.sizes("heads", 3) == [1, 2, 3] and g.sizes("mlp", 4) == [4]
+    assert g.head_dims is None and g.where() == "on the latency table's grid {'mlp': 8, 'qk': 8, 'v': 8, 'heads': 1}"
+    ruled = RGrid({"mlp": 8, "qk": 8, "v": 8, "heads": 1}, {}, {"head_dims": [32, 16, 64]})
+    assert ruled.head_dims == (16, 32, 64) and ruled.sizes("qk", 40) == [16, 32, 40] and ruled.sizes("v", 8) == [8]
+    assert ruled.sizes("mlp", 24) == [8, 16, 24]
+    assert ruled.where().endswith(" with head dims in {16, 32, 64} (fused attention)")
+    c = Curve(0, ("qk", "v"), [8, 16, 24, 32], [3.0, 2.0, 1.0, 0.0], 1.0, "c")
+    assert g.restrict(c).ks == [16, 24, 32] and g.restrict(c).raw == [2.0, 1.0, 0.0]
+    assert ruled.restrict(c) is c
+    high = RGrid({"mlp": 8, "qk": 8, "v": 8, "heads": 1}, {"v": 40}, None)
+    assert high.restrict(c).ks == [32] and high.restrict(c).raw == [0.0]
+    assert g.describe() == {"rules": None, "round_to": {"mlp": 8, "qk": 8, "v": 8, "heads": 1},
+                            "smallest": {"mlp": 16, "qk": 16}}
+
+
+def test_unit_grid_from_the_config_or_the_table_and_check_rules(table, tmp_path):
+    from edgeprune.allocation.rules import check_rules, unit_grid
+
+    an = find_anatomy(small_vit())
+    g = unit_grid(_cfg(None, round_to=4), an)
+    assert (g.round_to, g.lower, g.rules) == ({"mlp": 4, "qk": 4, "v": 4, "heads": 1}, {}, None)
+    g = unit_grid(_cfg(make_budget(flops=0.5), round_to=4), an)
+    assert (g.round_to, g.lower, g.rules) == ({"mlp": 4, "qk": 4, "v": 4, "heads": 1}, {}, None)
+    rules = {"mlp_round_to": 32, "head_dim_round_to": 8, "qk_equals_v": True}
+    path = write_latency_table(tmp_path / "q.json", KEY, rules, [2, 4], [8, 16], [32, 128], attn_ms, mlp_ms)
+    g = unit_grid(_cfg(make_budget(latency=0.5, table=path), round_to=4), an)
+    assert g.round_to == {"mlp": 32, "qk": 8, "v": 8, "heads": 1} and g.rules == rules
+    assert g.lower == {"mlp": 32, "qk": 8, "v": 8, "heads": 2}
+    from types import SimpleNamespace
+
+    half = SimpleNamespace(rules={"qk_equals_v": False}, bounds=lambda: {})  # a cost model without roundings
+    g = unit_grid(_cfg(None, round_to=4), an, half)
+    assert g.round_to == {"mlp": 4, "qk": 4, "v": 4, "heads": 1}
+    with pytest.raises(UserError, match="^this latency table's device needs Q/K dims = V dims .*--layout fused$"):
+        check_rules(_cfg(None, target="all"), unit_grid(_cfg(make_budget(latency=0.5, table=path)), an))
+    grid = unit_grid(_cfg(make_budget(latency=0.5, table=path)), an)
+    check_rules(_cfg(None, target="mlp"), grid)
+    check_rules(_cfg(None, target="all", layout="fused"), grid)
+    check_rules(_cfg(None, target="all"), unit_grid(_cfg(make_budget(latency=0.5, table=table)), an))
+
+
+def test_kernel_rules_parse_allow_keep_and_describe():
+    from devices.kernels import (ProfileError, _int, _one_rule, allowed_head_dims, describe_allowed,
+                                 keep_allowed, parse_head_dims)
+
+    assert _int(1) and _int(5, 5) and not _int(4, 5) and not _int(0) and not _int(True) and not _int(2.0)
+    assert _one_rule("p", "f", [64, 16, 32]) == (16, 32, 64)
+    assert _one_rule("p", "f", {"min": 16, "max": 32, "step": 8}) == (16, 24, 32)
+    assert _one_rule("p", "f", {"min": 16, "max": 16, "step": 8}) == (16,)
+    assert parse_head_dims("p", {"int8": [16, 32], "fp16": {"min": 8, "max": 24, "step": 8}}, 16) == (
+        ("fp16", (8, 16, 24)), ("int8", (16, 32)))
+    assert parse_head_dims("p", {}, 8) == ()
+    assert parse_head_dims("p", {"int8": [24, 40]}, 8) == (("int8", (24, 40)),)
+    with pytest.raises(ProfileError, match="allows no multiple"):
+        parse_head_dims("p", {"int8": [24, 40]}, 16)
+    assert allowed_head_dims(None) is None and allowed_head_dims({}) is None
+    assert allowed_head_dims({"head_dims": None, "mlp_round_to": 8}) is None
+    assert allowed_head_dims({"head_dims": [64, 16, 16, 32]}) == (16, 32, 64)
+    assert allowed_head_dims({"head_dims": (8,)}) == (8,)
+    for bad in ([], [0], [True], "16", [16.0]):
+        with pytest.raises(UserError, match="rules.head_dims must be a non-empty list"):
+            allowed_head_dims({"head_dims": bad})
+    sizes = [8, 16, 24, 32, 40]
+    assert keep_allowed(sizes, 40, None) == sizes and keep_allowed(sizes, 40, None) is not sizes
+    assert keep_allowed(sizes, 40, (16, 32)) == [16, 32, 40] and keep_allowed(sizes, 24, (16,)) == [16, 24]
+    assert describe_allowed(None) == "any"
+    assert describe_allowed((16, 24, 32, 40, 48)) == "16..48 step 8"
+    assert describe_allowed((16, 24, 32, 40)) == "16, 24, 32, 40"
+    assert describe_allowed((16, 24, 32, 40, 56)) == "16, 24, 32, 40, 56"
