@@ -292,3 +292,72 @@ def test_kernel_rules_parse_allow_keep_and_describe():
     assert describe_allowed((16, 24, 32, 40, 48)) == "16..48 step 8"
     assert describe_allowed((16, 24, 32, 40)) == "16, 24, 32, 40"
     assert describe_allowed((16, 24, 32, 40, 56)) == "16, 24, 32, 40, 56"
+
+
+# -- greedy_heads: the allocator under latency prices --------------------------------------------------
+
+def _lat_curves():
+    """Block 0: whole heads (1..4), block 1: MLP width (32..128), errors by hand. Under :func:`attn_ms` /
+    :func:`mlp_ms` a head saves 0.37 ms (error +0.1 for the first, +0.4 for the second), 32 MLP channels
+    0.064 ms (+0.2 for the first 32): the heads are the cheaper error per ms saved."""
+    from edgeprune.allocation.curves import Curve
+
+    return [Curve(0, ("heads",), [1, 2, 3, 4], [2.0, 0.5, 0.1, 0.0], 1.0, "c"),
+            Curve(1, ("mlp",), [32, 64, 96, 128], [3.0, 1.0, 0.2, 0.0], 1.0, "c")]
+
+
+def _dense_blocks():
+    return [{"mlp": MLP, "qk": HD, "v": HD, "heads": H} for _ in range(DEPTH)]
+
+
+def test_greedy_under_latency_prices_removes_the_least_error_per_ms(table):
+    from edgeprune.allocation import greedy as G
+
+    an = find_anatomy(small_vit())
+    cost = LatencyCost(an, budget=make_budget(latency=0.5, table=table))
+    curves = _lat_curves()
+    st = G._State(an, curves, _dense_blocks(), cost, [3, 3])
+    dense = 1.0 + DEPTH * (mlp_ms(MLP) + attn_ms(H, HD, HD))
+    assert st.total == pytest.approx(dense, rel=1e-12)
+    assert st.delta(0, 2) == pytest.approx(-0.37, rel=1e-9) and st.delta(1, 2) == pytest.approx(-0.064, rel=1e-9)
+    target = dense - 0.74 + 1e-9  # two heads' worth
+    G._descend(st, target)
+    # heads 4 -> 3 (0.1 / 0.37 ms) then 3 -> 2 (0.4 / 0.37 ms) beat any MLP step (0.2 / 0.064 ms at best)
+    assert st.pos == [1, 3] and st.error == pytest.approx(0.5)
+    assert st.dims[0]["heads"] == 2 and st.dims[1]["mlp"] == MLP
+    assert st.total == pytest.approx(cost.table.model_ms(st.dims), rel=1e-12) and st.total <= target
+    G._fill(st, target)
+    assert st.pos == [1, 3]
+    # a looser budget: one head, then the fill-back grows nothing more than fits
+    st = G._State(an, curves, _dense_blocks(), cost, [3, 3])
+    G._descend(st, dense - 0.3)
+    assert st.pos == [2, 3] and st.total == pytest.approx(dense - 0.37)
+    # a budget the MLP must pay too: after two heads (0.74 ms) the first 32 channels (0.064 ms)
+    st = G._State(an, curves, _dense_blocks(), cost, [3, 3])
+    G._descend(st, dense - 0.78)
+    assert st.pos == [1, 2] and st.total == pytest.approx(cost.table.model_ms(st.dims), rel=1e-12)
+    G._fill(st, dense - 0.78)
+    assert st.pos == [1, 2]
+
+
+def test_uniform_candidate_under_a_latency_budget_keeps_whole_heads_dense(table):
+    from edgeprune.allocation import greedy as G
+
+    an = find_anatomy(small_vit())
+    budget = make_budget(latency=0.5, table=table)
+    cost = LatencyCost(an, budget=budget)
+    curves = _lat_curves()
+    cfg = _cfg(budget, round_to=32)
+    mlp96 = cost.table.model_ms([_dense_blocks()[0], {"mlp": 96, "qk": HD, "v": HD, "heads": H}])
+    dense = cost.table.dense_ms()
+    # without heads allocated the uniform sparsity would cut heads too (round(4 x 0.874) = 3 at 0.126)
+    assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, dense) == ([3, 3], 0.0)
+    # kept_dim(128, s, 32) = 32 round(4 (1 - s)): 96 from s = 0.126 on (round(3.5) = 4); heads stay 4
+    assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, dense - 0.01) == ([3, 2], 0.126)
+    assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, mlp96) == ([3, 2], 0.126)
+    # 64 from 0.375 (round(2.5) = 2), 32 from 0.626; below 32 channels no uniform candidate (heads stay 4)
+    assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, dense - 0.1) == ([3, 1], 0.375)
+    assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, dense - 0.13) == ([3, 0], 0.626)
+    assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, dense - 0.2) is None
+    plain = _cfg(budget, target="heads", round_to=32)  # heads the only attention unit: they follow the sparsity
+    assert G._uniform_positions(an, curves, plain, _dense_blocks(), cost, dense - 0.2) == ([2, 2], 0.126)
