@@ -361,3 +361,157 @@ def test_uniform_candidate_under_a_latency_budget_keeps_whole_heads_dense(table)
     assert G._uniform_positions(an, curves, cfg, _dense_blocks(), cost, dense - 0.2) is None
     plain = _cfg(budget, target="heads", round_to=32)  # heads the only attention unit: they follow the sparsity
     assert G._uniform_positions(an, curves, plain, _dense_blocks(), cost, dense - 0.2) == ([2, 2], 0.126)
+
+
+# -- latency_loop: measure and correct on a synthetic device --------------------------------------------
+
+DENSE_MS = 10.0
+
+
+class _Device:
+    """A synthetic machine: a model the table prices at the fraction p of dense runs at the ratio ``factor x p +
+    offset`` to the dense model (DENSE_MS ms); for an absolute budget a model priced at ``pred`` ms runs in
+    ``factor x pred + offset`` ms. ``run_round(value)`` is an allocator that meets its budget exactly (predicted =
+    value, a fraction of dense or ms); ``asked`` keeps the values asked of it."""
+
+    def __init__(self, factor=1.0, offset=0.0, absolute=False, fail_at=None):
+        self.factor, self.offset, self.absolute, self.fail_at, self.asked = factor, offset, absolute, fail_at, []
+
+    def rec(self, value, seconds=1.5):
+        pred = value if self.absolute else value * DENSE_MS
+        return {"allocation": {"latency": {"predicted": pred, "target": pred, "dense": DENSE_MS}},
+                "timing": {"total_s": seconds}}
+
+    def run_round(self, value):
+        self.asked.append(value)
+        if self.fail_at is not None and len(self.asked) >= self.fail_at:
+            raise UserError("below the cheapest allocation")
+        return ("model", value), self.rec(value, seconds=2.0 + len(self.asked))
+
+    def measure(self, dense, model):
+        assert dense == "dense"
+        ms = self.factor * model[1] + self.offset
+        if not self.absolute:
+            ms *= DENSE_MS
+        return {"dense_ms": DENSE_MS, "pruned_ms": ms, "ratio": ms / DENSE_MS}
+
+
+def _correct(dev, value, tolerance=0.03, rounds=3, unit=None, view=None):
+    from edgeprune.budget.budget import Budget
+    from edgeprune.pruning.latency_loop import correct
+
+    budget = Budget("latency", value, unit, "t.json")
+    return correct(dev.run_round, "dense", (("model", value), dev.rec(value)), budget, dev.measure, tolerance,
+                   rounds, view)
+
+
+def test_a_fixed_factor_is_corrected_in_one_round_and_the_budget_asked_stays_the_target():
+    dev = _Device(factor=0.8)  # the table overestimates by 1 / 0.8
+    model, rec = _correct(dev, 0.5)
+    chk = rec["latency_check"]
+    r0, r1 = chk["rounds"]
+    assert (r0["round"], r0["budget_value"], r0["predicted"], r0["target"]) == (0, 0.5, 0.5, 0.5)
+    assert r0["measured"] == pytest.approx(0.4) and r0["miss"] == pytest.approx(-0.2)
+    assert r0["seconds"] == 1.5 and r0["measured_ms"]["pruned_ms"] == pytest.approx(4.0)
+    assert r0["measure_seconds"] >= 0
+    assert dev.asked == [pytest.approx(0.5 * 0.5 / 0.4)]  # p* = p T / m
+    assert r1["target"] == 0.5 and r1["budget_value"] == pytest.approx(0.625) and r1["seconds"] == 3.0
+    assert r1["measured"] == pytest.approx(0.5) and abs(r1["miss"]) < 1e-12
+    assert chk["chosen_round"] == 1 and chk["stopped"] == "within tolerance" and model == ("model", dev.asked[0])
+    assert chk["tolerance"] == 0.03 and chk["max_rounds"] == 3 and chk["budget_ms"] == 5.0  # the budget asked
+    assert chk["predicted_ms"] == pytest.approx(6.25) and chk["miss"] == pytest.approx(0.0, abs=1e-12)
+    assert chk["measured"]["ratio"] == pytest.approx(0.5)
+
+
+def test_an_offset_is_corrected_by_the_secant():
+    dev = _Device(offset=0.1)  # ratio = p + 0.1
+    _, rec = _correct(dev, 0.5, tolerance=0.001, rounds=5)
+    chk = rec["latency_check"]
+    # round 0: p 0.5, m 0.6; round 1: p* = 0.5 x 0.5 / 0.6 (the factor), m 0.5167; then the secant (slope 1): 0.4
+    assert dev.asked[0] == pytest.approx(0.5 * 0.5 / 0.6)
+    assert dev.asked[1] == pytest.approx(0.4)
+    assert len(chk["rounds"]) == 3 and chk["chosen_round"] == 2 and chk["stopped"] == "within tolerance"
+
+
+def test_the_round_limit_keeps_the_closest_round_and_an_impossible_round_stops_the_loop():
+    dev = _Device()
+    dev.measure = lambda dense, model: {"dense_ms": 10.0, "pruned_ms": 4.0 + len(dev.asked),
+                                        "ratio": [0.3, 0.45, 0.6, 0.58][len(dev.asked)]}
+    _, rec = _correct(dev, 0.5, rounds=2)
+    chk = rec["latency_check"]
+    assert [r["round"] for r in chk["rounds"]] == [0, 1, 2] and chk["stopped"] == "round limit"
+    assert chk["chosen_round"] == 1 and len(dev.asked) == 2  # |0.45 / 0.5 - 1| = 0.1 is the closest
+    assert chk["measured"]["ratio"] == 0.45
+    # a fraction is never asked above 1 (the dense model): measured 0.3 for 0.5 -> p* = 0.83; 0.2 -> 1.25 -> 1
+    dev = _Device()
+    dev.measure = lambda dense, model: {"dense_ms": 10.0, "pruned_ms": 2.0, "ratio": 0.2}
+    _correct(dev, 0.5, rounds=1)
+    assert dev.asked == [1.0]
+    dev = _Device(factor=1.2, fail_at=1)
+    _, rec = _correct(dev, 0.5)
+    chk = rec["latency_check"]
+    assert chk["stopped"] == "correction stopped: below the cheapest allocation" and len(chk["rounds"]) == 1
+    assert chk["chosen_round"] == 0
+
+
+def test_an_absolute_budget_is_corrected_in_ms_and_not_capped():
+    dev = _Device(factor=2.0, absolute=True)  # pruned ms = 2 x predicted ms
+    _, rec = _correct(dev, 12.0, unit="ms", rounds=2)
+    chk = rec["latency_check"]
+    r0 = chk["rounds"][0]
+    assert (r0["predicted"], r0["measured"], r0["target"]) == (12.0, 24.0, 12.0) and r0["miss"] == 1.0
+    assert dev.asked == [6.0] and chk["chosen_round"] == 1 and chk["compared"] == "ms"
+    # a table that underestimates: the absolute value asked may exceed the dense model's (no cap at 1)
+    dev = _Device(factor=0.5, absolute=True)
+    _correct(dev, 12.0, unit="ms", rounds=1)
+    assert dev.asked == [24.0]
+
+
+def test_next_value_factor_secant_and_fallbacks():
+    from edgeprune.pruning.latency_loop import next_value
+
+    assert next_value([(0.5, 0.4)], 0.5) == pytest.approx(0.625)
+    assert next_value([(0.6, 0.3), (0.5, 0.4)], 0.5) == pytest.approx(0.5 * 0.5 / 0.4)  # falling m(p): the factor
+    assert next_value([(0.6, 0.4), (0.5, 0.4)], 0.5) == pytest.approx(0.625)  # equal m: the factor
+    assert next_value([(0.4, 0.3), (0.5, 0.4)], 0.5) == pytest.approx(0.6)  # the secant
+    assert next_value([(0.1, 0.3), (0.5, 0.8)], 0.05) == pytest.approx(0.5 * 0.05 / 0.8)  # secant guess <= 0
+    assert next_value([(0.1, 0.3), (0.5, 0.8), (0.7, 0.9)], 0.85) == pytest.approx(0.6)  # the last two points
+    for bad in ([], [(0.5, 0.0)], [(0.5, -1.0)]):
+        with pytest.raises(ValueError, match="need a positive measured value"):
+            next_value(bad, 0.5)
+
+
+def test_check_correction_bounds():
+    from edgeprune.pruning.latency_loop import check_correction
+
+    check_correction(True, 0.5, 0)
+    check_correction(False, 0.999, 10)
+    check_correction(True, 1e-6, 5)
+    for args, msg in [((1, 0.5, 1), "verify budget"), ((True, 0, 1), "tolerance"), ((True, 1, 1), "tolerance"),
+                      ((True, 1.0, 1), "tolerance"), ((True, True, 1), "tolerance"), ((True, "0.1", 1), "tolerance"),
+                      ((True, 0.1, -1), "rounds"), ((True, 0.1, 11), "rounds"), ((True, 0.1, True), "rounds"),
+                      ((True, 0.1, 1.0), "rounds")]:
+        with pytest.raises(UserError, match=msg):
+            check_correction(*args)
+
+
+def test_not_measured_views_and_with_value(table):
+    from edgeprune.budget.budget import Budget
+    from edgeprune.pruning.latency_loop import allocation_view, not_measured, table_measurer, with_value
+
+    b = Budget("latency", 0.5, None, table)
+    rec = _Device().rec(0.5)
+    assert allocation_view("latency")(rec) == (rec["allocation"]["latency"], 1.5)
+    not_measured(rec, b, "no backend here")
+    chk = rec["latency_check"]
+    assert chk["not_measured"] == "no backend here" and chk["measured"] is None and chk["budget_ratio"] == 0.5
+    empty = {"allocation": {}}
+    not_measured(empty, b, "x")
+    assert "latency_check" not in empty
+    other = {"mine": {"predicted": 3.0, "target": 4.0, "dense": 8.0}}
+    not_measured(other, Budget("latency", 4.0, "ms", table), "y", view=lambda r: (r["mine"], 0.0))
+    assert other["latency_check"]["budget_ms"] == 4.0 and other["latency_check"]["predicted_ratio"] == 3.0 / 8.0
+    w = with_value(Budget("latency", 12.0, "ms", table), 7)
+    assert w == Budget("latency", 7.0, "ms", table) and isinstance(w.value, float)
+    measurer, reason = table_measurer(b, find_anatomy(small_vit()))
+    assert measurer is None and "hand-made" in reason
