@@ -515,3 +515,179 @@ def test_not_measured_views_and_with_value(table):
     assert w == Budget("latency", 7.0, "ms", table) and isinstance(w.value, float)
     measurer, reason = table_measurer(b, find_anatomy(small_vit()))
     assert measurer is None and "hand-made" in reason
+
+
+# -- derive_latency: NuWa's plan search under a latency table ------------------------------------------
+
+def test_dim_grid_allowed_up_and_describe():
+    from edgeprune.nuwa import budget as nb
+
+    assert (nb._up(17, 8), nb._up(16, 8), nb._up(0, 8), nb._up(1, 4)) == (24, 16, 0, 4)
+    free = nb.DimGrid(8, 8, False, 8, 8, 8)
+    assert free.allowed(10, 64) == 10 and free.allowed(70, 64) == 64
+    g = nb.DimGrid(16, 8, False, 16, 8, 8, {"head_dims": [16, 32, 64]}, (16, 32, 64))
+    assert [g.allowed(k, 64) for k in (8, 10, 16, 17, 33, 64, 70)] == [16, 16, 16, 32, 64, 64, 64]
+    assert g.allowed(20, 48) == 32 and g.allowed(40, 48) == 48
+    assert nb.DimGrid(16, 32, False, 16, 32, 32, {}, (16, 32, 64)).allowed(10, 64) == 32  # 16 is off the x32 grid
+    assert g.describe() == {"rules": {"head_dims": [16, 32, 64]}, "round_to": {"mlp": 16, "qk": 8, "v": 8},
+                            "smallest": {"mlp": 16, "qk": 8, "v": 8}, "qk_equals_v": False,
+                            "heads": "every block keeps all its heads (not a unit of derive)"}
+    assert nb.DimGrid(16, 8, True, 16, 8, 8, {}).describe()["qk_equals_v"] == "both the larger of the two OFP dims"
+
+
+def test_dim_grid_from_the_table_rules_and_bounds():
+    from types import SimpleNamespace
+
+    from edgeprune.nuwa import budget as nb
+
+    def cost(rules, lower=None):
+        return SimpleNamespace(rules=rules, lower=lower or {})
+
+    assert nb.dim_grid(cost(None), 4) == nb.DimGrid(4, 4, False, 4, 4, 4)
+    r = {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": False}
+    assert nb.dim_grid(cost(r, {"mlp": 20, "qk": 6, "v": 3})) == nb.DimGrid(16, 4, False, 32, 8, 4, r, None)
+    assert nb.dim_grid(cost(r, {"mlp": 0})) == nb.DimGrid(16, 4, False, 16, 4, 4, r, None)
+    tied = {**r, "qk_equals_v": True}
+    assert nb.dim_grid(cost(tied, {"qk": 6, "v": 3})) == nb.DimGrid(16, 4, True, 16, 8, 8, tied, None)
+    assert nb.dim_grid(cost(tied, {"qk": 3, "v": 9})).qk_min == 12
+    ruled = {"mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False, "head_dims": [24, 12, 16, 40]}
+    g = nb.dim_grid(cost(ruled, {"qk": 8, "v": 17}))
+    assert (g.qk_min, g.v_min, g.head_dims) == (16, 24, (12, 16, 24, 40))  # allowed multiples of 8 >= 8 / 24
+    g = nb.dim_grid(cost({"qk_equals_v": False, "head_dims": [7]}, {"qk": 30}), 4)  # none allowed: the bound stays
+    assert (g.mlp, g.head_dim, g.qk_min, g.v_min, g.mlp_min) == (4, 4, 32, 4, 4)
+
+
+def test_attention_dims_on_the_table_grid(monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeprune.nuwa import budget as nb
+
+    monkeypatch.setattr(nb, "layer_dims", lambda factors, rho, r: ([4, 12, 20], [8, 4, 16]))
+    f = [SimpleNamespace(qk_dim=16, v_dim=16), SimpleNamespace(qk_dim=16, v_dim=16), SimpleNamespace(qk_dim=16,
+                                                                                                      v_dim=12)]
+    assert nb.attention_dims(f, 0.9, nb.DimGrid(4, 4, False, 4, 4, 4)) == ([4, 12, 20], [8, 4, 16])
+    g = nb.DimGrid(16, 4, False, 16, 8, 4, {})
+    assert nb.attention_dims(f, 0.9, g) == ([8, 12, 16], [8, 4, 12])
+    tied = nb.DimGrid(16, 4, True, 16, 8, 8, {})
+    assert nb.attention_dims(f, 0.9, tied) == ([8, 12, 16], [8, 12, 16])
+    ruled = nb.DimGrid(16, 4, False, 16, 4, 4, {}, (8, 12))
+    assert nb.attention_dims(f, 0.9, ruled) == ([8, 12, 16], [8, 8, 12])
+
+
+def test_search_fill_takes_the_largest_feasible_level_of_a_bumpy_cost():
+    from types import SimpleNamespace
+
+    from edgeprune.nuwa import budget as nb
+
+    price = {8: 1.0, 16: 5.0, 24: 2.0, 32: 3.0}  # not monotone in the width
+    calls = []
+
+    def block(i, q, v, m):
+        calls.append((i, m))
+        assert (q, v) == ([8, 12][i], [4, 16][i])
+        return price[m] + i * 0.0
+
+    cost = SimpleNamespace(fixed=0.5, block=block)
+    # levels: [8, 8] 2, [16, 8] 6, [16, 16] 10, [24, 16] 7, [24, 24] 4, [32, 24] 5, [32, 32] 6 (+ 0.5 fixed)
+    mlp, total = nb.search_mlp_dims(cost, [8, 12], [4, 16], [32, 32], 6.5)
+    assert mlp == [32, 32] and total == 6.5
+    assert len(calls) == len(set(calls)) == 8  # every (block, width) priced once
+    mlp, total = nb.search_mlp_dims(cost, [8, 12], [4, 16], [32, 32], 6.0)
+    assert sorted(mlp) == [24, 32] and total == 5.5
+    assert nb.search_mlp_dims(cost, [8, 12], [4, 16], [32, 32], 2.5) == ([8, 8], 2.5)
+    assert nb.search_mlp_dims(cost, [8, 12], [4, 16], [32, 32], 2.5, lowest=16) is None
+    assert nb.search_mlp_dims(cost, [8, 12], [4, 16], [32, 32], 2.4) is None
+    mlp, total = nb.search_mlp_dims(cost, [8, 12], [4, 16], [32, 32], 4.5, lowest=24)
+    assert mlp == [24, 24] and total == 4.5
+    mlp, _ = nb.search_mlp_dims(cost, [8, 12], [4, 16], [16, 32], 100.0)  # the caps bound the levels
+    assert mlp == [16, 32]
+
+
+def test_latency_plan_cost_target_smallest_dims_record_and_feasibility(table, monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeprune.budget.budget import Budget
+    from edgeprune.nuwa import budget as nb
+
+    model = small_vit()
+    an = find_anatomy(model)
+    b = Budget("latency", 0.5, None, table)
+    pc = nb.PlanCost(an, b)
+    assert pc.linear is False and pc.kind == "latency" and pc.fixed == 1  # a whole number: _exact
+    assert pc.rules == RULES and pc.lower == {"mlp": 0, "qk": 8, "v": 8, "heads": 1}
+    assert pc.block(1, 8, 16, 64) == pytest.approx(mlp_ms(64) + attn_ms(H, 8, 16), rel=1e-12)
+    dense = 1.0 + DEPTH * (mlp_ms(MLP) + attn_ms(H, HD, HD))
+    assert nb.measure(model, b) == pytest.approx(dense, rel=1e-12) and isinstance(nb.measure(model, b), float)
+    assert nb.budget_target(b, 3.3) == pytest.approx(1.65) and nb.budget_target(Budget("flops", 0.5), 3.3) == 1
+    assert nb.budget_target(Budget("latency", 2.5, "ms", table), 3.3) == 2.5
+    assert nb.smallest_dims(pc) == ([8, 8], [8, 8], [8, 8])  # the table's smallest: MLP 0 -> one x8 step
+    assert nb.minimum_cost(pc) == pytest.approx(1.0 + DEPTH * (mlp_ms(8) + attn_ms(H, 8, 8)))
+    small = SimpleNamespace(anatomy=SimpleNamespace(blocks=[SimpleNamespace(qk_dim=4, v_dim=12)] * 2),
+                            rules={"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": True},
+                            lower={"qk": 8, "v": 8})
+    assert nb.smallest_dims(small) == ([8, 8], [8, 8], [16, 16])  # qk min(4, 8) = 4 tied to v 8
+    small.rules = {**small.rules, "qk_equals_v": False}
+    assert nb.smallest_dims(small) == ([4, 4], [8, 8], [16, 16])
+    g = nb.dim_grid(pc)
+    rec = nb.measured_record(pc, g, 2.0, 2.5, dense)
+    assert rec["table"] == table and rec["heads_allocated"] is False and rec["smallest"] == g.describe()["smallest"]
+    assert (rec["predicted"], rec["target"], rec["dense"]) == (2.0, 2.5, dense)
+    assert rec["mlp_fill"].startswith("search")
+    low = nb.minimum_cost(pc)
+    nb.check_feasible(pc, low, dense)
+    with pytest.raises(UserError) as err:
+        nb.check_feasible(pc, low - 1e-6, 2 * low)
+    assert str(err.value) == ("the latency budget 0.5 of the base model cannot be met with the latency table's grid "
+                              "(MLP widths x8, head dims x8, every head kept): the smallest derivable model keeps "
+                              "0.500; raise --latency")
+
+
+def test_derive_measure_and_correct_returns_the_chosen_rounds_result(table):
+    from types import SimpleNamespace
+
+    from edgeprune.budget.budget import Budget
+    from edgeprune.nuwa.config import DeriveConfig
+    from edgeprune.nuwa.measured import derivation_view, measure_and_correct
+
+    def result(value, seconds=0.25):
+        pred = value * DENSE_MS
+        rec = {"derivation": {"budget": {"latency": {"predicted": pred, "target": pred, "dense": DENSE_MS}}},
+               "timing": {"search_s": seconds}}
+        return SimpleNamespace(model=("model", value), record=rec)
+
+    asked = []
+
+    def plan(budget):
+        asked.append((budget.kind, budget.value, budget.unit, budget.table))
+        return result(budget.value, seconds=1.0)
+
+    def measure(base, model):  # the table overestimates by 1 / 0.8
+        assert base == "dense"
+        return {"dense_ms": DENSE_MS, "pruned_ms": 0.8 * model[1] * DENSE_MS, "ratio": 0.8 * model[1]}
+
+    b = Budget("latency", 0.5, None, table)
+    first = result(0.5)
+    assert derivation_view("latency")(first.record) == (first.record["derivation"]["budget"]["latency"], 0.25)
+    out = measure_and_correct(plan, "dense", first, b, DeriveConfig(), measure)
+    assert asked == [("latency", pytest.approx(0.625), None, table)] and out is not first
+    assert out.model == ("model", pytest.approx(0.625))
+    chk = out.record["latency_check"]
+    assert chk["chosen_round"] == 1 and chk["rounds"][0]["seconds"] == 0.25 and chk["rounds"][1]["seconds"] == 1.0
+    assert chk["max_rounds"] == 3 and chk["tolerance"] == 0.03
+    # rounds 0: measured only; the closest round is round 0 itself
+    asked.clear()
+    first = result(0.5)
+    assert measure_and_correct(plan, "dense", first, b, DeriveConfig(correction_rounds=0), measure) is first
+    assert asked == [] and first.record["latency_check"]["rounds"][0]["measured"] == pytest.approx(0.4)
+    # not asked: predicted only, with the reason; a budget nothing measures: untouched
+    first = result(0.5)
+    assert measure_and_correct(plan, "dense", first, b, DeriveConfig(verify_budget=False), measure) is first
+    assert first.record["latency_check"]["not_measured"] == "not asked (--no-verify-latency)"
+    assert first.record["latency_check"]["measured"] is None
+    flops = result(0.5)
+    assert measure_and_correct(plan, "dense", flops, Budget("flops", 0.5), DeriveConfig(), measure) is flops
+    assert "latency_check" not in flops.record and asked == []
+    # no measurer given: the table's backend, not on this machine (a hand-made device)
+    first = result(0.5)
+    assert measure_and_correct(plan, small_vit(), first, b, DeriveConfig()) is first
+    assert "hand-made" in first.record["latency_check"]["not_measured"]
