@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from timm.models.vision_transformer import VisionTransformer  # at import: the mutation run's fork server loads it once
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.budget import make_budget
@@ -28,8 +29,6 @@ RULES = {"mlp_round_to": 8, "head_dim_round_to": 8, "qk_equals_v": False}
 
 
 def small_vit():
-    from timm.models.vision_transformer import VisionTransformer
-
     torch.manual_seed(0)
     return VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=D, depth=DEPTH,
                              num_heads=H, mlp_ratio=MLP / D).eval()
