@@ -4,11 +4,11 @@ latency_loop) showed missing. Tables are hand-made (``tests/conftest.py::write_l
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
-from timm.models.vision_transformer import VisionTransformer  # at import: the mutation run's fork server loads it once
 
 from edgeprune.anatomy import find_anatomy
 from edgeprune.budget import make_budget
@@ -19,6 +19,10 @@ from edgeprune.latency.grid import Grid
 from edgeprune.latency.measure import TimingSettings
 from edgeprune.latency.table import LatencyTable
 from tests.conftest import write_latency_table
+
+# timm at import time (after edgeprune: in this environment a bare `import timm` first fails on torchvision's ops),
+# so that the mutation run's fork server loads it once instead of once per mutant
+VisionTransformer = importlib.import_module("timm.models.vision_transformer").VisionTransformer
 
 # the small ViT of tests/test_latency_budget.py: width 64, 4 heads of 16, MLP 128, 17 tokens, 2 blocks
 D, H, HD, MLP, N, DEPTH = 64, 4, 16, 128, 17, 2
@@ -690,3 +694,186 @@ def test_derive_measure_and_correct_returns_the_chosen_rounds_result(table):
     first = result(0.5)
     assert measure_and_correct(plan, small_vit(), first, b, DeriveConfig()) is first
     assert "hand-made" in first.record["latency_check"]["not_measured"]
+
+
+# -- latency_table: interpolation, grid, self-check arithmetic --------------------------------------------
+
+def test_bracket_and_multilinear_known_answers():
+    from edgeprune.latency.table import _bracket, _multilinear
+
+    g = [0, 32, 64]
+    assert _bracket(g, 16, "w") == (0, 1, 0.5) and _bracket(g, 32, "w") == (1, 1, 0.0)
+    assert _bracket(g, 0, "w") == (0, 0, 0.0) and _bracket(g, 64, "w") == (2, 2, 0.0)
+    assert _bracket(g, 56, "w") == (1, 2, 0.75)
+    for x in (-1, 65):
+        with pytest.raises(UserError, match=rf"^latency table: w = {x} is outside the table's measured range \(0\.\.64\)"):
+            _bracket(g, x, "w")
+    with pytest.raises(UserError, match=r"\(empty\)"):
+        _bracket([], 1, "w")
+    vals = [1.0, float("nan"), 5.0]
+    assert _multilinear([(0, 0, 0.0)], lambda i: vals[i]) == 1.0  # the NaN corner has weight 0: never read
+    assert _multilinear([(1, 2, 0.25)], lambda i: [0.0, 4.0, 8.0][i]) == 5.0
+    assert _multilinear([(0, 1, 0.5), (0, 1, 0.25)], lambda i, j: [[0.0, 4.0], [8.0, 12.0]][i][j]) == 5.0
+    for bad in (float("nan"), None):
+        with pytest.raises(UserError, match=r"needs an entry that was not measured \(grid index \(1,\)\)"):
+            _multilinear([(0, 1, 0.5)], lambda i: [1.0, bad][i])
+
+
+def test_attention_interpolation_is_trilinear_and_bilinear_on_the_diagonal(tmp_path):
+    key = {**KEY, "num_heads": 3}
+    prod = write_latency_table(tmp_path / "p.json", key, RULES, [1, 3], [8, 16], [0, 128],
+                               lambda h, q, v: float(h * q * v), mlp_ms)
+    t = LatencyTable.load(prod)
+    # h q v is linear in each axis: trilinear interpolation is exact
+    assert t.attn_ms(2, 12, 12) == pytest.approx(288.0) and t.attn_ms(3, 8, 14) == pytest.approx(336.0)
+    assert t.attn_ms(1, 16, 8) == 128.0
+    diag = write_latency_table(tmp_path / "d.json", key, {**RULES, "qk_equals_v": True}, [1, 3], [8, 16], [0, 128],
+                               lambda h, q, v: float(h * q * v), mlp_ms)
+    t = LatencyTable.load(diag)
+    # only ms[h][d][d] = h d^2 is read: linear in d^2 between 64 and 256 -> 160 at d = 12
+    assert t.attn_ms(2, 12, 12) == pytest.approx(320.0)
+    with pytest.raises(UserError, match="qk dim 8 != v dim 16"):
+        t.attn_ms(2, 8, 16)
+    assert t.mlp_ms(32) == pytest.approx(mlp_ms(32)) and t.mlp_ms(64) == pytest.approx(mlp_ms(64))
+
+
+def test_block_total_dense_and_model_ms_with_the_block_terms(table):
+    t = LatencyTable.load(table)
+    dims = {"mlp": 64, "qk": 8, "v": 16, "heads": 2}
+    ms = mlp_ms(64) + attn_ms(2, 8, 16)
+    assert t.block_ms(dims) == pytest.approx(ms) and t.block_total(dims) == t.block_ms(dims)
+    assert t.block_ms({}) == pytest.approx(mlp_ms(MLP) + attn_ms(H, HD, HD))  # missing keys: dense
+    assert t.block_ms({"heads": 2}) == pytest.approx(mlp_ms(MLP) + attn_ms(2, HD, HD))
+    assert t.block_ms({"qk": 8}) == pytest.approx(mlp_ms(MLP) + attn_ms(H, 8, HD))
+    assert t.block_ms({"v": 8}) == pytest.approx(mlp_ms(MLP) + attn_ms(H, HD, 8))
+    t.block_scale, t.block_overhead_ms = 1.5, 0.25
+    assert t.block_total(dims) == pytest.approx(1.5 * ms + 0.25)
+    t.block_scale, t.block_overhead_ms = 1.0, 0.25
+    assert t.block_total(dims) == pytest.approx(ms + 0.25)
+    t.block_scale, t.block_overhead_ms = 2.0, 0.0
+    assert t.block_total(dims) == pytest.approx(2 * ms)
+    dense = t.block_total(t.dense_dims())
+    assert t.dense_dims() == {"mlp": MLP, "qk": HD, "v": HD, "heads": H}
+    assert t.dense_ms() == pytest.approx(1.0 + DEPTH * dense)
+    assert t.model_ms([dims, t.dense_dims()]) == pytest.approx(1.0 + 2 * ms + dense)
+
+
+def test_unverified_complete_and_json_numbers(table):
+    from edgeprune.latency.table import _num_in, _num_out
+
+    t = LatencyTable.load(table)
+    assert t.unverified is None and t.complete
+    t.meta["self_check"] = {"passed": True}
+    assert t.unverified is None
+    t.meta["self_check"] = {"passed": False, "failure": "x0.5 off"}
+    assert t.unverified == "x0.5 off"
+    t.meta["self_check"] = {"passed": False}
+    assert t.unverified == "its self-check missed"
+    t.meta["complete"] = False
+    assert t.complete is False
+    assert _num_out(float("nan")) is None and _num_out(None) is None and _num_out(2) == 2.0
+    assert isinstance(_num_out(2), float) and math.isnan(_num_in(None)) and _num_in(3) == 3.0
+    d = LatencyTable.load(table).to_dict()
+    assert d["format"] == "edgeprune-latency-table/1" and d["block_scale"] == 1.0 and d["block_overhead_ms"] == 0.0
+
+
+def test_grid_thin_on_grid_shape_and_make_grid():
+    from edgeprune.latency.grid import make_grid, on_grid, shape_of, thin
+
+    assert thin(list(range(1, 11)), 4) == [1, 4, 7, 10] and thin([1, 2, 3, 4, 5, 6], 4) == [1, 3, 4, 6]
+    assert thin([1, 2, 3], 3) == [1, 2, 3] and thin([1, 2, 3], 2) == [1, 3]
+    assert on_grid(20, 8) == [8, 16, 20] and on_grid(16, 8) == [8, 16] and on_grid(4, 8) == [4]
+    shape = shape_of(find_anatomy(small_vit()))
+    assert shape == {"embed_dim": D, "depth": DEPTH, "num_heads": H, "head_dim": HD, "mlp_hidden": MLP, "tokens": N}
+    g = make_grid(shape, {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": False}, max_mlp=3, max_heads=2,
+                  max_dims=3, max_diag=4)
+    # 8 MLP points -> indices round(i 7 / 2) = 0, 4 (round(3.5)), 7; 4 head dims -> 0, 2 (round(1.5)), 3
+    assert (g.mlp, g.heads, g.qk, g.v, g.qk_equals_v) == ([16, 80, 128], [1, 4], [4, 12, 16], [4, 12, 16], False)
+    assert g.count() == 3 + 2 * 3 * 3 and g.attn_points()[:2] == [(1, 4, 4), (1, 4, 12)]
+    g = make_grid(shape, {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": True}, max_mlp=2, max_heads=2,
+                  max_dims=2, max_diag=3)
+    assert g.qk == [4, 12, 16] and g.qk_equals_v and g.attn_points() == [(h, d, d) for h in (1, 4) for d in (4, 12, 16)]
+    assert g.count() == 2 + 6
+    g = make_grid(shape, {"mlp_round_to": 64, "head_dim_round_to": 4, "qk_equals_v": False, "head_dims": [8, 12]})
+    assert g.qk == [8, 12, 16] and g.mlp == [64, 128] and g.heads == [1, 2, 3, 4]
+    with pytest.raises(UserError, match="at least 2 points"):
+        make_grid(shape, {"mlp_round_to": 16, "head_dim_round_to": 4, "qk_equals_v": False}, max_diag=1)
+    with pytest.raises(UserError, match="round_to rules must be >= 1"):
+        make_grid(shape, {"mlp_round_to": 16, "head_dim_round_to": 0, "qk_equals_v": False})
+    make_grid(shape, {"mlp_round_to": 1, "head_dim_round_to": 1, "qk_equals_v": False}, max_mlp=2, max_heads=2,
+              max_dims=2, max_diag=2)
+
+
+def test_self_check_allocations_span_and_verdict(table):
+    from edgeprune.latency import selfcheck as sc
+
+    t = LatencyTable.load(table)
+    assert sc.chain_length(1) == 2 and sc.chain_length(2) == 2 and sc.chain_length(12) == 12
+    assert sc._snap(10.0, 8, 8, 16) == 8 and sc._snap(13.0, 8, 8, 16) == 16 and sc._snap(30.0, 8, 8, 16) == 16
+    assert sc._snap(2.0, 8, 8, 16) == 8 and sc._snap(4.0, 8, 0, 16) == 0
+    assert sc.half_dims(t) == {"heads": 2, "qk": 8, "v": 8, "mlp": 64}
+    allocs = dict(sc.allocations(t))
+    assert list(allocs) == ["dense", "x0.7", "x0.5", "x0.3"] and allocs["dense"] == [t.dense_dims()] * 2
+    assert allocs["x0.7"] == [{"heads": 3, "qk": 16, "v": 16, "mlp": 88}, {"heads": 4, "qk": 8, "v": 16, "mlp": 88}]
+    assert allocs["x0.5"] == [{"heads": 2, "qk": 16, "v": 16, "mlp": 64}, {"heads": 4, "qk": 8, "v": 8, "mlp": 64}]
+    assert allocs["x0.3"] == [{"heads": 1, "qk": 16, "v": 16, "mlp": 40}, {"heads": 4, "qk": 8, "v": 8, "mlp": 40}]
+    assert sc._span(allocs["x0.7"]) == "heads 3-4, qk 8-16, v 16, mlp 88"
+    models = [{"name": "dense", "predicted_ms": 2.0, "measured_ms": 2.0, "error": 0.0, "blocks": allocs["dense"]},
+              {"name": "x0.5", "predicted_ms": 1.0, "measured_ms": 1.0, "error": 0.1, "blocks": allocs["x0.5"]}]
+    v = sc.verdict(t, models, tolerance=0.1)
+    assert v == {"passed": True, "tolerance": 0.1, "failure": None, "models": models}
+    models[1]["error"] = -0.15
+    v = sc.verdict(t, models, tolerance=0.1)
+    assert not v["passed"] and v["failure"] == (
+        "the sub-block entries (mlp.ms / attn.ms) are off at the pruned dims of allocation x0.5 (heads 2-4, qk 8-16, "
+        "v 8-16, mlp 64): predicted 1 ms, measured 1 ms whole (-15.0%, more than 10%)")
+    models[0]["error"], models[0]["predicted_ms"] = 0.2, 2.5
+    v = sc.verdict(t, models, tolerance=0.1)
+    block = mlp_ms(MLP) + attn_ms(H, HD, HD)
+    assert v["failure"] == (f"the parts do not add up to the dense model: outside the blocks 1 ms + 2 x block "
+                            f"{block:.4g} ms predicted 2.5 ms, measured 2 ms whole (+20.0%, more than 10%)")
+
+
+def test_finish_recovers_the_block_scale_and_overhead(table):
+    from edgeprune.errors import RuntimeFault
+    from edgeprune.latency import selfcheck as sc
+
+    t = LatencyTable.load(table)
+    sub, half = mlp_ms(MLP) + attn_ms(H, HD, HD), mlp_ms(64) + attn_ms(2, 8, 8)
+    per, per_half, call = 1.2 * sub + 0.1, 1.2 * half + 0.1, 0.5  # the machine: 1.2 x sub-blocks + 0.1 ms per block
+    parts = {"block_ms": per + call, "chain_ms": per + call + per, "chain_half_ms": call + 2 * per_half,
+             "outside_ms": 0.7}
+    t.meta["parts"] = dict(parts)
+    t.dense_model_ms = 5.0
+    sc.finish(t)
+    assert t.block_scale == pytest.approx(1.2) and t.block_overhead_ms == pytest.approx(0.1) and t.fixed_ms == 0.7
+    p = t.meta["parts"]
+    assert p["per_block_ms"] == pytest.approx(per) and p["per_block_half_ms"] == pytest.approx(per_half)
+    assert p["sub_blocks_ms"] == pytest.approx(sub) and p["sub_blocks_half_ms"] == pytest.approx(half)
+    assert p["chain_blocks"] == 2 and p["half_dims"] == {"heads": 2, "qk": 8, "v": 8, "mlp": 64}
+    assert t.meta["fixed_by_subtraction_ms"] == pytest.approx(5.0 - 2 * sub)
+    for bad in ({"chain_half_ms": call + 2 * per}, {"chain_ms": per + call}, {"chain_half_ms": call}):
+        t = LatencyTable.load(table)
+        t.meta["parts"] = {**parts, **bad}
+        t.measured.update(block=True, chain=True, chain_half=True)
+        with pytest.raises(RuntimeFault, match="load changed too much"):
+            sc.finish(t)
+        assert not (t.measured["block"] or t.measured["chain"] or t.measured["chain_half"])
+
+
+def test_conclude_marks_complete_forced_or_refuses(table, tmp_path):
+    from edgeprune.latency import selfcheck as sc
+
+    out = tmp_path / "c.json"
+    t = LatencyTable.load(table)
+    t.meta["complete"] = False
+    sc.conclude(t, {"passed": True, "tolerance": 0.1, "failure": None, "models": []}, False, out)
+    assert t.meta["complete"] is True and t.meta["self_check"]["forced"] is False and "finished" in t.meta
+    t = LatencyTable.load(table)
+    sc.conclude(t, {"passed": False, "tolerance": 0.1, "failure": "off", "models": []}, True, out)
+    assert t.meta["complete"] is True and t.meta["self_check"]["forced"] is True
+    t = LatencyTable.load(table)
+    t.meta.pop("finished", None)
+    with pytest.raises(sc.SelfCheckFailed, match=r"^latency table self-check failed: off \("):
+        sc.conclude(t, {"passed": False, "tolerance": 0.1, "failure": "off", "models": []}, False, out)
+    assert t.meta["complete"] is False and "finished" not in t.meta and t.meta["self_check"]["forced"] is False
