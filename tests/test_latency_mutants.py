@@ -877,3 +877,69 @@ def test_conclude_marks_complete_forced_or_refuses(table, tmp_path):
     with pytest.raises(sc.SelfCheckFailed, match=r"^latency table self-check failed: off \("):
         sc.conclude(t, {"passed": False, "tolerance": 0.1, "failure": "off", "models": []}, False, out)
     assert t.meta["complete"] is False and "finished" not in t.meta and t.meta["self_check"]["forced"] is False
+
+
+def test_timing_checks_bounds_and_the_unavailable_message():
+    from types import SimpleNamespace
+
+    from edgeprune.latency.timing_checks import _check_backend, _check_way, unavailable_message
+
+    ok = dict(repeats=1, retries=0, spread=1.0, statistic="p50", clock="wall", device="cpu", threads=4)
+    _check_way(TimingSettings(**ok))
+    _check_way(TimingSettings(**{**ok, "repeats": 3, "retries": 10, "spread": 0.05, "statistic": "min"}))
+    _check_way(TimingSettings(**{**ok, "clock": "cpu", "threads": 1}))
+    for bad, msg in [({"repeats": 0}, "--repeats"), ({"repeats": True}, "--repeats"), ({"repeats": 1.0}, "--repeats"),
+                     ({"retries": -1}, "--retries"), ({"retries": 11}, "--retries"), ({"retries": False}, "--retries"),
+                     ({"spread": 0}, "--spread"), ({"spread": 1.01}, "--spread"), ({"spread": float("inf")}, "--spread"),
+                     ({"spread": "0.1"}, "--spread"), ({"statistic": "p90"}, "--statistic"), ({"clock": "gpu"}, "--clock"),
+                     ({"clock": "cpu", "threads": 2}, "one CPU thread"),
+                     ({"clock": "cpu", "threads": 1, "device": "cuda"}, "one CPU thread")]:
+        with pytest.raises(UserError, match=msg):
+            _check_way(TimingSettings(**{**ok, **bad}))
+    timer = SimpleNamespace(refuses=lambda s: None)
+    cpu = SimpleNamespace(uses_tensorrt=False, name="cpu", backend="onnxruntime")
+    for p in ("fp32", "fp16", "int8"):
+        _check_backend(cpu, "onnxruntime", timer, TimingSettings(precision=p))
+    with pytest.raises(UserError, match="--precision must be one of fp32, fp16, int8, got 'bf16'"):
+        _check_backend(cpu, "onnxruntime", timer, TimingSettings(precision="bf16"))
+    with pytest.raises(UserError, match="profile cpu times on onnxruntime"):
+        _check_backend(cpu, "tensorrt", timer, TimingSettings())
+    _check_backend(SimpleNamespace(uses_tensorrt=True, name="gpu", backend="tensorrt"), "tensorrt", timer,
+                   TimingSettings())
+    with pytest.raises(UserError, match="^no fp16 here$"):
+        _check_backend(cpu, "onnxruntime", SimpleNamespace(refuses=lambda s: "no fp16 here"), TimingSettings())
+    gpu = SimpleNamespace(name="orin")
+    assert unavailable_message(gpu, "tensorrt", "tensorrt: missing\nmore", "deit") == (
+        "profile orin times with TensorRT on its GPU, which is not here (tensorrt); run `edgeprune latency-table "
+        "--model deit --device orin -o orin.json` on the device and copy the file (prune --latency-table FILE)")
+    assert unavailable_message(gpu, "onnxruntime", "") == "backend onnxruntime cannot time here: not available"
+    assert unavailable_message(gpu, "torch", "no cuda: at all\nx") == "backend torch cannot time here: no cuda"
+
+
+def test_default_batch_settings_and_key():
+    from types import SimpleNamespace
+
+    import devices
+    from edgeprune.latency.build import default_batch, make_key, settings_for
+
+    def prof(sizes):
+        return SimpleNamespace(bench=SimpleNamespace(batch_sizes=sizes))
+
+    assert default_batch(prof([1, 8, 32])) == 8 and default_batch(prof([32, 16])) == 16
+    assert default_batch(prof([4, 2, 64])) == 4
+    cpu = devices.load_profile("cpu")
+    timer, s, batch = settings_for(cpu, BuildOptions(threads=1, batch=3, warmup=0, iterations=2, repeats=1))
+    assert batch == 3 and (s.device, s.threads, s.clock, s.warmup, s.iterations) == ("cpu", 1, "cpu", 0, 2)
+    assert s.precision == cpu.precision and s.cuda_graphs is False
+    _, s, batch = settings_for(cpu, BuildOptions(threads=2, repeats=1))
+    assert s.clock == "wall" and batch == default_batch(cpu) and s.iterations == cpu.bench.iterations
+    assert s.warmup == cpu.bench.warmup
+    for opts, msg in [(BuildOptions(batch=0), "--batch must be >= 1"), (BuildOptions(threads=0), "--threads"),
+                      (BuildOptions(iterations=0, repeats=1), "--iterations >= 1"),
+                      (BuildOptions(warmup=-1, repeats=1), "--warmup >= 0")]:
+        with pytest.raises(UserError, match=msg):
+            settings_for(cpu, opts)
+    key = make_key({"embed_dim": 8}, cpu, timer, s, 5)
+    assert key["embed_dim"] == 8 and key["batch"] == 5 and key["threads"] == 2 and key["profile"] == cpu.name
+    assert key["precision"] == s.precision and key["backend"] == timer.name
+    assert key["backend_version"] == timer.version() and key["device_name"] == timer.device_name(s)
