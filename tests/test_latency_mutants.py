@@ -230,11 +230,14 @@ def test_rules_grid_sizes_restrict_where_and_describe():
     assert g.head_dims is None and g.where() == "on the latency table's grid {'mlp': 8, 'qk': 8, 'v': 8, 'heads': 1}"
     ruled = RGrid({"mlp": 8, "qk": 8, "v": 8, "heads": 1}, {}, {"head_dims": [32, 16, 64]})
     assert ruled.head_dims == (16, 32, 64) and ruled.sizes("qk", 40) == [16, 32, 40] and ruled.sizes("v", 8) == [8]
-    assert ruled.sizes("mlp", 24) == [8, 16, 24]
+    assert ruled.sizes("mlp", 24) == [8, 16, 24] and ruled.sizes("v", 40) == [16, 32, 40]
+    assert ruled.sizes("heads", 3) == [1, 2, 3]
     assert ruled.where().endswith(" with head dims in {16, 32, 64} (fused attention)")
     c = Curve(0, ("qk", "v"), [8, 16, 24, 32], [3.0, 2.0, 1.0, 0.0], 1.0, "c")
     assert g.restrict(c).ks == [16, 24, 32] and g.restrict(c).raw == [2.0, 1.0, 0.0]
     assert ruled.restrict(c) is c
+    zero = Curve(0, ("mlp",), [0, 8, 16], [2.0, 1.0, 0.0], 1.0, "c")  # no bound on the MLP: 0 stays a candidate
+    assert RGrid({"mlp": 8, "qk": 8, "v": 8, "heads": 1}, {"qk": 8}, None).restrict(zero) is zero
     high = RGrid({"mlp": 8, "qk": 8, "v": 8, "heads": 1}, {"v": 40}, None)
     assert high.restrict(c).ks == [32] and high.restrict(c).raw == [0.0]
     assert g.describe() == {"rules": None, "round_to": {"mlp": 8, "qk": 8, "v": 8, "heads": 1},

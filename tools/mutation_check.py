@@ -330,6 +330,12 @@ EQUIVALENT: dict[str, str] = {
         "this branch runs only when every energy is known and > 0",
     'gamma = getattr(layer_scale, "gamma", None) if (layer_scale is not None) or True else None':
         "getattr(None, 'gamma', None) is None",
+    # --- issue 43: the latency / allocation code (kept in one block) ---
+    # allocation.rules.Grid.sizes: the candidates are multiples of a rounding >= 1 (and the dense size >= 1), so a
+    # missing lower bound of 0 or 1 keeps the same list
+    "return [k for k in ks if k >= self.lower.get(key, 1)] or [dense]":
+        "candidate sizes start at round_to >= 1: a default bound of 1 drops nothing",
+    # --- end of issue 43 block ---
 }
 
 DO_NOT_MUTATE_PATTERNS = (r"^\s*raise \w+(Error|Fault)\(",)
