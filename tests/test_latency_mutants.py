@@ -946,3 +946,19 @@ def test_default_batch_settings_and_key():
     assert key["embed_dim"] == 8 and key["batch"] == 5 and key["threads"] == 2 and key["profile"] == cpu.name
     assert key["precision"] == s.precision and key["backend"] == timer.name
     assert key["backend_version"] == timer.version() and key["device_name"] == timer.device_name(s)
+
+
+def test_check_heads_setting_needs_a_budget_and_a_head_target(table):
+    from edgeprune.allocation.rules import check_heads_setting
+
+    lat = make_budget(latency=0.5, table=table)
+    for target in ("all", "v", "heads"):
+        check_heads_setting(_cfg(lat, target=target, allocate_heads=True))
+    check_heads_setting(_cfg(None, target="mlp", allocate_heads=None))
+    check_heads_setting(_cfg(None, target="mlp", allocate_heads=False))
+    with pytest.raises(UserError, match=r"^allocating whole heads needs a budget .*got target 'mlp'$"):
+        check_heads_setting(_cfg(lat, target="mlp", allocate_heads=True))
+    with pytest.raises(UserError, match=r"got target 'all' and no budget$"):
+        check_heads_setting(_cfg(None, target="all", allocate_heads=True))
+    with pytest.raises(UserError, match=r"got target 'qk' and no budget$"):
+        check_heads_setting(_cfg(None, target="qk", allocate_heads=True))
