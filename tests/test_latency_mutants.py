@@ -962,3 +962,17 @@ def test_check_heads_setting_needs_a_budget_and_a_head_target(table):
         check_heads_setting(_cfg(None, target="all", allocate_heads=True))
     with pytest.raises(UserError, match=r"got target 'qk' and no budget$"):
         check_heads_setting(_cfg(None, target="qk", allocate_heads=True))
+
+
+def test_a_miss_equal_to_the_tolerance_stops_and_a_tie_keeps_the_earlier_round():
+    dev = _Device()
+    dev.measure = lambda dense, model: {"dense_ms": 8.0, "pruned_ms": 5.0, "ratio": 0.625}  # miss exactly +0.25
+    _, rec = _correct(dev, 0.5, tolerance=0.25)
+    assert rec["latency_check"]["stopped"] == "within tolerance" and dev.asked == []
+    ratios = iter([0.625, 0.375])  # misses +0.25 and -0.25 (exact in binary): round 0 stays chosen
+    dev.measure = lambda dense, model: {"dense_ms": 8.0, "pruned_ms": 4.0, "ratio": next(ratios)}
+    _, rec = _correct(dev, 0.5, tolerance=0.1, rounds=1)
+    chk = rec["latency_check"]
+    assert [r["miss"] for r in chk["rounds"]] == [0.25, -0.25] and chk["chosen_round"] == 0
+    assert chk["stopped"] == "round limit"
+    assert all(0 <= r["measure_seconds"] < 60 for r in chk["rounds"])  # a duration, not a clock reading

@@ -159,6 +159,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                      # (the rest of test_latency_loop.py prunes a model per round: seconds per mutant)
                      ["tests/test_latency_mutants.py", "tests/test_latency_loop.py::test_next_value_steps",
                       "tests/test_latency_loop.py::test_bad_correction_settings_are_refused_before_any_pass"]),
+    # pruning.latency_loop.correct: `target` is set in round 0 before it is read (the loop runs at least once,
+    # max_rounds >= 0), and the loop ends at `k == max_rounds` before its range does
+    "target = None": "overwritten in round 0 before any read",
+    "target = 1.0": "overwritten in round 0 before any read",
+    "for k in range(max_rounds + 2):": "the loop breaks at k == max_rounds: the extra round is never reached",
     # --- end of issue 43 block ---
 }
 
@@ -336,6 +341,11 @@ EQUIVALENT: dict[str, str] = {
     # missing lower bound of 0 or 1 keeps the same list
     "return [k for k in ks if k >= self.lower.get(key, 1)] or [dense]":
         "candidate sizes start at round_to >= 1: a default bound of 1 drops nothing",
+    # pruning.latency_loop.correct: `target` is set in round 0 before it is read (the loop runs at least once,
+    # max_rounds >= 0), and the loop ends at `k == max_rounds` before its range does
+    "target = None": "overwritten in round 0 before any read",
+    "target = 1.0": "overwritten in round 0 before any read",
+    "for k in range(max_rounds + 2):": "the loop breaks at k == max_rounds: the extra round is never reached",
     # --- end of issue 43 block ---
 }
 
