@@ -976,3 +976,26 @@ def test_a_miss_equal_to_the_tolerance_stops_and_a_tie_keeps_the_earlier_round()
     assert [r["miss"] for r in chk["rounds"]] == [0.25, -0.25] and chk["chosen_round"] == 0
     assert chk["stopped"] == "round limit"
     assert all(0 <= r["measure_seconds"] < 60 for r in chk["rounds"])  # a duration, not a clock reading
+
+
+def test_check_budget_under_a_latency_table_speaks_ms_and_names_the_grid(table):
+    from edgeprune.allocation import greedy as G
+    from edgeprune.api import corp_config
+
+    an = find_anatomy(small_vit())
+    dense = 1.0 + DEPTH * (mlp_ms(MLP) + attn_ms(H, HD, HD))  # 4.872 ms
+    G.check_budget(an, corp_config("all", latency=1.0, latency_table=table, last_block="full"))  # exactly dense
+    G.check_budget(an, corp_config("all", latency=f"{dense}ms", latency_table=table, last_block="full"))
+    with pytest.raises(UserError) as err:
+        G.check_budget(an, corp_config("all", latency="5ms", latency_table=table, last_block="full"))
+    assert str(err.value) == ("the latency budget 5ms (5.000 ms) is above the dense model (4.872 ms latency): nothing "
+                              "to prune (give a fraction < 1 or a smaller count)")
+    floor = 1.0 + DEPTH * (mlp_ms(8) + attn_ms(1, 8, 8))  # MLP 8, one head of 8 / 8 dims per block
+    with pytest.raises(UserError) as err:
+        G.check_budget(an, corp_config("all", latency="1.5ms", latency_table=table, last_block="full"))
+    assert str(err.value) == (
+        "the latency budget 1.5ms (1.500 ms) is below the cheapest allocation for target all on the latency table's "
+        f"grid {{'mlp': 8, 'qk': 8, 'v': 8, 'heads': 1}} ({floor:.3f} ms = {floor / dense:.3f} of the dense model)")
+    with pytest.raises(UserError, match=r"^the flops budget 0.001 \([\d,]+\) is below the cheapest allocation for "
+                                        r"target mlp with --round-to 8 \([\d,]+ = "):
+        G.check_budget(an, corp_config("mlp", flops=0.001, round_to=8, last_block="full"))
