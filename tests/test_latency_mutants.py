@@ -999,3 +999,30 @@ def test_check_budget_under_a_latency_table_speaks_ms_and_names_the_grid(table):
     with pytest.raises(UserError, match=r"^the flops budget 0.001 \([\d,]+\) is below the cheapest allocation for "
                                         r"target mlp with --round-to 8 \([\d,]+ = "):
         G.check_budget(an, corp_config("mlp", flops=0.001, round_to=8, last_block="full"))
+
+
+def test_check_model_reads_block_0_and_a_missing_key_field_is_a_mismatch(table):
+    from types import SimpleNamespace
+
+    from devices import load_profile
+    from edgeprune.latency.build import default_batch
+    from edgeprune.latency.timing_checks import unavailable_message
+
+    t = LatencyTable.load(table)
+
+    def blk(mlp):
+        return SimpleNamespace(num_heads=H, head_dim=HD, mlp_hidden=mlp)
+
+    t.check_model(SimpleNamespace(embed_dim=D, num_tokens=N, blocks=[blk(MLP), blk(64)]))  # block 0 is the shape
+    with pytest.raises(UserError, match="^latency table is for mlp_hidden = 128, the model has 64 "):
+        t.check_model(SimpleNamespace(embed_dim=D, num_tokens=N, blocks=[blk(64), blk(MLP)]))
+    del t.key["num_heads"]
+    one = SimpleNamespace(embed_dim=D, num_tokens=N, blocks=[SimpleNamespace(num_heads=1, head_dim=HD,
+                                                                             mlp_hidden=MLP)] * DEPTH)
+    with pytest.raises(UserError, match="^latency table is for num_heads = None, the model has 1 "):
+        t.check_model(one)
+    # the table batch: the largest bench size <= 8, else the smallest
+    assert default_batch(SimpleNamespace(bench=SimpleNamespace(batch_sizes=[1, 2, 4, 64]))) == 4
+    assert default_batch(SimpleNamespace(bench=SimpleNamespace(batch_sizes=[4, 9]))) == 4
+    assert default_batch(SimpleNamespace(bench=SimpleNamespace(batch_sizes=[9, 16]))) == 9
+    assert "--model M --device" in unavailable_message(load_profile("cpu"), "tensorrt", "no tensorrt")
