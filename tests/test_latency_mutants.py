@@ -1026,3 +1026,11 @@ def test_check_model_reads_block_0_and_a_missing_key_field_is_a_mismatch(table):
     assert default_batch(SimpleNamespace(bench=SimpleNamespace(batch_sizes=[4, 9]))) == 4
     assert default_batch(SimpleNamespace(bench=SimpleNamespace(batch_sizes=[9, 16]))) == 9
     assert "--model M --device" in unavailable_message(load_profile("cpu"), "tensorrt", "no tensorrt")
+
+
+def test_keep_fraction_of_a_latency_budget(table):
+    from edgeprune.budget.budget import Budget
+    from edgeprune.nuwa.budget import keep_fraction
+
+    assert keep_fraction(Budget("latency", 0.4, None, table), 5.0) == 0.4
+    assert keep_fraction(Budget("latency", 2.0, "ms", table), 5.0) == pytest.approx(0.4)

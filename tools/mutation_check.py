@@ -167,6 +167,14 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # latency.table.LatencyTable.check_model: a field missing from the key must differ from the model's dim; no dim
     # is negative, so -1 and -2 both do
     "if int(self.key.get(name, -2)) != int(have[name]):": "no model dim is negative: -1 and -2 both differ",
+    # nuwa.budget.DimGrid.allowed: the result is the least allowed dim >= k, else dense; adding dense to the list, or
+    # taking the list at k == dense (all of it >= dense, so none kept), gives dense again
+    "return min([d for d in self.head_dims if k <= d <= dense and d % self.head_dim == 0] or [dense])":
+        "dense is the fallback anyway: the min is the same",
+    "if self.head_dims is None or k > dense:": "at k == dense the rule branch returns dense too",
+    # nuwa.measured.measure_and_correct: table_measurer returns a measurer or a reason, never neither
+    'not_measured(first.record, budget, reason or "XXno measurerXX", view)': "the fallback reason is unreachable",
+    'not_measured(first.record, budget, reason or "NO MEASURER", view)': "the fallback reason is unreachable",
     # --- end of issue 43 block ---
 }
 
@@ -352,6 +360,14 @@ EQUIVALENT: dict[str, str] = {
     # latency.table.LatencyTable.check_model: a field missing from the key must differ from the model's dim; no dim
     # is negative, so -1 and -2 both do
     "if int(self.key.get(name, -2)) != int(have[name]):": "no model dim is negative: -1 and -2 both differ",
+    # nuwa.budget.DimGrid.allowed: the result is the least allowed dim >= k, else dense; adding dense to the list, or
+    # taking the list at k == dense (all of it >= dense, so none kept), gives dense again
+    "return min([d for d in self.head_dims if k <= d <= dense and d % self.head_dim == 0] or [dense])":
+        "dense is the fallback anyway: the min is the same",
+    "if self.head_dims is None or k > dense:": "at k == dense the rule branch returns dense too",
+    # nuwa.measured.measure_and_correct: table_measurer returns a measurer or a reason, never neither
+    'not_measured(first.record, budget, reason or "XXno measurerXX", view)': "the fallback reason is unreachable",
+    'not_measured(first.record, budget, reason or "NO MEASURER", view)': "the fallback reason is unreachable",
     # --- end of issue 43 block ---
 }
 
