@@ -128,6 +128,67 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                        ["tests/test_embed_quant_mutants.py::TestFallback",
                         "tests/test_int8_tensorrt.py::test_fallback_takes_the_most_error_per_flop_within_the_flop_cap"]),
     # --- end of issue 43's block ---
+    # --- issue 43: the latency / allocation code (kept in one block; tests/test_latency_mutants.py) ---
+    "latency_table": (["edgeprune/latency/build.py", "edgeprune/latency/table.py", "edgeprune/latency/grid.py",
+                       "edgeprune/latency/selfcheck.py", "edgeprune/latency/timing_checks.py"],
+                      # (the CLI builds, the real tiny build and the interleave test time real models: 1-4 s each)
+                      ["tests/test_latency_mutants.py",
+                       "tests/test_latency_table.py::test_interpolation_equals_the_measured_points",
+                       "tests/test_latency_table.py::test_interpolation_is_linear_between_points",
+                       "tests/test_latency_table.py::test_qk_equals_v_table_interpolates_on_the_diagonal",
+                       "tests/test_latency_table.py::test_out_of_range_dims_are_user_errors",
+                       "tests/test_latency_table.py::test_dense_ms_is_fixed_plus_depth_blocks",
+                       "tests/test_latency_table.py::test_check_model_names_the_mismatch",
+                       "tests/test_latency_table.py::test_save_load_round_trip",
+                       "tests/test_latency_table.py::test_load_bad_files",
+                       "tests/test_latency_table.py::test_load_refuses_a_malformed_grid",
+                       "tests/test_latency_table.py::test_grid_for_deit_small_on_cpu_is_bounded_and_on_the_rules",
+                       "tests/test_latency_table.py::test_gpu_grid_times_only_the_diagonal",
+                       "tests/test_latency_table.py::test_grid_keeps_a_dense_width_off_the_rule",
+                       "tests/test_latency_table.py::test_resume_skips_measured_entries",
+                       "tests/test_latency_table.py::test_another_key_is_refused_without_force",
+                       "tests/test_latency_table.py::test_statistic_min_is_the_fastest_run_and_is_part_of_resume",
+                       "tests/test_latency_table.py::test_auto_clock_is_cpu_for_one_cpu_thread",
+                       "tests/test_latency_selfcheck.py::test_without_the_overhead_term_the_table_would_not_add_up",
+                       "tests/test_latency_selfcheck.py::test_a_hand_table_that_does_not_add_up_is_refused_on_load",
+                       "tests/test_latency_selfcheck.py::test_a_complete_table_with_parts_measured_but_missing_is_refused",
+                       "tests/test_latency_selfcheck.py::test_a_forced_table_loads_although_its_parts_do_not_add_up",
+                       "tests/test_latency_selfcheck.py::test_a_table_without_the_new_fields_loads_and_prices_exactly_as_before",
+                       "tests/test_latency_selfcheck.py::test_spread_check_times_a_noisy_entry_again",
+                       "tests/test_latency_selfcheck.py::test_build_records_a_noisy_entry"]),
+    "latency_cost": (["edgeprune/budget/latency.py"],
+                     # (test_latency_budget.py's allocations calibrate a model: ~10 s per mutant)
+                     ["tests/test_latency_mutants.py",
+                      "tests/test_latency_budget.py::test_bad_inputs_fail_in_one_line_before_calibration"]),
+    "rules": (["edgeprune/allocation/rules.py", "devices/kernels.py"],
+              ["tests/test_latency_mutants.py",
+               "tests/test_trt_kernel_rules.py::test_gpu_profiles_carry_tensorrts_rule_per_precision",
+               "tests/test_trt_kernel_rules.py::test_cpu_profile_has_no_head_dim_rule",
+               "tests/test_trt_kernel_rules.py::test_a_tensorrt_profile_without_the_rule_gets_tensorrts",
+               "tests/test_trt_kernel_rules.py::test_bad_rule_values_refused_in_one_line",
+               "tests/test_trt_kernel_rules.py::test_head_dims_not_a_table_refused",
+               "tests/test_trt_kernel_rules.py::test_allocator_grid_keeps_round_to_and_the_dense_dim",
+               "tests/test_trt_kernel_rules.py::test_latency_grid_times_only_the_allowed_head_dims"]),
+    # select.py: its measured selection folds real models (tests/test_allocation_select.py, too slow per mutant):
+    # its mutants count as "no tests" (the strict score)
+    "greedy_heads": (["edgeprune/allocation/greedy.py", "edgeprune/allocation/select.py",
+                      "edgeprune/allocation/unit_curves.py"],
+                     ["tests/test_latency_mutants.py", "tests/test_allocation_mutants.py",
+                      "tests/test_latency_budget.py::test_heads_cheap_to_remove_dims_not_removes_heads",
+                      "tests/test_latency_budget.py::test_dims_expensive_heads_free_shrinks_dims",
+                      "tests/test_latency_budget.py::test_predicted_latency_within_budget_and_monotone",
+                      "tests/test_latency_budget.py::test_qk_solutions_are_reused_across_candidates"]),
+    "derive_latency": (["edgeprune/nuwa/budget.py", "edgeprune/nuwa/measured.py"],
+                       # (the tests on test_derive_latency.py's `prep` run SKP and calibration: seconds per mutant)
+                       ["tests/test_latency_mutants.py",
+                        "tests/test_derive_latency.py::test_qk_equals_v_takes_the_larger_dim",
+                        "tests/test_derive_latency.py::test_search_equals_closed_form_on_flops",
+                        "tests/test_derive_latency.py::test_impossible_budget_and_api_errors"]),
+    "latency_loop": (["edgeprune/pruning/latency_loop.py"],
+                     # (the rest of test_latency_loop.py prunes a model per round: seconds per mutant)
+                     ["tests/test_latency_mutants.py", "tests/test_latency_loop.py::test_next_value_steps",
+                      "tests/test_latency_loop.py::test_bad_correction_settings_are_refused_before_any_pass"]),
+    # --- end of issue 43 block ---
 }
 
 #: what runs without arguments, in this order (the issue's priorities first)
@@ -135,7 +196,9 @@ DEFAULT = ("solve_mlp", "solve_qk", "ranking", "plan", "flops", "runner_stats")
 
 #: modules whose files hold much more than the statistics under test: mutate only the lines the
 #: selected tests execute (mutmut's ``mutate_only_covered_lines``)
-COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa", "allocation"}
+COVERED_LINES_ONLY = {"runner_stats", "verify", "surgery", "artifact", "nuwa", "allocation",
+                      # issue 43: derive_latency (nuwa/budget.py is also the FLOPs/params search of "nuwa")
+                      "derive_latency"}
 COVERED_LINES_ONLY |= {"quant_fallback"}  # issue 43: recipe_tensorrt.py is mostly the ONNX pipeline
 
 #: mutants judged equivalent (same behaviour for every input the code can get), with the reason;
@@ -330,6 +393,28 @@ EQUIVALENT: dict[str, str] = {
         "for a = None, s is all ones: x / 1 and W * 1 are exact",
     "def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, batch_size: int = 33,":
         "the batch size of the statistics pass: a per-channel max does not depend on the batching",
+    # --- issue 43: the latency / allocation code (kept in one block) ---
+    # allocation.rules.Grid.sizes: the candidates are multiples of a rounding >= 1 (and the dense size >= 1), so a
+    # missing lower bound of 0 or 1 keeps the same list
+    "return [k for k in ks if k >= self.lower.get(key, 1)] or [dense]":
+        "candidate sizes start at round_to >= 1: a default bound of 1 drops nothing",
+    # pruning.latency_loop.correct: `target` is set in round 0 before it is read (the loop runs at least once,
+    # max_rounds >= 0), and the loop ends at `k == max_rounds` before its range does
+    "target = None": "overwritten in round 0 before any read",
+    "target = 1.0": "overwritten in round 0 before any read",
+    "for k in range(max_rounds + 2):": "the loop breaks at k == max_rounds: the extra round is never reached",
+    # latency.table.LatencyTable.check_model: a field missing from the key must differ from the model's dim; no dim
+    # is negative, so -1 and -2 both do
+    "if int(self.key.get(name, -2)) != int(have[name]):": "no model dim is negative: -1 and -2 both differ",
+    # nuwa.budget.DimGrid.allowed: the result is the least allowed dim >= k, else dense; adding dense to the list, or
+    # taking the list at k == dense (all of it >= dense, so none kept), gives dense again
+    "return min([d for d in self.head_dims if k <= d <= dense and d % self.head_dim == 0] or [dense])":
+        "dense is the fallback anyway: the min is the same",
+    "if self.head_dims is None or k > dense:": "at k == dense the rule branch returns dense too",
+    # nuwa.measured.measure_and_correct: table_measurer returns a measurer or a reason, never neither
+    'not_measured(first.record, budget, reason or "XXno measurerXX", view)': "the fallback reason is unreachable",
+    'not_measured(first.record, budget, reason or "NO MEASURER", view)': "the fallback reason is unreachable",
+    # --- end of issue 43 block ---
 }
 
 DO_NOT_MUTATE_PATTERNS = (r"^\s*raise \w+(Error|Fault)\(",)
