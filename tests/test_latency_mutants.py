@@ -843,9 +843,11 @@ def test_finish_recovers_the_block_scale_and_overhead(table):
 
     t = LatencyTable.load(table)
     sub, half = mlp_ms(MLP) + attn_ms(H, HD, HD), mlp_ms(64) + attn_ms(2, 8, 8)
+    quarter = t.block_ms(sc.fraction_dims(t, 0.25))
     per, per_half, call = 1.2 * sub + 0.1, 1.2 * half + 0.1, 0.5  # the machine: 1.2 x sub-blocks + 0.1 ms per block
+    per_quarter = 1.2 * quarter + 0.1
     parts = {"block_ms": per + call, "chain_ms": per + call + per, "chain_half_ms": call + 2 * per_half,
-             "outside_ms": 0.7}
+             "chain_quarter_ms": call + 2 * per_quarter, "outside_ms": 0.7}
     t.meta["parts"] = dict(parts)
     t.dense_model_ms = 5.0
     sc.finish(t)
@@ -854,14 +856,19 @@ def test_finish_recovers_the_block_scale_and_overhead(table):
     assert p["per_block_ms"] == pytest.approx(per) and p["per_block_half_ms"] == pytest.approx(per_half)
     assert p["sub_blocks_ms"] == pytest.approx(sub) and p["sub_blocks_half_ms"] == pytest.approx(half)
     assert p["chain_blocks"] == 2 and p["half_dims"] == {"heads": 2, "qk": 8, "v": 8, "mlp": 64}
+    pts = sorted({(round(x, 9), round(y, 9)) for x, y in [(quarter, per_quarter), (half, per_half), (sub, per)]})
+    assert [(round(x, 9), round(y, 9)) for x, y in t.block_points] == pts
+    for x, y in t.block_points:  # on the machine's line, so the map is that line
+        assert y == pytest.approx(1.2 * x + 0.1)
     assert t.meta["fixed_by_subtraction_ms"] == pytest.approx(5.0 - 2 * sub)
     for bad in ({"chain_half_ms": call + 2 * per}, {"chain_ms": per + call}, {"chain_half_ms": call}):
         t = LatencyTable.load(table)
         t.meta["parts"] = {**parts, **bad}
-        t.measured.update(block=True, chain=True, chain_half=True)
+        t.measured.update(block=True, chain=True, chain_half=True, chain_quarter=True)
         with pytest.raises(RuntimeFault, match="load changed too much"):
             sc.finish(t)
-        assert not (t.measured["block"] or t.measured["chain"] or t.measured["chain_half"])
+        assert not (t.measured["block"] or t.measured["chain"] or t.measured["chain_half"]
+                    or t.measured["chain_quarter"])
 
 
 def test_conclude_marks_complete_forced_or_refuses(table, tmp_path):
