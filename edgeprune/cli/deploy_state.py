@@ -21,7 +21,7 @@ from edgeprune.errors import UserError
 
 STATE_FILE = "stages.json"
 #: the stages of a deploy, in order
-STAGES = ("prune", "export", "verify", "quantize", "build", "bench")
+STAGES = ("prune", "heal", "export", "verify", "quantize", "build", "bench")
 _CHUNK = 1 << 20
 
 
