@@ -101,6 +101,8 @@ def deploy_cmd(**opts: Any) -> None:
     ctx = click.get_current_context()
     o = _check(opts)
     state = DeployState(o["out"])
+    o["out"].mkdir(parents=True, exist_ok=True)
+    state.save()  # OUT is a deploy's from now on: a rerun after Ctrl-C in the first stage is accepted
     plan = _plan(o)
     t_all = time.perf_counter()
     stopped = None
@@ -133,7 +135,7 @@ def _run_stage(ctx: click.Context, state: DeployState, name: str, step: dict[str
         click.echo(f"== {name}: unchanged, reused ({state.stages[name].get('seconds', 0):.1f} s before)")
         return
     click.echo(f"== {name}: {step['what']}")
-    state.forget(name)
+    state.forget(name, step["outputs"])
     t0 = time.perf_counter()
     step["run"](ctx)
     state.record(name, {"status": "done", "settings": settings, "inputs": inputs, "what": step["what"],
