@@ -38,9 +38,9 @@ def _table(out: Path) -> dict[str, dict[str, Any]]:
     ev = rec.get("evaluation") or {}
     dense = {"params": rec["dense_params"], "flops": rec["dense_flops"]}
     pruned = {"params": rec["params"], "flops": rec["flops"]}
-    for row, m in ((dense, ev.get("dense")), (pruned, ev.get("pruned"))):
+    for row, m in ((dense, ev.get("dense") or {}), (pruned, ev.get("pruned") or {})):
         for k in ("top1", "agreement"):
-            if (m or {}).get(k) is not None:
+            if m.get(k) is not None:
                 row[k] = m[k]
     chk = rec.get("latency_check")
     if chk:
