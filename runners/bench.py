@@ -29,6 +29,7 @@ from devices import BenchSettings, ProfileError, load_profile, profile_from_reco
 from edgeprune.errors import RuntimeFault, UserError
 from exporters.tensorrt import read_sidecar
 from runners.compare import bench_pair
+from runners.memory import memory_markdown, probe_memory
 from runners.registry import DEFAULT_BACKEND, backend_available, backend_names, get_backend, target_kind
 from runners.report import markdown_table, pair_markdown_table
 
@@ -118,12 +119,15 @@ class BenchReport:
         targets: per target (``a``, ``b``): path/name, backend that ran it, model precision.
         results: list of :class:`runners.base.BenchResult` (A alone) or
             :class:`runners.compare.PairResult` (with B).
+        memory: per target (``a``, ``b``) its weights and its own peak memory, each measured in its
+            own process (:func:`runners.memory.probe_memory`); empty when not measured.
     """
 
     profile: dict[str, Any]
     config: dict[str, Any]
     targets: dict[str, dict[str, Any]]
     results: list[Any]
+    memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def paired(self) -> bool:
@@ -147,11 +151,15 @@ class BenchReport:
                       markdown_table([r for p in self.results for r in (p.a, p.b)])]
         else:
             parts.append(markdown_table(self.results))
+        if self.memory:
+            labels = {k: f"{k.upper()} = {Path(str(t['target'])).name}" for k, t in self.targets.items()}
+            parts += ["", memory_markdown(self.memory, labels)]
         return "\n".join(parts)
 
     def json_extra(self) -> dict[str, Any]:
         """Top-level JSON fields besides ``results`` (see :func:`runners.report.to_json`)."""
-        return {"profile": self.profile, "config": self.config, "targets": self.targets}
+        extra = {"profile": self.profile, "config": self.config, "targets": self.targets}
+        return {**extra, "memory": self.memory} if self.memory else extra
 
 
 def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **options: Any) -> tuple[BenchConfig, Any]:
@@ -262,7 +270,13 @@ def check_available(cfg: BenchConfig, profile: Any, targets: tuple[str, ...]) ->
         backend.bench_settings(t, cfg, profile)
 
 
-def _open_runner(target: str, cfg: BenchConfig, profile: Any, workdir: Path) -> tuple[Any, dict[str, Any]]:
+def open_runner(target: str, cfg: BenchConfig, profile: Any, workdir: Path) -> tuple[Any, dict[str, Any]]:
+    """(runner, report entry) of one target on the backend ``cfg`` and ``profile`` choose (an ONNX
+    file on TensorRT is built into an engine in ``workdir``).
+
+    Raises:
+        UserError / RuntimeFault: what the backend's ``bench_open`` raises (see :func:`check_available`).
+    """
     kind = target_kind(target)
     backend = get_backend(backend_for(kind, cfg, profile))
     info: dict[str, Any] = {"target": target, "kind": kind, "backend": backend.name,
@@ -272,13 +286,16 @@ def _open_runner(target: str, cfg: BenchConfig, profile: Any, workdir: Path) -> 
     return runner, info
 
 
-def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: Any = None) -> BenchReport:
+def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: Any = None,
+              memory: bool = False) -> BenchReport:
     """Benchmark A (and B, interleaved) with ``cfg``; see the module doc.
 
     Args:
         a, b: targets (``.onnx``, engine, run directory, model name); ``b`` optional.
         cfg, profile: from :func:`resolve_config`.
         inputs: optional real (N, C, H, W) inputs; default seeded noise.
+        memory: also measure each target's weights and own peak memory, each in its own process
+            after the timing (:func:`runners.memory.probe_memory`; on seeded noise).
 
     Raises:
         RuntimeFault: the profile's backend cannot run here (see :func:`check_available`).
@@ -291,7 +308,7 @@ def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: 
     with tempfile.TemporaryDirectory(prefix="edgeprune-bench-") as tmp:
         try:
             for key, t in zip("ab", targets):
-                runner, infos[key] = _open_runner(t, cfg, profile, Path(tmp))
+                runner, infos[key] = open_runner(t, cfg, profile, Path(tmp))
                 runners.append(runner)
             if runners[0].input_shape is None and (len(runners) == 1 or runners[1].input_shape is None):
                 raise UserError(f"{a}: the ONNX input has symbolic image dims; re-export with a fixed size")
@@ -306,12 +323,17 @@ def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: 
         finally:
             for r in runners:
                 r.close()
+        mem: dict[str, dict[str, Any]] = {}
+        if memory:  # after the timing, the runners closed; a built engine is probed, not rebuilt
+            built = {k: str(r.engine_path) for k, r in zip("ab", runners)
+                     if getattr(r, "engine_path", None) is not None and str(r.engine_path) != infos[k]["target"]}
+            mem = probe_memory(dict(zip("ab", targets)), dataclasses.asdict(cfg), profile.to_dict(), built)
     for r in flat:
         r.settings["bench_profile"] = profile.name
         r.settings["precision_requested"] = cfg.precision
     return BenchReport(profile=profile.to_dict(), config=dataclasses.asdict(cfg), targets=infos,
-                       results=results)
+                       results=results, memory=mem)
 
 
-__all__ = ["BenchConfig", "BenchReport", "PROFILE_FIELDS", "backend_for", "check_available",
+__all__ = ["BenchConfig", "BenchReport", "PROFILE_FIELDS", "backend_for", "check_available", "open_runner",
            "resolve_config", "run_bench"]

@@ -65,8 +65,8 @@ def test_deploy_writes_every_stage_and_a_report_of_their_numbers(deployed):
     assert rep["verify"] == {k: json.loads((deployed / "verify.json").read_text())[k]
                              for k in ("passed", "n", "max_abs_diff", "atol")}
     status = {s["stage"]: s["status"] for s in rep["stages"]}
-    assert status == {"prune": "done", "export": "done", "verify": "done", "quantize": "done", "build": "skipped",
-                      "bench": "done"}
+    assert status == {"prune": "done", "heal": "skipped", "export": "done", "verify": "done", "quantize": "done",
+                      "build": "skipped", "bench": "done"}
     assert rep["left"] == [] and "| pruned |" in (deployed / "report.md").read_text()
 
 

@@ -1,7 +1,8 @@
 """``edgeprune deploy``: from a checkpoint to a deployable model in one command (issue 42).
 
 Stages, each the callback of the separate command, run in-process with the same settings (so the
-numbers are those of the separate commands): prune (``OUT/run``) -> export (``OUT/model.onnx``,
+numbers are those of the separate commands): prune (``OUT/run``) -> heal (``OUT/healed``; only with
+``--heal``, :mod:`.deploy_heal`) -> export (``OUT/model.onnx``,
 and the dense model's ``OUT/dense.onnx`` for the benchmark) -> verify (``OUT/verify.json``) ->
 quantize to the profile's precision (``OUT/model-int8.onnx`` / ``model-fp16.onnx``; none for fp32)
 -> build the TensorRT engine (``OUT/model.engine``; TensorRT profiles only, where TensorRT is
@@ -23,6 +24,7 @@ from click.core import ParameterSource
 
 from devices import load_profile
 from edgeprune.cli.deploy import export_cmd, verify_cmd
+from edgeprune.cli.deploy_heal import check_heal, heal_step
 from edgeprune.cli.deploy_report import write_report
 from edgeprune.cli.deploy_state import STAGES, DeployState, hash_paths, hash_settings
 from edgeprune.cli.device import bench_cmd, build_cmd
@@ -81,6 +83,12 @@ def call_command(ctx: click.Context, cmd: click.Command, **given: Any) -> Any:
               help="Deployment profile: cpu, rtx3090, orin-nx or a .toml file (`edgeprune devices`).")
 @click.option("--torch-device", "torch_device", default=None, metavar="DEVICE",
               help="Where the prune's torch passes run: cpu, cuda, cuda:N, auto [cpu with a CPU profile, else auto].")
+@click.option("--heal/--no-heal", "heal", default=False,
+              help="Heal the pruned run with STARFISH (`edgeprune heal`) before the export.")
+@click.option("--heal-epochs", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Heal: passes over the calibration set [heal's: 10].")
+@click.option("--heal-lr", type=FINITE, default=None, metavar="LR",
+              help="Heal: AdamW learning rate, > 0 [heal's: 1e-4].")
 @click.option("--bench/--no-bench", "bench", default=True, help="Bench the deployed model vs the dense one.")
 @click.option("--bench-iterations", type=click.IntRange(min=1), default=None, metavar="N",
               help="Timed runs per batch size in the bench stage [the profile's].")
@@ -88,7 +96,7 @@ def call_command(ctx: click.Context, cmd: click.Command, **given: Any) -> Any:
               help="Deploy folder: new, or an earlier deploy's (its unchanged stages are reused).")
 @quiet_option
 def deploy_cmd(**opts: Any) -> None:
-    """Prune, export, verify, quantize, build and bench in one command.
+    """Prune, (heal,) export, verify, quantize, build and bench in one command.
 
     Give one budget (--sparsity, --flops, --params or --latency with --latency-table) and a device
     profile. OUT holds every stage's output, report.md and report.json; a rerun with the same
@@ -97,6 +105,8 @@ def deploy_cmd(**opts: Any) -> None:
     ctx = click.get_current_context()
     o = _check(opts)
     state = DeployState(o["out"])
+    o["out"].mkdir(parents=True, exist_ok=True)
+    state.save()  # OUT is a deploy's from now on: a rerun after Ctrl-C in the first stage is accepted
     plan = _plan(o)
     t_all = time.perf_counter()
     stopped = None
@@ -129,7 +139,7 @@ def _run_stage(ctx: click.Context, state: DeployState, name: str, step: dict[str
         click.echo(f"== {name}: unchanged, reused ({state.stages[name].get('seconds', 0):.1f} s before)")
         return
     click.echo(f"== {name}: {step['what']}")
-    state.forget(name)
+    state.forget(name, step["outputs"])
     t0 = time.perf_counter()
     step["run"](ctx)
     state.record(name, {"status": "done", "settings": settings, "inputs": inputs, "what": step["what"],
@@ -155,6 +165,7 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
     if parse_tokens_merge(o.get("tokens_merge")) is not None and o["budget"] == "latency":
         raise UserError("--tokens-merge with a --latency budget: the latency table does not price token counts "
                         "yet (issue 44); use --flops, --params or --sparsity")
+    check_heal(o)
     out: Path = o["out"]
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: is a file (the deploy folder: a new folder or an earlier deploy's)")
@@ -176,6 +187,7 @@ def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
     (ctx -> summary dict), ``what``; or ``skip`` (why) / ``stop`` (the line to print)."""
     out, profile, prec = o["out"], o["profile"], o["precision"]
     run, onnx, dense = out / "run", out / "model.onnx", out / "dense.onnx"
+    final_run = out / "healed" if o["heal"] else run
     model_keys = ("model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs")
     model = {k: o[k] for k in model_keys}
     data = {k: o[k] for k in ("calib_dir", "calib_size", "seed", "eval_data", "eval_size")}
@@ -188,13 +200,15 @@ def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
                      "what": f"prune {o['model_name']} with a {o['budget']} budget of {o[o['budget']]}",
                      "run": lambda ctx: call_command(ctx, prune_cmd, out=str(run), quiet=o["quiet"],
                                                      **{k: v for k, v in prune.items() if v is not None})}
-    plan["export"] = {"settings": {**model, "opset": 17}, "inputs": [run], "outputs": ["model.onnx", "dense.onnx"],
+    plan["heal"] = heal_step(o, run, out / "healed", _listing, call_command)
+    plan["export"] = {"settings": {**model, "opset": 17}, "inputs": [final_run],
+                      "outputs": ["model.onnx", "dense.onnx"],
                       "what": "export the pruned and the dense model to ONNX (opset 17, dynamic batch)",
-                      "run": lambda ctx: _export(ctx, run, onnx, dense, model)}
+                      "run": lambda ctx: _export(ctx, final_run, onnx, dense, model)}
     n = o["eval_size"] or 64
-    plan["verify"] = {"settings": {"n": n, "eval_data": o["eval_data"]}, "inputs": [run, onnx],
+    plan["verify"] = {"settings": {"n": n, "eval_data": o["eval_data"]}, "inputs": [final_run, onnx],
                       "outputs": ["verify.json"], "what": f"ONNX Runtime vs PyTorch on {n} evaluation images",
-                      "run": lambda ctx: call_command(ctx, verify_cmd, onnx_file=onnx, run_dir=run, n=n,
+                      "run": lambda ctx: call_command(ctx, verify_cmd, onnx_file=onnx, run_dir=final_run, n=n,
                                                       data=o["eval_data"], json_out=out / "verify.json")}
     final = onnx if prec == "fp32" else out / f"model-{prec}.onnx"
     plan["quantize"] = _quantize_step(o, onnx, final)
@@ -257,7 +271,7 @@ def _bench_step(o: dict[str, Any], target: Path, dense: Path) -> dict[str, Any]:
              "md_out": out / "bench.md"}
     if o["bench_iterations"] is not None:
         given["iterations"] = o["bench_iterations"]
-    settings = {"profile": profile.to_dict(), "iterations": o["bench_iterations"]}
+    settings = {"profile": profile.to_dict(), "iterations": o["bench_iterations"], "memory": "per model"}
     return {"settings": settings, "inputs": [target, dense], "outputs": ["bench.json", "bench.md"],
             "what": f"bench {target.name} vs dense.onnx on {profile.name} ({profile.backend}, interleaved)",
             "run": lambda ctx: call_command(ctx, bench_cmd, **given)}

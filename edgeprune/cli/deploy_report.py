@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from edgeprune.artifact import read_record
+from edgeprune.cli.deploy_heal import heal_markdown, heal_summary
+from edgeprune.cli.deploy_plot import write_plot
 from edgeprune.cli.deploy_state import STAGES, DeployState, write_if_changed
 
 
@@ -26,16 +28,19 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 
 def _table(out: Path) -> dict[str, dict[str, Any]]:
-    """``{"dense": row, "pruned": row}``: params, flops, top1 / agreement, predicted / measured ms."""
-    if not (out / "run" / "run.json").is_file():
+    """``{"dense": row, "pruned": row}``: params, flops, top1 / agreement, predicted / measured ms; the
+    pruned row is the healed run's where there is one (its record keeps the prune's numbers), with
+    ``"unhealed"`` (the quality before healing) beside it."""
+    run = out / "healed" if (out / "healed" / "run.json").is_file() else out / "run"
+    if not (run / "run.json").is_file():
         return {}
-    rec = read_record(out / "run")
+    rec = read_record(run)
     ev = rec.get("evaluation") or {}
     dense = {"params": rec["dense_params"], "flops": rec["dense_flops"]}
     pruned = {"params": rec["params"], "flops": rec["flops"]}
-    for row, m in ((dense, ev.get("dense")), (pruned, ev.get("pruned"))):
+    for row, m in ((dense, ev.get("dense") or {}), (pruned, ev.get("pruned") or {})):
         for k in ("top1", "agreement"):
-            if (m or {}).get(k) is not None:
+            if m.get(k) is not None:
                 row[k] = m[k]
     chk = rec.get("latency_check")
     if chk:
@@ -43,7 +48,12 @@ def _table(out: Path) -> dict[str, dict[str, Any]]:
         pruned["predicted_ms"] = chk["predicted_ms"]
         measured = chk.get("measured") or {}
         dense["measured_ms"], pruned["measured_ms"] = measured.get("dense_ms"), measured.get("pruned_ms")
-    return {"dense": dense, "pruned": pruned}
+    table = {"dense": dense, "pruned": pruned}
+    before = ev.get("before_healing")
+    if before:
+        table["unhealed"] = {"params": rec["params"], "flops": rec["flops"],
+                             **{k: before[k] for k in ("top1", "agreement") if before.get(k) is not None}}
+    return table
 
 
 def _quantized(out: Path) -> dict[str, Any] | None:
@@ -54,6 +64,17 @@ def _quantized(out: Path) -> dict[str, Any] | None:
             "float_size_bytes")
     return {"precision": (q.get("config") or {}).get("precision"), **{k: q.get(k) for k in keys},
             "output": Path(str(q.get("output"))).name}
+
+
+def _memory(bench: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``{"deployed": m, "dense": m}``: each model's weights and own peak memory, from the bench's
+    per-model probes (each model in its own process; :mod:`runners.memory`)."""
+    mem = (bench or {}).get("memory")
+    if not mem:
+        return None
+    targets = bench.get("targets") or {}  # type: ignore[union-attr]
+    return {role: {"model": Path(str((targets.get(k) or {}).get("target", "?"))).name, **mem[k]}
+            for role, k in (("deployed", "a"), ("dense", "b")) if k in mem}
 
 
 def report_data(out: Path, state: DeployState, o: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +90,10 @@ def report_data(out: Path, state: DeployState, o: dict[str, Any]) -> dict[str, A
         "stages": stages,
         "table": _table(out),
         "verify": None if verify is None else {k: verify.get(k) for k in ("passed", "n", "max_abs_diff", "atol")},
+        "heal": heal_summary(out),
         "quantize": _quantized(out),
         "bench": None if bench is None else bench.get("results"),
+        "memory": _memory(bench),
         "left": [s["stage"] for s in stages if s.get("status") == "pending"],
     }
 
@@ -93,12 +116,14 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
     if t:
         lines += ["", "| model | params | GFLOPs | top-1 % | agreement % | predicted ms | measured ms |",
                   "|---|---|---|---|---|---|---|"]
-        for name in ("dense", "pruned"):
+        for name in [n for n in ("dense", "unhealed", "pruned") if n in t]:
             r = t[name]
             lines.append(f"| {name} | {r['params']:,} | {_fmt(r['flops'], 1e-9)} | {_fmt(r.get('top1'), 100, 2)} | "
                          f"{_fmt(r.get('agreement'), 100, 2)} | {_fmt(r.get('predicted_ms'))} | "
                          f"{_fmt(r.get('measured_ms'))} |")
     v, q = data["verify"], data["quantize"]
+    if data.get("heal"):
+        lines += ["", heal_markdown(data["heal"])]
     if v:
         lines += ["", f"ONNX vs PyTorch on {v['n']} images: max abs diff {v['max_abs_diff']:.2e} "
                       f"({'passed' if v['passed'] else 'FAILED'})."]
@@ -108,6 +133,17 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
         lines += ["", f"Quantized ({q['precision']}, `{q['output']}`): {top1}{q.get('agreement_metric')}"
                       f" with the float model {_fmt(q.get('agreement'), 100, 2)}% on {q.get('n')} held-out images; "
                       f"{_fmt(q.get('size_bytes'), 2**-20, 2)} MiB."]
+    if data.get("memory"):
+        for role, m in data["memory"].items():
+            if "error" in m:
+                lines += ["", f"Memory of the {role} model: {m['error']}."]
+                continue
+            added = m["peak_rss_mib"] - m["baseline_rss_mib"]
+            lines += ["", f"Memory of the {role} model (`{m['model']}`, in its own process): weights "
+                          f"{_fmt(m.get('weights_mib'), digits=2)} MiB, peak RSS {_fmt(m['peak_rss_mib'], digits=1)} "
+                          f"MiB ({_fmt(added, digits=1)} MiB over the interpreter)."]
+    if data.get("plot"):
+        lines += ["", data["plot"]]
     if (out / "bench.md").is_file():
         lines += ["", "## Bench (deployed vs dense)", "", (out / "bench.md").read_text(encoding="utf-8").strip()]
     if data["left"]:
@@ -118,6 +154,7 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
 def write_report(out: Path, state: DeployState, o: dict[str, Any]) -> Path:
     """Write ``report.json`` and ``report.md`` (atomically, when changed); returns ``report.md``'s path."""
     data = report_data(out, state, o)
+    data["plot"] = write_plot(out, data)
     write_if_changed(out / "report.json", json.dumps(data, indent=2, default=str) + "\n")
     write_if_changed(out / "report.md", report_markdown(data, out))
     return out / "report.md"

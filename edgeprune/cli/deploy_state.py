@@ -21,7 +21,7 @@ from edgeprune.errors import UserError
 
 STATE_FILE = "stages.json"
 #: the stages of a deploy, in order
-STAGES = ("prune", "export", "verify", "quantize", "build", "bench")
+STAGES = ("prune", "heal", "export", "verify", "quantize", "build", "bench")
 _CHUNK = 1 << 20
 
 
@@ -98,10 +98,13 @@ class DeployState:
         outs = e.get("outputs") or {}
         return all((self.out / o).exists() for o in outs) and self.outputs_hash(list(outs)) == outs
 
-    def forget(self, name: str) -> None:
-        """Remove the outputs a previous run of stage ``name`` wrote (before it is redone)."""
+    def forget(self, name: str, outputs: list[str] | None = None) -> None:
+        """Remove the outputs a previous run of stage ``name`` wrote (before it is redone), and the
+        ``outputs`` (relative to OUT) the stage is about to write: an interrupted run of it may
+        have left them unfinished and unrecorded (e.g. Ctrl-C after the prune wrote ``run/``
+        but before it finished; the stage's command would refuse an existing folder)."""
         self.redo_rest = True
-        for o in (self.stages.get(name) or {}).get("outputs") or {}:
+        for o in [*((self.stages.get(name) or {}).get("outputs") or {}), *(outputs or [])]:
             p = self.out / o
             if p.is_dir():
                 shutil.rmtree(p)

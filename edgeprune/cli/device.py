@@ -190,13 +190,16 @@ def _backend_choices() -> list[str]:
               help="TensorRT build precision for .onnx; for ONNX Runtime, int8 checks the file is "
                    "quantized (Q/DQ); torch on CUDA: fp32, tf32, fp16, bf16 [profile's]")
 @click.option("--random-init", is_flag=True, help="model names without weights (latency only)")
+@click.option("--memory/--no-memory", "memory", default=None,
+              help="per model its weights and its own peak memory, each model loaded and run in its own "
+                   "process after the timing [on with --vs]")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="write all results as JSON")
 @click.option("--markdown", "md_out", type=click.Path(path_type=Path), help="write the report as markdown")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path), help="plot latency vs batch size (PNG)")
 def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, provider: str | None,
               batch_sizes: tuple[int, ...] | None, iterations: int | None, warmup: int | None,
               threads: int | None, cuda_graphs: bool | None, precision: str | None, random_init: bool,
-              json_out: Path | None, md_out: Path | None, plot_out: Path | None) -> None:
+              json_out: Path | None, md_out: Path | None, plot_out: Path | None, memory: bool | None = None) -> None:
     """Latency and throughput of a model or engine, optionally against B.
 
     Here --device names a device profile (e.g. cpu, orin-nx), not the torch device that prune,
@@ -210,6 +213,10 @@ def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, pro
     profile whose backend is missing here (TensorRT, CUDA) is an error, not a CPU fallback.
     With --vs, A and B run interleaved on the same input and the table reports the per-pair
     latency ratio A/B (median, p10-p90): > 1 means B is faster.
+
+    Both models of a --vs bench share one process, so its peak memory column is the same for
+    both; --memory (on with --vs) adds per model its weights (MiB) and its own peak RSS, each
+    model loaded and run on the bench's batch sizes in a fresh process of its own.
     """
     targets = (a,) if b is None else (a, b)
     cfg, profile = resolve_config(profile_name, targets=targets, backend=backend, provider=provider,
@@ -221,7 +228,7 @@ def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, pro
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
-    report = run_bench(a, b, cfg, profile)
+    report = run_bench(a, b, cfg, profile, memory=(b is not None) if memory is None else memory)
     text = report.markdown()
     click.echo(text.replace("  \n", "\n"))
     if md_out is not None:

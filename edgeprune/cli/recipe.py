@@ -43,7 +43,7 @@ from edgeprune.errors import UserError
 META_FILE = "edgeprune.recipe_file"
 META_KEYS = "edgeprune.recipe_keys"
 
-ORDER = ("model", "data", "budget", "method", "output", "runtime")
+ORDER = ("model", "data", "budget", "method", "heal", "output", "runtime")
 
 _MODEL = ["model", "checkpoint", "random-init", "num-classes", "img-size", "model-kwargs"]
 _CALIB = ["calib", "calib-size", "seed", "batch-size"]
@@ -94,6 +94,7 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
         "data": _CALIB + ["eval-data", "eval-size"],
         "budget": ["sparsity", "flops", "params", "latency", "latency-table"],
         "method": ["precision", "tokens-merge"],
+        "heal": ["heal", "heal-epochs", "heal-lr"],
         "output": ["out"],
         "runtime": ["device", "torch-device", "bench", "bench-iterations", "quiet"],
     },
