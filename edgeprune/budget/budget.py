@@ -146,8 +146,10 @@ class Budget:
         self.model_class.check_inputs(self)
 
     def dense_cost(self, anatomy: ViTAnatomy) -> float:
-        """The cost of ``anatomy``'s model as it is (every block at its own dims)."""
-        return total_cost(self.cost_model(anatomy), anatomy, [dense_dims(b) for b in anatomy.blocks])
+        """The cost of ``anatomy``'s model as it is (every block at its own dims and token counts: a budget's
+        ``tokens_merge`` is the pruned model's, not the dense one's)."""
+        plain = self if self.tokens_merge is None else dataclasses.replace(self, tokens_merge=None)
+        return total_cost(plain.cost_model(anatomy), anatomy, [dense_dims(b) for b in anatomy.blocks])
 
     @property
     def is_fraction(self) -> bool:
