@@ -180,3 +180,56 @@ def test_bad_tokens_values(value, msg, cli, tmp_path):
     assert_one_line_error(r, "--tokens")
     assert not (tmp_path / "t.json").exists()
     assert check_token_counts([5, 17, 9], 17, 1) == [5, 9]
+
+
+def _token_timer():
+    """A fake backend (tests/test_latency_table.py's machine) whose sub-blocks cost ``n / 5`` of their full-count
+    time at n tokens (the models there have 5 tokens)."""
+    from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
+    from tests.test_latency_table import _Fixed, _cost
+
+    if "fake-tokens" in list_timers():
+        return
+
+    @register_timer("fake-tokens")
+    class TokenTimer(Timer):
+        def version(self) -> str:
+            return "1"
+
+        def device_name(self, s) -> str:
+            return "fake-device"
+
+        def open(self, module, x, s, workdir):
+            ms = _cost(module)[1]
+            if isinstance(module, (MlpSubBlock, AttnSubBlock)):
+                ms *= x.shape[1] / 5
+            return _Fixed(ms), x
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_build_times_the_token_axis(interleave, tmp_path):
+    import devices
+    import timm
+
+    from edgeprune.latency.build import build_table
+    from edgeprune.latency.measure import unregister_timer
+    from tests.test_latency_table import _Counting, _opts
+
+    _token_timer()
+    _Counting.reset()
+    try:
+        an = find_anatomy(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval())
+        prof = devices.load_profile("cpu")
+        plain = build_table(an, prof, _opts(backend="fake-tokens", interleave=interleave), tmp_path / "a.json",
+                            show_progress=False)
+        assert plain.tokens is None and "tokens" not in json.loads((tmp_path / "a.json").read_text())
+        t = build_table(an, prof, _opts(backend="fake-tokens", interleave=interleave, grid={
+            "max_mlp": 3, "max_dims": 2, "max_heads": 2, "tokens": [4, 2]}), tmp_path / "t.json", show_progress=False)
+        assert t.tokens["counts"] == [2, 4, 5] and sorted(t.measured["tokens_mlp"]) == [2, 4]
+        for part in ("mlp", "attn"):
+            assert t.tokens[part] == pytest.approx([0.4, 0.8, 1.0])
+        back = LatencyTable.load(tmp_path / "t.json")
+        assert back.tokens == t.tokens and back.mlp == plain.mlp
+        assert back.block_ms(back.dense_dims(), 3, 3) == pytest.approx(0.6 * back.block_ms(back.dense_dims()))
+    finally:
+        unregister_timer("fake-tokens")

@@ -115,15 +115,15 @@ class LatencyCost(CostModel):
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         """ms of block ``b`` at kept ``dims``: the table's sub-blocks plus its per-block overhead (a class-token
         block: that, times its FLOPs ratio; module doc)."""
-        n = self.n
-        if self.tokens is None:  # no merging: bit for bit as before
+        merged = getattr(self, "tokens", None)  # None: no merging, priced bit for bit as before
+        if merged is None:
             ms = self.table.block_total(dims)  # issue 40; a table without its terms prices bit for bit as before
         else:
-            n, n_mlp = self.tokens[b.index]
-            ms = self.table.block_total(dims, n, n_mlp)
+            ms = self.table.block_total(dims, *merged[b.index])
         t = self.query_tokens.get(b.index)
         if t is None:
             return ms
+        n = self.n if merged is None else merged[b.index][0]
         full = with_dims(b, dims, None)
         return ms * float(block_flops(with_dims(b, dims, t), n)["total"]) / float(block_flops(full, n)["total"])
 
