@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--flops", type=float, default=None)
     ap.add_argument("--latency", type=float, default=None)
     ap.add_argument("--latency-table", default=None)
-    ap.add_argument("--sensitivity-images", type=int, default=None)
+    ap.add_argument("--sensitivity-images", type=int, default=None, help="[the library's default]")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import torch
@@ -38,7 +38,8 @@ def main() -> None:
     edgeprune.prune(model, x, target="both", sparsity=0.5, batch_size=32)
     uniform = time.perf_counter() - t
     t = time.perf_counter()
-    res = edgeprune.prune(model, x, batch_size=32, allocation_sensitivity_images=a.sensitivity_images, **budget)
+    extra = {} if a.sensitivity_images is None else {"allocation_sensitivity_images": a.sensitivity_images}
+    res = edgeprune.prune(model, x, batch_size=32, **extra, **budget)
     budgeted = time.perf_counter() - t
     out = {"model": a.model, "images": a.images, "budget": res.record["allocation"]["budget"],
            "uniform_s": uniform, "budgeted_s": budgeted, "ratio": budgeted / uniform,

@@ -36,6 +36,8 @@ class Budget:
             = 2 x MACs, parameters, or ``unit``s such as ms per batch of a latency table's batch size).
         unit: the kind's unit when the value is absolute in it (``"ms"``), else None.
         table: the path of the kind's table (kinds whose cost model ``needs_table``), else None.
+        tokens_merge: the token-merging schedule a cost model with a token axis prices (``CorpConfig.tokens_merge``,
+            set by the config's check: ``edgeprune.pruning.config.check_tokens_settings``); not in the record form.
 
     Raises:
         UserError: (on construction) an unknown kind, a value that is not a finite number > 0, a fraction > 1 of a
@@ -46,6 +48,7 @@ class Budget:
     value: float
     unit: str | None = None
     table: str | None = None
+    tokens_merge: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         kinds = list_cost_models()
@@ -143,8 +146,10 @@ class Budget:
         self.model_class.check_inputs(self)
 
     def dense_cost(self, anatomy: ViTAnatomy) -> float:
-        """The cost of ``anatomy``'s model as it is (every block at its own dims)."""
-        return total_cost(self.cost_model(anatomy), anatomy, [dense_dims(b) for b in anatomy.blocks])
+        """The cost of ``anatomy``'s model as it is (every block at its own dims and token counts: a budget's
+        ``tokens_merge`` is the pruned model's, not the dense one's)."""
+        plain = self if self.tokens_merge is None else dataclasses.replace(self, tokens_merge=None)
+        return total_cost(plain.cost_model(anatomy), anatomy, [dense_dims(b) for b in anatomy.blocks])
 
     @property
     def is_fraction(self) -> bool:

@@ -22,6 +22,15 @@ A block that computes only its first T tokens (the class-token last block,
 estimated as the full block's times the ratio of its FLOPs with T query tokens to its FLOPs with
 every token (:func:`edgeprune.flops.block_flops`; an estimate, said in the record).
 
+Token merging (issue 44 item 3, ``--tokens-merge`` with ``--latency``): a block that receives n_i tokens and merges
+r_i of them between its attention and its MLP is priced with its attention sub-block at n_i tokens and its MLP at
+n_i - r_i (``LatencyTable.block_total(dims, tokens, mlp_tokens)``: the full-count entry times the table's token-axis
+ratio, :mod:`edgeprune.latency.token_axis`); the counts come from the merged model's anatomy (``merge_r``) or, before
+the merge, from the schedule the budget carries (``Budget.tokens_merge``,
+:func:`edgeprune.tokens.schedule.plan_merges`).
+A table without a token axis, or whose axis does not reach the smallest count, is refused in one line naming the
+table and the counts. The merge step itself is not in the table (its cost is left to the measure-and-correct loop).
+
 The table also carries the device profile's pruning rules (``rules``: ``mlp_round_to``,
 ``head_dim_round_to``, ``qk_equals_v``); the allocator reads them from :attr:`LatencyCost.rules`
 (candidate sizes on those grids, Q/K tied to V) and the grid's smallest measured sizes from
@@ -37,8 +46,9 @@ from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
 from edgeprune.budget.base import CostModel
 from edgeprune.budget.registry import register_cost_model
 from edgeprune.errors import UserError
-from edgeprune.flops import block_flops, with_dims
+from edgeprune.flops import block_flops, block_tokens, with_dims
 from edgeprune.latency.table import LatencyTable
+from edgeprune.tokens.schedule import plan_merges
 
 #: the one-line error of a latency budget without a table
 MISSING_TABLE = ("--latency needs a latency table of this model on the target device: make one with "
@@ -95,6 +105,7 @@ class LatencyCost(CostModel):
         self.table.check_model(anatomy)
         self.n = anatomy.num_tokens
         self._rules = dict(self.table.rules)
+        self.tokens = self._merged_tokens(anatomy, budget)
 
     @property
     def rules(self) -> dict[str, Any]:
@@ -104,13 +115,45 @@ class LatencyCost(CostModel):
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         """ms of block ``b`` at kept ``dims``: the table's sub-blocks plus its per-block overhead (a class-token
         block: that, times its FLOPs ratio; module doc)."""
-        ms = self.table.block_total(dims)  # issue 40; a table without its terms prices bit for bit as before
+        merged = getattr(self, "tokens", None)  # None: no merging, priced bit for bit as before
+        if merged is None:
+            ms = self.table.block_total(dims)  # issue 40; a table without its terms prices bit for bit as before
+        else:
+            ms = self.table.block_total(dims, *merged[b.index])
         t = self.query_tokens.get(b.index)
         if t is None:
             return ms
+        n = self.n if merged is None else merged[b.index][0]
         full = with_dims(b, dims, None)
-        return ms * float(block_flops(with_dims(b, dims, t), self.n)["total"]) / float(
-            block_flops(full, self.n)["total"])
+        return ms * float(block_flops(with_dims(b, dims, t), n)["total"]) / float(block_flops(full, n)["total"])
+
+    def _merged_tokens(self, anatomy: ViTAnatomy, budget: Any) -> list[tuple[int, int]] | None:
+        """Per block ``(tokens its attention sees, tokens its MLP sees)`` of a merging model (the anatomy's
+        ``merge_r``, else the budget's schedule); None without merging.
+
+        Raises:
+            UserError: merging, and the table has no token axis or one that does not cover the counts (one line
+                naming the table and the counts).
+        """
+        if any(b.merge_r for b in anatomy.blocks):
+            n, r = block_tokens(anatomy), [b.merge_r for b in anatomy.blocks]
+        elif getattr(budget, "tokens_merge", None) is not None:
+            prefix = int(getattr(anatomy.vit, "num_prefix_tokens", 0))
+            cls_last = anatomy.blocks[-1].index in self.query_tokens
+            r, n = plan_merges(budget.tokens_merge, len(anatomy.blocks), self.n, prefix, cls_last)
+        else:
+            return None
+        if not any(r):
+            return None
+        pairs = [(int(a), int(a - b)) for a, b in zip(n, r)]
+        need = sorted({x for p in pairs for x in p} - {self.n})
+        axis = self.table.tokens
+        if axis is None or need[0] < axis["counts"][0]:
+            have = "no token axis" if axis is None else f"a token axis from {axis['counts'][0]} tokens"
+            raise UserError(f"--tokens-merge with a --latency budget: latency table {self.path} has {have}, the "
+                            f"merged blocks run at {need[0]}..{need[-1]} tokens (rebuild it with edgeprune "
+                            f"latency-table ... --tokens {_suggest(need[0], self.n)})")
+        return pairs
 
     def fixed_cost(self) -> float:
         return float(self.table.fixed_ms)
@@ -128,6 +171,7 @@ class LatencyCost(CostModel):
                 "unit": "ms per batch of key.batch images", "block_overhead_ms": float(self.table.block_overhead_ms),
                 "block_scale": float(self.table.block_scale),
                 "self_check": _check_summary(self.table), "unverified": self.table.unverified,
+                **({"tokens": [list(p) for p in self.tokens]} if self.tokens is not None else {}),
                 "class_token_blocks": ("estimated: full block x FLOPs ratio with the class token only"
                                        if self.query_tokens else None)}
 
@@ -135,6 +179,20 @@ class LatencyCost(CostModel):
     def check_inputs(cls, budget: Any) -> None:
         """Loads the table (a missing or malformed one: one line, before the model is built)."""
         load_table(budget.table)
+
+    @classmethod
+    def check_tokens_merge(cls, budget: Any) -> None:
+        """A ``--tokens-merge`` schedule goes with this budget only when its table has a token axis (which counts
+        it must cover is checked with the model: :meth:`_merged_tokens`).
+
+        Raises:
+            UserError: a missing / malformed table, or one without a token axis (one line naming it).
+        """
+        table = load_table(budget.table)
+        if table.tokens is None:
+            raise UserError(f"--tokens-merge with a --latency budget: latency table {budget.table} has no token axis "
+                            f"(it timed blocks at {table.key['tokens']} tokens only), so it cannot price the merged "
+                            "blocks: rebuild it with edgeprune latency-table ... --tokens N1,N2,... (docs/tokens.md)")
 
     @classmethod
     def config_defaults(cls, budget: Any) -> dict[str, Any]:
@@ -145,6 +203,11 @@ class LatencyCost(CostModel):
             UserError: a missing / malformed table.
         """
         return {"layout": "fused"} if load_table(budget.table).rules.get("qk_equals_v") else {}
+
+
+def _suggest(low: int, full: int) -> str:
+    """A ``--tokens`` value covering ``low..full``: four counts evenly spaced from ``low``."""
+    return ",".join(str(low + (full - low) * i // 4) for i in range(4))
 
 
 def _check_summary(table: LatencyTable) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import click
@@ -34,6 +35,7 @@ from edgeprune.cli.options import (FINITE, calibration_options, eval_options, la
                                    quiet_option)
 from edgeprune.cli.prune import prune_cmd
 from edgeprune.cli.quantize import quantize_cmd
+from edgeprune.budget.latency import LatencyCost
 from edgeprune.errors import UserError
 from edgeprune.tokens.schedule import parse_tokens_merge
 from runners.registry import backend_available
@@ -151,7 +153,8 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         UserError: no budget or two, a latency budget without a table, a bad profile, -o an existing file
-            or a folder that is not a deploy's, a missing data folder, a bad --tokens-merge (or one with --latency).
+            or a folder that is not a deploy's, a missing data folder, a bad --tokens-merge (or one with a latency
+            table without a token axis).
     """
     o = dict(opts)
     budgets = [b for b in _BUDGETS if o.get(b) is not None]
@@ -162,9 +165,6 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
     if o.get("latency_table") is not None and o.get("latency") is None:
         raise UserError("--latency-table goes with --latency (the table a latency budget is priced on)")
     o["budget"] = budgets[0]
-    if parse_tokens_merge(o.get("tokens_merge")) is not None and o["budget"] == "latency":
-        raise UserError("--tokens-merge with a --latency budget: the latency table does not price token counts "
-                        "yet (issue 44); use --flops, --params or --sparsity")
     check_heal(o)
     out: Path = o["out"]
     if out.exists() and not out.is_dir():
@@ -175,6 +175,8 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
                          ("--checkpoint", o["checkpoint"]), ("--latency-table", o["latency_table"])):
         if path is not None and not Path(path).exists():
             raise UserError(f"{option} {path}: no such file or folder")
+    if parse_tokens_merge(o.get("tokens_merge")) is not None and o["budget"] == "latency" and o.get("latency_table"):
+        LatencyCost.check_tokens_merge(SimpleNamespace(table=o["latency_table"]))  # a table without a token axis
     profile = load_profile(o["profile_name"])  # a missing profile: one line
     o["profile"] = profile
     o["precision"] = o["precision"] or profile.precision

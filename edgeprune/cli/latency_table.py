@@ -21,6 +21,7 @@ from edgeprune.cli.options import FiniteFloat, load_model, model_options, quiet_
 from edgeprune.cli.recipe import output_recipe_path, write_recipe
 from edgeprune.errors import UserError
 from edgeprune.zoo.registry import MissingWeightsError
+from edgeprune.latency.grid import parse_token_counts
 from edgeprune.latency.build import PRECISIONS, BuildOptions, build_table, settings_for
 from edgeprune.latency.measure import list_timers
 
@@ -54,6 +55,9 @@ from edgeprune.latency.measure import list_timers
 @click.option("--clock", type=click.Choice(["auto", "wall", "cpu"]), default="auto", show_default=True,
               help="cpu: this thread's CPU time per run (--threads 1 on a CPU profile): steady on a machine "
                    "shared with other jobs; wall: elapsed time; auto: cpu where it applies, else wall.")
+@click.option("--tokens", "tokens", default=None, metavar="N1,N2,...",
+              help="A token axis (for prune --latency with --tokens-merge): also time the dense MLP and attention "
+                   "sub-blocks at these token counts (each above the prefix tokens, at most the model's) [none].")
 @click.option("-o", "--out", type=click.Path(), required=True, metavar="TABLE.json", help="The table to write.")
 @click.option("--force", is_flag=True,
               help="Replace an existing table of another key (the same key resumes); keep a table whose self-check "
@@ -61,7 +65,7 @@ from edgeprune.latency.measure import list_timers
 @quiet_option
 def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, device, batch,
                       threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave, repeats,
-                      spread, retries, clock, out, force, quiet) -> None:
+                      spread, retries, clock, tokens, out, force, quiet) -> None:
     """Time one block of the model's shape for each kept structure on a grid (MLP widths, kept
     heads, Q/K and V head dims) on the profile's backend, plus the dense model whole; write the
     latency table for `prune --latency`.
@@ -78,10 +82,12 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
         given = "--spread" if spread is not None else "--retries"
         raise UserError(f"{given} goes with the spread check, which --repeats 1 turns off (drop one of them)")
     check = {k: v for k, v in (("repeats", repeats), ("spread", spread), ("retries", retries)) if v is not None}
+    counts = parse_token_counts(tokens)  # non-integers: one line; the model's limits: build_table, before timing
     profile = load_profile(device)
     opts = BuildOptions(**check, batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
                         iterations=iterations, max_seconds=max_seconds, statistic=statistic,
-                        interleave=interleave, clock=clock, force=force)
+                        interleave=interleave, clock=clock, force=force,
+                        grid={"tokens": counts} if counts else {})
     settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent: before any work
     out_path = Path(out)
     if out_path.is_dir():
@@ -97,8 +103,9 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
     write_recipe(click.get_current_context(), output_recipe_path(out_path))
     k = table.key
-    n = len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(
-        bool(table.measured.get(w)) for w in ("model", "outside", "block", "chain", "chain_half", "chain_quarter"))
+    whole = ("model", "outside", "block", "chain", "chain_half", "chain_quarter")
+    n = (len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(bool(table.measured.get(w)) for w in whole)
+         + sum(len(table.measured.get(w, [])) for w in ("tokens_mlp", "tokens_attn")))
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
                f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
                f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "

@@ -72,7 +72,7 @@ def _target_help() -> str:
 @latency_table_option
 @latency_correction_options("re-allocate", "pruned", "dense")
 @click.option("--sensitivity-images", type=int, default=None, metavar="N",
-              help="With a budget: measure each unit's sensitivity on the first N check images [all of them].")
+              help="With a budget: measure each unit's sensitivity on the first N check images [8].")
 @click.option("--check-images", type=int, default=None, metavar="N",
               help="With --flops/--params: the candidate allocations and the per-unit sensitivities are "
                    "measured on the first N calibration images (0: the proxy alone) [32].")

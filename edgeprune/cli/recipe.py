@@ -101,7 +101,7 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
     "latency-table": {
         "model": _MODEL,
         "method": ["batch", "precision", "backend", "warmup", "iterations", "max-seconds", "statistic",
-                   "interleave", "clock", "repeats", "spread", "retries"],
+                   "interleave", "clock", "repeats", "spread", "retries", "tokens"],
         "output": ["out", "force"],
         "runtime": ["device", "threads", "quiet"],
     },

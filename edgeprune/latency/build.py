@@ -32,11 +32,12 @@ from devices import pruning_rules
 from edgeprune._version import __version__
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.latency import relative, selfcheck
-from edgeprune.latency.grid import Grid, make_grid, shape_of
+from edgeprune.latency.grid import Grid, check_token_counts, make_grid, shape_of
 from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
 from edgeprune.latency.relative import References
 from edgeprune.latency.selfcheck import SelfCheckFailed, conclude, finish
 from edgeprune.latency.table import LatencyTable
+from edgeprune.latency.token_axis import TOKEN_KINDS, add_axis, counts_of, time_tokens
 from edgeprune.latency.timing_checks import PRECISIONS, _check_backend, _check_way, unavailable_message  # noqa: F401
 from edgeprune.progress import progress
 
@@ -146,7 +147,7 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
     """A table with every entry unmeasured (NaN), ``meta["complete"] = False``."""
     nan = math.nan
     attn = [[[nan for _ in grid.v] for _ in grid.qk] for _ in grid.heads]
-    return LatencyTable(
+    t = LatencyTable(
         key=key, rules=rules, mlp={"widths": list(grid.mlp), "ms": [nan] * len(grid.mlp)},
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
         fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
@@ -159,6 +160,8 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
                            "max_seconds": s.max_seconds, "min_iterations": s.min_iterations,
                            "repeats": s.repeats, "spread": s.spread, "retries": s.retries,
                            "cuda_graphs": s.cuda_graphs, "input": "(batch, tokens, embed_dim) noise"}})
+    add_axis(t, grid.tokens)  # the token axis (opt-in): a table without it is written exactly as before
+    return t
 
 
 def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSettings,
@@ -193,7 +196,7 @@ def start_or_resume(out: Path, key: dict, rules: dict, grid: Grid, s: TimingSett
             option = f"--{name.replace('_', '-')}"
             raise UserError(f"{out} exists with another {name} ({was} there, {now} now): a resume times the rest "
                             f"of the entries as the first run did (give its {option}) {hint}")
-    same_grid = (old.rules == rules and old.mlp["widths"] == fresh.mlp["widths"]
+    same_grid = (old.rules == rules and old.mlp["widths"] == fresh.mlp["widths"] and counts_of(old) == counts_of(fresh)
                  and all(old.attn[a] == fresh.attn[a] for a in ("heads", "qk", "v")))
     if not same_grid:
         raise UserError(f"{out} exists with another grid or pruning rules {hint}")
@@ -204,7 +207,7 @@ def _same(old: LatencyTable, fresh: LatencyTable, key: dict) -> bool:
     """``old`` has ``fresh``'s key, way of timing and grid."""
     return (all(old.key.get(k) == key.get(k) for k in KEY_FIELDS) and old.rules == fresh.rules
             and all(old.meta.get("settings", {}).get(n) == fresh.meta["settings"][n] for n in RESUME_SETTINGS)
-            and old.mlp["widths"] == fresh.mlp["widths"]
+            and old.mlp["widths"] == fresh.mlp["widths"] and counts_of(old) == counts_of(fresh)
             and all(old.attn[a] == fresh.attn[a] for a in ("heads", "qk", "v")))
 
 
@@ -221,6 +224,7 @@ def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
     """Everything to time, in order: MLP widths, attention points, then the whole model, the model
     without its blocks, the dense block and a chain of them."""
     return ([("mlp", (w,)) for w in grid.mlp] + [("attn", p) for p in grid.attn_points()]
+            + [(f"tokens_{part}", (n,)) for n in grid.tokens for part in ("mlp", "attn")]
             + [(kind, ()) for kind in WHOLE])
 
 
@@ -229,6 +233,8 @@ def _is_measured(t: LatencyTable, kind: str, dims: tuple[int, ...]) -> bool:
         return dims[0] in t.measured["mlp"]
     if kind == "attn":
         return list(dims) in t.measured["attn"]
+    if kind in TOKEN_KINDS:
+        return dims[0] in t.measured.get(kind, [])
     return bool(t.measured.get(kind))
 
 
@@ -269,11 +275,16 @@ def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any,
                 s: TimingSettings, batch: int, refs: References | None) -> None:
     """Time one entry (alone, or interleaved with ``refs``) and record it in ``t`` (an entry that needed more
     than one attempt, or whose spread stayed too large, goes to ``meta["spread"]``)."""
-    module, shape = _entry_module(t, kind, dims, anatomy, batch)
-    got = timer.measure(module, shape, s) if refs is None else refs.measure(kind, module, shape)
+    if kind in TOKEN_KINDS:
+        got = time_tokens(t, kind, dims[0], anatomy, timer, s, batch, refs)
+    else:
+        module, shape = _entry_module(t, kind, dims, anatomy, batch)
+        got = timer.measure(module, shape, s) if refs is None else refs.measure(kind, module, shape)
     if got.attempts > 1 or got.spread > s.spread:
         name = f"{kind} {','.join(map(str, dims))}".strip()
         t.meta.setdefault("spread", {})[name] = {"spread": got.spread, "attempts": got.attempts}
+    if kind in TOKEN_KINDS:
+        return
     if refs is None:
         _record(t, kind, dims, got.value)
         return
@@ -333,7 +344,11 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
     timer, s, batch = settings_for(profile, opts)
     shape = shape_of(anatomy)
     rules = pruning_rules(profile, s.precision)  # a GPU profile's head-dim rule is its precision's (issue 40)
-    grid = make_grid(shape, rules, **opts.grid)
+    grid_opts = dict(opts.grid)
+    if grid_opts.get("tokens"):  # the token axis: checked against the model before any timing
+        grid_opts["tokens"] = check_token_counts(list(grid_opts["tokens"]), shape["tokens"],
+                                                 int(getattr(anatomy.vit, "num_prefix_tokens", 0)))
+    grid = make_grid(shape, rules, **grid_opts)
     t = start_or_resume(out, make_key(shape, profile, timer, s, batch), rules, grid, s, opts)
     todo = [e for e in _entries(grid) if not _is_measured(t, *e)]
     if not todo and t.complete and not (opts.force and _check_failed(t)):

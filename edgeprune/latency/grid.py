@@ -10,6 +10,10 @@ profile's pruning rules (``devices.pruning_rules``):
   thinned to ``max_dims`` points (``max_diag`` on the diagonal when ``qk_equals_v``: only
   ``qk == v`` is timed there, so it affords more points).
 
+Token axis (``--tokens N1,N2,...``, opt-in, issue 44): the dense MLP sub-block and the dense attention sub-block
+are also timed at each of those token counts (2 entries per count, whatever the grid); the table keeps each
+one's time relative to the full count (:attr:`~edgeprune.latency.table.LatencyTable.tokens`).
+
 Between points the table interpolates linearly (:mod:`edgeprune.latency.table`), so thinning trades
 a little accuracy between points for a bounded build time: deit_small on the CPU profile has
 16 MLP + 6 x 4 x 4 attention entries.
@@ -74,6 +78,8 @@ class Grid:
         mlp: kept MLP widths (ascending).
         heads, qk, v: kept heads and per-head Q/K and V dims (ascending).
         qk_equals_v: only ``qk == v`` is timed (``qk`` and ``v`` are then the same list).
+        tokens: the token counts besides the model's at which the dense sub-blocks are timed (ascending; empty:
+            no token axis).
     """
 
     mlp: list[int]
@@ -81,6 +87,7 @@ class Grid:
     qk: list[int]
     v: list[int]
     qk_equals_v: bool
+    tokens: list[int] = dataclasses.field(default_factory=list)
 
     def attn_points(self) -> list[tuple[int, int, int]]:
         """Every timed (heads, qk, v), ascending, heads-major (only ``qk == v`` when
@@ -90,15 +97,52 @@ class Grid:
 
     def count(self) -> int:
         """Entries to time (without the whole dense model)."""
-        return len(self.mlp) + len(self.attn_points())
+        return len(self.mlp) + len(self.attn_points()) + 2 * len(self.tokens)
+
+
+def parse_token_counts(text: str | None) -> list[int]:
+    """The token counts of ``--tokens N1,N2,...`` (None or empty: none), in the order given.
+
+    Raises:
+        UserError: a value that is not an integer.
+    """
+    if text is None or not str(text).strip():
+        return []
+    out = []
+    for part in str(text).split(","):
+        try:
+            out.append(int(part.strip()))
+        except ValueError:
+            raise UserError(f"--tokens: {part.strip()!r} is not an integer (give token counts: --tokens 150,100,50)") \
+                from None
+    return out
+
+
+def check_token_counts(counts: list[int], full: int, prefix: int) -> list[int]:
+    """``counts`` ascending, without the model's own ``full`` count (a model of ``full`` tokens, ``prefix`` of
+    them never merged: class / distillation / register tokens).
+
+    Raises:
+        UserError: a count <= ``prefix`` or > ``full``, or one given twice (one line naming it).
+    """
+    seen: set[int] = set()
+    for n in counts:
+        if n <= prefix or n > full:
+            raise UserError(f"--tokens: {n} is outside {prefix + 1}..{full} (more than the model's {prefix} prefix "
+                            f"token(s), at most its {full} tokens)")
+        if n in seen:
+            raise UserError(f"--tokens: {n} is given twice")
+        seen.add(n)
+    return sorted(seen - {full})
 
 
 def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MAX_MLP_POINTS,
               max_heads: int = MAX_HEAD_POINTS, max_dims: int = MAX_DIM_POINTS,
-              max_diag: int = MAX_DIAGONAL_POINTS) -> Grid:
+              max_diag: int = MAX_DIAGONAL_POINTS, tokens: list[int] | None = None) -> Grid:
     """The grid for a dense block ``shape`` (:func:`shape_of`) under the profile's ``rules``; with
     ``rules["head_dims"]`` (a GPU profile's fused-attention rule, :mod:`devices.kernels`) only those
-    head dims (and the dense one) are timed.
+    head dims (and the dense one) are timed. ``tokens``: the token axis's counts (checked by
+    :func:`check_token_counts`).
 
     Raises:
         UserError: a limit below 2, a rule below 1 or a malformed ``head_dims``.
@@ -113,7 +157,7 @@ def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MA
     dims = keep_allowed(on_grid(shape["head_dim"], rules["head_dim_round_to"]), shape["head_dim"],
                         allowed_head_dims(rules))
     dims = thin(dims, max_diag if diag else max_dims)
-    return Grid(mlp=mlp, heads=heads, qk=dims, v=list(dims), qk_equals_v=diag)
+    return Grid(mlp=mlp, heads=heads, qk=dims, v=list(dims), qk_equals_v=diag, tokens=sorted(tokens or []))
 
 
-__all__ = ["Grid", "make_grid", "on_grid", "shape_of", "thin"]
+__all__ = ["Grid", "check_token_counts", "make_grid", "on_grid", "parse_token_counts", "shape_of", "thin"]

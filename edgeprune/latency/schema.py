@@ -82,7 +82,12 @@ _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
                  "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),
-                 "chain_half": Bool(), "chain_quarter": Bool()})
+                 "chain_half": Bool(), "chain_quarter": Bool(), "tokens_mlp": ListOf(Int(min=1)),
+                 "tokens_attn": ListOf(Int(min=1))})
+
+#: the token axis (``latency-table --tokens``): counts ascending, ending at key.tokens; a time ratio per count
+_TOKENS = Obj({"counts": Req(ListOf(Int(min=1), min_len=2, increasing=True)), "mlp": Req(ListOf(_MS)),
+               "attn": Req(ListOf(_MS))})
 
 
 def _fail(field: str, problem: str) -> SchemaError:
@@ -106,6 +111,29 @@ def _consistent(d: dict, field: str) -> None:
         raise _fail("attn.v", "must equal attn.qk under rules.qk_equals_v")
     complete = bool(d.get("meta", {}).get("complete", True))
     _times_present(d, complete)
+    _token_axis(d, complete)
+
+
+def _token_axis(d: dict, complete: bool) -> None:
+    """The token axis (where present): one ratio per count, the last count the model's, ratio 1 there, every
+    measured count's ratio present (every count's, on a complete table)."""
+    ax = d.get("tokens")
+    if ax is None:
+        return
+    counts, full = ax["counts"], d["key"]["tokens"]
+    if counts[-1] != full:
+        raise _fail("tokens.counts", f"must end at the model's key.tokens = {full}, ends at {counts[-1]}")
+    for part in ("mlp", "attn"):
+        ratios = ax[part]
+        if len(ratios) != len(counts):
+            raise _fail(f"tokens.{part}", f"must have one ratio per count ({len(counts)}), has {len(ratios)}")
+        if ratios[-1] != 1.0:
+            raise _fail(f"tokens.{part}[{len(counts) - 1}]", f"must be 1 (the full count), got {ratios[-1]}")
+        measured = d.get("measured", {}).get(f"tokens_{part}", [])
+        for i, (n, x) in enumerate(zip(counts, ratios)):
+            if x is None and (complete or n in measured):
+                raise _fail(f"tokens.{part}[{i}]", "is null in a complete table" if complete else
+                            f"is null, but measured.tokens_{part} says it was measured")
 
 
 def _times_present(d: dict, complete: bool) -> None:
@@ -158,6 +186,7 @@ TABLE_SCHEMA = Obj({
     "block_overhead_ms": Num(nullable=True, want="a finite time in ms (negative: a call the block saves)"),
     "block_scale": Num(gt=0, nullable=True),
     "block_points": ListOf(ListOf(Num(gt=0), min_len=2, max_len=2), min_len=2, nullable=True),
+    "tokens": _TOKENS,
     "measured": _MEASURED,
     "meta": _META,
 }, then=_consistent)

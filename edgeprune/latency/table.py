@@ -109,6 +109,11 @@ class LatencyTable:
             a quarter, half and all of the dense dims (:mod:`edgeprune.latency.selfcheck`); where
             present, :meth:`block_total` is piecewise-linear through them (extended by the end
             segments) instead of the one line of ``block_scale`` / ``block_overhead_ms``.
+        tokens: the token axis (``latency-table --tokens``; None: none, the blocks timed at ``key["tokens"]`` only):
+            ``{"counts": [N_1 < ... < key.tokens], "mlp": [f], "attn": [f]}``, f the time of the dense MLP
+            (attention) sub-block at that count over its time at ``key["tokens"]`` (1 at the last count); a
+            sub-block of any kept dims at n tokens costs its full-count time x f(n), f linear in n between counts
+            (:meth:`token_factor`).
     """
 
     key: dict
@@ -122,6 +127,7 @@ class LatencyTable:
     block_overhead_ms: float = 0.0
     block_scale: float = 1.0
     block_points: list | None = None
+    tokens: dict | None = None
 
     # -- prediction -------------------------------------------------------------------------
     def mlp_ms(self, width: int) -> float:
@@ -156,32 +162,58 @@ class LatencyTable:
         bv = _bracket(self.attn["v"], v, "v head dim")
         return _multilinear([bh, bq, bv], lambda i, j, k: ms[i][j][k])
 
-    def block_ms(self, dims: dict[str, int]) -> float:
+    def block_ms(self, dims: dict[str, int], tokens: int | None = None, mlp_tokens: int | None = None) -> float:
         """Predicted ms of one block with kept dims ``{"mlp", "qk", "v", "heads"}``.
 
         The MLP part plus the attention part (:meth:`mlp_ms`, :meth:`attn_ms`); equals the
         measured sum at a measured point. Missing keys default to the dense dims of ``key``.
+        ``tokens`` / ``mlp_tokens``: the tokens the attention / the MLP sub-block sees (a merging block's MLP sees
+        fewer); None: ``key["tokens"]``, the grid's own time; else that time x :meth:`token_factor`.
 
         Raises:
-            UserError: a dim outside the grid's range (or qk != v where only qk == v was measured).
+            UserError: a dim outside the grid's range (or qk != v where only qk == v was measured), a token count
+                outside the token axis (or no axis).
         """
         k = self.key
         mlp = dims.get("mlp", k["mlp_hidden"])
         heads = dims.get("heads", k["num_heads"])
         qk = dims.get("qk", k["head_dim"])
         v = dims.get("v", k["head_dim"])
-        return self.mlp_ms(mlp) + self.attn_ms(heads, qk, v)
+        if tokens is None and mlp_tokens is None:
+            return self.mlp_ms(mlp) + self.attn_ms(heads, qk, v)
+        n = k["tokens"] if tokens is None else tokens
+        nm = n if mlp_tokens is None else mlp_tokens
+        return self.mlp_ms(mlp) * self.token_factor("mlp", nm) + self.attn_ms(heads, qk, v) * self.token_factor(
+            "attn", n)
+
+    def token_factor(self, part: str, n: int) -> float:
+        """The ``part`` (``"mlp"`` / ``"attn"``) sub-block's time at ``n`` tokens over its time at ``key["tokens"]``:
+        1 at the full count, the measured ratio of the dense sub-block at a count of the axis, linear in n between
+        two counts (attention's n^2 term is followed only as closely as the counts are spaced: docs/latency.md).
+
+        Raises:
+            UserError: no token axis and ``n`` is not the full count, or ``n`` outside the axis.
+        """
+        full = int(self.key["tokens"])
+        if n == full:
+            return 1.0
+        if not self.tokens:
+            raise UserError(f"latency table: a block at {n} tokens, but the table has no token axis (it timed blocks "
+                            f"at {full} tokens only; rebuild it with edgeprune latency-table ... --tokens N1,N2,...)")
+        b = _bracket(self.tokens["counts"], n, "tokens")
+        return _multilinear([b], lambda i: self.tokens[part][i])  # type: ignore[index]
 
     def dense_dims(self) -> dict[str, int]:
         """The dense block's dims ``{"mlp", "qk", "v", "heads"}`` (from ``key``)."""
         k = self.key
         return {"mlp": k["mlp_hidden"], "qk": k["head_dim"], "v": k["head_dim"], "heads": k["num_heads"]}
 
-    def block_total(self, dims: dict[str, int]) -> float:
+    def block_total(self, dims: dict[str, int], tokens: int | None = None, mlp_tokens: int | None = None) -> float:
         """Predicted ms of one block of ``dims`` inside a model: piecewise-linear in ``block_ms(dims)`` through
         ``block_points`` where the table has them, else ``block_scale x block_ms(dims) + block_overhead_ms``
-        (``block_ms`` itself for a table without those terms)."""
-        ms = self.block_ms(dims)
+        (``block_ms`` itself for a table without those terms); ``tokens`` / ``mlp_tokens`` as :meth:`block_ms`
+        (the in-model terms are applied to the sub-blocks' sum at those counts)."""
+        ms = self.block_ms(dims, tokens, mlp_tokens)
         if self.block_points:
             return _through(self.block_points, ms)
         scale, over = float(self.block_scale), float(self.block_overhead_ms)
@@ -239,6 +271,11 @@ class LatencyTable:
         d["fixed_ms"], d["dense_model_ms"] = _num_out(self.fixed_ms), _num_out(self.dense_model_ms)
         d["block_overhead_ms"] = _num_out(self.block_overhead_ms)  # None: not measured yet (a build in progress)
         d["block_scale"] = _num_out(self.block_scale)
+        if self.tokens is None:
+            del d["tokens"]  # a table without the token axis is written as before
+        else:
+            d["tokens"] = {"counts": list(self.tokens["counts"]),
+                           **{p: [_num_out(x) for x in self.tokens[p]] for p in ("mlp", "attn")}}
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -263,6 +300,9 @@ class LatencyTable:
         t.mlp["ms"] = [_num_in(x) for x in t.mlp["ms"]]
         t.fixed_ms, t.dense_model_ms = _num_in(t.fixed_ms), _num_in(t.dense_model_ms)
         t.block_overhead_ms, t.block_scale = _num_in(t.block_overhead_ms), _num_in(t.block_scale)
+        if t.tokens is not None:
+            t.tokens = {"counts": list(t.tokens["counts"]),
+                        **{p: [_num_in(x) for x in t.tokens[p]] for p in ("mlp", "attn")}}
         try:
             check_adds_up(t)
         except SchemaError as err:

@@ -57,18 +57,26 @@ def check_correction_settings(config: CorpConfig) -> None:
 
 def check_tokens_settings(config: CorpConfig) -> None:
     """The token-merging schedule's form (``edgeprune.tokens.schedule.parse_tokens_merge``; the model's limits are
-    checked by the ``tokens_merge`` stage) and its conflict with a latency budget.
+    checked by the ``tokens_merge`` stage) and its fit with a budget priced by a table: the table must have a token
+    axis (``LatencyCost.check_tokens_merge``); the budget then carries the schedule, so the allocation prices the
+    merged token counts (``edgeprune.budget.latency``).
 
     Raises:
-        UserError: one line naming the setting.
+        UserError: one line naming the setting (or the table).
     """
-    if parse_tokens_merge(config.tokens_merge) is None:
-        return
+    value = parse_tokens_merge(config.tokens_merge)
     budget = config.budget
-    if budget is not None and budget.model_class.needs_table:
-        raise UserError(f"--tokens-merge with a --{budget.kind} budget: the latency table does not price token "
-                        "counts yet (issue 44), so the measured correction would undo the merge's saving; use "
-                        "--flops, --params or --sparsity")
+    if budget is None or not budget.model_class.needs_table:
+        return
+    if value is not None:
+        check = getattr(budget.model_class, "check_tokens_merge", None)
+        if check is None:
+            raise UserError(f"--tokens-merge with a --{budget.kind} budget: its table does not price token counts, "
+                            "so the measured correction would undo the merge's saving; use --flops, --params or "
+                            "--sparsity")
+        check(budget)
+    if budget.tokens_merge != value:
+        config.budget = dataclasses.replace(budget, tokens_merge=value)
 
 
 #: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)
