@@ -141,11 +141,14 @@ def test_sensitivity_on_fewer_images_than_the_check():
     """``allocation_sensitivity_images`` (issue 40 item 4): the per-unit measurements use the first N check images,
     the candidates are still compared on all of them; the split says the sensitivity cost less."""
     model, x = tiny_vit(), _images(32)
-    full = edgeprune.prune(model, x, flops=0.5, batch_size=16, allocation_check_images=16)
+    full = edgeprune.prune(model, x, flops=0.5, batch_size=16, allocation_check_images=16,
+                           allocation_sensitivity_images=16)  # every check image
     few = edgeprune.prune(model, x, flops=0.5, batch_size=16, allocation_check_images=16,
                           allocation_sensitivity_images=4)
+    default = edgeprune.prune(model, x, flops=0.5, batch_size=16, allocation_check_images=16)
     sf, s4 = full.record["allocation"]["selection"], few.record["allocation"]["selection"]
     assert sf["sensitivity"]["images"] == 16 and s4["sensitivity"]["images"] == 4
+    assert default.record["allocation"]["selection"]["sensitivity"]["images"] == 8  # the default (issue 40 item 4)
     assert sf["images"] == s4["images"] == 16
     units_f = [u["measured_output_error"] for u in sf["sensitivity"]["units"]]
     units_4 = [u["measured_output_error"] for u in s4["sensitivity"]["units"]]
