@@ -249,7 +249,7 @@ def test_the_gpu_commands_pass_the_clis_checks(tmp_path, monkeypatch):
         seen["table"] = (profile, opts)
         raise _Reached
 
-    def run_bench(a, b, cfg, profile):
+    def run_bench(a, b, cfg, profile, memory=False):
         check_available(cfg, profile, (a,))
         seen["bench"] = (cfg, profile)
         raise _Reached
