@@ -10,7 +10,6 @@ One healed deploy of fmnist-vit (32 calibration images, 64 evaluation images, --
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +17,12 @@ import pytest
 
 from edgeprune.cli.deploy_plot import write_plot
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
+from tests.test_deploy import _copy, _mtimes, _stages
 
 FAST = ["--model", "fmnist-vit", "--calib-size", "32", "--eval-size", "64", "--bench-iterations", "2", "--quiet"]
 HEALED = FAST + ["--sparsity", "0.5", "--precision", "fp32", "--device", "cpu", "--heal", "--heal-epochs", "1"]
 
 
-def _stages(folder: Path) -> dict:
-    return json.loads((folder / "stages.json").read_text())["stages"]
-
-
-def _mtimes(folder: Path) -> dict[str, int]:
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +32,6 @@ def healed(tmp_path_factory) -> Path:
     assert r.exit_code == 0, r.output
     return out
 
-
-def _copy(src: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "copy"
-    shutil.copytree(src, dst)
-    return dst
 
 
 @needs_fmnist

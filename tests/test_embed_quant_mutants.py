@@ -24,28 +24,14 @@ from edgeprune.errors import UserError
 
 import_timm()  # at import: mutmut's fork server collects this file once, so its workers inherit timm
 
+from tests.test_embed import _vit as embed_vit  # noqa: E402
+
 # ----------------------------------------------------------------------------------------- helpers
 
 
 def _vit(**kw) -> nn.Module:
-    """A seeded 2-block timm ViT of width 16 with random LayerNorm affines and prefix tokens."""
-    from timm.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    cfg = dict(img_size=8, patch_size=4, in_chans=3, num_classes=3, embed_dim=16, depth=2, num_heads=2,
-               mlp_ratio=2.0, init_values=0.5, reg_tokens=1)
-    cfg.update(kw)
-    model = VisionTransformer(**cfg).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.2)
-        for name in ("pos_embed", "cls_token", "reg_token"):
-            p = getattr(model, name, None)
-            if p is not None:
-                p.normal_(0, 0.5)
-    return model
+    """test_embed's seeded 2-block ViT (random LayerNorm affines, prefix tokens), at width 16 with one register."""
+    return embed_vit(**{**dict(img_size=8, num_classes=3, embed_dim=16, mlp_ratio=2.0, reg_tokens=1), **kw})
 
 
 def _images(n: int = 6, seed: int = 1) -> torch.Tensor:
