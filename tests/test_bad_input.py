@@ -439,3 +439,23 @@ def test_torchrun_with_a_bad_argument_prints_the_error_once(tmp_path):
     assert len(errors) == 1 and "sparsity must be" in errors[0], p.stdout + p.stderr
     assert "exitcode  : 2" in p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_quiet_rank_waits_for_rank_0_to_say_the_error(monkeypatch, capsys):
+    """Under load, rank 1 exited on the bad argument before rank 0 printed it, and torchrun killed rank 0: the job
+    failed with no ``error:`` line (a second CPU-bound process running). A rank other than 0 now waits
+    (``QUIET_RANK_GRACE_S``, ended by torchrun's SIGTERM) before it exits, silently; rank 0 does not wait."""
+    import edgeprune.cli.main as cli_main
+
+    slept = []
+    monkeypatch.setattr(cli_main.time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, waits in (("1", True), ("0", False)):
+        monkeypatch.setenv("RANK", rank)
+        slept.clear()
+        with pytest.raises(SystemExit) as ex:
+            cli_main.main(["prune", "--quiet", "--no-eval", "--sparsity", "2", "-o", "never"])
+        err = capsys.readouterr().err
+        assert ex.value.code == 2
+        assert slept == ([cli_main.QUIET_RANK_GRACE_S] if waits else [])
+        assert ("error: " in err) == (not waits)

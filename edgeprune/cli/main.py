@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import click
 
@@ -106,8 +107,18 @@ def _say(line: str) -> None:
         click.echo(line, err=True)
 
 
+#: seconds a torchrun rank other than 0 waits before it exits on an error: rank 0 prints the same error, and a rank
+#: that exits first gets rank 0 killed by torchrun before it says it (seen with a second CPU-bound process running)
+QUIET_RANK_GRACE_S = 20.0
+
+
 def _fail(message: str, code: int) -> None:
     _say(f"error: {_first_line(message)}")
+    if _is_quiet_rank():
+        try:
+            time.sleep(QUIET_RANK_GRACE_S)  # ended early by torchrun's SIGTERM once rank 0 has exited
+        except (Terminated, KeyboardInterrupt):
+            pass
     sys.exit(code)
 
 
