@@ -445,8 +445,9 @@ def test_a_quiet_rank_waits_for_rank_0_to_say_the_error(monkeypatch, capsys):
     """Under load, rank 1 exited on the bad argument before rank 0 printed it, and torchrun killed rank 0: the job
     failed with no ``error:`` line (a second CPU-bound process running). A rank other than 0 now waits
     (``QUIET_RANK_GRACE_S``, ended by torchrun's SIGTERM) before it exits, silently; rank 0 does not wait."""
-    import edgeprune.cli.main as cli_main
+    import importlib
 
+    cli_main = importlib.import_module("edgeprune.cli.main")  # the module (edgeprune.cli.main is also a function)
     slept = []
     monkeypatch.setattr(cli_main.time, "sleep", lambda s: slept.append(s))
     monkeypatch.setenv("WORLD_SIZE", "2")
