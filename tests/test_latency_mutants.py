@@ -871,6 +871,38 @@ def test_finish_recovers_the_block_scale_and_overhead(table):
                     or t.measured["chain_quarter"])
 
 
+def test_finish_keeps_disordered_chains_out_when_forced(table):
+    """--force after the last re-timing: a half chain that timed no faster is left out (named), a dense chain
+    whose n blocks timed no slower than one falls back to the sub-blocks' sum; the table then adds up."""
+    from edgeprune.latency import selfcheck as sc
+    from edgeprune.latency.schema import check_adds_up
+
+    t = LatencyTable.load(table)
+    sub = mlp_ms(MLP) + attn_ms(H, HD, HD)
+    quarter = t.block_ms(sc.fraction_dims(t, 0.25))
+    per, call = 1.2 * sub + 0.1, 0.5
+    parts = {"block_ms": per + call, "chain_ms": per + call + per, "chain_half_ms": call + 2 * per,
+             "chain_quarter_ms": call + 2 * (1.2 * quarter + 0.1), "outside_ms": 0.7}
+    t.meta["parts"] = dict(parts)
+    sc.finish(t, keep_disordered=True)
+    p = t.meta["parts"]
+    assert p["left_out"] == [f"chain_half (2 half blocks {call + 2 * per:.4g} ms)"]
+    assert "per_block_half_ms" not in p
+    assert [round(x, 9) for x, _ in t.block_points] == [round(quarter, 9), round(sub, 9)]  # the quarter still fits
+    assert t.block_total(t.dense_dims()) == pytest.approx(per)
+    t.dense_model_ms = t.dense_ms()
+    t.meta["complete"] = True
+    check_adds_up(t)
+    t = LatencyTable.load(table)
+    t.meta["parts"] = {**parts, "chain_ms": per + call, "chain_half_ms": call + 2 * 1.2 * quarter}
+    sc.finish(t, keep_disordered=True)
+    p = t.meta["parts"]
+    assert p["left_out"][0] == f"chain (2 blocks {per + call:.4g} ms, one {per + call:.4g} ms)"
+    assert p["per_block_ms"] == pytest.approx(sub) and t.block_total(t.dense_dims()) == pytest.approx(sub)
+    call = per + call - sub  # one call's cost beyond the sub-blocks: what a chain of n blocks pays once
+    assert p["per_block_half_ms"] == pytest.approx((2 * 1.2 * quarter + 0.5 - call) / 2)
+
+
 def test_conclude_marks_complete_forced_or_refuses(table, tmp_path):
     from edgeprune.latency import selfcheck as sc
 

@@ -61,7 +61,8 @@ from edgeprune.latency.measure import list_timers
 @click.option("-o", "--out", type=click.Path(), required=True, metavar="TABLE.json", help="The table to write.")
 @click.option("--force", is_flag=True,
               help="Replace an existing table of another key (the same key resumes); keep a table whose self-check "
-                   "misses (marked unverified) instead of failing.")
+                   "misses (marked unverified), and one whose block chains still disagree after 3 timings (left out), "
+                   "instead of failing.")
 @quiet_option
 def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, device, batch,
                       threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave, repeats,

@@ -299,16 +299,18 @@ FINISH_ATTEMPTS = 3
 
 
 def _finish_retimed(t: LatencyTable, grid: Grid, anatomy: Any, timer: Timer, s: TimingSettings, batch: int,
-                    refs: References | None, out: Path) -> LatencyTable:
+                    refs: References | None, out: Path, force: bool = False) -> LatencyTable:
     """:func:`finish`, re-timing the entries it marks unmeasured (the block chain timed under a load that moved)
-    up to :data:`FINISH_ATTEMPTS` times before giving up (the table saved: a rerun times them again).
+    up to :data:`FINISH_ATTEMPTS` times before giving up (the table saved: a rerun times them again); with
+    ``force`` the last attempt leaves the chains that still disagree out (``meta.parts.left_out``) and the
+    self-check judges the table.
 
     Raises:
-        RuntimeFault: the chain still disagrees after the last attempt.
+        RuntimeFault: the chain still disagrees after the last attempt (not with ``force``).
     """
     for attempt in range(FINISH_ATTEMPTS):
         try:
-            return finish(t)
+            return finish(t, keep_disordered=force and attempt == FINISH_ATTEMPTS - 1)
         except RuntimeFault:
             t.save(out)
             if attempt == FINISH_ATTEMPTS - 1:
@@ -362,7 +364,7 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
             _time_entry(t, kind, dims, anatomy, timer, s, batch, refs)
             t.save(out)
             bar.update(1)
-        t = _finish_retimed(t, grid, anatomy, timer, s, batch, refs, out)
+        t = _finish_retimed(t, grid, anatomy, timer, s, batch, refs, out, opts.force)
 
         def measure(model: Any) -> float:  # a self-check model, timed as the dense one (interleaved: x references)
             bar.set_postfix(entry="self-check")

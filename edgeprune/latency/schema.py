@@ -69,7 +69,7 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
               "per_block_ms": Num(gt=0), "per_block_half_ms": Num(gt=0), "half_dims": MapOf(Int(min=1)),
               "chain_quarter_ms": Num(gt=0, nullable=True), "sub_blocks_quarter_ms": Num(gt=0),
               "per_block_quarter_ms": Num(), "quarter_dims": MapOf(Int(min=1)),
-              "points_used": Int(min=1)})
+              "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True))})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1))})

@@ -206,7 +206,7 @@ def _retime(t: Any, problem: str) -> RuntimeFault:
                         "command: it times them again)")
 
 
-def finish(t: Any) -> Any:
+def finish(t: Any, keep_disordered: bool = False) -> Any:
     """Fill ``fixed_ms`` (the model without its blocks, timed) and the in-model block cost ``block_points``
     (module doc): the per-block costs inside a model against the two sub-blocks' sum at the dense dims and the
     :data:`FIT_FRACTIONS` chains (the points of distinct dims), through which ``LatencyTable.block_total`` is
@@ -214,14 +214,23 @@ def finish(t: Any) -> Any:
     ``meta["fixed_by_subtraction_ms"]`` keeps what the subtraction of earlier tables gave (dense model - depth x
     sub-blocks), for comparison. Not yet complete (the self-check decides).
 
+    ``keep_disordered`` (``--force`` after the last re-timing): chains that still disagree are left out instead
+    of refused -- the in-model cost falls back to the sub-blocks' sum where the dense chain itself is off -- and
+    ``parts["left_out"]`` says which; the self-check then judges the table (and ``--force`` keeps it unverified).
+
     Raises:
-        RuntimeFault: the dense and half chains disagree (the half block timed slower): the load moved.
+        RuntimeFault: the dense and half chains disagree (the half block timed slower): the load moved (not with
+            ``keep_disordered``).
     """
     k, parts = t.key, t.meta["parts"]
     n = chain_length(k["depth"])
     sub = t.block_ms(t.dense_dims())
     per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (n - 1)
     call = float(parts["block_ms"]) - per_block
+    left_out = []
+    if keep_disordered and per_block <= 0:  # the dense chain itself is off: the sub-blocks' sum, no call term
+        left_out.append(f"chain ({n} blocks {parts['chain_ms']:.4g} ms, one {parts['block_ms']:.4g} ms)")
+        per_block, call = sub, float(parts["block_ms"]) - sub
     parts.update(sub_blocks_ms=sub, chain_blocks=n, per_block_ms=per_block)
     points, seen = [(sub, per_block)], [t.dense_dims()]
     for kind in FIT_FRACTIONS:  # largest first
@@ -232,12 +241,16 @@ def finish(t: Any) -> Any:
         if dims in seen:
             continue
         seen.append(dims)
-        if kind == "chain_half" and not (0 < per_f < per_block and sub_f < sub):
+        if kind == "chain_half" and not (0 < per_f < per_block and sub_f < sub) and keep_disordered:
+            left_out.append(f"chain_half ({n} half blocks {parts['chain_half_ms']:.4g} ms)")
+            parts.pop("per_block_half_ms")  # not a point of the in-model cost (check_adds_up skips it)
+        elif kind == "chain_half" and not (0 < per_f < per_block and sub_f < sub):
             raise _retime(t, f"the model's {n} blocks in sequence timed {parts['chain_ms']:.4g} ms, one alone "
                              f"{parts['block_ms']:.4g} ms, {n} half blocks {parts['chain_half_ms']:.4g} ms")
         if 0 < per_f < points[-1][1] and sub_f < points[-1][0]:
             points.append((sub_f, per_f))  # a smaller point out of order (tiny blocks, noise) is left out
     parts["points_used"] = len(points)
+    parts["left_out"] = left_out
     (x1, y1), (x0, y0) = points[0], points[1] if len(points) > 1 else points[0]
     t.block_scale = (y1 - y0) / (x1 - x0) if x1 > x0 else 1.0  # the line through the dense and the half point
     t.block_overhead_ms = y1 - t.block_scale * x1
