@@ -44,6 +44,11 @@ def main() -> None:
     out = {"model": a.model, "images": a.images, "budget": res.record["allocation"]["budget"],
            "uniform_s": uniform, "budgeted_s": budgeted, "ratio": budgeted / uniform,
            "split": res.record["timing"].get("split")}
+    chk = res.record.get("latency_check") or {}
+    if chk.get("rounds"):  # the measure-and-correct loop: what each round cost (allocation + solve, measuring)
+        out["rounds"] = [{k: r[k] for k in ("round", "budget_value", "predicted", "measured", "miss", "seconds",
+                                            "measure_seconds")} for r in chk["rounds"]]
+        out["chosen_round"] = chk.get("chosen_round")
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

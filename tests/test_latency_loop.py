@@ -6,6 +6,7 @@ without timing anything."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +129,52 @@ def test_reused_statistics_give_the_same_prune():
     assert again["statistics_reused"] and again["passes"] == 0 and not info["statistics_reused"]
     for (k, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(p, q), k
+
+
+def test_a_correction_round_reuses_the_measured_sensitivities():
+    """Issue 40's repeated work: a round on the same statistics for another budget value reads the per-unit
+    measurements of the first round instead of pruning every unit again; a fresh pass measures them anew."""
+    model, x = small_vit(), _images()
+
+    def run(value, statistics=None):
+        cfg = corp_config("all", None, flops=value, last_block="full", allocation_check_images=8)
+        return corp_prune(find_anatomy(copy.deepcopy(model)), lambda: iter([x[:24], x[24:]]), cfg, progress=False,
+                          statistics=statistics)
+
+    first = run(0.6)
+    again = run(0.5, first["statistics"])
+    fresh = run(0.5)
+    s1, s2, s3 = (i["allocation"]["selection"]["sensitivity"] for i in (first, again, fresh))
+    assert "reused" not in s1 and "reused" not in s3 and s2["reused"]
+    assert s2["units"] == s1["units"] and s3["units"] != s1["units"]  # measured where round 0's uniform put them
+    assert again["allocation"]["achieved_cost"] <= again["allocation"]["target_cost"]
+
+
+def test_the_measurer_exports_the_dense_model_once(monkeypatch):
+    """The measure-and-correct loop benches every round against the same dense model: its ONNX export is made
+    once (issue 40), the pruned model's every time; the measurements are real ONNX Runtime runs."""
+    from types import SimpleNamespace
+
+    import edgeprune.pruning.latency_check as lc
+    import edgeprune.pruning.latency_loop as ll
+    from edgeprune.latency.measure import cpu_name
+
+    pytest.importorskip("onnxruntime")
+    key = {"backend": "onnxruntime", "device_name": cpu_name(), "batch": 2, "threads": 1, "precision": "fp32"}
+    monkeypatch.setattr(ll, "load_table", lambda path: SimpleNamespace(key=key))
+    exported = []
+    for mod in (ll, lc):
+        real = mod.export_onnx
+        monkeypatch.setattr(mod, "export_onnx", lambda m, path, *a, _real=real, **k: exported.append(
+            Path(path).stem) or _real(m, path, *a, **k))
+    dense = small_vit()
+    measure, reason = ll.table_measurer(SimpleNamespace(table="t.json"), find_anatomy(dense), iterations=2, warmup=1)
+    assert reason is None
+    for value in (0.6, 0.5):
+        pruned = edgeprune.prune(dense, _images(), flops=value, last_block="full", allocation_check_images=0).model
+        got = measure(dense, pruned)
+        assert got["dense_ms"] > 0 and got["pruned_ms"] > 0 and got["ratio"] > 0
+    assert exported == ["dense", "pruned", "pruned"]
 
 
 def test_next_value_steps():

@@ -97,24 +97,49 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
             out[f"greedy(qk_weight={w:g})"] = (dims, rep)
     if x is not None and dense_out is not None and cfg.allocation_sensitivity:
         t0 = time.perf_counter()
-        ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
         n = cfg.allocation_sensitivity_images
         if n is not None and n < x.shape[0]:  # the per-unit measurements on fewer images (CorpConfig)
             x, dense_out = x[:n], dense_out[:n]
-        cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
-        curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, cache=cache)
-        dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
-        if all(dims != d for d, _ in out.values()):
-            out["greedy(measured)"] = (dims, rep)
-        if cfg.allocation_anchors >= 2:  # measure again where that allocation put each unit
-            curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, also_at=dims, known=units,
-                                            cache=cache)
-            dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
+        key = _measured_key(cfg, x)
+        known, fresh = stats.derived.get(key), key not in stats.derived
+        if fresh:
+            known = stats.derived[key] = _measure(anatomy, stats, cfg, out, x, dense_out)
+        for name, (curves, units, got) in known.items():
+            dims, rep = got if fresh else allocate(anatomy, stats, cfg, only="greedy", curves=copy.deepcopy(curves))
             if all(dims != d for d, _ in out.values()):
-                out["greedy(measured x2)"] = (dims, rep)
+                out[name] = (dims, rep)
         if sensitivity is not None:
-            sensitivity.update(units=units, seconds=time.perf_counter() - t0, images=int(x.shape[0]))
+            sensitivity.update(units=known[list(known)[-1]][1], seconds=time.perf_counter() - t0,
+                               images=int(x.shape[0]),
+                               **({} if fresh else {"reused": "the measured curves of an earlier round"}))
     return out
+
+
+def _measured_key(cfg, x: torch.Tensor) -> tuple:
+    """``stats.derived`` key of the measured curves: the CORP settings but the budget's value (a latency
+    correction round asks the same statistics for another value: issue 40, no repeated sensitivity pass)."""
+    settings = dataclasses.replace(cfg, budget=None, dims=None)
+    b = cfg.budget
+    budget = None if b is None else {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "value"}
+    return ("allocation.measured", repr(settings), repr(budget), tuple(x.shape))
+
+
+def _measure(anatomy, stats, cfg, out: dict, x: torch.Tensor, dense_out: torch.Tensor) -> dict[str, tuple]:
+    """``{"greedy(measured)": (curves, units, (dims, report))[, "greedy(measured x2)": ...]}``: the curves rescaled
+    to single-unit measurements at the uniform candidate's sizes, and again where the first greedy allocation put
+    each unit (``cfg.allocation_anchors`` >= 2; :func:`measured_curves`), with the greedy allocation on each."""
+    ref = out["uniform"][0] if "uniform" in out else next(iter(out.values()))[0]
+    cache = BlockInputs(anatomy.model, [a.block for a in anatomy.blocks], x, output_tensor)
+    curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, cache=cache)
+    kept = copy.deepcopy(curves)  # as measured (allocate may touch the curves it is given)
+    dims, rep = allocate(anatomy, stats, cfg, only="greedy", curves=curves)
+    got = {"greedy(measured)": (kept, units, (dims, rep))}
+    if cfg.allocation_anchors >= 2:  # measure again where that allocation put each unit
+        curves, units = measured_curves(anatomy, stats, cfg, ref, x, dense_out, also_at=dims, known=units,
+                                        cache=cache)
+        kept = copy.deepcopy(curves)
+        got["greedy(measured x2)"] = (kept, units, allocate(anatomy, stats, cfg, only="greedy", curves=curves))
+    return got
 
 
 #: BlockPlan field of each allocation key

@@ -65,11 +65,14 @@ def why_not_measured(key: dict) -> str | None:
     return None
 
 
-def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdir: Path) -> tuple[Any, Any]:
-    """(dense runner, pruned runner) on the table's backend (module doc)."""
+def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdir: Path,
+             dense_onnx: Path | None = None) -> tuple[Any, Any]:
+    """(dense runner, pruned runner) on the table's backend (module doc); ``dense_onnx``: the dense model's
+    export of an earlier call (the same model, key and shape), reused."""
     batch, threads = int(key["batch"]), key.get("threads")
     if key["backend"] == "onnxruntime":
-        paths = [export_onnx(m, workdir / f"{n}.onnx", input_shape, dynamic_batch=False, batch_size=batch)
+        paths = [dense_onnx if n == "dense" and dense_onnx is not None else
+                 export_onnx(m, workdir / f"{n}.onnx", input_shape, dynamic_batch=False, batch_size=batch)
                  for n, m in (("dense", dense), ("pruned", pruned))]
         return tuple(OrtRunner(p, providers=("cpu",), threads=threads, label=p.stem) for p in paths)
     device = torch_device_for(key) or "cpu"
@@ -80,19 +83,21 @@ def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdi
 
 
 def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, iterations: int = 20,
-                 warmup: int = 3) -> dict[str, float]:
+                 warmup: int = 3, dense_onnx: Path | None = None) -> dict[str, float]:
     """p50 ms per batch of the dense and the pruned model, interleaved, on the table's backend.
 
     Args:
         dense, pruned: the two models (CPU, eval mode; not modified).
         key: the table's key (backend, batch, threads, precision, device_name).
         input_shape: (C, H, W) of one image.
+        dense_onnx: an ONNX export of ``dense`` at the key's batch (the measure-and-correct loop exports the
+            dense model once: issue 40), else exported here.
 
     Returns:
         ``{"dense_ms", "pruned_ms", "ratio"}`` (ratio = pruned / dense p50 of the pair).
     """
     with tempfile.TemporaryDirectory(prefix="edgeprune-latency-check-") as tmp:
-        ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp))
+        ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp), dense_onnx)
         try:
             (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup)
         finally:

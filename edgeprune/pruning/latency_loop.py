@@ -26,7 +26,9 @@ prepared SKP anchor, statistics and SVD factors, and read their record through a
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -37,6 +39,7 @@ from edgeprune.budget import Budget
 from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
 from edgeprune.pruning.latency_check import latency_check, measure_pair, why_not_measured
+from exporters.onnx import export_onnx
 
 #: (dense model, pruned model) -> {"dense_ms", "pruned_ms", "ratio"} (ratio = pruned / dense of one run)
 Measurer = Callable[[nn.Module, nn.Module], dict]
@@ -75,10 +78,20 @@ def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
     if reason is not None:
         return None, reason
     shape = (anatomy.in_chans, *anatomy.img_size)
+    kept: dict[int, Any] = {}  # the dense model's ONNX export, made once for every round (issue 40)
 
     def measure(dense: nn.Module, pruned: nn.Module) -> dict:
+        onnx = None
+        if key.get("backend") == "onnxruntime":
+            if id(dense) not in kept:
+                kept.clear()
+                folder = tempfile.TemporaryDirectory(prefix="edgeprune-latency-dense-")
+                path = export_onnx(dense.eval(), Path(folder.name) / "dense.onnx", shape, dynamic_batch=False,
+                                   batch_size=int(key["batch"]))
+                kept[id(dense)] = (folder, path)  # the folder is removed with the measurer
+            onnx = kept[id(dense)][1]
         with torch.no_grad():
-            return measure_pair(dense.eval(), pruned.eval(), key, shape, iterations, warmup)
+            return measure_pair(dense.eval(), pruned.eval(), key, shape, iterations, warmup, dense_onnx=onnx)
 
     return measure, None
 
