@@ -77,7 +77,7 @@ def call_command(ctx: click.Context, cmd: click.Command, **given: Any) -> Any:
 @latency_table_option
 @click.option("--tokens-merge", "tokens_merge", default=None, metavar="R",
               help="Token merging in the pruned model (prune's --tokens-merge: R per block, r0,r1,... or "
-                   "decreasing:R; docs/tokens.md) [off].")
+                   "decreasing:R, or auto with --latency; docs/tokens.md) [off].")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
               help="Deployed precision (int8: TensorRT recipe on a TensorRT profile, dynamic on ONNX Runtime) "
                    "[the profile's: build.precision or onnxruntime.precision].")
