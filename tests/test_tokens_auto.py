@@ -161,6 +161,9 @@ def test_refusals_in_one_line_before_any_pass(tmp_path):
         r = run_cli(base + extra + ["-o", tmp_path / "bad"])
         assert_one_line_error(r, pattern)
         assert not (tmp_path / "bad").exists()
+    r = run_cli(["deploy", "--device", "cpu", "--flops", "0.5", "--tokens-merge", "auto", "-o", tmp_path / "dep"])
+    assert_one_line_error(r, "--tokens-merge auto needs a --latency budget")
+    assert not (tmp_path / "dep").exists()
     recipe = tmp_path / "r.toml"  # the recipe key takes "auto" too
     recipe.write_text('[model]\nmodel = "fmnist-vit"\n[method]\ntokens-merge = "auto"\n')
     r = run_cli(["prune", "--config", str(recipe), "--no-eval", "-o", tmp_path / "bad"])
