@@ -37,7 +37,7 @@ from edgeprune.cli.prune import prune_cmd
 from edgeprune.cli.quantize import quantize_cmd
 from edgeprune.budget.latency import LatencyCost
 from edgeprune.errors import UserError
-from edgeprune.tokens.schedule import parse_tokens_merge
+from edgeprune.tokens.schedule import AUTO, parse_tokens_merge
 from runners.registry import backend_available
 
 _BUDGETS = ("sparsity", "flops", "params", "latency")
@@ -77,7 +77,7 @@ def call_command(ctx: click.Context, cmd: click.Command, **given: Any) -> Any:
 @latency_table_option
 @click.option("--tokens-merge", "tokens_merge", default=None, metavar="R",
               help="Token merging in the pruned model (prune's --tokens-merge: R per block, r0,r1,... or "
-                   "decreasing:R; docs/tokens.md) [off].")
+                   "decreasing:R, or auto with --latency; docs/tokens.md) [off].")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8"]), default=None,
               help="Deployed precision (int8: TensorRT recipe on a TensorRT profile, dynamic on ONNX Runtime) "
                    "[the profile's: build.precision or onnxruntime.precision].")
@@ -175,6 +175,9 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
                          ("--checkpoint", o["checkpoint"]), ("--latency-table", o["latency_table"])):
         if path is not None and not Path(path).exists():
             raise UserError(f"{option} {path}: no such file or folder")
+    if parse_tokens_merge(o.get("tokens_merge")) == AUTO and o["budget"] != "latency":
+        raise UserError("--tokens-merge auto needs a --latency budget (a table with a token axis prices the merges); "
+                        "give a schedule (R, r0,r1,... or decreasing:R) with --sparsity/--flops/--params")
     if parse_tokens_merge(o.get("tokens_merge")) is not None and o["budget"] == "latency" and o.get("latency_table"):
         LatencyCost.check_tokens_merge(SimpleNamespace(table=o["latency_table"]))  # a table without a token axis
     profile = load_profile(o["profile_name"])  # a missing profile: one line

@@ -101,7 +101,9 @@ def _target_help() -> str:
 @click.option("--tokens-merge", "tokens_merge", default=None, metavar="R",
               help="Token merging after the width pruning (ToMe, training-free, docs/tokens.md): R tokens merged "
                    "per block, a list r0,r1,... (one per block) or decreasing:R (r falls from 2R to 0); fixed "
-                   "shapes, exports to ONNX / TensorRT [off].")
+                   "shapes, exports to ONNX / TensorRT. auto (with --latency and a table with a token axis): the "
+                   "schedule with the lowest output error on the check images among a few candidates (0 one of "
+                   "them), one prune per candidate [off].")
 @click.option("--sequential", is_flag=True, help="Sequential calibration: statistics of each block on the "
               "output of the already pruned blocks.")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
@@ -224,6 +226,7 @@ def _report(rec: dict, spec, dense_m, pruned_m, prune_s: float) -> None:
         click.echo(f"MLP statistics from {used} random tokens per image (--gram-tokens 0: all tokens)")
     _report_correction(rec.get("bias_correction"))
     _report_embed_auto(rec.get("embed_auto"))
+    _report_tokens_auto(rec.get("tokens_auto"))
     if rec.get("embed"):  # issue 33
         e = rec["embed"]
         click.echo(f"residual stream sliced {e['dense_embed_dim']} -> {e['embed_dim']} ({e['rotation']} rotation, "
@@ -249,6 +252,18 @@ def _report_embed_auto(auto: dict | None) -> None:
     for c in auto["skipped"]:
         click.echo(f"embed auto: S {c['embed_sparsity']:g} skipped: {c['reason']}")
     click.echo(f"embed auto: chose S {auto['chosen']:g} (D' {auto['embed_dim']}, the smallest check error)")
+
+
+def _report_tokens_auto(auto: dict | None) -> None:
+    """The line of ``--tokens-merge auto`` (issue 44): the chosen schedule, its error against no merging."""
+    if not auto:
+        return
+    rows = auto["candidates"]
+    chosen = next(c for c in rows if c["schedule"] == auto["chosen"])
+    zero = next((f"{c['check_error']:.4g}" for c in rows if not any(c["r"])), "skipped")
+    click.echo(f"tokens auto: chose {auto['chosen']} (r per block {auto['r']}; check error {chosen['check_error']:.4g}"
+               f" vs {zero} without merging, on {auto['images']} images; {len(rows)} candidates pruned, "
+               f"{len(auto['skipped'])} skipped: run.json tokens_auto)")
 
 
 def _report_correction(bc: dict | None) -> None:

@@ -117,7 +117,10 @@ class CorpConfig:
             (``edgeprune.pruning.latency_loop``).
         tokens_merge: token merging after the width stages (ToMe, ``edgeprune.tokens``, docs/tokens.md): None
             (off), r per block (an int), one r per block (a tuple) or ``"decreasing:R"``; checked by
-            ``edgeprune.pruning.config`` and, against the model, by the ``tokens_merge`` stage.
+            ``edgeprune.pruning.config`` and, against the model, by the ``tokens_merge`` stage. ``"auto"`` (with a
+            ``latency`` budget whose table has a token axis): one prune per candidate schedule of
+            ``tokens_candidates`` (None = the model's default, ``edgeprune.pruning.tokens_auto``; 0 is always
+            one), the one with the lowest output error on the check images kept.
         qk_memory_limit_gb: above this, per-image Q/K Grams are not stored; a second calibration
             pass accumulates the exact system instead (same result, one more forward pass).
         qk_solver: how the exact Q/K system is solved from per-image Grams (a solver registered
@@ -165,6 +168,7 @@ class CorpConfig:
     correction_tolerance: float = 0.03
     correction_rounds: int = 3
     tokens_merge: int | tuple | str | None = None  # issue 44: ToMe token merging (edgeprune.tokens.schedule)
+    tokens_candidates: tuple | None = None  # with tokens_merge="auto" (edgeprune.pruning.tokens_auto)
 
     @classmethod
     def from_target(cls, target: str = "both", sparsity: float | None = 0.5, *,

@@ -15,7 +15,7 @@ corp                    target, the sparsities, layout, criteria, ridge alphas, 
                         round_to, qk_solver, compensation, dims
 embed                   embed_sparsity, embed_order, embed_refit, embed_candidates  ``edgeprune.embed.settings``
 output                  bias_correction_images, head_refit, last_block              ``edgeprune.corp.config``
-tokens                  tokens_merge                                                ``edgeprune.tokens.schedule``
+tokens                  tokens_merge, tokens_candidates                             ``edgeprune.tokens.schedule``
 ======================  =========================================================  ================================
 """
 
@@ -27,11 +27,11 @@ from typing import Any
 from edgeprune.allocation.settings import check_allocation_settings
 from edgeprune.budget import budget_kinds, make_budget
 from edgeprune.corp.config import CorpConfig
-from edgeprune.embed.settings import check_embed_settings
+from edgeprune.embed.settings import check_embed_settings, is_auto
 from edgeprune.errors import UserError
 from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.pruning.latency_loop import check_correction
-from edgeprune.tokens.schedule import parse_tokens_merge
+from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
 
 #: section -> the CorpConfig fields it holds (module doc); every field is in exactly one
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -43,7 +43,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
              "vo_criterion", "ridge_alpha", "qk_ridge_alpha", "round_to", "qk_solver", "compensation", "dims"),
     "embed": ("embed_sparsity", "embed_order", "embed_refit", "embed_candidates"),
     "output": ("bias_correction_images", "head_refit", "last_block"),
-    "tokens": ("tokens_merge",),
+    "tokens": ("tokens_merge", "tokens_candidates"),
 }
 
 def check_correction_settings(config: CorpConfig) -> None:
@@ -59,12 +59,21 @@ def check_tokens_settings(config: CorpConfig) -> None:
     """The token-merging schedule's form (``edgeprune.tokens.schedule.parse_tokens_merge``; the model's limits are
     checked by the ``tokens_merge`` stage) and its fit with a budget priced by a table: the table must have a token
     axis (``LatencyCost.check_tokens_merge``); the budget then carries the schedule, so the allocation prices the
-    merged token counts (``edgeprune.budget.latency``).
+    merged token counts (``edgeprune.budget.latency``). ``"auto"`` (:func:`check_tokens_auto`): the budget carries
+    no schedule (each candidate's config carries its own).
 
     Raises:
         UserError: one line naming the setting (or the table).
     """
     value = parse_tokens_merge(config.tokens_merge)
+    candidates = parse_candidates(config.tokens_candidates)
+    if candidates is not None and value != AUTO:
+        raise UserError("tokens candidates go with tokens_merge='auto' (they would be ignored)")
+    if candidates != config.tokens_candidates:
+        config.tokens_candidates = candidates
+    if value == AUTO:
+        check_tokens_auto(config)
+        value = None
     budget = config.budget
     if budget is None or not budget.model_class.needs_table:
         return
@@ -77,6 +86,33 @@ def check_tokens_settings(config: CorpConfig) -> None:
         check(budget)
     if budget.tokens_merge != value:
         config.budget = dataclasses.replace(budget, tokens_merge=value)
+
+
+def check_tokens_auto(config: CorpConfig) -> None:
+    """``tokens_merge="auto"`` (``edgeprune.pruning.tokens_auto``): not with ``embed_sparsity="auto"`` (that one
+    needs a FLOPs / params budget, this one a latency budget), a ``latency`` budget (a cost model that prices the
+    merged token counts: its class has ``check_tokens_merge``; FLOPs and params budgets allocate the widths at the
+    full token count, so a merge would only add error there) with a token axis, and ``allocation_check_images``
+    >= 1 (the candidates are judged on those images).
+
+    Raises:
+        UserError: one line naming the setting.
+    """
+    if is_auto(config):
+        raise UserError("--tokens-merge auto and --embed-sparsity auto cannot be combined (embed auto needs "
+                        "--flops/--params, tokens auto --latency); choose one of them")
+    budget = config.budget
+    if budget is None:
+        raise UserError("--tokens-merge auto needs a budget (--latency with a table that has a token axis) to "
+                        "choose r for; give a schedule (R, r0,r1,... or decreasing:R) without one")
+    check = getattr(budget.model_class, "check_tokens_merge", None)
+    if check is None:
+        raise UserError(f"--tokens-merge auto with a --{budget.kind} budget: its cost model does not price merged "
+                        "tokens (the widths get the whole budget, a merge only adds error); use --latency with a "
+                        "table that has a token axis, or give a schedule")
+    check(budget)
+    if config.allocation_check_images < 1:
+        raise UserError("--tokens-merge auto judges its candidates on the check images; give --check-images >= 1")
 
 
 #: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)

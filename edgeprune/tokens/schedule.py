@@ -23,6 +23,13 @@ from edgeprune.tokens.merge import split_sizes
 
 OPTION = "--tokens-merge"
 DECREASING = "decreasing"
+#: ``tokens_merge`` value that lets the budget choose the schedule (``edgeprune.pruning.tokens_auto``)
+AUTO = "auto"
+
+
+def is_tokens_auto(cfg: Any) -> bool:
+    """Whether ``cfg.tokens_merge`` asks the budget to choose the schedule (``"auto"``)."""
+    return isinstance(cfg.tokens_merge, str) and cfg.tokens_merge == AUTO
 
 
 def _int(text: Any, what: str) -> int:
@@ -39,9 +46,10 @@ def _int(text: Any, what: str) -> int:
 
 
 def parse_tokens_merge(value: Any) -> int | tuple[int, ...] | str | None:
-    """The canonical form of a schedule: None (no merging), an int, a tuple of ints or ``"decreasing:R"``.
+    """The canonical form of a schedule: None (no merging), an int, a tuple of ints or ``"decreasing:R"``; or
+    ``"auto"`` (the budget chooses among candidate schedules: ``edgeprune.pruning.tokens_auto``).
 
-    Accepts those forms, a list, and the command line's strings (``"8"``, ``"8,8,0"``, ``"decreasing:8"``).
+    Accepts those forms, a list, and the command line's strings (``"8"``, ``"8,8,0"``, ``"decreasing:8"``, ``"auto"``).
 
     Raises:
         UserError: a negative or non-integer r, an empty list, an unknown form.
@@ -54,6 +62,8 @@ def parse_tokens_merge(value: Any) -> int | tuple[int, ...] | str | None:
         return tuple(_int(v, f"r of block {i}") for i, v in enumerate(value))
     if isinstance(value, str):
         text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
         if text.lower().startswith(DECREASING):
             rest = text[len(DECREASING):]
             if not rest.startswith(":"):
@@ -75,6 +85,9 @@ def schedule_r(value: Any, num_blocks: int) -> list[int]:
     value = parse_tokens_merge(value)
     if value is None:
         return [0] * num_blocks
+    if value == AUTO:
+        raise UserError(f"{OPTION} auto is chosen per candidate schedule by edgeprune.prune "
+                        "(edgeprune.pruning.tokens_auto); this step takes a fixed schedule")
     if isinstance(value, tuple):
         if len(value) != num_blocks:
             raise UserError(f"{OPTION} lists {len(value)} values for a model of {num_blocks} blocks "
@@ -120,3 +133,25 @@ def plan_merges(value: Any, num_blocks: int, num_tokens: int, num_prefix: int,
     if class_token_last:
         r[-1] = 0
     return r, token_counts(r, num_tokens, num_prefix)
+
+
+def parse_candidates(value: Any) -> tuple | None:
+    """``CorpConfig.tokens_candidates``: None (the model's default candidates, ``edgeprune.pruning.tokens_auto``) or
+    a non-empty list of schedules in any form of :func:`parse_tokens_merge` but ``"auto"`` (a per-block schedule as
+    a list or tuple), returned in their canonical forms.
+
+    Raises:
+        UserError: a string, an empty list, a bad schedule (one line naming it).
+    """
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+        raise UserError(f"tokens candidates must be a non-empty list of schedules (R, [r0, r1, ...] or "
+                        f"'{DECREASING}:R'), got {value!r}")
+    out = []
+    for v in value:
+        s = parse_tokens_merge(v)
+        if s is None or s == AUTO:
+            raise UserError(f"tokens candidates: {v!r} is not a schedule (R, [r0, r1, ...] or '{DECREASING}:R')")
+        out.append(s)
+    return tuple(out)
