@@ -182,10 +182,16 @@ def test_bad_tokens_values(value, msg, cli, tmp_path):
     assert check_token_counts([5, 17, 9], 17, 1) == [5, 9]
 
 
+#: what the fake backend's merge step costs beyond the attention (ms, any count)
+MERGE_MS = 0.5
+
+
 def _token_timer():
     """A fake backend (tests/test_latency_table.py's machine) whose sub-blocks cost ``n / 5`` of their full-count
-    time at n tokens (the models there have 5 tokens)."""
+    time at n tokens (the models there have 5 tokens), and a merging attention sub-block that plus
+    :data:`MERGE_MS`."""
     from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
+    from edgeprune.latency.token_axis import MergeAttnSubBlock
     from tests.test_latency_table import _Fixed, _cost
 
     if "fake-tokens" in list_timers():
@@ -200,6 +206,9 @@ def _token_timer():
             return "fake-device"
 
         def open(self, module, x, s, workdir):
+            if isinstance(module, MergeAttnSubBlock):
+                sub = AttnSubBlock(module.norm, module.attn, module.ls)
+                return _Fixed(_cost(sub)[1] * x.shape[1] / 5 + MERGE_MS), x
             ms = _cost(module)[1]
             if isinstance(module, (MlpSubBlock, AttnSubBlock)):
                 ms *= x.shape[1] / 5
@@ -231,5 +240,14 @@ def test_a_build_times_the_token_axis(interleave, tmp_path):
         back = LatencyTable.load(tmp_path / "t.json")
         assert back.tokens == t.tokens and back.mlp == plain.mlp
         assert back.block_ms(back.dense_dims(), 3, 3) == pytest.approx(0.6 * back.block_ms(back.dense_dims()))
+        # the merge step: timed at every count and at the model's own, against the dense attention at 5 tokens
+        d = back.dense_dims()
+        attn = back.attn_ms(d["heads"], d["qk"], d["v"])
+        assert sorted(t.measured["tokens_merge"]) == [2, 4, 5]
+        assert back.tokens["merge"] == pytest.approx([(attn * n / 5 + MERGE_MS) / attn for n in (2, 4, 5)])
+        assert back.merge_extra_ms(3) == pytest.approx(MERGE_MS)
+        assert back.block_ms(d, 3, 2) == pytest.approx(0.4 * back.mlp_ms(d["mlp"]) + 0.6 * attn + MERGE_MS)
+        del back.tokens["merge"]  # a table built before the merge step was timed: the merge is free, as before
+        assert back.block_ms(d, 3, 2) == pytest.approx(0.4 * back.mlp_ms(d["mlp"]) + 0.6 * attn)
     finally:
         unregister_timer("fake-tokens")

@@ -225,6 +225,7 @@ def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
     without its blocks, the dense block and a chain of them."""
     return ([("mlp", (w,)) for w in grid.mlp] + [("attn", p) for p in grid.attn_points()]
             + [(f"tokens_{part}", (n,)) for n in grid.tokens for part in ("mlp", "attn")]
+            + [("tokens_merge", (n,)) for n in ([*grid.tokens, grid.full_tokens] if grid.tokens else [])]
             + [(kind, ()) for kind in WHOLE])
 
 

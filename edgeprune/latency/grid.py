@@ -80,6 +80,7 @@ class Grid:
         qk_equals_v: only ``qk == v`` is timed (``qk`` and ``v`` are then the same list).
         tokens: the token counts besides the model's at which the dense sub-blocks are timed (ascending; empty:
             no token axis).
+        full_tokens: the model's own token count (the merge step is timed there too).
     """
 
     mlp: list[int]
@@ -88,6 +89,7 @@ class Grid:
     v: list[int]
     qk_equals_v: bool
     tokens: list[int] = dataclasses.field(default_factory=list)
+    full_tokens: int = 0
 
     def attn_points(self) -> list[tuple[int, int, int]]:
         """Every timed (heads, qk, v), ascending, heads-major (only ``qk == v`` when
@@ -97,7 +99,7 @@ class Grid:
 
     def count(self) -> int:
         """Entries to time (without the whole dense model)."""
-        return len(self.mlp) + len(self.attn_points()) + 2 * len(self.tokens)
+        return len(self.mlp) + len(self.attn_points()) + 3 * len(self.tokens) + (1 if self.tokens else 0)
 
 
 def parse_token_counts(text: str | None) -> list[int]:
@@ -157,7 +159,8 @@ def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MA
     dims = keep_allowed(on_grid(shape["head_dim"], rules["head_dim_round_to"]), shape["head_dim"],
                         allowed_head_dims(rules))
     dims = thin(dims, max_diag if diag else max_dims)
-    return Grid(mlp=mlp, heads=heads, qk=dims, v=list(dims), qk_equals_v=diag, tokens=sorted(tokens or []))
+    return Grid(mlp=mlp, heads=heads, qk=dims, v=list(dims), qk_equals_v=diag, tokens=sorted(tokens or []),
+                full_tokens=int(shape["tokens"]))
 
 
 __all__ = ["Grid", "check_token_counts", "make_grid", "on_grid", "parse_token_counts", "shape_of", "thin"]

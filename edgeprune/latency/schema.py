@@ -83,11 +83,11 @@ _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
                  "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),
                  "chain_half": Bool(), "chain_quarter": Bool(), "tokens_mlp": ListOf(Int(min=1)),
-                 "tokens_attn": ListOf(Int(min=1))})
+                 "tokens_attn": ListOf(Int(min=1)), "tokens_merge": ListOf(Int(min=1))})
 
 #: the token axis (``latency-table --tokens``): counts ascending, ending at key.tokens; a time ratio per count
 _TOKENS = Obj({"counts": Req(ListOf(Int(min=1), min_len=2, increasing=True)), "mlp": Req(ListOf(_MS)),
-               "attn": Req(ListOf(_MS))})
+               "attn": Req(ListOf(_MS)), "merge": ListOf(_MS)})
 
 
 def _fail(field: str, problem: str) -> SchemaError:
@@ -123,11 +123,13 @@ def _token_axis(d: dict, complete: bool) -> None:
     counts, full = ax["counts"], d["key"]["tokens"]
     if counts[-1] != full:
         raise _fail("tokens.counts", f"must end at the model's key.tokens = {full}, ends at {counts[-1]}")
-    for part in ("mlp", "attn"):
-        ratios = ax[part]
+    for part in ("mlp", "attn", "merge"):
+        ratios = ax.get(part)
+        if ratios is None:  # "merge": a table built before the merge step was timed
+            continue
         if len(ratios) != len(counts):
             raise _fail(f"tokens.{part}", f"must have one ratio per count ({len(counts)}), has {len(ratios)}")
-        if ratios[-1] != 1.0:
+        if part != "merge" and ratios[-1] != 1.0:
             raise _fail(f"tokens.{part}[{len(counts) - 1}]", f"must be 1 (the full count), got {ratios[-1]}")
         measured = d.get("measured", {}).get(f"tokens_{part}", [])
         for i, (n, x) in enumerate(zip(counts, ratios)):

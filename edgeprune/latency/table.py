@@ -110,10 +110,11 @@ class LatencyTable:
             present, :meth:`block_total` is piecewise-linear through them (extended by the end
             segments) instead of the one line of ``block_scale`` / ``block_overhead_ms``.
         tokens: the token axis (``latency-table --tokens``; None: none, the blocks timed at ``key["tokens"]`` only):
-            ``{"counts": [N_1 < ... < key.tokens], "mlp": [f], "attn": [f]}``, f the time of the dense MLP
-            (attention) sub-block at that count over its time at ``key["tokens"]`` (1 at the last count); a
-            sub-block of any kept dims at n tokens costs its full-count time x f(n), f linear in n between counts
-            (:meth:`token_factor`).
+            ``{"counts": [N_1 < ... < key.tokens], "mlp": [f], "attn": [f], "merge": [g]}``, f the time of the
+            dense MLP (attention) sub-block at that count over its time at ``key["tokens"]`` (1 at the last count);
+            a sub-block of any kept dims at n tokens costs its full-count time x f(n), f linear in n between counts
+            (:meth:`token_factor`); g the merging attention sub-block's time at that count over the dense
+            attention's at ``key["tokens"]`` (:meth:`merge_extra_ms`; absent in tables built before it).
     """
 
     key: dict
@@ -183,8 +184,25 @@ class LatencyTable:
             return self.mlp_ms(mlp) + self.attn_ms(heads, qk, v)
         n = k["tokens"] if tokens is None else tokens
         nm = n if mlp_tokens is None else mlp_tokens
-        return self.mlp_ms(mlp) * self.token_factor("mlp", nm) + self.attn_ms(heads, qk, v) * self.token_factor(
+        ms = self.mlp_ms(mlp) * self.token_factor("mlp", nm) + self.attn_ms(heads, qk, v) * self.token_factor(
             "attn", n)
+        return ms + self.merge_extra_ms(n) if nm < n else ms
+
+    def merge_extra_ms(self, n: int) -> float:
+        """What a block that merges tokens at ``n`` tokens costs beyond a plain one (proportional attention and the
+        merge step; :mod:`edgeprune.latency.token_axis`): ``attn_ms(dense) x (merge(n) - attn(n))``, at least 0,
+        ``merge`` linear in n between the axis's counts; 0 for a table without the entry (built before it).
+
+        Raises:
+            UserError: ``n`` outside the token axis.
+        """
+        if not self.tokens or "merge" not in self.tokens:
+            return 0.0
+        k = self.key
+        b = _bracket(self.tokens["counts"], n, "tokens")
+        merge = _multilinear([b], lambda i: self.tokens["merge"][i])  # type: ignore[index]
+        dense = self.attn_ms(k["num_heads"], k["head_dim"], k["head_dim"])
+        return max(0.0, dense * (merge - self.token_factor("attn", n)))
 
     def token_factor(self, part: str, n: int) -> float:
         """The ``part`` (``"mlp"`` / ``"attn"``) sub-block's time at ``n`` tokens over its time at ``key["tokens"]``:
@@ -275,7 +293,8 @@ class LatencyTable:
             del d["tokens"]  # a table without the token axis is written as before
         else:
             d["tokens"] = {"counts": list(self.tokens["counts"]),
-                           **{p: [_num_out(x) for x in self.tokens[p]] for p in ("mlp", "attn")}}
+                           **{p: [_num_out(x) for x in self.tokens[p]] for p in ("mlp", "attn", "merge")
+                              if p in self.tokens}}
         return {"format": FORMAT, **d}
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -302,7 +321,7 @@ class LatencyTable:
         t.block_overhead_ms, t.block_scale = _num_in(t.block_overhead_ms), _num_in(t.block_scale)
         if t.tokens is not None:
             t.tokens = {"counts": list(t.tokens["counts"]),
-                        **{p: [_num_in(x) for x in t.tokens[p]] for p in ("mlp", "attn")}}
+                        **{p: [_num_in(x) for x in t.tokens[p]] for p in ("mlp", "attn", "merge") if p in t.tokens}}
         try:
             check_adds_up(t)
         except SchemaError as err:
