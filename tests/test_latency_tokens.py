@@ -71,7 +71,9 @@ def test_the_axis_round_trips_and_a_damaged_one_is_refused(tmp_path):
     for field, value, msg in (("counts", [5, 9, 13, 16], "must end at the model's key.tokens = 17"),
                               ("mlp", [0.3, 0.5, 1.0], "one ratio per count"),
                               ("attn", [0.2, 0.45, 0.7, 0.9], "must be 1"),
-                              ("counts", [9, 5, 13, 17], "tokens.counts")):
+                              ("counts", [9, 5, 13, 17], "tokens.counts"),
+                              ("merge", [0.5, 0.7, 1.2], "tokens.merge.*one ratio per count"),
+                              ("merge", [0.5, 0.7, -1.0, 1.3], r"tokens.merge\[2\]")):
         d = json.loads((tmp_path / "t.json").read_text())
         d["tokens"][field] = value
         (tmp_path / "bad.json").write_text(json.dumps(d))
@@ -192,7 +194,8 @@ def _token_timer():
     :data:`MERGE_MS`."""
     from edgeprune.latency.measure import AttnSubBlock, MlpSubBlock, Timer, list_timers, register_timer
     from edgeprune.latency.token_axis import MergeAttnSubBlock
-    from tests.test_latency_table import _Fixed, _cost
+    from edgeprune.tokens.model import TokenMergeBlock
+    from tests.test_latency_table import _Counting, _Fixed, _attn_cost, _cost, _mlp_cost
 
     if "fake-tokens" in list_timers():
         return
@@ -206,6 +209,18 @@ def _token_timer():
             return "fake-device"
 
         def open(self, module, x, s, workdir):
+            merging = [b for b in getattr(getattr(module, "blocks", None), "__iter__", lambda: [])()
+                       if isinstance(b, TokenMergeBlock)]
+            if merging:  # the self-check's merged model: each block at its tokens, a merge costs MERGE_MS more
+                ms = _Counting.outside + _Counting.call
+                for b in module.blocks:
+                    n = getattr(b, "tokens", 5)
+                    nm = n - getattr(b, "r", 0)
+                    a = b.attn
+                    ms += (_attn_cost(a.num_heads, getattr(a, "qk_dim", a.head_dim), getattr(a, "v_dim", a.head_dim))
+                           * n / 5
+                           + _mlp_cost(b.mlp.fc1.out_features) * nm / 5 + (MERGE_MS if nm < n else 0.0))
+                return _Fixed(ms), x
             if isinstance(module, MergeAttnSubBlock):
                 sub = AttnSubBlock(module.norm, module.attn, module.ls)
                 return _Fixed(_cost(sub)[1] * x.shape[1] / 5 + MERGE_MS), x
@@ -244,6 +259,9 @@ def test_a_build_times_the_token_axis(interleave, tmp_path):
         d = back.dense_dims()
         attn = back.attn_ms(d["heads"], d["qk"], d["v"])
         assert sorted(t.measured["tokens_merge"]) == [2, 4, 5]
+        (merged,) = [m for m in t.meta["self_check"]["models"] if "tokens" in m]  # the self-check's merged model
+        assert merged["name"] == "merged r=1" and merged["tokens"] == [[5, 4], [4, 3]]
+        assert merged["error"] == pytest.approx(0.0, abs=1e-9)  # this machine's merges are what the table prices
         assert back.tokens["merge"] == pytest.approx([(attn * n / 5 + MERGE_MS) / attn for n in (2, 4, 5)])
         assert back.merge_extra_ms(3) == pytest.approx(MERGE_MS)
         assert back.block_ms(d, 3, 2) == pytest.approx(0.4 * back.mlp_ms(d["mlp"]) + 0.6 * attn + MERGE_MS)

@@ -356,7 +356,7 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
     todo = [e for e in _entries(grid) if not _is_measured(t, *e)]
     if not todo and t.complete and not (opts.force and _check_failed(t)):
         return t  # nothing to time
-    checks = len(selfcheck.FRACTIONS)
+    checks = len(selfcheck.FRACTIONS) + (1 if grid.tokens else 0)
     refs = References(timer, anatomy, t.key, s, batch) if opts.interleave else None
     bar = progress(None, desc="latency table", enabled=show_progress, total=len(todo) + checks, unit="entry")
     try:

@@ -72,7 +72,8 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
               "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True))})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
-                "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1))})
+                "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1)),
+                "tokens": ListOf(ListOf(Int(min=1), min_len=2))})
 
 _SELF_CHECK = Obj({"passed": Req(Bool()), "tolerance": Req(Num(gt=0, le=1)), "forced": Bool(),
                    "failure": Str(nullable=True), "models": Req(ListOf(_CHECKED))})
@@ -260,7 +261,7 @@ def check_adds_up(t: Any) -> None:
     for i, m in enumerate(chk.get("models", [])):
         field = f"meta.self_check.models[{i}]"
         try:
-            pred = t.model_ms(m["blocks"])
+            pred = t.model_ms(m["blocks"], m.get("tokens"))
         except UserError as err:
             raise _fail(f"{field}.blocks", f"cannot be predicted by this table: {err}") from None
         if abs(pred - m["predicted_ms"]) > 1e-6 * max(1.0, pred):

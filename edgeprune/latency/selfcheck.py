@@ -44,6 +44,9 @@ import torch.nn as nn
 from edgeprune.errors import RuntimeFault
 from edgeprune.latency.schema import ADD_UP_TOLERANCE
 from edgeprune.surgery import apply_structure, backbone_vit
+from edgeprune.tokens.apply import apply_token_merge
+from edgeprune.tokens.merge import split_sizes
+from edgeprune.tokens.schedule import plan_merges
 
 #: the fractions of the dense block the self-check's pruned allocations aim at
 FRACTIONS = (0.7, 0.5, 0.3)
@@ -161,15 +164,41 @@ def _span(blocks: list[dict[str, int]]) -> str:
     return ", ".join(parts)
 
 
+def merged_check(t: Any, anatomy: Any) -> tuple[str, list[dict[str, int]], list[int], list[list[int]]] | None:
+    """The self-check's merged model on a table whose token axis timed the merge step (issue 44): ``(name, dense
+    dims per block, r per block, [[tokens the attention sees, tokens the MLP sees], ...])`` of the dense widths
+    merging a constant r per block, the largest r whose last MLP still sees at least the axis's smallest count;
+    None without such an axis (or a model too short of tokens to merge one per block)."""
+    if not t.tokens or "merge" not in t.tokens:
+        return None
+    depth, n = int(t.key["depth"]), int(t.key["tokens"])
+    prefix = int(getattr(backbone_vit(anatomy.model), "num_prefix_tokens", 0))
+    r = min((n - int(t.tokens["counts"][0])) // depth, split_sizes(n, prefix)[1])
+    if r < 1:
+        return None
+    rs, counts = plan_merges(r, depth, n, prefix)
+    pairs = [[int(c), int(c - q)] for c, q in zip(counts, rs)]
+    return f"merged r={r}", [t.dense_dims() for _ in range(depth)], rs, pairs
+
+
 def run_check(t: Any, anatomy: Any, measure: Callable[[nn.Module], float]) -> dict[str, Any]:
-    """Predict and time every :func:`allocations` model (the dense one is ``t.dense_model_ms``, already timed);
-    ``measure(model) -> ms``. Returns the table's ``meta["self_check"]`` (:func:`verdict`)."""
+    """Predict and time every :func:`allocations` model (the dense one is ``t.dense_model_ms``, already timed) and
+    the :func:`merged_check` model where there is one; ``measure(model) -> ms``. Returns the table's
+    ``meta["self_check"]`` (:func:`verdict`)."""
     models = []
     for name, blocks in allocations(t):
         ms = float(t.dense_model_ms) if name == "dense" else float(measure(pruned_model(anatomy, blocks)))
         pred = t.model_ms(blocks)
         models.append({"name": name, "predicted_ms": pred, "measured_ms": ms, "error": pred / ms - 1.0,
                        "blocks": blocks})
+    merged = merged_check(t, anatomy)
+    if merged is not None:
+        name, blocks, rs, pairs = merged
+        model = pruned_model(anatomy, blocks)
+        apply_token_merge(model, rs)
+        ms, pred = float(measure(model)), t.model_ms(blocks, pairs)
+        models.append({"name": name, "predicted_ms": pred, "measured_ms": ms, "error": pred / ms - 1.0,
+                       "blocks": blocks, "tokens": pairs})
     return verdict(t, models)
 
 
@@ -183,7 +212,10 @@ def verdict(t: Any, models: list[dict[str, Any]], tolerance: float = ADD_UP_TOLE
         m = max(bad, key=lambda m: abs(m["error"]))
         say = (f"predicted {m['predicted_ms']:.4g} ms, measured {m['measured_ms']:.4g} ms whole "
                f"({100 * m['error']:+.1f}%, more than {100 * tolerance:.0f}%)")
-        if m["name"] == "dense":
+        if "tokens" in m:
+            failure = (f"the token axis (tokens.mlp / tokens.attn / tokens.merge) is off for the {m['name']} model "
+                       f"(tokens per block {m['tokens'][0][0]} -> {m['tokens'][-1][1]}): {say}")
+        elif m["name"] == "dense":
             block = t.block_total(t.dense_dims())
             failure = (f"the parts do not add up to the dense model: outside the blocks {t.fixed_ms:.4g} ms + "
                        f"{t.key['depth']} x block {block:.4g} ms {say}")

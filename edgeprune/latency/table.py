@@ -241,14 +241,17 @@ class LatencyTable:
         """Predicted dense model ms: ``fixed_ms + depth * block_total(dense dims)``."""
         return float(self.fixed_ms) + int(self.key["depth"]) * self.block_total(self.dense_dims())
 
-    def model_ms(self, blocks: Sequence[dict[str, int]]) -> float:
+    def model_ms(self, blocks: Sequence[dict[str, int]], tokens: Sequence[Sequence[int]] | None = None) -> float:
         """Predicted ms of a whole model whose blocks keep ``blocks`` (one dims dict per block,
-        :meth:`block_ms`): ``fixed_ms + sum(block_total)``.
+        :meth:`block_ms`): ``fixed_ms + sum(block_total)``; ``tokens``: per block (tokens its attention sees,
+        tokens its MLP sees) of a merging model (None: every block at ``key["tokens"]``).
 
         Raises:
-            UserError: a dim outside the grid.
+            UserError: a dim outside the grid (or a token count outside the token axis).
         """
-        return float(self.fixed_ms) + sum(self.block_total(d) for d in blocks)
+        if tokens is None:
+            return float(self.fixed_ms) + sum(self.block_total(d) for d in blocks)
+        return float(self.fixed_ms) + sum(self.block_total(d, int(n), int(nm)) for d, (n, nm) in zip(blocks, tokens))
 
     @property
     def unverified(self) -> str | None:

@@ -15,10 +15,11 @@ measure of ``edgeprune.allocation.select``; the dense outputs computed once) dec
 smallest error is the result (ties: the lighter schedule), so auto is never worse than widths alone on that
 measured error.
 
-Why every candidate is measured and corrected, not only the chosen one: the table prices the merged blocks but not
-the merge step itself (similarities, TopK, the one-hot MatMul), so a merging candidate runs slower than predicted;
-compared at their predicted cost, the merging candidates would be favoured unfairly (on fmnist-vit at x0.35 the
-choice measured +49% over the budget before its correction, docs/tokens.md). After each candidate's correction
+Why every candidate is measured and corrected, not only the chosen one: a table built before its token axis timed
+the merge step (``tokens.merge``) prices the merged blocks but not the merge itself, and any table's prediction of a
+merged model is only as good as its self-check, so a merging candidate can run slower than predicted; compared at
+their predicted cost, the merging candidates would be favoured unfairly (on fmnist-vit at x0.35, with such a table,
+the choice measured +49% over the budget before its correction, docs/tokens.md). After each candidate's correction
 they are compared at the latency measured. Where nothing is measured (no backend here, ``verify_budget=False``)
 they are compared at the predicted cost, the record says so per candidate (``measured`` None).
 
