@@ -82,37 +82,70 @@ def run_prune(model: nn.Module, calibration: Any, config: CorpConfig, *, spec: A
                         "(edgeprune.pruning.embed_auto.choose_embed)")
     device = work_device(config, resolve_device(device))
     dense = None if inplace else model.eval()  # the caller's model, not modified: the reference of a measurement
+    one_round = round_runner(model, calibration, spec=spec, progress=progress, batch_size=batch_size, device=device,
+                             calibration_info=calibration_info, copy_model=dense is not None)
+    first, pruned, record = one_round(config)
+    if dense is None and config.budget is not None and config.budget.model_class.verifiable:
+        not_measured(record, config.budget, "not asked (--no-verify-latency)" if not config.verify_budget
+                     else "inplace=True: no dense model left to measure against")
+        return pruned, record
+    stats = first.extra.get("statistics")
+    return measure_and_correct(lambda cfg: one_round(cfg, stats)[1:], model, (pruned, record), config, measurer)
 
-    def one_round(cfg: CorpConfig, statistics: Any = None) -> tuple[PruneState, nn.Module, dict[str, Any]]:
-        work = model if dense is None else copy.deepcopy(dense)
+
+#: ``one_round(cfg, statistics=None, asked=None) -> (state, pruned model, run record)`` (:func:`round_runner`)
+RoundFn = Callable[..., "tuple[PruneState, nn.Module, dict[str, Any]]"]
+
+
+def round_runner(model: nn.Module, calibration: Any, *, spec: Any = None, progress: bool = False,
+                 batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
+                 copy_model: bool = True) -> RoundFn:
+    """``one_round(cfg, statistics=None, asked=None)``: the stages of the one-shot prune with ``cfg`` on a copy of
+    ``model`` (``copy_model=False``: on ``model`` itself), reusing ``statistics`` of an earlier round on the same
+    dense model when given (no calibration pass: the latency correction, ``tokens_merge="auto"``); the record's
+    ``config`` is ``asked`` (default ``cfg``). Returns ``(state, pruned model, record)``; the state's
+    ``extra["statistics"]`` holds the round's statistics. ``device``: resolved (:func:`work_device` is applied)."""
+
+    def one_round(cfg: CorpConfig, statistics: Any = None, asked: CorpConfig | None = None
+                  ) -> tuple[PruneState, nn.Module, dict[str, Any]]:
+        work = copy.deepcopy(model) if copy_model else model
         work.eval()
-        state = PruneState(model=work, anatomy=find_anatomy(work), config=cfg, asked=config,
-                           batches=None, num_images=None, progress=progress, device=device,  # type: ignore[arg-type]
+        state = PruneState(model=work, anatomy=find_anatomy(work), config=cfg, asked=asked or cfg,
+                           batches=None, num_images=None, progress=progress,  # type: ignore[arg-type]
+                           device=work_device(cfg, device),
                            extra={"statistics": statistics} if statistics is not None else {})
         return (state, *_run(state, spec, calibration, batch_size, calibration_info))
 
-    first, pruned, record = one_round(config)
+    return one_round
+
+
+def measure_and_correct(run_config: Callable[[CorpConfig], "tuple[nn.Module, dict[str, Any]]"], dense: nn.Module,
+                        first: tuple[nn.Module, dict[str, Any]], config: CorpConfig,
+                        measurer: Measurer | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """The measure-and-correct loop (``edgeprune.pruning.latency_loop``) of a prune ``first`` made with ``config``
+    whose budget is measured (a latency table): ``run_config(cfg)`` prunes again with the budget's value corrected
+    (the same statistics); ``measurer(dense, pruned)`` measures, by default the table's backend where it runs here.
+    Without a measured budget ``first`` is returned as it is; without a measurement its record says why.
+
+    Returns:
+        (pruned model, run record) of the round closest to the budget (``latency_loop.correct``).
+    """
     budget = config.budget
     if budget is None or not budget.model_class.verifiable:
-        return pruned, record
+        return first
     measure, reason = measurer, None
     if not config.verify_budget:
         reason = "not asked (--no-verify-latency)"
-    elif dense is None:
-        reason = "inplace=True: no dense model left to measure against"
     elif measure is None:
         measure, reason = table_measurer(budget, find_anatomy(dense))
-    if reason is not None or measure is None or dense is None:
-        not_measured(record, budget, reason or "no measurer")
-        return pruned, record
-    stats = first.extra.get("statistics")
+    if reason is not None or measure is None:
+        not_measured(first[1], budget, reason or "no measurer")
+        return first
 
     def run_round(value: float) -> tuple[nn.Module, dict[str, Any]]:
-        cfg = check_config(dataclasses.replace(config, budget=with_value(budget, value)))
-        return one_round(cfg, stats)[1:]
+        return run_config(check_config(dataclasses.replace(config, budget=with_value(budget, value))))
 
-    return correct(run_round, dense, (pruned, record), budget, measure, config.correction_tolerance,
-                   config.correction_rounds)
+    return correct(run_round, dense, first, budget, measure, config.correction_tolerance, config.correction_rounds)
 
 
 def _run(state: PruneState, spec: Any, calibration: Any, batch_size: int,

@@ -31,7 +31,6 @@ candidate a forward pass over the check images, plus one dense forward pass over
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Any, Callable, Iterable
@@ -46,9 +45,7 @@ from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import class_token_plan
 from edgeprune.pruning.config import check_config
 from edgeprune.pruning.corp import check_prunable
-from edgeprune.pruning.latency_loop import correct, not_measured, table_measurer, with_value
-from edgeprune.pruning.run import _run, work_device
-from edgeprune.pruning.stage import PruneState
+from edgeprune.pruning.run import measure_and_correct, round_runner
 from edgeprune.tokens.apply import check_mergeable, num_tokens
 from edgeprune.tokens.schedule import DECREASING, is_tokens_auto, plan_merges
 from edgeprune.torch_device import resolve_device
@@ -144,22 +141,19 @@ def _dense_reference(model: nn.Module, batches: Callable[[], Iterable[torch.Tens
 def _pruner(model: nn.Module, calibration: Any, spec: Any, progress: bool, batch_size: int, device: str,
             calibration_info: dict | None) -> Callable[..., tuple[nn.Module, dict]]:
     """``prune_one(cfg, asked=None) -> (pruned model, run record)``: the stages of ``run_prune`` on a copy of
-    ``model`` with ``cfg`` (the record's ``config``: ``asked``, default ``cfg``); the first call's calibration
-    statistics are kept and handed to every later call (``run_prune``'s own rounds do the same);
-    ``prune_one.reused`` lists, per call, whether it reused them."""
+    ``model`` with ``cfg`` (:func:`~edgeprune.pruning.run.round_runner`; the record's ``config``: ``asked``, default
+    ``cfg``); the first call's calibration statistics are kept and handed to every later call (``run_prune``'s own
+    rounds do the same); ``prune_one.reused`` lists, per call, whether it reused them."""
     kept: dict[str, Any] = {}
     reused: list[bool] = []
+    one_round = round_runner(model, calibration, spec=spec, progress=progress, batch_size=batch_size, device=device,
+                             calibration_info=calibration_info)
 
     def prune_one(cfg, asked=None) -> tuple[nn.Module, dict]:
-        work = copy.deepcopy(model).eval()
-        extra = {"statistics": kept["stats"]} if kept.get("stats") is not None else {}
-        state = PruneState(model=work, anatomy=find_anatomy(work), config=cfg, asked=asked or cfg,
-                           batches=None, num_images=None, progress=progress,  # type: ignore[arg-type]
-                           device=work_device(cfg, device), extra=extra)
-        reused.append(bool(extra))
-        result = _run(state, spec, calibration, batch_size, calibration_info)
+        reused.append(kept.get("stats") is not None)
+        state, pruned, record = one_round(cfg, kept.get("stats"), asked)
         kept.setdefault("stats", state.extra.get("statistics"))
-        return result
+        return pruned, record
 
     prune_one.reused = reused  # type: ignore[attr-defined]
     return prune_one
@@ -167,24 +161,9 @@ def _pruner(model: nn.Module, calibration: Any, spec: Any, progress: bool, batch
 
 def _measure_and_correct(prune_one: Callable[..., tuple[nn.Module, dict]], dense: nn.Module,
                          first: tuple[nn.Module, dict], cfg, measurer: Any) -> tuple[nn.Module, dict]:
-    """The measure-and-correct loop of ``run_prune`` (``edgeprune.pruning.latency_loop``) on one candidate's prune
-    ``first`` (its config ``cfg``), its rounds re-allocating from the same statistics."""
-    budget = cfg.budget
-    if not budget.model_class.verifiable:
-        return first
-    measure, reason = measurer, None
-    if not cfg.verify_budget:
-        reason = "not asked (--no-verify-latency)"
-    elif measure is None:
-        measure, reason = table_measurer(budget, find_anatomy(dense))
-    if reason is not None or measure is None:
-        not_measured(first[1], budget, reason or "no measurer")
-        return first
-
-    def run_round(value: float) -> tuple[nn.Module, dict]:
-        return prune_one(check_config(dataclasses.replace(cfg, budget=with_value(budget, value))), cfg)
-
-    return correct(run_round, dense, first, budget, measure, cfg.correction_tolerance, cfg.correction_rounds)
+    """The measure-and-correct loop of ``run_prune`` (:func:`~edgeprune.pruning.run.measure_and_correct`) on one
+    candidate's prune ``first`` (its config ``cfg``), its rounds re-allocating from the same statistics."""
+    return measure_and_correct(lambda c: prune_one(c, cfg), dense, first, cfg, measurer)
 
 
 def _row(schedule: Any, r: list[int], rec: dict, kind: str, err: float, seconds: float) -> dict:
