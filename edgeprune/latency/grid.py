@@ -160,7 +160,7 @@ def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MA
                         allowed_head_dims(rules))
     dims = thin(dims, max_diag if diag else max_dims)
     return Grid(mlp=mlp, heads=heads, qk=dims, v=list(dims), qk_equals_v=diag, tokens=sorted(tokens or []),
-                full_tokens=int(shape["tokens"]))
+                full_tokens=int(shape.get("tokens", 0)))
 
 
 __all__ = ["Grid", "check_token_counts", "make_grid", "on_grid", "parse_token_counts", "shape_of", "thin"]
