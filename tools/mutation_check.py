@@ -22,6 +22,15 @@ messages is not what this check is about. mutmut mutates function bodies only (n
 constants or docstrings). Each module gets ``--budget`` seconds of wall time; mutants not reached
 in time are reported as "not run".
 
+Sampling (issue 43: ~5 s per mutant on a loaded 2-core box, thousands of mutants): with
+``--sample N [--seed S]`` every mutant of the module is generated first (``mutmut run`` with a name
+that matches no mutant generates them and collects the test map, then stops), and a uniform random
+sample of N of them (seeded, :func:`sample_names`) is run with ``mutmut run <names...>``. The
+summary then gives the population size, the sample's counts, the score among the sample's
+non-equivalent mutants and its 95% Wilson interval (:func:`wilson`), an estimate for the module.
+
+    python tools/mutation_check.py --sample 40 --seed 1 --budget 420 latency_table
+
 Exit status: 0 when every module finished and every mutant that ran was killed or listed in
 :data:`EQUIVALENT`; 1 otherwise (survivors, or a module that ran out of time); 2 on bad usage.
 """
@@ -30,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -491,21 +502,46 @@ def _diff(d: Path, mutant: str) -> str:
     return "\n".join(lines)
 
 
-def check_module(name: str, workdir: Path, budget: float, max_children: int) -> dict:
-    """Run mutmut on one module; return its summary (counts, survivors with diffs)."""
-    d = _prepare(name, workdir)
-    t0 = time.perf_counter()
-    with open(d / "mutmut.log", "w") as log:
-        rc = _mutmut(d, ["run", "--max-children", str(max_children)], budget, log)
-    seconds = time.perf_counter() - t0
-    res = _results(d) if (d / "mutants").exists() else {}
+#: a mutant name that matches nothing: ``mutmut run`` generates the mutants and the test map, then stops
+NO_MUTANT = "edgeprune_mutation_check_list_only__mutmut_0"
+
+
+def sample_names(population, n: int, seed: int) -> list[str]:
+    """A uniform random sample of ``n`` mutant names (all of them when ``n >= len(population)``).
+
+    Seeded and independent of the population's order (the names are sorted first); returned sorted."""
+    names = sorted(set(population))
+    return sorted(random.Random(seed).sample(names, min(n, len(names))))
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """Wilson score interval of a binomial proportion ``k / n`` (z = 1.96: 95%); None for n = 0.
+
+    Source: E. B. Wilson, "Probable inference, the law of succession, and statistical inference",
+    JASA 22 (1927): centre (p + z^2/2n) / (1 + z^2/n), half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n).
+    Raises ValueError unless 0 <= k <= n."""
+    if not 0 <= k <= n:
+        raise ValueError(f"wilson: need 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return None
+    p = k / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize(res: dict[str, str], diff_of) -> dict:
+    """Counts of one module's mutmut results ``{mutant: status}``; ``diff_of(mutant)`` gives a survivor's diff.
+
+    A survivor is equivalent when the first ``+`` line of its diff is a key of :data:`EQUIVALENT`."""
     counts: dict[str, int] = {}
     for status in res.values():
         counts[status] = counts.get(status, 0) + 1
     survivors = []
     for m, status in sorted(res.items()):
         if status in ("survived", "suspicious"):
-            diff = _diff(d, m)
+            diff = diff_of(m)
             plus = next((ln[1:].strip() for ln in diff.splitlines() if ln.startswith("+")), "")
             survivors.append({"mutant": m, "status": status, "diff": diff,
                               "equivalent": EQUIVALENT.get(plus)})
@@ -518,11 +554,42 @@ def check_module(name: str, workdir: Path, budget: float, max_children: int) -> 
     # strict score: mutants that no selected test even executes count as not killed
     strict = killed / (ran - equivalent + no_tests) if ran - equivalent + no_tests > 0 else None
     not_run = [m for m, st in res.items() if st in ("not checked", "no tests")]
-    return {"module": name, "files": MODULES[name][0], "tests": MODULES[name][1],
-            "finished": rc == 0, "mutmut_rc": rc, "seconds": round(seconds, 1),
-            "counts": counts, "killed": killed, "ran": ran, "equivalent": equivalent,
+    return {"counts": counts, "killed": killed, "ran": ran, "equivalent": equivalent,
             "no_tests": no_tests, "score": score, "strict_score": strict, "survivors": survivors,
-            "not_run": sorted(not_run), "workdir": str(d)}
+            "not_run": sorted(not_run),
+            "interval": wilson(killed, ran - equivalent),
+            "strict_interval": wilson(killed, ran - equivalent + no_tests)}
+
+
+def check_module(name: str, workdir: Path, budget: float, max_children: int,
+                 sample: int | None = None, seed: int = 0) -> dict:
+    """Run mutmut on one module (on a seeded sample of ``sample`` mutants if given); return its summary."""
+    d = _prepare(name, workdir)
+    t0 = time.perf_counter()
+    population = sampled = None
+    with open(d / "mutmut.log", "w") as log:
+        if sample is None:
+            rc = _mutmut(d, ["run", "--max-children", str(max_children)], budget, log)
+        else:
+            # generate every mutant and the test map; the run then stops (no mutant has this name)
+            rc = _mutmut(d, ["run", "--max-children", str(max_children), NO_MUTANT], budget, log)
+            every = _results(d) if rc != -1 and (d / "mutants").exists() else {}  # -1: out of budget
+            population = len(every)
+            sampled = sample_names(every, sample, seed)
+            left = budget - (time.perf_counter() - t0)
+            rc = -1 if not sampled or left <= 0 else _mutmut(
+                d, ["run", "--max-children", str(max_children), *sampled], left, log)
+    seconds = time.perf_counter() - t0
+    res = _results(d) if (d / "mutants").exists() else {}
+    if sampled is not None:
+        res = {m: st for m, st in res.items() if m in set(sampled)}
+    out = {"module": name, "files": MODULES[name][0], "tests": MODULES[name][1],
+           "finished": rc == 0, "mutmut_rc": rc, "seconds": round(seconds, 1)}
+    out.update(summarize(res, lambda m: _diff(d, m)))
+    out["workdir"] = str(d)
+    if sampled is not None:
+        out.update({"population": population, "sample": len(sampled), "seed": seed, "sampled": sampled})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,7 +602,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the per-module copies go (default $TMPDIR/edgeprune-mutation)")
     ap.add_argument("--json", type=Path, help="write the full summary (with survivor diffs) here")
     ap.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
+    ap.add_argument("--sample", type=int, metavar="N",
+                    help="run a uniform random sample of N mutants per module (all are generated first)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's random seed (default 0)")
     args = ap.parse_args(argv)
+    if args.sample is not None and args.sample < 1:
+        print(f"--sample must be at least 1, got {args.sample}", file=sys.stderr)
+        return 2
     if args.list:
         for name, (files, tests) in MODULES.items():
             print(f"{name}: {' '.join(files)}\n    tests: {' '.join(tests)}")
@@ -553,9 +626,14 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     for name in names:
         print(f"== {name}: {' '.join(MODULES[name][0])} (budget {args.budget:g} s)", flush=True)
-        s = check_module(name, args.workdir, args.budget, args.max_children)
+        s = check_module(name, args.workdir, args.budget, args.max_children, args.sample, args.seed)
         summaries.append(s)
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+        ci = lambda v: "n/a" if v is None else f"[{100 * v[0]:.1f}%, {100 * v[1]:.1f}%]"  # noqa: E731
+        if args.sample is not None:
+            print(f"   sample {s['sample']} of {s['population']} mutants (seed {s['seed']}): "
+                  f"score {pct(s['score'])}, 95% Wilson {ci(s['interval'])} of the non-equivalent that ran; "
+                  f"strict {pct(s['strict_score'])} {ci(s['strict_interval'])}", flush=True)
         print(f"   {'finished' if s['finished'] else 'STOPPED (budget or error)'} in {s['seconds']:.0f} s: "
               f"{s['counts']}  score {pct(s['score'])} (killed {s['killed']} of {s['ran']} run, "
               f"{s['equivalent']} equivalent); strict {pct(s['strict_score'])} "
