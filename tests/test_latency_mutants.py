@@ -1073,3 +1073,140 @@ def test_keep_fraction_of_a_latency_budget(table):
 
     assert keep_fraction(Budget("latency", 0.4, None, table), 5.0) == 0.4
     assert keep_fraction(Budget("latency", 2.0, "ms", table), 5.0) == pytest.approx(0.4)
+
+
+# -- latency_table, the sampled run (docs/mutation.md, "sampled"): build's entries, its finish loop, the token axis --
+
+def test_the_entries_of_a_one_block_model_are_block_0s_sub_blocks(table):
+    from edgeprune.latency import build
+
+    torch.manual_seed(0)
+    one = find_anatomy(VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=D, depth=1,
+                                         num_heads=H, mlp_ratio=MLP / D).eval())
+    t = LatencyTable.load(table)
+    # parameters by hand: Q, K, V rows of 2 heads x (8 + 8 + 16) and the output projection from 2 x 16, with biases
+    # and the norm's weight and bias; the MLP's two layers of width 32
+    for kind, dims, params in (("attn", (2, 8, 16), D * 64 + 64 + 32 * D + D + 2 * D),
+                               ("mlp", (32,), D * 32 + 32 + 32 * D + D + 2 * D)):
+        mod, shape = build._entry_module(t, kind, dims, one, 3)
+        assert shape == (3, N, D) and sum(p.numel() for p in mod.parameters()) == params
+        with torch.no_grad():
+            assert mod(torch.randn(shape)).shape == shape
+
+
+def test_is_measured_per_kind_and_token_count():
+    from edgeprune.latency import build
+    from edgeprune.latency.token_axis import add_axis
+
+    t = empty_table(dict(KEY), dict(RULES), GRID, TimingSettings(threads=1))
+    add_axis(t, [9, 13])
+    t.measured["mlp"].append(64)
+    t.measured["attn"].append([2, 8, 16])
+    t.measured["tokens_attn"].append(9)
+    assert build._is_measured(t, "mlp", (64,)) and not build._is_measured(t, "mlp", (128,))
+    assert build._is_measured(t, "attn", (2, 8, 16)) and not build._is_measured(t, "attn", (2, 16, 8))
+    assert build._is_measured(t, "tokens_attn", (9,)) and not build._is_measured(t, "tokens_attn", (13,))
+    assert not build._is_measured(t, "tokens_mlp", (9,)) and not build._is_measured(t, "model", ())
+
+
+def test_an_interleaved_entry_is_timed_against_the_references_of_its_kind():
+    from edgeprune.latency import build
+
+    class Stop(Exception):
+        pass
+
+    class Refs:
+        seen: list = []
+
+        def measure(self, kind, module, shape):
+            self.seen.append((kind, shape))
+            raise Stop
+
+    t = empty_table(dict(KEY), dict(RULES), GRID, TimingSettings(threads=1))
+    an = find_anatomy(small_vit())
+    for kind, dims in (("mlp", (64,)), ("attn", (2, 8, 16))):
+        with pytest.raises(Stop):
+            build._time_entry(t, kind, dims, an, None, TimingSettings(threads=1), 3, Refs())
+    assert Refs.seen == [("mlp", (3, N, D)), ("attn", (3, N, D))]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_finish_retimed_times_the_unmeasured_entries_again_and_keeps_out_only_when_forced_at_the_end(
+        tmp_path, monkeypatch, force):
+    from edgeprune.errors import RuntimeFault
+    from edgeprune.latency import build
+
+    t = empty_table(dict(KEY), dict(RULES), GRID, TimingSettings(threads=1))
+    calls, timed = [], []
+
+    def finish(t_, keep_disordered=False):
+        calls.append(keep_disordered)
+        if keep_disordered:
+            return "kept out"
+        raise RuntimeFault("the chain disagrees")
+
+    monkeypatch.setattr(build, "finish", finish)
+    monkeypatch.setattr(build, "_time_entry", lambda *a: timed.append(a))
+    s = TimingSettings(threads=1)
+    if force:
+        assert build._finish_retimed(t, GRID, "AN", "TIMER", s, 3, "REFS", tmp_path / "t.json", True) == "kept out"
+    else:
+        with pytest.raises(RuntimeFault):
+            build._finish_retimed(t, GRID, "AN", "TIMER", s, 3, "REFS", tmp_path / "t.json")
+    assert calls == [False, False, force]
+    every = build._entries(GRID)  # none measured: both retries time every entry again, with the build's settings
+    assert timed == [(t, kind, dims, "AN", "TIMER", s, 3, "REFS") for kind, dims in every + every]
+
+
+def test_build_table_hands_the_references_to_finish_and_prices_the_self_check_in_them(tmp_path, monkeypatch):
+    import devices
+    from edgeprune.latency import build
+    from edgeprune.latency.measure import Sample
+
+    seen = {}
+
+    class Refs:
+        def __init__(self, timer, anatomy, key, s, batch):
+            seen["refs"] = self
+
+        def measure(self, kind, model, image):
+            seen["measured"] = (kind, image)
+            return Sample(2.0, 0.0, 1)
+
+        def close(self):
+            seen["closed"] = True
+
+    def finish_retimed(t, grid, anatomy, timer, s, batch, refs, out, force=False):
+        seen["finish"] = (refs, out, force)
+        t.meta["reference_ms"] = {"attn": 0.25, "mlp": 0.5}
+        return t
+
+    monkeypatch.setattr(build, "References", Refs)
+    monkeypatch.setattr(build, "_time_entry", lambda *a: None)
+    monkeypatch.setattr(build, "_finish_retimed", finish_retimed)
+    monkeypatch.setattr(build.selfcheck, "run_check", lambda t, an, measure: measure("M"))
+    monkeypatch.setattr(build, "conclude", lambda t, check, force, out: check)
+    out = tmp_path / "t.json"
+    opts = BuildOptions(threads=1, batch=3, warmup=0, iterations=1, repeats=1, interleave=True, force=True)
+    got = build.build_table(find_anatomy(small_vit()), devices.load_profile("cpu"), opts, out, show_progress=False)
+    assert seen["finish"] == (seen["refs"], out, True) and seen["closed"]
+    assert seen["measured"] == ("model", (3, 3, 16, 16)) and got == pytest.approx(2.0 * 0.75)
+
+
+def test_a_token_axis_round_trips_and_prices_a_merged_block(table):
+    import json
+
+    from edgeprune.latency.token_axis import add_axis
+
+    t = LatencyTable.load(table)
+    add_axis(t, [9, 13])
+    t.tokens["mlp"][:2], t.tokens["attn"][:2] = [0.5, 0.75], [0.4, 0.7]
+    t.measured["tokens_mlp"], t.measured["tokens_attn"] = [9, 13], [9, 13]
+    u = LatencyTable.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert u.tokens == {"counts": [9, 13, N], "mlp": [0.5, 0.75, 1.0], "attn": [0.4, 0.7, 1.0]}
+    dims = {"mlp": 64, "heads": 2, "qk": 8, "v": 16}
+    assert u.block_ms(dims, tokens=13) == pytest.approx(mlp_ms(64) * 0.75 + attn_ms(2, 8, 16) * 0.7, rel=1e-12)
+    # the MLP of a merging block sees fewer tokens: 11 is halfway between 9 and 13
+    assert u.block_ms(dims, tokens=13, mlp_tokens=11) == pytest.approx(
+        mlp_ms(64) * 0.625 + attn_ms(2, 8, 16) * 0.7, rel=1e-12)
+    assert u.block_ms(dims, tokens=N) == u.block_ms(dims)
