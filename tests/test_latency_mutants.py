@@ -1210,3 +1210,56 @@ def test_a_token_axis_round_trips_and_prices_a_merged_block(table):
     assert u.block_ms(dims, tokens=13, mlp_tokens=11) == pytest.approx(
         mlp_ms(64) * 0.625 + attn_ms(2, 8, 16) * 0.7, rel=1e-12)
     assert u.block_ms(dims, tokens=N) == u.block_ms(dims)
+
+
+# -- greedy_heads, the sampled run: the allocation's grid and record, the curve cache ---------------------------
+
+def _mlp_latency_cfg(budget, round_to=32):
+    from edgeprune.corp import CorpConfig
+
+    return CorpConfig.from_target("mlp", None, last_block="full", budget=budget, round_to=round_to)
+
+
+def test_allocate_builds_its_curves_on_the_tables_grid_and_records_the_dense_ms(table, monkeypatch):
+    from edgeprune.allocation import greedy as G
+    from edgeprune.allocation.curves import Curve
+    from edgeprune.allocation.rules import unit_grid
+
+    an = find_anatomy(small_vit())
+    cfg = _mlp_latency_cfg(make_budget(latency=0.95, table=table))
+    grids = []
+
+    def curves_on(anatomy, stats, cfg_, qk_weight, grid):
+        grids.append(grid)
+        return [Curve(b, ("mlp",), [32, 64, 96, 128], [3.0, 1.0, 0.2, 0.0], 1.0, "c") for b in range(DEPTH)]
+
+    monkeypatch.setattr(G, "build_curves", curves_on)
+    dims, rep = G.allocate(an, None, cfg)
+    table_grid = unit_grid(cfg, an, cfg.budget.cost_model(an))
+    assert grids[0] is not None and grids[0].describe() == table_grid.describe()
+    dense = 1.0 + DEPTH * (mlp_ms(MLP) + attn_ms(H, HD, HD))
+    (name,) = [k for k, v in rep.items() if isinstance(v, dict) and "predicted" in v]
+    assert rep[name]["dense"] == pytest.approx(dense, rel=1e-12)
+    assert rep[name]["target"] == pytest.approx(0.95 * dense, rel=1e-12) and rep[name]["predicted"] <= rep[name]["target"]
+
+
+def test_a_units_curve_is_computed_once_for_settings_that_differ_only_in_the_budget(table, monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeprune.allocation import unit_curves as U
+    from edgeprune.allocation.curves import Curve
+
+    calls = []
+
+    def compute(b, unit, stats, cfg, grid):
+        calls.append(cfg)
+        return Curve(b.index, (unit,), [32, 64], [1.0, 0.0], 1.0, "c")
+
+    monkeypatch.setattr(U, "compute_curve", compute)
+    stats, b, grid = SimpleNamespace(derived={}), SimpleNamespace(index=0), SimpleNamespace(describe=lambda: {"g": 1})
+    for budget in ({"kind": "flops", "value": 0.5}, make_budget(latency=0.9, table=table), None):
+        c = U.raw_curve(b, "mlp", stats, _mlp_latency_cfg(budget), grid)
+        assert c.ks == [32, 64] and c.raw == [1.0, 0.0]
+    assert len(calls) == 1
+    U.raw_curve(b, "mlp", stats, _mlp_latency_cfg(None, round_to=8), grid)  # other settings: computed again
+    assert len(calls) == 2
