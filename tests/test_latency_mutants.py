@@ -1263,3 +1263,78 @@ def test_a_units_curve_is_computed_once_for_settings_that_differ_only_in_the_bud
     assert len(calls) == 1
     U.raw_curve(b, "mlp", stats, _mlp_latency_cfg(None, round_to=8), grid)  # other settings: computed again
     assert len(calls) == 2
+
+
+# -- latency_cost, the sampled run: merged token counts, the price memo, the self-check summary ------------------
+
+def _axis_table(path, counts):
+    """The :func:`table` fixture's table with a token axis at ``counts`` (of 9 and 13 tokens): the MLP's ratio
+    0.5 / 0.75, the attention's 0.4 / 0.7."""
+    from edgeprune.latency.token_axis import add_axis
+
+    t = LatencyTable.load(write_latency_table(path, KEY, RULES, [1, 2, 3, 4], [8, 16], [0, 32, 64, 96, 128], attn_ms,
+                                              mlp_ms, fixed_ms=1.0))
+    add_axis(t, counts)
+    ratio = {9: (0.5, 0.4), 13: (0.75, 0.7)}
+    for i, n in enumerate(counts):
+        t.tokens["mlp"][i], t.tokens["attn"][i] = ratio[n]
+    t.measured["tokens_mlp"], t.measured["tokens_attn"] = list(counts), list(counts)
+    t.save(path)
+    return str(path)
+
+
+def _merging(path, r=4):
+    import dataclasses
+
+    return dataclasses.replace(make_budget(latency=0.5, table=path), tokens_merge=r)
+
+
+def test_a_merging_budget_prices_each_block_at_its_token_counts(tmp_path, table):
+    an = find_anatomy(small_vit())
+    path = _axis_table(tmp_path / "axis.json", [9, 13])
+    cost = LatencyCost(an, budget=_merging(path))
+    # r = 4 per block: block 0's attention sees 17 tokens and its MLP 13, block 1's 13 and 9
+    assert cost.tokens == [(N, 13), (13, 9)]
+    dense = {"mlp": MLP, "heads": H, "qk": HD, "v": HD}
+    assert cost.block_cost(an.blocks[0], dense) == pytest.approx(mlp_ms(MLP) * 0.75 + attn_ms(H, HD, HD), rel=1e-12)
+    assert cost.block_cost(an.blocks[1], dense) == pytest.approx(mlp_ms(MLP) * 0.5 + attn_ms(H, HD, HD) * 0.7,
+                                                                 rel=1e-12)
+    assert LatencyCost(an, budget=make_budget(latency=0.5, table=path)).tokens is None  # no schedule: no merging
+    assert LatencyCost(an, budget=_merging(path, r=0)).tokens is None
+    short = _axis_table(tmp_path / "short.json", [13])
+    with pytest.raises(UserError, match=r"has a token axis from 13 tokens, the merged blocks run at 9\.\.13 tokens"):
+        LatencyCost(an, budget=_merging(short))
+    with pytest.raises(UserError, match=r"has no token axis, the merged blocks run at 9\.\.13 tokens"):
+        LatencyCost(an, budget=_merging(table))
+
+
+def test_a_model_without_num_prefix_tokens_is_priced_under_a_merging_budget(tmp_path):
+    vit = small_vit()
+    del vit.num_prefix_tokens
+    an = find_anatomy(vit)
+    cost = LatencyCost(an, budget=_merging(_axis_table(tmp_path / "axis.json", [9, 13])))
+    assert cost.tokens == [(N, 13), (13, 9)]
+
+
+def test_block_prices_are_remembered_per_block_and_dims(table, monkeypatch):
+    an = find_anatomy(small_vit())
+    cost = LatencyCost(an, budget=make_budget(latency=0.5, table=table))
+    calls, real = [], cost._block_cost
+    monkeypatch.setattr(cost, "_block_cost", lambda b, dims: calls.append(b.index) or real(b, dims))
+    d = {"mlp": 64, "heads": 2, "qk": 8, "v": 16}
+    a = cost.block_cost(an.blocks[0], d)
+    assert cost.block_cost(an.blocks[0], dict(reversed(d.items()))) == a == mlp_ms(64) + attn_ms(2, 8, 16)
+    assert cost.block_cost(an.blocks[1], d) == a and calls == [0, 1]
+
+
+def test_the_self_check_summary_says_whether_the_table_was_forced(table):
+    from edgeprune.budget.latency import _check_summary
+
+    t = LatencyTable.load(table)
+    assert _check_summary(t) is None
+    models = [{"name": "a", "predicted_ms": 1.0, "measured_ms": 1.2, "spread": 3}]
+    t.meta["self_check"] = {"passed": False, "forced": True, "tolerance": 0.1, "models": models}
+    assert _check_summary(t) == {"passed": False, "forced": True, "tolerance": 0.1,
+                                 "models": [{"name": "a", "predicted_ms": 1.0, "measured_ms": 1.2}]}
+    del t.meta["self_check"]["forced"]
+    assert _check_summary(t)["forced"] is False
