@@ -1338,3 +1338,16 @@ def test_the_self_check_summary_says_whether_the_table_was_forced(table):
                                  "models": [{"name": "a", "predicted_ms": 1.0, "measured_ms": 1.2}]}
     del t.meta["self_check"]["forced"]
     assert _check_summary(t)["forced"] is False
+
+
+# -- derive_latency, the sampled run: the rho grid's ends -----------------------------------------------------------
+
+def test_the_rho_grid_is_one_then_the_levels_then_zero():
+    from types import SimpleNamespace
+
+    from edgeprune.nuwa.budget import rho_candidates
+
+    # equal singular values: rank k of d keeps k / d of the energy; the levels are the multiples of 8 below full rank
+    f = SimpleNamespace(qk_s=torch.ones(2, 16), vo_s=torch.ones(2, 24))
+    assert rho_candidates([f]) == [1.0, round(2 / 3, 12), 0.5, round(1 / 3, 12), 0.0]
+    assert rho_candidates([f], n=2) == [1.0, round(2 / 3, 12), round(1 / 3, 12), 0.0]

@@ -427,6 +427,17 @@ EQUIVALENT: dict[str, str] = {
     # nuwa.measured.measure_and_correct: table_measurer returns a measurer or a reason, never neither
     'not_measured(first.record, budget, reason or "XXno measurerXX", view)': "the fallback reason is unreachable",
     'not_measured(first.record, budget, reason or "NO MEASURER", view)': "the fallback reason is unreachable",
+    # (the sampled runs, docs/mutation.md "Issue 43 item 2")
+    # budget.latency.LatencyCost._merged_tokens: the budget is a Budget, a dataclass whose field tokens_merge
+    # defaults to None: getattr without a default reads the same value
+    'elif getattr(budget, "tokens_merge", ) is not None:': "Budget always has the field tokens_merge (default None)",
+    # nuwa.budget.dim_grid / check_feasible / smallest_dims: a table's rules always hold positive mlp_round_to and
+    # head_dim_round_to (latency.schema: both required), so dim_grid's round_to is read only without rules, where
+    # the callers use round_to itself (g.rules is None); the MLP's round-to is >= 1, so a lower bound of 0 or 1 is
+    # the same max
+    "g = dim_grid(cost, )": "with table rules dim_grid ignores round_to (required rules); without, only g.rules is read",
+    'return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 1)), rm), qk_min, v_min, dict(r),':
+        "rm = mlp_round_to >= 1 (schema: positive): max(rm, 0) == max(rm, 1)",
     # --- end of issue 43 block ---
 }
 
