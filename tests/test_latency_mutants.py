@@ -1351,3 +1351,48 @@ def test_the_rho_grid_is_one_then_the_levels_then_zero():
     f = SimpleNamespace(qk_s=torch.ones(2, 16), vo_s=torch.ones(2, 24))
     assert rho_candidates([f]) == [1.0, round(2 / 3, 12), 0.5, round(1 / 3, 12), 0.0]
     assert rho_candidates([f], n=2) == [1.0, round(2 / 3, 12), round(1 / 3, 12), 0.0]
+
+
+# -- latency_loop, the sampled run: the measurer's one dense export, a flat secant, a record without allocation ----
+
+def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_batch(table, monkeypatch):
+    import edgeprune.pruning.latency_loop as L
+
+    exports, pairs = [], []
+
+    def export(model, path, shape, dynamic_batch, batch_size):
+        exports.append((model, shape, dynamic_batch, batch_size))
+        return f"dense{len(exports)}.onnx"
+
+    def pair(dense, pruned, key, shape, iterations, warmup, dense_onnx):
+        pairs.append((dense, pruned, key["backend"], shape, iterations, warmup, dense_onnx))
+        return {"ratio": 0.5}
+
+    monkeypatch.setattr(L, "why_not_measured", lambda key: None)  # as if the hand-made table were from here
+    monkeypatch.setattr(L, "export_onnx", export)
+    monkeypatch.setattr(L, "measure_pair", pair)
+    measure, reason = L.table_measurer(make_budget(latency=0.5, table=table), find_anatomy(small_vit()))
+    assert reason is None
+    d1, d2, p = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Identity()
+    assert measure(d1, p) == measure(d1, p) == measure(d2, p) == {"ratio": 0.5}
+    shape = (3, 16, 16)
+    assert exports == [(d1, shape, False, 8), (d2, shape, False, 8)]  # the table's batch (KEY["batch"])
+    # (the default 20 iterations and 3 warm-up runs; round 0's export reused until the dense model changes)
+    assert pairs == [(d, p, "onnxruntime", shape, 20, 3, f) for d, f in
+                     ((d1, "dense1.onnx"), (d1, "dense1.onnx"), (d2, "dense2.onnx"))]
+
+
+def test_a_flat_secant_falls_back_to_the_ratio():
+    from edgeprune.pruning.latency_loop import next_value
+
+    # the same predicted value measured twice differently: no slope, so p * target / m
+    assert next_value([(0.5, 0.6), (0.5, 0.55)], 0.5) == 0.5 * 0.5 / 0.55
+
+
+def test_not_measured_leaves_a_record_without_an_allocation_alone(table):
+    from edgeprune.budget.budget import Budget
+    from edgeprune.pruning.latency_loop import not_measured
+
+    bare = {"model": "x"}
+    not_measured(bare, Budget("latency", 0.5, None, table), "no backend here")
+    assert bare == {"model": "x"}

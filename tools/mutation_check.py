@@ -438,6 +438,14 @@ EQUIVALENT: dict[str, str] = {
     "g = dim_grid(cost, )": "with table rules dim_grid ignores round_to (required rules); without, only g.rules is read",
     'return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 1)), rm), qk_min, v_min, dict(r),':
         "rm = mlp_round_to >= 1 (schema: positive): max(rm, 0) == max(rm, 1)",
+    # pruning.latency_loop: latency_check's reason defaults to None, and it reads "absolute" only with a measurement,
+    # which not_measured never has
+    'chk = latency_check({**view(rec)[0], "target": asked, "absolute": absolute}, measured, )':
+        "latency_check's reason defaults to None",
+    'rec["latency_check"] = latency_check({**lat, "XXabsoluteXX": budget.unit is not None}, None, reason)':
+        'latency_check reads "absolute" only when measured is not None; not_measured passes None',
+    'rec["latency_check"] = latency_check({**lat, "absolute": budget.unit is None}, None, reason)':
+        'latency_check reads "absolute" only when measured is not None; not_measured passes None',
     # --- end of issue 43 block ---
 }
 
