@@ -1396,3 +1396,14 @@ def test_not_measured_leaves_a_record_without_an_allocation_alone(table):
     bare = {"model": "x"}
     not_measured(bare, Budget("latency", 0.5, None, table), "no backend here")
     assert bare == {"model": "x"}
+
+
+def test_a_merging_schedule_needs_a_token_axis_and_the_refusal_suggests_counts(tmp_path, table):
+    an = find_anatomy(small_vit())
+    path = _axis_table(tmp_path / "short.json", [13])
+    LatencyCost.check_tokens_merge(_merging(path))  # an axis: the counts are checked with the model
+    with pytest.raises(UserError, match=r"latency table .* has no token axis \(it timed blocks at 17 tokens only\)"):
+        LatencyCost.check_tokens_merge(_merging(table))
+    # merged blocks at 9..13 tokens of 17: four counts evenly spaced from 9, 9 + 8 i // 4
+    with pytest.raises(UserError, match=r"--tokens 9,11,13,15\)$"):
+        LatencyCost(an, budget=_merging(path))
