@@ -124,6 +124,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # test_smooth_stats_rescale_and_alias_by_hand, but not mutated: the whole file is ~200 more mutants)
     "smoothquant": (["exporters/quantization/smoothing.py", "exporters/quantization/smoothing_explicit.py"],
                     ["tests/test_embed_quant_mutants.py::TestSmoothQuant",
+                     "tests/test_embed_quant_mutants.py::TestSmoothQuantSampled",
                      "tests/test_smooth.py::test_smoothing_keeps_the_float_model_and_moves_the_range",
                      "tests/test_smooth.py::test_scales_follow_smoothquant_eq4",
                      "tests/test_smooth.py::test_absmax_is_the_per_channel_max",
@@ -406,6 +407,8 @@ EQUIVALENT: dict[str, str] = {
         "for a = None, s is all ones: x / 1 and W * 1 are exact",
     "def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, batch_size: int = 33,":
         "the batch size of the statistics pass: a per-channel max does not depend on the batching",
+    "stats = collect_stats(src, [s.output for s in sites], images, rows=0, threads=threads)":
+        "collect_stats's default batch size 8 for 32: a per-channel max does not depend on the batching",
     # --- issue 43: the latency / allocation code (kept in one block) ---
     # allocation.rules.Grid.sizes: the candidates are multiples of a rounding >= 1 (and the dense size >= 1), so a
     # missing lower bound of 0 or 1 keeps the same list
