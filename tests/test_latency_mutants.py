@@ -1407,3 +1407,12 @@ def test_a_merging_schedule_needs_a_token_axis_and_the_refusal_suggests_counts(t
     # merged blocks at 9..13 tokens of 17: four counts evenly spaced from 9, 9 + 8 i // 4
     with pytest.raises(UserError, match=r"--tokens 9,11,13,15\)$"):
         LatencyCost(an, budget=_merging(path))
+
+
+def test_token_counts_of_the_option_text():
+    from edgeprune.latency.grid import parse_token_counts
+
+    assert parse_token_counts(None) == parse_token_counts("") == parse_token_counts("  ") == []
+    assert parse_token_counts(" 150, 100,50") == [150, 100, 50]
+    with pytest.raises(UserError, match=r"^--tokens: 'x' is not an integer"):
+        parse_token_counts("9,x")
