@@ -1416,3 +1416,9 @@ def test_token_counts_of_the_option_text():
     assert parse_token_counts(" 150, 100,50") == [150, 100, 50]
     with pytest.raises(UserError, match=r"^--tokens: 'x' is not an integer"):
         parse_token_counts("9,x")
+
+
+def test_a_document_of_another_format_is_refused_as_a_latency_table():
+    for doc in ({"format": "something else"}, [1, 2]):
+        with pytest.raises(UserError, match=r'^latency table is not an edgeprune latency table \(expected "format": '):
+            LatencyTable.from_dict(doc)

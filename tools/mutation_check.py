@@ -441,6 +441,9 @@ EQUIVALENT: dict[str, str] = {
     "g = dim_grid(cost, )": "with table rules dim_grid ignores round_to (required rules); without, only g.rules is read",
     'return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 1)), rm), qk_min, v_min, dict(r),':
         "rm = mlp_round_to >= 1 (schema: positive): max(rm, 0) == max(rm, 1)",
+    # latency.table.LatencyTable.save: json's encoder refuses a NaN when allow_nan is falsy (None as False)
+    'atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=None) + "\\n", fsync=True)':
+        "json checks `if not allow_nan`: None refuses NaN as False does",
     # pruning.latency_loop: latency_check's reason defaults to None, and it reads "absolute" only with a measurement,
     # which not_measured never has
     'chk = latency_check({**view(rec)[0], "target": asked, "absolute": absolute}, measured, )':
