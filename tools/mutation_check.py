@@ -28,6 +28,8 @@ that matches no mutant generates them and collects the test map, then stops), an
 sample of N of them (seeded, :func:`sample_names`) is run with ``mutmut run <names...>``. The
 summary then gives the population size, the sample's counts, the score among the sample's
 non-equivalent mutants and its 95% Wilson interval (:func:`wilson`), an estimate for the module.
+A sample cut short by ``--budget`` is no longer uniform (mutmut runs the fastest mutants first): give
+it the time (the summary says STOPPED).
 
     python tools/mutation_check.py --sample 40 --seed 1 --budget 420 latency_table
 
