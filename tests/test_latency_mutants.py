@@ -1422,3 +1422,27 @@ def test_a_document_of_another_format_is_refused_as_a_latency_table():
     for doc in ({"format": "something else"}, [1, 2]):
         with pytest.raises(UserError, match=r'^latency table is not an edgeprune latency table \(expected "format": '):
             LatencyTable.from_dict(doc)
+
+
+# -- greedy_heads, the seed-2 sample: each unit's candidate sizes -------------------------------------------------
+
+def test_compute_curve_gives_each_unit_its_candidate_sizes(monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeprune.allocation import unit_curves as U
+    from edgeprune.allocation.rules import Grid
+
+    got = []
+    monkeypatch.setattr(U, "qk_curve", lambda b, st, cfg, ks: got.append(("qk", st, ks)))
+    monkeypatch.setattr(U, "v_curve", lambda b, st, cfg, ks: got.append(("v", st, ks)))
+    stats, b = SimpleNamespace(qk=["QK"], vo=["VO"]), SimpleNamespace(index=0, qk_dim=16, v_dim=24)
+    rounding = {"mlp": 8, "qk": 8, "v": 8, "heads": 1}
+    grid = Grid(rounding, {"v": 16}, None)
+    for unit in ("v", "qk", "qk+v:qk", "qk+v:v"):
+        U.compute_curve(b, unit, stats, None, grid)
+    # V: multiples of 8 up to its 24, none below its bound 16; Q/K: up to 16, no bound; fused: up to min(16, 24),
+    # none below V's bound
+    assert got == [("v", "VO", [16, 24]), ("qk", "QK", [8, 16]), ("qk", "QK", [16]), ("v", "VO", [16])]
+    got.clear()
+    U.compute_curve(b, "qk+v:v", stats, None, Grid(rounding, {"v": 32}, None))  # a bound above all: all kept
+    assert got == [("v", "VO", [8, 16])]

@@ -443,6 +443,9 @@ EQUIVALENT: dict[str, str] = {
     "g = dim_grid(cost, )": "with table rules dim_grid ignores round_to (required rules); without, only g.rules is read",
     'return DimGrid(rm, rh, bool(r.get("qk_equals_v")), _up(max(rm, lo.get("mlp", 1)), rm), qk_min, v_min, dict(r),':
         "rm = mlp_round_to >= 1 (schema: positive): max(rm, 0) == max(rm, 1)",
+    # allocation.greedy.allocate: without a cost model unit_grid builds the budget's own; the grid reads only its
+    # rules and bounds (the table's), which the class-token plan does not change
+    "grid = unit_grid(cfg, anatomy, )": "unit_grid makes cfg.budget's cost model: the same table rules and bounds",
     # latency.table.LatencyTable.save: json's encoder refuses a NaN when allow_nan is falsy (None as False)
     'atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=None) + "\\n", fsync=True)':
         "json checks `if not allow_nan`: None refuses NaN as False does",
