@@ -1446,3 +1446,10 @@ def test_compute_curve_gives_each_unit_its_candidate_sizes(monkeypatch):
     got.clear()
     U.compute_curve(b, "qk+v:v", stats, None, Grid(rounding, {"v": 32}, None))  # a bound above all: all kept
     assert got == [("v", "VO", [8, 16])]
+
+
+def test_the_record_of_a_merging_cost_model_lists_each_blocks_token_counts(tmp_path):
+    an = find_anatomy(small_vit())
+    path = _axis_table(tmp_path / "axis.json", [9, 13])
+    assert LatencyCost(an, budget=_merging(path)).record()["tokens"] == [[N, 13], [13, 9]]
+    assert "tokens" not in LatencyCost(an, budget=make_budget(latency=0.5, table=path)).record()

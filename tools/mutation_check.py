@@ -446,6 +446,10 @@ EQUIVALENT: dict[str, str] = {
     # allocation.greedy.allocate: without a cost model unit_grid builds the budget's own; the grid reads only its
     # rules and bounds (the table's), which the class-token plan does not change
     "grid = unit_grid(cfg, anatomy, )": "unit_grid makes cfg.budget's cost model: the same table rules and bounds",
+    # budget.latency.LatencyCost._block_cost: a class-token block (query_tokens) is the last one, which never merges
+    # (tokens.schedule.plan_merges / tokens.apply.merge_plan give it r = 0): its attention and MLP counts are equal
+    "n = self.n if merged is None else merged[b.index][1]":
+        "a class-token last block has r = 0: the MLP sees the attention's token count",
     # latency.table.LatencyTable.save: json's encoder refuses a NaN when allow_nan is falsy (None as False)
     'atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=None) + "\\n", fsync=True)':
         "json checks `if not allow_nan`: None refuses NaN as False does",
