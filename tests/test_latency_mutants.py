@@ -1453,3 +1453,9 @@ def test_the_record_of_a_merging_cost_model_lists_each_blocks_token_counts(tmp_p
     path = _axis_table(tmp_path / "axis.json", [9, 13])
     assert LatencyCost(an, budget=_merging(path)).record()["tokens"] == [[N, 13], [13, 9]]
     assert "tokens" not in LatencyCost(an, budget=make_budget(latency=0.5, table=path)).record()
+
+
+def test_the_correction_record_states_its_rule():
+    _, rec = _correct(_Device(factor=0.8), 0.5)
+    assert rec["latency_check"]["rule"] == ("the round whose measured value is closest to the budget "
+                                            "(edgeprune.pruning.latency_loop)")

@@ -450,6 +450,8 @@ EQUIVALENT: dict[str, str] = {
     # (tokens.schedule.plan_merges / tokens.apply.merge_plan give it r = 0): its attention and MLP counts are equal
     "n = self.n if merged is None else merged[b.index][1]":
         "a class-token last block has r = 0: the MLP sees the attention's token count",
+    # pruning.latency_loop.next_value: with m != m0, a quotient and a product of the two differences share their sign
+    "if m != m0 and (p - p0) * (m - m0) > 0:  # a rising m(p): the secant": "(a / b > 0) == (a * b > 0) for b != 0",
     # latency.table.LatencyTable.save: json's encoder refuses a NaN when allow_nan is falsy (None as False)
     'atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=None) + "\\n", fsync=True)':
         "json checks `if not allow_nan`: None refuses NaN as False does",
