@@ -930,3 +930,30 @@ class TestFallback:
         assert _plan(gs[:1], [], _stats({}), {}, set(), [], []).weight_rounding == "nearest"
         empty = _plan([GemmNode("e", "MatMul", "fc1", 0, "x", "W", 1, 0, 0)], [], _stats({}), {}, set(), [], [])
         assert empty.int8_flops_share == 0.0
+
+
+# ------------------------------------------------------- smoothquant: the sampled run (docs/mutation.md)
+
+
+class TestSmoothQuantSampled:
+    def test_smooth_onnx_range_after_of_channels_below_one(self, tmp_path):
+        """Small activations and weights (every per-channel max after the fold below 1): the range is still
+        max / median, not max / 1."""
+        from exporters.quantization.smoothing import smooth_onnx
+
+        m = _ln_graph(c=6, o=6, readers="mm")
+        for t in m.graph.initializer:
+            if t.name in ("gamma", "beta", "W"):
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * np.float32(0.01), t.name))
+        src = tmp_path / "a.onnx"
+        onnx.save_model(m, str(src))
+        x = np.random.default_rng(0).normal(size=(7, 1, 5, 6)).astype(np.float32)
+        [rep] = smooth_onnx(src, tmp_path / "b.onnx", x, alpha=0.5)
+        ini = _inits(m)
+        xc = x - x.mean(-1, keepdims=True)
+        ln = xc / np.sqrt((xc ** 2).mean(-1, keepdims=True) + 1e-5) * ini["gamma"] + ini["beta"]
+        amax = np.abs(ln.reshape(-1, 6)).max(0).astype(np.float64)
+        after = amax / np.clip(amax ** 0.5 / np.abs(ini["W"]).max(1).astype(np.float64) ** 0.5, 1e-4, 1e4)
+        assert after.max() < 0.1
+        assert rep["x_range_after"] == pytest.approx(after.max() / np.median(after), rel=1e-4)
+        assert rep["x_range_before"] == pytest.approx(amax.max() / np.median(amax), rel=1e-4)

@@ -1073,3 +1073,389 @@ def test_keep_fraction_of_a_latency_budget(table):
 
     assert keep_fraction(Budget("latency", 0.4, None, table), 5.0) == 0.4
     assert keep_fraction(Budget("latency", 2.0, "ms", table), 5.0) == pytest.approx(0.4)
+
+
+# -- latency_table, the sampled run (docs/mutation.md, "sampled"): build's entries, its finish loop, the token axis --
+
+def test_the_entries_of_a_one_block_model_are_block_0s_sub_blocks(table):
+    from edgeprune.latency import build
+
+    torch.manual_seed(0)
+    one = find_anatomy(VisionTransformer(img_size=16, patch_size=4, in_chans=3, num_classes=5, embed_dim=D, depth=1,
+                                         num_heads=H, mlp_ratio=MLP / D).eval())
+    t = LatencyTable.load(table)
+    # parameters by hand: Q, K, V rows of 2 heads x (8 + 8 + 16) and the output projection from 2 x 16, with biases
+    # and the norm's weight and bias; the MLP's two layers of width 32
+    for kind, dims, params in (("attn", (2, 8, 16), D * 64 + 64 + 32 * D + D + 2 * D),
+                               ("mlp", (32,), D * 32 + 32 + 32 * D + D + 2 * D)):
+        mod, shape = build._entry_module(t, kind, dims, one, 3)
+        assert shape == (3, N, D) and sum(p.numel() for p in mod.parameters()) == params
+        with torch.no_grad():
+            assert mod(torch.randn(shape)).shape == shape
+
+
+def test_is_measured_per_kind_and_token_count():
+    from edgeprune.latency import build
+    from edgeprune.latency.token_axis import add_axis
+
+    t = empty_table(dict(KEY), dict(RULES), GRID, TimingSettings(threads=1))
+    add_axis(t, [9, 13])
+    t.measured["mlp"].append(64)
+    t.measured["attn"].append([2, 8, 16])
+    t.measured["tokens_attn"].append(9)
+    assert build._is_measured(t, "mlp", (64,)) and not build._is_measured(t, "mlp", (128,))
+    assert build._is_measured(t, "attn", (2, 8, 16)) and not build._is_measured(t, "attn", (2, 16, 8))
+    assert build._is_measured(t, "tokens_attn", (9,)) and not build._is_measured(t, "tokens_attn", (13,))
+    assert not build._is_measured(t, "tokens_mlp", (9,)) and not build._is_measured(t, "model", ())
+
+
+def test_an_interleaved_entry_is_timed_against_the_references_of_its_kind():
+    from edgeprune.latency import build
+
+    class Stop(Exception):
+        pass
+
+    class Refs:
+        seen: list = []
+
+        def measure(self, kind, module, shape):
+            self.seen.append((kind, shape))
+            raise Stop
+
+    t = empty_table(dict(KEY), dict(RULES), GRID, TimingSettings(threads=1))
+    an = find_anatomy(small_vit())
+    for kind, dims in (("mlp", (64,)), ("attn", (2, 8, 16))):
+        with pytest.raises(Stop):
+            build._time_entry(t, kind, dims, an, None, TimingSettings(threads=1), 3, Refs())
+    assert Refs.seen == [("mlp", (3, N, D)), ("attn", (3, N, D))]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_finish_retimed_times_the_unmeasured_entries_again_and_keeps_out_only_when_forced_at_the_end(
+        tmp_path, monkeypatch, force):
+    from edgeprune.errors import RuntimeFault
+    from edgeprune.latency import build
+
+    t = empty_table(dict(KEY), dict(RULES), GRID, TimingSettings(threads=1))
+    calls, timed = [], []
+
+    def finish(t_, keep_disordered=False):
+        calls.append(keep_disordered)
+        if keep_disordered:
+            return "kept out"
+        raise RuntimeFault("the chain disagrees")
+
+    monkeypatch.setattr(build, "finish", finish)
+    monkeypatch.setattr(build, "_time_entry", lambda *a: timed.append(a))
+    s = TimingSettings(threads=1)
+    if force:
+        assert build._finish_retimed(t, GRID, "AN", "TIMER", s, 3, "REFS", tmp_path / "t.json", True) == "kept out"
+    else:
+        with pytest.raises(RuntimeFault):
+            build._finish_retimed(t, GRID, "AN", "TIMER", s, 3, "REFS", tmp_path / "t.json")
+    assert calls == [False, False, force]
+    every = build._entries(GRID)  # none measured: both retries time every entry again, with the build's settings
+    assert timed == [(t, kind, dims, "AN", "TIMER", s, 3, "REFS") for kind, dims in every + every]
+
+
+def test_build_table_hands_the_references_to_finish_and_prices_the_self_check_in_them(tmp_path, monkeypatch):
+    import devices
+    from edgeprune.latency import build
+    from edgeprune.latency.measure import Sample
+
+    seen = {}
+
+    class Refs:
+        def __init__(self, timer, anatomy, key, s, batch):
+            seen["refs"] = self
+
+        def measure(self, kind, model, image):
+            seen["measured"] = (kind, image)
+            return Sample(2.0, 0.0, 1)
+
+        def close(self):
+            seen["closed"] = True
+
+    def finish_retimed(t, grid, anatomy, timer, s, batch, refs, out, force=False):
+        seen["finish"] = (refs, out, force)
+        t.meta["reference_ms"] = {"attn": 0.25, "mlp": 0.5}
+        return t
+
+    monkeypatch.setattr(build, "References", Refs)
+    monkeypatch.setattr(build, "_time_entry", lambda *a: None)
+    monkeypatch.setattr(build, "_finish_retimed", finish_retimed)
+    monkeypatch.setattr(build.selfcheck, "run_check", lambda t, an, measure: measure("M"))
+    monkeypatch.setattr(build, "conclude", lambda t, check, force, out: check)
+    out = tmp_path / "t.json"
+    opts = BuildOptions(threads=1, batch=3, warmup=0, iterations=1, repeats=1, interleave=True, force=True)
+    got = build.build_table(find_anatomy(small_vit()), devices.load_profile("cpu"), opts, out, show_progress=False)
+    assert seen["finish"] == (seen["refs"], out, True) and seen["closed"]
+    assert seen["measured"] == ("model", (3, 3, 16, 16)) and got == pytest.approx(2.0 * 0.75)
+
+
+def test_a_token_axis_round_trips_and_prices_a_merged_block(table):
+    import json
+
+    from edgeprune.latency.token_axis import add_axis
+
+    t = LatencyTable.load(table)
+    add_axis(t, [9, 13])
+    t.tokens["mlp"][:2], t.tokens["attn"][:2] = [0.5, 0.75], [0.4, 0.7]
+    t.measured["tokens_mlp"], t.measured["tokens_attn"] = [9, 13], [9, 13]
+    u = LatencyTable.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert u.tokens == {"counts": [9, 13, N], "mlp": [0.5, 0.75, 1.0], "attn": [0.4, 0.7, 1.0]}
+    dims = {"mlp": 64, "heads": 2, "qk": 8, "v": 16}
+    assert u.block_ms(dims, tokens=13) == pytest.approx(mlp_ms(64) * 0.75 + attn_ms(2, 8, 16) * 0.7, rel=1e-12)
+    # the MLP of a merging block sees fewer tokens: 11 is halfway between 9 and 13
+    assert u.block_ms(dims, tokens=13, mlp_tokens=11) == pytest.approx(
+        mlp_ms(64) * 0.625 + attn_ms(2, 8, 16) * 0.7, rel=1e-12)
+    assert u.block_ms(dims, tokens=N) == u.block_ms(dims)
+
+
+# -- greedy_heads, the sampled run: the allocation's grid and record, the curve cache ---------------------------
+
+def _mlp_latency_cfg(budget, round_to=32):
+    from edgeprune.corp import CorpConfig
+
+    return CorpConfig.from_target("mlp", None, last_block="full", budget=budget, round_to=round_to)
+
+
+def test_allocate_builds_its_curves_on_the_tables_grid_and_records_the_dense_ms(table, monkeypatch):
+    from edgeprune.allocation import greedy as G
+    from edgeprune.allocation.curves import Curve
+    from edgeprune.allocation.rules import unit_grid
+
+    an = find_anatomy(small_vit())
+    cfg = _mlp_latency_cfg(make_budget(latency=0.95, table=table))
+    grids = []
+
+    def curves_on(anatomy, stats, cfg_, qk_weight, grid):
+        grids.append(grid)
+        return [Curve(b, ("mlp",), [32, 64, 96, 128], [3.0, 1.0, 0.2, 0.0], 1.0, "c") for b in range(DEPTH)]
+
+    monkeypatch.setattr(G, "build_curves", curves_on)
+    dims, rep = G.allocate(an, None, cfg)
+    table_grid = unit_grid(cfg, an, cfg.budget.cost_model(an))
+    assert grids[0] is not None and grids[0].describe() == table_grid.describe()
+    dense = 1.0 + DEPTH * (mlp_ms(MLP) + attn_ms(H, HD, HD))
+    (name,) = [k for k, v in rep.items() if isinstance(v, dict) and "predicted" in v]
+    assert rep[name]["dense"] == pytest.approx(dense, rel=1e-12)
+    assert rep[name]["target"] == pytest.approx(0.95 * dense, rel=1e-12) and rep[name]["predicted"] <= rep[name]["target"]
+
+
+def test_a_units_curve_is_computed_once_for_settings_that_differ_only_in_the_budget(table, monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeprune.allocation import unit_curves as U
+    from edgeprune.allocation.curves import Curve
+
+    calls = []
+
+    def compute(b, unit, stats, cfg, grid):
+        calls.append(cfg)
+        return Curve(b.index, (unit,), [32, 64], [1.0, 0.0], 1.0, "c")
+
+    monkeypatch.setattr(U, "compute_curve", compute)
+    stats, b, grid = SimpleNamespace(derived={}), SimpleNamespace(index=0), SimpleNamespace(describe=lambda: {"g": 1})
+    for budget in ({"kind": "flops", "value": 0.5}, make_budget(latency=0.9, table=table), None):
+        c = U.raw_curve(b, "mlp", stats, _mlp_latency_cfg(budget), grid)
+        assert c.ks == [32, 64] and c.raw == [1.0, 0.0]
+    assert len(calls) == 1
+    U.raw_curve(b, "mlp", stats, _mlp_latency_cfg(None, round_to=8), grid)  # other settings: computed again
+    assert len(calls) == 2
+
+
+# -- latency_cost, the sampled run: merged token counts, the price memo, the self-check summary ------------------
+
+def _axis_table(path, counts):
+    """The :func:`table` fixture's table with a token axis at ``counts`` (of 9 and 13 tokens): the MLP's ratio
+    0.5 / 0.75, the attention's 0.4 / 0.7."""
+    from edgeprune.latency.token_axis import add_axis
+
+    t = LatencyTable.load(write_latency_table(path, KEY, RULES, [1, 2, 3, 4], [8, 16], [0, 32, 64, 96, 128], attn_ms,
+                                              mlp_ms, fixed_ms=1.0))
+    add_axis(t, counts)
+    ratio = {9: (0.5, 0.4), 13: (0.75, 0.7)}
+    for i, n in enumerate(counts):
+        t.tokens["mlp"][i], t.tokens["attn"][i] = ratio[n]
+    t.measured["tokens_mlp"], t.measured["tokens_attn"] = list(counts), list(counts)
+    t.save(path)
+    return str(path)
+
+
+def _merging(path, r=4):
+    import dataclasses
+
+    return dataclasses.replace(make_budget(latency=0.5, table=path), tokens_merge=r)
+
+
+def test_a_merging_budget_prices_each_block_at_its_token_counts(tmp_path, table):
+    an = find_anatomy(small_vit())
+    path = _axis_table(tmp_path / "axis.json", [9, 13])
+    cost = LatencyCost(an, budget=_merging(path))
+    # r = 4 per block: block 0's attention sees 17 tokens and its MLP 13, block 1's 13 and 9
+    assert cost.tokens == [(N, 13), (13, 9)]
+    dense = {"mlp": MLP, "heads": H, "qk": HD, "v": HD}
+    assert cost.block_cost(an.blocks[0], dense) == pytest.approx(mlp_ms(MLP) * 0.75 + attn_ms(H, HD, HD), rel=1e-12)
+    assert cost.block_cost(an.blocks[1], dense) == pytest.approx(mlp_ms(MLP) * 0.5 + attn_ms(H, HD, HD) * 0.7,
+                                                                 rel=1e-12)
+    assert LatencyCost(an, budget=make_budget(latency=0.5, table=path)).tokens is None  # no schedule: no merging
+    assert LatencyCost(an, budget=_merging(path, r=0)).tokens is None
+    short = _axis_table(tmp_path / "short.json", [13])
+    with pytest.raises(UserError, match=r"has a token axis from 13 tokens, the merged blocks run at 9\.\.13 tokens"):
+        LatencyCost(an, budget=_merging(short))
+    with pytest.raises(UserError, match=r"has no token axis, the merged blocks run at 9\.\.13 tokens"):
+        LatencyCost(an, budget=_merging(table))
+
+
+def test_a_model_without_num_prefix_tokens_is_priced_under_a_merging_budget(tmp_path):
+    vit = small_vit()
+    del vit.num_prefix_tokens
+    an = find_anatomy(vit)
+    cost = LatencyCost(an, budget=_merging(_axis_table(tmp_path / "axis.json", [9, 13])))
+    assert cost.tokens == [(N, 13), (13, 9)]
+
+
+def test_block_prices_are_remembered_per_block_and_dims(table, monkeypatch):
+    an = find_anatomy(small_vit())
+    cost = LatencyCost(an, budget=make_budget(latency=0.5, table=table))
+    calls, real = [], cost._block_cost
+    monkeypatch.setattr(cost, "_block_cost", lambda b, dims: calls.append(b.index) or real(b, dims))
+    d = {"mlp": 64, "heads": 2, "qk": 8, "v": 16}
+    a = cost.block_cost(an.blocks[0], d)
+    assert cost.block_cost(an.blocks[0], dict(reversed(d.items()))) == a == mlp_ms(64) + attn_ms(2, 8, 16)
+    assert cost.block_cost(an.blocks[1], d) == a and calls == [0, 1]
+
+
+def test_the_self_check_summary_says_whether_the_table_was_forced(table):
+    from edgeprune.budget.latency import _check_summary
+
+    t = LatencyTable.load(table)
+    assert _check_summary(t) is None
+    models = [{"name": "a", "predicted_ms": 1.0, "measured_ms": 1.2, "spread": 3}]
+    t.meta["self_check"] = {"passed": False, "forced": True, "tolerance": 0.1, "models": models}
+    assert _check_summary(t) == {"passed": False, "forced": True, "tolerance": 0.1,
+                                 "models": [{"name": "a", "predicted_ms": 1.0, "measured_ms": 1.2}]}
+    del t.meta["self_check"]["forced"]
+    assert _check_summary(t)["forced"] is False
+
+
+# -- derive_latency, the sampled run: the rho grid's ends -----------------------------------------------------------
+
+def test_the_rho_grid_is_one_then_the_levels_then_zero():
+    from types import SimpleNamespace
+
+    from edgeprune.nuwa.budget import rho_candidates
+
+    # equal singular values: rank k of d keeps k / d of the energy; the levels are the multiples of 8 below full rank
+    f = SimpleNamespace(qk_s=torch.ones(2, 16), vo_s=torch.ones(2, 24))
+    assert rho_candidates([f]) == [1.0, round(2 / 3, 12), 0.5, round(1 / 3, 12), 0.0]
+    assert rho_candidates([f], n=2) == [1.0, round(2 / 3, 12), round(1 / 3, 12), 0.0]
+
+
+# -- latency_loop, the sampled run: the measurer's one dense export, a flat secant, a record without allocation ----
+
+def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_batch(table, monkeypatch):
+    import edgeprune.pruning.latency_loop as L
+
+    exports, pairs = [], []
+
+    def export(model, path, shape, dynamic_batch, batch_size):
+        exports.append((model, shape, dynamic_batch, batch_size))
+        return f"dense{len(exports)}.onnx"
+
+    def pair(dense, pruned, key, shape, iterations, warmup, dense_onnx):
+        pairs.append((dense, pruned, key["backend"], shape, iterations, warmup, dense_onnx))
+        return {"ratio": 0.5}
+
+    monkeypatch.setattr(L, "why_not_measured", lambda key: None)  # as if the hand-made table were from here
+    monkeypatch.setattr(L, "export_onnx", export)
+    monkeypatch.setattr(L, "measure_pair", pair)
+    measure, reason = L.table_measurer(make_budget(latency=0.5, table=table), find_anatomy(small_vit()))
+    assert reason is None
+    d1, d2, p = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Identity()
+    assert measure(d1, p) == measure(d1, p) == measure(d2, p) == {"ratio": 0.5}
+    shape = (3, 16, 16)
+    assert exports == [(d1, shape, False, 8), (d2, shape, False, 8)]  # the table's batch (KEY["batch"])
+    # (the default 20 iterations and 3 warm-up runs; round 0's export reused until the dense model changes)
+    assert pairs == [(d, p, "onnxruntime", shape, 20, 3, f) for d, f in
+                     ((d1, "dense1.onnx"), (d1, "dense1.onnx"), (d2, "dense2.onnx"))]
+
+
+def test_a_flat_secant_falls_back_to_the_ratio():
+    from edgeprune.pruning.latency_loop import next_value
+
+    # the same predicted value measured twice differently: no slope, so p * target / m
+    assert next_value([(0.5, 0.6), (0.5, 0.55)], 0.5) == 0.5 * 0.5 / 0.55
+
+
+def test_not_measured_leaves_a_record_without_an_allocation_alone(table):
+    from edgeprune.budget.budget import Budget
+    from edgeprune.pruning.latency_loop import not_measured
+
+    bare = {"model": "x"}
+    not_measured(bare, Budget("latency", 0.5, None, table), "no backend here")
+    assert bare == {"model": "x"}
+
+
+def test_a_merging_schedule_needs_a_token_axis_and_the_refusal_suggests_counts(tmp_path, table):
+    an = find_anatomy(small_vit())
+    path = _axis_table(tmp_path / "short.json", [13])
+    LatencyCost.check_tokens_merge(_merging(path))  # an axis: the counts are checked with the model
+    with pytest.raises(UserError, match=r"latency table .* has no token axis \(it timed blocks at 17 tokens only\)"):
+        LatencyCost.check_tokens_merge(_merging(table))
+    # merged blocks at 9..13 tokens of 17: four counts evenly spaced from 9, 9 + 8 i // 4
+    with pytest.raises(UserError, match=r"--tokens 9,11,13,15\)$"):
+        LatencyCost(an, budget=_merging(path))
+
+
+def test_token_counts_of_the_option_text():
+    from edgeprune.latency.grid import parse_token_counts
+
+    assert parse_token_counts(None) == parse_token_counts("") == parse_token_counts("  ") == []
+    assert parse_token_counts(" 150, 100,50") == [150, 100, 50]
+    with pytest.raises(UserError, match=r"^--tokens: 'x' is not an integer"):
+        parse_token_counts("9,x")
+
+
+def test_a_document_of_another_format_is_refused_as_a_latency_table():
+    for doc in ({"format": "something else"}, [1, 2]):
+        with pytest.raises(UserError, match=r'^latency table is not an edgeprune latency table \(expected "format": '):
+            LatencyTable.from_dict(doc)
+
+
+# -- greedy_heads, the seed-2 sample: each unit's candidate sizes -------------------------------------------------
+
+def test_compute_curve_gives_each_unit_its_candidate_sizes(monkeypatch):
+    from types import SimpleNamespace
+
+    from edgeprune.allocation import unit_curves as U
+    from edgeprune.allocation.rules import Grid
+
+    got = []
+    monkeypatch.setattr(U, "qk_curve", lambda b, st, cfg, ks: got.append(("qk", st, ks)))
+    monkeypatch.setattr(U, "v_curve", lambda b, st, cfg, ks: got.append(("v", st, ks)))
+    stats, b = SimpleNamespace(qk=["QK"], vo=["VO"]), SimpleNamespace(index=0, qk_dim=16, v_dim=24)
+    rounding = {"mlp": 8, "qk": 8, "v": 8, "heads": 1}
+    grid = Grid(rounding, {"v": 16}, None)
+    for unit in ("v", "qk", "qk+v:qk", "qk+v:v"):
+        U.compute_curve(b, unit, stats, None, grid)
+    # V: multiples of 8 up to its 24, none below its bound 16; Q/K: up to 16, no bound; fused: up to min(16, 24),
+    # none below V's bound
+    assert got == [("v", "VO", [16, 24]), ("qk", "QK", [8, 16]), ("qk", "QK", [16]), ("v", "VO", [16])]
+    got.clear()
+    U.compute_curve(b, "qk+v:v", stats, None, Grid(rounding, {"v": 32}, None))  # a bound above all: all kept
+    assert got == [("v", "VO", [8, 16])]
+
+
+def test_the_record_of_a_merging_cost_model_lists_each_blocks_token_counts(tmp_path):
+    an = find_anatomy(small_vit())
+    path = _axis_table(tmp_path / "axis.json", [9, 13])
+    assert LatencyCost(an, budget=_merging(path)).record()["tokens"] == [[N, 13], [13, 9]]
+    assert "tokens" not in LatencyCost(an, budget=make_budget(latency=0.5, table=path)).record()
+
+
+def test_the_correction_record_states_its_rule():
+    _, rec = _correct(_Device(factor=0.8), 0.5)
+    assert rec["latency_check"]["rule"] == ("the round whose measured value is closest to the budget "
+                                            "(edgeprune.pruning.latency_loop)")
