@@ -167,9 +167,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                        "tests/test_latency_selfcheck.py::test_a_hand_table_that_does_not_add_up_is_refused_on_load",
                        "tests/test_latency_selfcheck.py::test_a_complete_table_with_parts_measured_but_missing_is_refused",
                        "tests/test_latency_selfcheck.py::test_a_forced_table_loads_although_its_parts_do_not_add_up",
-                       # (test_a_table_without_the_new_fields_loads_and_prices_exactly_as_before: left out while it
-                       # fails on the tree itself since issue 40's memo in LatencyCost.block_cost, which keeps the
-                       # price of a table whose terms the test changes afterwards)
+                       "tests/test_latency_selfcheck.py::"
+                       "test_a_table_without_the_new_fields_loads_and_prices_exactly_as_before",
                        "tests/test_latency_selfcheck.py::test_spread_check_times_a_noisy_entry_again",
                        "tests/test_latency_selfcheck.py::test_build_records_a_noisy_entry"]),
     "latency_cost": (["edgeprune/budget/latency.py"],
