@@ -140,9 +140,10 @@ def test_auto_tokens_rule(n_img, hidden, tokens, expected):
 
 def test_default_is_auto_and_resolves_per_model_and_setting():
     """gram_tokens=None: the auto rule for one-shot CORP, all tokens with --sequential; explicit
-    values are used as given; a random-init deit_tiny (197 tokens, MLP 768) pruned with 256 images
-    by default uses 96 tokens and is the same model, bit for bit, as an explicit --gram-tokens 96,
-    and the record says so; with 64 images it uses all tokens."""
+    values are used as given; a random-init deit_tiny (197 tokens, MLP 768; 2 of its 12 blocks: the rule
+    reads the tokens and the MLP width, not the depth) pruned with 256 images by default uses 96 tokens
+    and is the same model, bit for bit, as an explicit --gram-tokens 96, and the record says so; with 64
+    images it uses all tokens."""
     import timm
 
     import edgeprune
@@ -150,7 +151,7 @@ def test_default_is_auto_and_resolves_per_model_and_setting():
     from edgeprune.corp import CorpConfig, gram_tokens_used
 
     torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, depth=2).eval()
     an = find_anatomy(model)
     assert CorpConfig().gram_tokens is None
     assert gram_tokens_used(CorpConfig.from_target("both", 0.5), an, 256) == 96
