@@ -189,6 +189,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "greedy_heads": (["edgeprune/allocation/greedy.py", "edgeprune/allocation/select.py",
                       "edgeprune/allocation/unit_curves.py"],
                      ["tests/test_latency_mutants.py", "tests/test_allocation_mutants.py",
+                      "tests/test_allocation_select_fast.py",  # select.py's measured selection, tiny model
                       "tests/test_latency_budget.py::test_heads_cheap_to_remove_dims_not_removes_heads",
                       "tests/test_latency_budget.py::test_dims_expensive_heads_free_shrinks_dims",
                       "tests/test_latency_budget.py::test_predicted_latency_within_budget_and_monotone",
