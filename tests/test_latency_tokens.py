@@ -269,3 +269,19 @@ def test_a_build_times_the_token_axis(interleave, tmp_path):
         assert back.block_ms(d, 3, 2) == pytest.approx(0.4 * back.mlp_ms(d["mlp"]) + 0.6 * attn)
     finally:
         unregister_timer("fake-tokens")
+
+
+def test_the_grid_prices_a_merging_budget_with_the_class_token_last_block(tmp_path):
+    """The allocation's grid (``unit_grid`` without a cost model) builds the budget's cost model with the config's
+    class-token plan, as the allocation does: a class-token last block merges nothing, so its axis need not reach the
+    count a merging last block would see (found by benchmarks/tokens_table.py: a candidate the planner kept then
+    failed the run)."""
+    from edgeprune.allocation.rules import unit_grid
+
+    path = with_axis(tmp_path / "t.json", counts=[13, 17], mlp=[0.75, 1.0], attn=[0.7, 1.0], head_ms=0.1)
+    an = find_anatomy(small_vit())
+    cls = corp_config("all", latency=0.5, latency_table=path, tokens_merge=4, last_block="cls")
+    assert unit_grid(cls, an).round_to  # block 0: 17 -> 13 tokens; the class-token block 1 merges nothing
+    full = corp_config("all", latency=0.5, latency_table=path, tokens_merge=4, last_block="full")
+    with pytest.raises(UserError, match=r"the merged blocks run at 9\.\.13 tokens"):
+        unit_grid(full, an)  # block 1 would merge 13 -> 9: below the axis

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from devices.kernels import allowed_head_dims, describe_allowed, keep_allowed
 from edgeprune.allocation.curves import Curve
+from edgeprune.layers.class_token_block import class_token_plan
 from edgeprune.errors import UserError
 from edgeprune.plan import target_modules
 
@@ -103,10 +104,11 @@ class Grid:
 
 
 def unit_grid(cfg: "CorpConfig", anatomy, cost=None) -> Grid:
-    """The candidate grid under ``cfg`` (``cost``: the budget's cost model, ``cfg.budget``'s when None; without
-    a budget the config's rounding alone)."""
+    """The candidate grid under ``cfg`` (``cost``: the budget's cost model, ``cfg.budget``'s when None -- built with
+    the config's class-token plan, as the allocation prices the model: a merging budget's last block then merges
+    nothing, as in the pruned model; without a budget the config's rounding alone)."""
     if cost is None and cfg.budget is not None:
-        cost = cfg.budget.cost_model(anatomy)
+        cost = cfg.budget.cost_model(anatomy, class_token_plan(cfg, anatomy))
     rules = cost.rules if cost is not None else None
     r = cfg.round_to
     round_to = {"mlp": r, "qk": r, "v": r, "heads": 1}
