@@ -175,13 +175,14 @@ def run_seed(seed: int, args, spec, dense, batches, dense_eval: dict, key: dict,
 def render(rows: list[dict]) -> str:
     """The markdown table of ``rows`` (dense first, then by row and seed)."""
     order = {r: i for i, r in enumerate(ROWS)}
-    lines = ["| row | seed | measured latency x dense | FLOPs x dense | top-1 % | dense top-1 % | agreement % | "
-             "merge (r per block) | prune s |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (order[r["row"]], r["seed"])):
+    lines = ["| row | latency budget | seed | measured latency x dense | FLOPs x dense | top-1 % | dense top-1 % | "
+             "agreement % | merge (r per block) | prune s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (order[r["row"]], -r["budget"], r["seed"])):
+        budget = f"x{r['budget']:g}" if r["row"] in ("widths", "both") else "-"
         tm = r.get("tokens_merge") or {}
         merge = "-" if not tm.get("r") or not any(tm["r"]) else f"{tm.get('schedule')} ({','.join(map(str, tm['r']))})"
         lat = r.get("measured")
-        lines.append(f"| {r['row']} | {r['seed']} | {'1' if lat is None else format(lat['ratio'], '.3f')} | "
+        lines.append(f"| {r['row']} | {budget} | {r['seed']} | {'1' if lat is None else format(lat['ratio'], '.3f')} | "
                      f"{r['flops']:.3f} | {r['top1'] * 100:.2f} | {r['dense_top1'] * 100:.2f} | "
                      f"{r['agreement'] * 100:.2f} | {merge} | {r['prune_s']:.0f} |")
     return "\n".join(lines)

@@ -51,5 +51,5 @@ def test_rows_saved_replaced_and_rendered(tmp_path):
     rows = tt.load_rows(out)
     assert len(rows) == 2 and [r["top1"] for r in rows if r["row"] == "tokens"] == [0.85]
     lines = tt.render(rows).splitlines()
-    assert lines[2].startswith("| dense | 0 | 1 |") and lines[3].startswith("| tokens | 0 | 0.800 |")
+    assert lines[2].startswith("| dense | - | 0 | 1 |") and lines[3].startswith("| tokens | - | 0 | 0.800 |")
     assert "9 (9,9)" in lines[3] and "85.00" in lines[3]
