@@ -204,7 +204,7 @@ def _cfg(budget, target="all", allocate_heads=None, layout="default", round_to=8
     from types import SimpleNamespace
 
     return SimpleNamespace(budget=budget, target=target, allocate_heads=allocate_heads, layout=layout,
-                           round_to=round_to)
+                           round_to=round_to, last_block="full")
 
 
 def test_heads_allocated_follows_the_budget_kind_target_and_setting(table):

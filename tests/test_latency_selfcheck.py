@@ -424,3 +424,20 @@ def test_a_quarter_chain_out_of_order_is_left_out(tmp_path: Path, tiny_vit) -> N
     selfcheck.finish(t)
     assert parts["points_used"] == 2 and len(t.block_points) == 2
     assert [p[0] for p in t.block_points] == sorted([parts["sub_blocks_half_ms"], parts["sub_blocks_ms"]])
+
+
+def test_the_in_model_map_never_prices_a_small_block_at_zero_or_less() -> None:
+    """Below the smallest measured point a steep first segment (chains timed while the load moved) used to reach 0
+    and below: the gpu_check dry run's tiny table predicted a self-check model at -1.4 ms and then refused to load
+    (found by the loaded suite run). The map keeps FLOOR_SHARE of the proportional cost there, and is unchanged
+    where the segment stays above it."""
+    from edgeprune.latency.table import FLOOR_SHARE, _through
+
+    steep = [[1.0, 0.5], [2.0, 2.0]]  # the first segment crosses 0 at x = 2/3
+    for x in (0.01, 0.3, 0.6, 0.66, 0.7):
+        assert _through(steep, x) == pytest.approx(max(0.5 + 1.5 * (x - 1.0), FLOOR_SHARE * 0.5 * x))
+        assert _through(steep, x) > 0
+    ys = [_through(steep, x / 100) for x in range(1, 300)]
+    assert all(b >= a for a, b in zip(ys, ys[1:]))  # still non-decreasing in the sub-block sum
+    gentle = [[1.0, 0.8], [2.0, 1.2]]
+    assert _through(gentle, 0.5) == pytest.approx(0.6) and _through(steep, 1.5) == pytest.approx(1.25)

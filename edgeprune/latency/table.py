@@ -363,12 +363,21 @@ class LatencyTable:
         return table
 
 
+#: below the smallest point, a block costs at least this share of the smallest point's per-block cost scaled by
+#: its sub-block sum (:func:`_through`)
+FLOOR_SHARE = 0.1
+
+
 def _through(points: Sequence[Sequence[float]], x: float) -> float:
     """``y(x)`` piecewise-linear through ``points`` (``[[x, y], ...]`` ascending in x, at least 2), extended by the
-    first and the last segment."""
+    first and the last segment; below the first point never under ``FLOOR_SHARE x y_first x / x_first`` (a steep
+    first segment -- chains timed under a load that moved -- would otherwise price small blocks at 0 or less: a
+    self-check model of a tiny table was predicted at -1.4 ms, and the table then refused to load)."""
     i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    y = float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    first_x, first_y = points[0]
+    return max(y, FLOOR_SHARE * first_y * x / first_x) if x < first_x and first_x > 0 else y
 
 
 def _num_out(x: Any) -> float | None:
