@@ -78,12 +78,9 @@ def check_tokens_settings(config: CorpConfig) -> None:
     if budget is None or not budget.model_class.needs_table:
         return
     if value is not None:
-        check = getattr(budget.model_class, "check_tokens_merge", None)
-        if check is None:
-            raise UserError(f"--tokens-merge with a --{budget.kind} budget: its table does not price token counts, "
-                            "so the measured correction would undo the merge's saving; use --flops, --params or "
-                            "--sparsity")
-        check(budget)
+        _check_merge_priced(budget, f"--tokens-merge with a --{budget.kind} budget: its table does not price token "
+                            "counts, so the measured correction would undo the merge's saving; use --flops, "
+                            "--params or --sparsity")
     if budget.tokens_merge != value:
         config.budget = dataclasses.replace(budget, tokens_merge=value)
 
@@ -105,14 +102,23 @@ def check_tokens_auto(config: CorpConfig) -> None:
     if budget is None:
         raise UserError("--tokens-merge auto needs a budget (--latency with a table that has a token axis) to "
                         "choose r for; give a schedule (R, r0,r1,... or decreasing:R) without one")
-    check = getattr(budget.model_class, "check_tokens_merge", None)
-    if check is None:
-        raise UserError(f"--tokens-merge auto with a --{budget.kind} budget: its cost model does not price merged "
-                        "tokens (the widths get the whole budget, a merge only adds error); use --latency with a "
-                        "table that has a token axis, or give a schedule")
-    check(budget)
+    _check_merge_priced(budget, f"--tokens-merge auto with a --{budget.kind} budget: its cost model does not price "
+                        "merged tokens (the widths get the whole budget, a merge only adds error); use --latency "
+                        "with a table that has a token axis, or give a schedule")
     if config.allocation_check_images < 1:
         raise UserError("--tokens-merge auto judges its candidates on the check images; give --check-images >= 1")
+
+
+def _check_merge_priced(budget: Any, refusal: str) -> None:
+    """The budget kind's own check of a merging budget (``check_tokens_merge``: e.g. the table's token axis).
+
+    Raises:
+        UserError: ``refusal`` when the kind's cost model does not price merged tokens; the kind's own errors.
+    """
+    check = getattr(budget.model_class, "check_tokens_merge", None)
+    if check is None:
+        raise UserError(refusal)
+    check(budget)
 
 
 #: the section checks of the stages above CORP, in order (the CORP and budget sections: ``CorpConfig.validate``)
