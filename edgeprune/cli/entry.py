@@ -13,6 +13,11 @@ is written yet at that point, so the handler says ``interrupted`` and ends the p
 (``os._exit(130)``). From the command's start on, SIGINT raises ``KeyboardInterrupt`` again and
 :func:`edgeprune.cli.main.main` turns it into the same line after the clean-up of any output
 being written.
+
+A process started with SIGINT ignored (a background job of a non-interactive shell, ``nohup``-style
+launchers) keeps ignoring it, as Python itself does: :func:`main` installs nothing then, so the
+command neither dies from nor reacts to a Ctrl-C its parent chose to ignore (before this, an
+interrupt in the first milliseconds was ignored and a later one was not).
 """
 
 from __future__ import annotations
@@ -61,12 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     SIGINT while the CLI's modules are imported: ``interrupted``, exit 130 at once; later it raises
     ``KeyboardInterrupt`` (Python's default handler), which :func:`edgeprune.cli.main.main` (or,
     in the instant before it runs, this function) turns into the same line and status. Once the
-    command is over, SIGINT is ignored (the process is exiting with the command's status).
+    command is over, SIGINT is ignored (the process is exiting with the command's status). A process
+    started with SIGINT ignored keeps it ignored throughout (module doc).
 
     Raises:
         SystemExit: the command's exit status (0, 1, 2, 130, 143).
     """
     main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        main_thread = False  # started with Ctrl-C ignored: keep it so (module doc); touch no handler
     try:
         if main_thread:
             signal.signal(signal.SIGINT, _exit_now)
