@@ -11,7 +11,8 @@ conditions, so the ratio is far more stable than the ratio of two separately mea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -60,9 +61,57 @@ def ratio_stats(latencies_a: Sequence[float], latencies_b: Sequence[float]) -> d
     }
 
 
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median: the order statistics ``(x_(k), x_(n+1-k))``
+    with the largest ``k`` such that ``P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2`` (the sign-test
+    interval; Hollander & Wolfe, Nonparametric Statistical Methods, sec. 3.6). With fewer than 6
+    values no k qualifies at 95% and the whole range ``(min, max)`` is returned.
+
+    Raises:
+        ValueError: no values, or ``confidence`` not in (0, 1).
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    x = sorted(float(v) for v in values)
+    n = len(x)
+    if n == 0:
+        raise ValueError("need at least one value")
+    alpha, k, below = (1 - confidence) / 2, 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2.0 ** n  # P(B <= k)
+        if below > alpha:
+            break
+        k += 1
+    k = max(k, 1)
+    return x[k - 1], x[n - k]
+
+
+def ratio_settled(rel_width: float = 0.02, min_pairs: int = 6,
+                  confidence: float = 0.95) -> Callable[[Sequence[float], Sequence[float]], bool]:
+    """A ``stop`` rule for :func:`bench_pair`: true once at least ``min_pairs`` pairs were timed and the
+    :func:`median_interval` of the per-pair ratios ``a[i] / b[i]`` is narrower than ``rel_width`` times
+    their median (0.02: the median ratio known to about +-1%).
+
+    Raises:
+        ValueError: ``rel_width <= 0`` or ``min_pairs < 2``.
+    """
+    if not rel_width > 0 or min_pairs < 2:
+        raise ValueError(f"need rel_width > 0 and min_pairs >= 2, got {rel_width}, {min_pairs}")
+
+    def stop(lat_a: Sequence[float], lat_b: Sequence[float]) -> bool:
+        if len(lat_a) < min_pairs:
+            return False
+        r = [a / max(b, 1e-12) for a, b in zip(lat_a, lat_b)]
+        lo, hi = median_interval(r, confidence)
+        return hi - lo <= rel_width * float(np.median(r))
+
+    return stop
+
+
 def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
                iterations: int = 50, warmup: int = 10, *, inputs: Any = None,
-               seed: int = 0) -> list[PairResult]:
+               seed: int = 0, stop: Callable[[Sequence[float], Sequence[float]], bool] | None = None
+               ) -> list[PairResult]:
     """Benchmark A and B interleaved (A B A B ...) on the same input, per batch size.
 
     Args:
@@ -71,6 +120,9 @@ def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
         iterations: timed pairs per batch size.
         warmup: untimed pairs per batch size, run first (also interleaved).
         inputs: optional (N, C, H, W) real inputs; default seeded noise.
+        stop: optional rule called after each timed pair with the latencies so far (A's, B's; ms);
+            true ends the batch size's timing early (``iterations`` is then the most pairs timed;
+            e.g. :func:`ratio_settled`).
 
     Returns:
         One :class:`PairResult` per batch size. The peak memory of both is the process peak over
@@ -104,6 +156,8 @@ def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
         for _ in range(iterations):
             lat_a.append(float(runner_a.time_once(x)))
             lat_b.append(float(runner_b.time_once(x)))
+            if stop is not None and stop(lat_a, lat_b):
+                break
         ra = runner_a.result(int(bs), lat_a, warmup)
         rb = runner_b.result(int(bs), lat_b, warmup)
         for r in (ra, rb):

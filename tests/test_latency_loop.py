@@ -71,6 +71,8 @@ def test_an_offset_the_table_does_not_see_is_corrected(table):
     # the verdict is against the budget asked, not the corrected value the table was asked for
     assert chk["miss"] == pytest.approx(chosen["miss"]) and chk["budget_ratio"] == pytest.approx(0.6)
     assert chk["meets_budget"] and latency_report(chk)[-1].startswith("latency: measured")
+    chk["measured"].update(pairs=8, ratio_interval=[0.59, 0.61])  # a real measurement's interval is printed
+    assert ", 95% x0.590-0.610 over 8 pairs, interleaved" in latency_report(chk)[-1]
     assert len(measure.calls) == len(chk["rounds"])
     assert chosen["budget_value"] < first["budget_value"]  # it asked the table for less than the budget
     assert res.record["allocation"]["budget"]["value"] == pytest.approx(chosen["budget_value"])
@@ -168,12 +170,15 @@ def test_the_measurer_exports_the_dense_model_once(monkeypatch):
         monkeypatch.setattr(mod, "export_onnx", lambda m, path, *a, _real=real, **k: exported.append(
             Path(path).stem) or _real(m, path, *a, **k))
     dense = small_vit()
-    measure, reason = ll.table_measurer(SimpleNamespace(table="t.json"), find_anatomy(dense), iterations=2, warmup=1)
+    measure, reason = ll.table_measurer(SimpleNamespace(table="t.json"), find_anatomy(dense), iterations=7, warmup=1)
     assert reason is None
     for value in (0.6, 0.5):
         pruned = edgeprune.prune(dense, _images(), flops=value, last_block="full", allocation_check_images=0).model
         got = measure(dense, pruned)
         assert got["dense_ms"] > 0 and got["pruned_ms"] > 0 and got["ratio"] > 0
+        # issue 40: timed until settled (at least 6 pairs, at most the 7 asked); the ratio inside its interval
+        lo, hi = got["ratio_interval"]
+        assert 6 <= got["pairs"] <= 7 and lo <= got["ratio"] <= hi
     assert exported == ["dense", "pruned", "pruned"]
 
 

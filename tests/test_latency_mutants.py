@@ -1366,8 +1366,8 @@ def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_ba
         exports.append((model, shape, dynamic_batch, batch_size))
         return f"dense{len(exports)}.onnx"
 
-    def pair(dense, pruned, key, shape, iterations, warmup, dense_onnx):
-        pairs.append((dense, pruned, key["backend"], shape, iterations, warmup, dense_onnx))
+    def pair(dense, pruned, key, shape, iterations, warmup, dense_onnx, settle):
+        pairs.append((dense, pruned, key["backend"], shape, iterations, warmup, dense_onnx, settle))
         return {"ratio": 0.5}
 
     monkeypatch.setattr(L, "why_not_measured", lambda key: None)  # as if the hand-made table were from here
@@ -1379,8 +1379,9 @@ def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_ba
     assert measure(d1, p) == measure(d1, p) == measure(d2, p) == {"ratio": 0.5}
     shape = (3, 16, 16)
     assert exports == [(d1, shape, False, 8), (d2, shape, False, 8)]  # the table's batch (KEY["batch"])
-    # (the default 20 iterations and 3 warm-up runs; round 0's export reused until the dense model changes)
-    assert pairs == [(d, p, "onnxruntime", shape, 20, 3, f) for d, f in
+    assert L.SETTLE == 0.02
+    # (at most 20 pairs, settled at 2%, and 3 warm-up runs; round 0's export reused until the dense model changes)
+    assert pairs == [(d, p, "onnxruntime", shape, 20, 3, f, L.SETTLE) for d, f in
                      ((d1, "dense1.onnx"), (d1, "dense1.onnx"), (d2, "dense2.onnx"))]
 
 

@@ -13,7 +13,7 @@ from edgeprune.errors import UserError
 from edgeprune.zoo.fmnist_vit import create_fmnist_vit
 from exporters.onnx import export_onnx
 from runners.base import BenchResult, Runner, make_batch, peak_rss_mb, summarize_latencies
-from runners.compare import PairResult, bench_pair, ratio_stats
+from runners.compare import PairResult, bench_pair, median_interval, ratio_settled, ratio_stats
 from runners.onnxruntime_runner import OrtRunner, resolve_providers
 from runners.report import markdown_table, pair_markdown_table, plot_latency, to_json
 from runners.torch_runner import TorchRunner
@@ -186,6 +186,66 @@ def test_ratio_stats_are_per_pair():
     assert st["p10"] == pytest.approx(2.0) and st["p90"] > 2.0
     with pytest.raises(ValueError):
         ratio_stats([1, 2], [1])
+
+
+class NoisyRunner(FakeRunner):
+    """Latencies from a fixed list, one per call (warm-up included)."""
+
+    def __init__(self, name, latencies, log):
+        super().__init__(name, 0.0, log)
+        self.seq = list(latencies)
+
+    def time_once(self, x):
+        super().time_once(x)
+        return self.seq.pop(0)
+
+
+def test_median_interval_is_the_sign_test_interval():
+    """issue 40: the order statistics of the textbook table (n = 20: x_(6)..x_(15); n = 9: x_(2)..x_(8);
+    below 6 values, and n = 6..8, the whole range at 95%), and the binomial rule behind them."""
+    import math
+    x = list(range(1, 21))[::-1]  # unsorted on purpose
+    assert median_interval(x) == (6, 15)
+    assert median_interval(range(1, 10)) == (2, 8)
+    for n in (1, 5, 6, 8):
+        assert median_interval(range(1, n + 1)) == (1, n)
+    for n in range(6, 60):
+        lo, hi = median_interval(range(1, n + 1))
+        k = int(lo)
+        assert hi == n + 1 - k
+        tail = sum(math.comb(n, j) for j in range(k)) / 2 ** n  # P(B < k) <= 2.5% < P(B < k + 1)
+        assert tail <= 0.025 < tail + math.comb(n, k) / 2 ** n
+    assert median_interval([3.0, 1.0, 2.0], confidence=0.5) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        median_interval([])
+    with pytest.raises(ValueError):
+        median_interval([1.0], confidence=1.0)
+
+
+def test_bench_pair_stops_once_the_ratio_has_settled():
+    """issue 40: with a stop rule, timing ends at the first pair where it holds -- steady ratios after
+    ``min_pairs``, noisy ones only at ``iterations``; the result covers the pairs timed."""
+    log: list[str] = []
+    pairs = bench_pair(FakeRunner("A", 2.0, log), FakeRunner("B", 1.0, log), [1], iterations=20, warmup=1,
+                       stop=ratio_settled(0.02, min_pairs=6))
+    assert len(pairs[0].latencies_a) == 6 and len(log) == 2 * 7 and pairs[0].a.iterations == 6
+    # +-5% noise on B: never settles to 2% -> all 20 pairs
+    noisy_b = [1.0] + [1.0 + (0.05 if i % 2 else -0.05) for i in range(20)]
+    log = []
+    pairs = bench_pair(FakeRunner("A", 2.0, log), NoisyRunner("B", noisy_b, log), [1], iterations=20, warmup=1,
+                       stop=ratio_settled(0.02, min_pairs=6))
+    assert len(pairs[0].latencies_b) == 20
+    # noise of +-0.4% settles at min_pairs; one outlier in 7 pairs is outside the 95% interval's order statistics
+    # only from n = 9 on (x_(2)..x_(8)): it settles at the 9th pair, not before
+    b = [1.0] + [1.0, 1.004, 0.996, 1.5, 1.0, 1.004, 0.996, 1.002, 1.0, 1.0]
+    log = []
+    pairs = bench_pair(FakeRunner("A", 2.0, log), NoisyRunner("B", b, log), [1], iterations=20, warmup=1,
+                       stop=ratio_settled(0.02, min_pairs=6))
+    assert len(pairs[0].latencies_b) == 9
+    with pytest.raises(ValueError):
+        ratio_settled(0.0)
+    with pytest.raises(ValueError):
+        ratio_settled(0.02, min_pairs=1)
 
 
 def test_bench_pair_real_runners(onnx_file):

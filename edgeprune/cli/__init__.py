@@ -1,5 +1,6 @@
 """The ``edgeprune`` command line: one module per command group, one error handler
 (:func:`edgeprune.cli.main.main`). The console-script entry point ``edgeprune`` is
+:func:`edgeprune.cli.entry.script`, which runs
 :func:`edgeprune.cli.entry.main` (re-exported here as ``main``): it guards Ctrl-C before it imports
 the command line, so this package's ``__init__`` imports nothing heavy (``cli``, the click group,
 is imported on first access)."""

@@ -1,5 +1,6 @@
-"""``python -m edgeprune.cli``: the same as the ``edgeprune`` command (Ctrl-C guarded from the start)."""
+"""``python -m edgeprune.cli``: the same as the ``edgeprune`` command (Ctrl-C guarded from the
+start; :func:`edgeprune.cli.entry.script`)."""
 
-from edgeprune.cli.entry import main
+from edgeprune.cli.entry import script
 
-main()
+script()

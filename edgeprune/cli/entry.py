@@ -1,4 +1,5 @@
-"""The console-script entry point ``edgeprune`` (``edgeprune.cli.entry:main``) and ``python -m edgeprune.cli``.
+"""The console-script entry point ``edgeprune`` (``edgeprune.cli.entry:script``, which runs :func:`main`) and
+``python -m edgeprune.cli``.
 
 It imports nothing heavy: :func:`main` first makes Ctrl-C (SIGINT) one ``interrupted`` line with
 exit 130, then imports the command line (:mod:`edgeprune.cli.main`: torch, timm, ...; seconds)
@@ -22,6 +23,7 @@ interrupt in the first milliseconds was ignored and a later one was not).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import signal
@@ -90,4 +92,35 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-__all__ = ["main", "INTERRUPTED_EXIT"]
+def script() -> None:
+    """The ``edgeprune`` console script and ``python -m edgeprune.cli``: :func:`main`, with an interrupted
+    command's exit status 130 made final.
+
+    CPython ends a process whose ``KeyboardInterrupt`` went unhandled by killing itself with SIGINT, and it
+    marks one as unhandled when the interrupt passed out of code that a compiled extension ran through
+    ``PyRun_*`` (``_Py_UnhandledKeyboardInterrupt``), even when edgeprune caught it afterwards: the
+    parent then saw "killed by SIGINT" (Python's ``returncode`` -2), not the exit status 130 that
+    ``interrupted`` promises (issue 43, a loaded test run). So after ``interrupted`` this runs the exit
+    handlers (temporary folders' finalizers included), flushes the standard streams and leaves with
+    ``os._exit(130)``. In-process callers use :func:`main` (a ``SystemExit``).
+
+    Raises:
+        SystemExit: the command's exit status, except 130 (the process ends).
+    """
+    try:
+        main()
+    except SystemExit as end:
+        if end.code != INTERRUPTED_EXIT:
+            raise
+    else:
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced: the exit status says it
+            pass
+    os._exit(INTERRUPTED_EXIT)
+
+
+__all__ = ["main", "script", "INTERRUPTED_EXIT"]

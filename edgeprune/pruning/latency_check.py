@@ -30,7 +30,7 @@ from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
 from edgeprune.latency.measure import cpu_name  # the one CPU-name helper (the table's device_name)
 from exporters.onnx import export_onnx
-from runners.compare import bench_pair
+from runners.compare import bench_pair, median_interval, ratio_settled
 from runners.onnxruntime_runner import OrtRunner
 from runners.registry import backend_available
 from runners.torch_runner import TorchRunner
@@ -83,29 +83,38 @@ def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdi
 
 
 def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, iterations: int = 20,
-                 warmup: int = 3, dense_onnx: Path | None = None) -> dict[str, float]:
+                 warmup: int = 3, dense_onnx: Path | None = None, settle: float | None = None) -> dict[str, Any]:
     """p50 ms per batch of the dense and the pruned model, interleaved, on the table's backend.
 
     Args:
         dense, pruned: the two models (CPU, eval mode; not modified).
         key: the table's key (backend, batch, threads, precision, device_name).
         input_shape: (C, H, W) of one image.
+        iterations: timed pairs (the most, with ``settle``).
         dense_onnx: an ONNX export of ``dense`` at the key's batch (the measure-and-correct loop exports the
             dense model once: issue 40), else exported here.
+        settle: stop timing once the 95% interval of the median per-pair ratio is narrower than this
+            fraction of it (``runners.compare.ratio_settled``, at least 6 pairs; issue 40: a quiet machine
+            needs far fewer than 20 pairs); None times all ``iterations``.
 
     Returns:
-        ``{"dense_ms", "pruned_ms", "ratio"}`` (ratio = pruned / dense p50 of the pair).
+        ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval"}``: ratio = pruned / dense, the median
+        over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
+        (``runners.compare.median_interval``); ``pairs`` the pairs timed.
     """
+    stop = None if settle is None else ratio_settled(settle)
     with tempfile.TemporaryDirectory(prefix="edgeprune-latency-check-") as tmp:
         ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp), dense_onnx)
         try:
-            (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup)
+            (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup, stop=stop)
         finally:
             ra.close()
             rb.close()
     # the ratio: median over the interleaved pairs of pruned / dense (robust to load drifting)
+    per_pair = [b / max(a, 1e-12) for a, b in zip(res.latencies_a, res.latencies_b)]
+    lo, hi = median_interval(per_pair)
     return {"dense_ms": float(res.a.latency_ms["p50"]), "pruned_ms": float(res.b.latency_ms["p50"]),
-            "ratio": 1.0 / float(res.latency_ratio["median"])}
+            "ratio": 1.0 / float(res.latency_ratio["median"]), "pairs": len(per_pair), "ratio_interval": [lo, hi]}
 
 
 def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None = None) -> dict[str, Any]:
@@ -128,6 +137,13 @@ def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None
     return out
 
 
+def _interval(measured: dict) -> str:
+    """``", 95% x0.498-0.507 over 8 pairs"`` where the measurement has them (records before issue 40's
+    settling rule have not)."""
+    iv, n = measured.get("ratio_interval"), measured.get("pairs")
+    return "" if not iv or n is None else f", 95% x{iv[0]:.3f}-{iv[1]:.3f} over {n} pairs"
+
+
 def latency_report(chk: dict | None) -> list[str]:
     """The lines ``edgeprune prune`` prints about a ``--latency`` prune's ``latency_check`` (none without one):
     predicted vs budget, measured (or why not), each correction round, and a warning when the chosen round still
@@ -146,7 +162,8 @@ def latency_report(chk: dict | None) -> list[str]:
         lines.append(f"latency round {r['round']}: asked the table for {r['budget_value']:.4g}, predicted "
                      f"{r['predicted']:.4g}, measured {r['measured']:.4g} ({100 * r['miss']:+.1f}% vs the budget)")
     lines.append(f"latency: measured {measured['pruned_ms']:.3f} ms vs dense {measured['dense_ms']:.3f} ms "
-                 f"(x{measured['ratio']:.3f}, interleaved; round {chk.get('chosen_round', 0)} kept)")
+                 f"(x{measured['ratio']:.3f}{_interval(measured)}, interleaved; "
+                 f"round {chk.get('chosen_round', 0)} kept)")
     tol = chk.get("tolerance", MISS_TOLERANCE)
     if abs(chk["miss"]) > tol:
         lines.append(f"warning: the measured latency misses the budget by {100 * chk['miss']:+.1f}% "

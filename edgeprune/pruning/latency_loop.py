@@ -69,10 +69,16 @@ def check_correction(verify_budget: Any, tolerance: Any, rounds: Any) -> None:
         raise UserError(f"--latency-rounds must be an integer in [0, 10], got {rounds!r}")
 
 
+#: the measure-and-correct loop times pairs until the median ratio's 95% interval is this narrow (a fraction
+#: of it; +-1%: a third of the default 3% tolerance), at most ``iterations`` pairs (issue 40 item 4)
+SETTLE = 0.02
+
+
 def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
                    warmup: int = 3) -> tuple[Measurer | None, str | None]:
     """(a measurer on the table's backend, None) where its measurements can be repeated here, else
-    (None, the reason)."""
+    (None, the reason). It times dense and pruned interleaved until the ratio is settled
+    (:data:`SETTLE`), at most ``iterations`` pairs."""
     key = load_table(budget.table).key
     reason = why_not_measured(key)
     if reason is not None:
@@ -91,7 +97,8 @@ def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
                 kept[id(dense)] = (folder, path)  # the folder is removed with the measurer
             onnx = kept[id(dense)][1]
         with torch.no_grad():
-            return measure_pair(dense.eval(), pruned.eval(), key, shape, iterations, warmup, dense_onnx=onnx)
+            return measure_pair(dense.eval(), pruned.eval(), key, shape, iterations, warmup, dense_onnx=onnx,
+                                settle=SETTLE)
 
     return measure, None
 
