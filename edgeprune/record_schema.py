@@ -83,7 +83,7 @@ _ALLOC_LATENCY = Obj({"table": Str(nullable=True), "key": Obj({}), "rules": Obj(
                       "dense_predicted_ms": Num(gt=0), "dense_measured_ms": Num(gt=0, nullable=True)}, nullable=True)
 
 _SELECTION = Obj({"chosen": Req(Str()), "images": Req(Int(min=0)), "measured_output_error": Req(MapOf(Num(ge=0))),
-                  "proxy_error": MapOf(Num(ge=0)), "seconds": Num(ge=0)}, nullable=True)
+                  "proxy_error": MapOf(Num(ge=0)), "seconds": Num(ge=0), "rule_reused": Str()}, nullable=True)
 
 _ALLOCATION = Obj({
     "budget": Req(_BUDGET),

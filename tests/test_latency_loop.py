@@ -152,6 +152,44 @@ def test_a_correction_round_reuses_the_measured_sensitivities():
     assert again["allocation"]["achieved_cost"] <= again["allocation"]["target_cost"]
 
 
+def test_a_correction_round_keeps_the_first_rounds_candidate_rule():
+    """Issue 40 item 4: a round on the same statistics for another budget value allocates with the candidate rule
+    the first round kept (uniform, greedy at a Q/K weight, or greedy on the measured curves) instead of building and
+    checking every candidate again; its dims are that rule's candidate at the new value, as the full candidate set
+    would have built it."""
+    from edgeprune.allocation.select import candidates, check_images, output_tensor
+
+    model, x = small_vit(), _images()
+    batches = lambda: iter([x[:24], x[24:]])  # noqa: E731
+
+    def cfg(value, **kw):
+        return corp_config("all", None, flops=value, last_block="full", allocation_check_images=8, **kw)
+
+    for kw in ({}, {"allocation_sensitivity": False}):
+        first = corp_prune(find_anatomy(copy.deepcopy(model)), batches, cfg(0.6, **kw), progress=False)
+        stats = first["statistics"]
+        again = corp_prune(find_anatomy(copy.deepcopy(model)), batches, cfg(0.5, **kw), progress=False,
+                           statistics=stats)
+        sel0, sel = first["allocation"]["selection"], again["allocation"]["selection"]
+        assert len(sel0["measured_output_error"]) >= 2 and "rule_reused" not in sel0
+        assert sel["chosen"] == sel0["chosen"] and list(sel["measured_output_error"]) == [sel0["chosen"]]
+        assert "rule_reused" in sel
+        anatomy = find_anatomy(copy.deepcopy(model))
+        xc = check_images(batches, 8)
+        every = candidates(anatomy, stats, cfg(0.5, **kw), xc, output_tensor(anatomy.model(xc)))
+        assert [b["dims"] for b in again["allocation"]["blocks"]] == every[sel0["chosen"]][0]
+        assert again["allocation"]["achieved_cost"] <= again["allocation"]["target_cost"]
+    # each greedy Q/K weight is rebuilt at its own weight; curves that are gone: every candidate again (None)
+    from edgeprune.allocation.greedy import allocate
+    from edgeprune.allocation.select import _same_rule
+
+    c5 = cfg(0.5)
+    for w in ("0.2", "1", "5"):
+        got = _same_rule(anatomy, stats, c5, (f"greedy(qk_weight={w})", None), {})
+        assert got[f"greedy(qk_weight={w})"][0] == allocate(anatomy, stats, c5, qk_weight=float(w), only="greedy")[0]
+    assert _same_rule(anatomy, stats, c5, ("greedy(measured)", None), {}) is None
+
+
 def test_the_measurer_exports_the_dense_model_once(monkeypatch):
     """The measure-and-correct loop benches every round against the same dense model: its ONNX export is made
     once (issue 40), the pruned model's every time; the measurements are real ONNX Runtime runs."""

@@ -115,13 +115,47 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
     return out
 
 
-def _measured_key(cfg, x: torch.Tensor) -> tuple:
-    """``stats.derived`` key of the measured curves: the CORP settings but the budget's value (a latency
-    correction round asks the same statistics for another value: issue 40, no repeated sensitivity pass)."""
+def _round_key(cfg) -> tuple[str, str]:
+    """The CORP settings and the budget but its value, as text: what stays the same between the rounds of a
+    latency correction (issue 40), which ask the same statistics for another budget value."""
     settings = dataclasses.replace(cfg, budget=None, dims=None)
     b = cfg.budget
     budget = None if b is None else {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "value"}
-    return ("allocation.measured", repr(settings), repr(budget), tuple(x.shape))
+    return repr(settings), repr(budget)
+
+
+def _measured_key(cfg, x: torch.Tensor) -> tuple:
+    """``stats.derived`` key of the measured curves: the CORP settings but the budget's value (a latency
+    correction round asks the same statistics for another value: issue 40, no repeated sensitivity pass)."""
+    return ("allocation.measured", *_round_key(cfg), tuple(x.shape))
+
+
+def _rule_key(cfg) -> tuple:
+    """``stats.derived`` key of the candidate kept by the first round on these statistics (:func:`select_allocation`)."""
+    return ("allocation.chosen", *_round_key(cfg))
+
+
+def _same_rule(anatomy, stats, cfg, rule: tuple[str, tuple | None],
+               sensitivity: dict) -> dict[str, tuple[list[dict], dict]] | None:
+    """``{name: (dims, report)}`` of the candidate rule ``name`` that an earlier round on the same statistics kept,
+    at this round's budget value: the uniform allocation, the greedy one at its Q/K weight, or the greedy one on the
+    earlier round's measured curves (key ``measured``). None where it cannot be rebuilt (no uniform allocation
+    reaches this value, the curves are gone): the caller then offers every candidate."""
+    name, measured = rule
+    try:
+        if name == "uniform":
+            return {name: allocate(anatomy, stats, cfg, only="uniform")}
+        if name.startswith("greedy(qk_weight="):
+            return {name: allocate(anatomy, stats, cfg, qk_weight=float(name[17:-1]), only="greedy")}
+    except Exception:  # noqa: BLE001 -- e.g. no uniform allocation reaches this value: all candidates again
+        return None
+    known = stats.derived.get(measured) if measured is not None else None
+    if not known or name not in known:
+        return None
+    curves, units, _ = known[name]
+    sensitivity.update(units=units, seconds=0.0, images=int(measured[-1][0]),
+                       reused="the measured curves of an earlier round")
+    return {name: allocate(anatomy, stats, cfg, only="greedy", curves=copy.deepcopy(curves))}
 
 
 def _measure(anatomy, stats, cfg, out: dict, x: torch.Tensor, dense_out: torch.Tensor) -> dict[str, tuple]:
@@ -317,9 +351,13 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     if dense_out is None:
         return allocate(anatomy, stats, cfg)
     sensitivity: dict = {}
-    cands = candidates(anatomy, stats, cfg, x, dense_out, sensitivity)
-    if len(cands) < 2:
-        return allocate(anatomy, stats, cfg)
+    rule = stats.derived.get(_rule_key(cfg))
+    cands = None if rule is None else _same_rule(anatomy, stats, cfg, rule, sensitivity)
+    if cands is None:
+        rule = None
+        cands = candidates(anatomy, stats, cfg, x, dense_out, sensitivity)
+        if len(cands) < 2:
+            return allocate(anatomy, stats, cfg)
     measured: dict[str, float] = {}
     t_check = time.perf_counter()
     for name, (dims, _rep) in cands.items():
@@ -327,10 +365,16 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
         measured[name] = _fold_and_measure(model, plan_corp(anatomy, stats, c), c, stats, x, dense_out)
     check_seconds = time.perf_counter() - t_check
     chosen = min(measured, key=lambda k: (measured[k], k != "uniform"))
+    if rule is None:  # a later round on these statistics (a latency correction) keeps this rule (issue 40 item 4)
+        m = cfg.allocation_sensitivity_images
+        mkey = _measured_key(cfg, x[:m] if m is not None and m < x.shape[0] else x)  # as candidates() keyed them
+        stats.derived.setdefault(_rule_key(cfg), (chosen, mkey if mkey in stats.derived else None))
     dims, report = cands[chosen]
     report = dict(report)
     report["selection"] = {
         "chosen": chosen, "images": int(x.shape[0]),
+        **({} if rule is None else {"rule_reused": "the candidate rule an earlier round on these statistics kept "
+                                                   "(a latency correction: only the budget value changed)"}),
         "measured_output_error": measured,
         "proxy_error": {k: float(sum(r["proxy_error"].values())) for k, (_d, r) in cands.items()},
         "seconds": time.perf_counter() - t0, "check_seconds": check_seconds,
