@@ -131,7 +131,8 @@ def _measured_key(cfg, x: torch.Tensor) -> tuple:
 
 
 def _rule_key(cfg) -> tuple:
-    """``stats.derived`` key of the candidate kept by the first round on these statistics (:func:`select_allocation`)."""
+    """``stats.derived`` key of the candidate kept by the first round on these statistics
+    (:func:`select_allocation`)."""
     return ("allocation.chosen", *_round_key(cfg))
 
 
