@@ -190,6 +190,56 @@ def test_a_correction_round_keeps_the_first_rounds_candidate_rule():
     assert _same_rule(anatomy, stats, c5, ("greedy(measured)", None), {}) is None
 
 
+@pytest.mark.parametrize("limit", [None, 1])
+def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
+    """Issue 40 item 4: a correction round's heads refit reads round 0's dense stream (no dense copy, no dense
+    forward) and reuses the statistics of every block pruned exactly as before: the prune is bitwise the one without
+    the cache. Over the memory bound (``limit`` 1 byte) nothing is streamed and each round runs the dense model."""
+    import edgeprune.head_compensation as hc
+    import edgeprune.pruning.corp as pc
+
+    calls = []
+    real = hc.collect_fit_statistics
+
+    def spy(dense, anatomy, indices, batches, gram_dtype=torch.float32, cache=None):
+        calls.append((dense is None, tuple(indices)))
+        return real(dense, anatomy, indices, batches, gram_dtype, cache)
+
+    monkeypatch.setattr(hc, "collect_fit_statistics", spy)
+    if limit is not None:
+        monkeypatch.setattr(pc, "refit_cache", lambda stats, cfg: stats.derived.setdefault(
+            "head_refit", hc.RefitCache(limit_bytes=limit)))
+    offset = 0.5 * load_table(table).dense_ms()
+    cached = _prune(table, _device(table, offset=offset))
+    with_cache = list(calls)
+    calls.clear()
+    monkeypatch.setattr(pc, "refit_cache", lambda stats, cfg: None)
+    plain = _prune(table, _device(table, offset=offset))
+    assert len(cached.record["latency_check"]["rounds"]) >= 2 and len(with_cache) >= 2
+    assert cached.record["latency_check"]["chosen_round"] == plain.record["latency_check"]["chosen_round"]
+    a, b = cached.model.state_dict(), plain.model.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert not with_cache[0][0]  # round 0 runs the dense model
+    if limit is None:  # later rounds read the stream
+        assert all(dense_none for dense_none, _ in with_cache[1:])
+    else:
+        assert not any(dense_none for dense_none, _ in with_cache)
+    # a round whose blocks are pruned as before collects nothing: each block's statistics are reused
+    monkeypatch.undo()
+    monkeypatch.setattr(hc, "collect_fit_statistics", spy)
+    calls.clear()
+    cfg = corp_config("all", None, latency=0.6, latency_table=table, last_block="full", allocation_check_images=0)
+    x = _images()
+    runs = []
+    for _ in range(2):
+        info = corp_prune(find_anatomy(m := small_vit()), lambda: iter([x[:24], x[24:]]), cfg, progress=False,
+                          statistics=runs[0][1] if runs else None)
+        runs.append((m, info["statistics"]))
+    assert len(calls) == 1 and calls[0][1]  # round 0 only, with its refit blocks
+    a, b = runs[0][0].state_dict(), runs[1][0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_measurer_exports_the_dense_model_once(monkeypatch):
     """The measure-and-correct loop benches every round against the same dense model: its ONNX export is made
     once (issue 40), the pruned model's every time; the measurements are real ONNX Runtime runs."""

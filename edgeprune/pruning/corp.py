@@ -27,7 +27,7 @@ from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
 from edgeprune.errors import UserError
-from edgeprune.head_compensation import compensate_heads_through_mlp, prepare_refit
+from edgeprune.head_compensation import RefitCache, compensate_heads_through_mlp, prepare_refit
 from edgeprune.plan import pruned_modules
 from edgeprune.pruning.config import check_config
 from edgeprune.ranking import get_criterion
@@ -96,6 +96,16 @@ def _second_pass_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, pr
     return qk_solve, second.seconds
 
 
+def refit_cache(stats: CalibrationStatistics, cfg: CorpConfig) -> RefitCache | None:
+    """The heads' refit pass's :class:`~edgeprune.head_compensation.RefitCache` on these statistics when a
+    latency correction may prune again from them (a measured budget, verified, correction rounds allowed:
+    issue 40 item 4), else None (nothing kept)."""
+    b = cfg.budget
+    if b is None or not b.model_class.verifiable or not cfg.verify_budget or cfg.correction_rounds < 1:
+        return None
+    return stats.derived.setdefault("head_refit", RefitCache())
+
+
 def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]], cfg: CorpConfig,
                num_images: int | None = None, progress: bool = True, *, checked: bool = False,
                statistics: CalibrationStatistics | None = None) -> dict:
@@ -156,9 +166,10 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             seconds += pass_seconds
             passes = 2
             t0 = time.perf_counter() - solve_time
-    refit = prepare_refit(anatomy, plans, cfg)  # blocks that lose heads: fc2 refit, one more pass
+    cache = refit_cache(stats, cfg)
+    refit = prepare_refit(anatomy, plans, cfg, cache)  # blocks that lose heads: fc2 refit, one more pass
     info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
-    for i, rec in compensate_heads_through_mlp(refit, anatomy, cfg, batches).items():
+    for i, rec in compensate_heads_through_mlp(refit, anatomy, cfg, batches, cache).items():
         info[i].update(rec)
     passes += refit is not None
     return {"calibration_seconds": seconds, "solve_seconds": time.perf_counter() - t0,
