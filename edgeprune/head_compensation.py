@@ -24,15 +24,11 @@ from typing import Callable, Iterable
 import torch
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
+from edgeprune.calibration.stream import STREAM_BYTES, BatchStream, StreamRecorder
 from edgeprune.distributed import all_reduce_sum, is_distributed
 from edgeprune.plan import BlockPlan
 from edgeprune.solve.attn_heads import OutputFitStatistics, refit_linear
 from edgeprune.surgery import shrink_mlp
-
-
-#: the most bytes of dense activations a refit pass keeps for a later round (:class:`RefitCache`); above it, a
-#: later round runs the dense model again (deit_small, 256 images at 224 px: 12 blocks x 77 MB = 0.9 GiB)
-STREAM_CACHE_BYTES = 2 * 2 ** 30
 
 
 @dataclasses.dataclass
@@ -41,9 +37,10 @@ class RefitCache:
     batches (a latency correction's rounds, issue 40 item 4; kept in ``CalibrationStatistics.derived``).
 
     Attributes:
-        stream: per calibration batch, per block (0..depth-1), the dense block's input and output ((B, n, D)
-            CPU tensors; a block's output is the next one's input, held once); None until a pass kept it, or
-            for good once it would exceed ``limit_bytes`` (``too_big``).
+        stream: per calibration batch, per block (0..depth-1), the dense block's input and output
+            (:class:`~edgeprune.calibration.stream.StreamRecorder`: from the statistics pass, or kept by the
+            first refit pass); None until one kept it, or for good once it would exceed ``limit_bytes``
+            (``too_big``).
         fits: the refit blocks' fit statistics of the latest round, keyed by (block index,
             :func:`block_digest` of the block as pruned): a block pruned to the same weights sees the same
             dense input, so its statistics are the same.
@@ -51,9 +48,9 @@ class RefitCache:
         dense_digest: :func:`block_digest` of the dense model it was kept for (:meth:`check_dense`).
     """
 
-    stream: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    stream: list[BatchStream] | None = None
     fits: dict[tuple[int, str], OutputFitStatistics] = dataclasses.field(default_factory=dict)
-    limit_bytes: int = STREAM_CACHE_BYTES
+    limit_bytes: int = STREAM_BYTES
     too_big: bool = False
     dense_digest: str | None = None
 
@@ -155,22 +152,22 @@ def collect_fit_statistics(dense_model: torch.nn.Module | None, anatomy: ViTAnat
         if dense_model is None:
             raise ValueError("collect_fit_statistics: no dense model and no kept dense stream")
         dense_blocks = find_anatomy(dense_model).blocks
-        keep = cache is not None and not cache.too_big
-        watched = range(len(dense_blocks)) if keep else indices
+        recorder = None
+        if cache is not None and not cache.too_big:  # keep the dense stream for a later round
+            recorder = StreamRecorder([b.block for b in dense_blocks], cache.limit_bytes)
+            handles += recorder.attach()
         caught: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         last = max(indices)
 
         def keep_io(i: int):
             def hook(_m, args, out):
                 caught[i] = (args[0], out)
-                if i == last and not keep:
+                if i == last and (recorder is None or recorder.too_big):
                     raise _Stop
             return hook
 
-        handles += [dense_blocks[i].block.register_forward_hook(keep_io(i)) for i in watched]
+        handles += [dense_blocks[i].block.register_forward_hook(keep_io(i)) for i in indices]
         device = next(dense_model.parameters()).device
-        stream: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its CPU copy): the bytes kept
         for x in batches():
             caught.clear()
             try:
@@ -179,28 +176,12 @@ def collect_fit_statistics(dense_model: torch.nn.Module | None, anatomy: ViTAnat
                 pass
             for i in indices:
                 _add_block(anatomy.blocks[i], caught[i], cap, stats[i])
-            if keep:
-                ios = [(_host(caught[i][0], held), _host(caught[i][1], held)) for i in range(len(dense_blocks))]
-                if sum(t.numel() * t.element_size() for _, t in held.values()) > cache.limit_bytes:
-                    keep, stream, cache.too_big = False, [], True  # later rounds run the dense model again
-                    held.clear()
-                else:
-                    stream.append(ios)
-        if keep and cache is not None:
-            cache.stream = stream
+        if recorder is not None and cache is not None:
+            cache.stream, cache.too_big = recorder.result(), recorder.too_big
     finally:
         for h in handles:
             h.remove()
     return stats
-
-
-def _host(t: torch.Tensor, held: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """``t`` on the CPU, counted once in ``held`` (a block's output is the next block's input; ``held`` keeps
-    ``t`` itself alive too, so that its ``id`` is not reused by a later batch's tensor)."""
-    key = id(t)
-    if key not in held:
-        held[key] = (t, t.detach().cpu())
-    return held[key][1]
 
 
 def _add_block(b: BlockAnatomy, io: tuple[torch.Tensor, torch.Tensor], cap: dict, st: OutputFitStatistics) -> None:

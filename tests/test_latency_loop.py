@@ -192,9 +192,10 @@ def test_a_correction_round_keeps_the_first_rounds_candidate_rule():
 
 @pytest.mark.parametrize("limit", [None, 1])
 def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
-    """Issue 40 item 4: a correction round's heads refit reads round 0's dense stream (no dense copy, no dense
-    forward) and reuses the statistics of every block pruned exactly as before: the prune is bitwise the one without
-    the cache. Over the memory bound (``limit`` 1 byte) nothing is streamed and each round runs the dense model."""
+    """Issue 40 item 4: the heads refit reads the statistics pass's dense stream in round 0 and the same stream in
+    each correction round (no dense copy, no dense forward), and reuses the statistics of every block pruned exactly
+    as before: the prune is bitwise the one that runs the dense model every time. Over the memory bound (``limit``
+    1 byte) nothing is kept and every round runs the dense model."""
     import edgeprune.head_compensation as hc
     import edgeprune.pruning.corp as pc
 
@@ -207,6 +208,7 @@ def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
 
     monkeypatch.setattr(hc, "collect_fit_statistics", spy)
     if limit is not None:
+        monkeypatch.setattr(pc, "STREAM_BYTES", limit)
         monkeypatch.setattr(pc, "refit_cache", lambda stats, cfg: stats.derived.setdefault(
             "head_refit", hc.RefitCache(limit_bytes=limit)))
     offset = 0.5 * load_table(table).dense_ms()
@@ -214,16 +216,16 @@ def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
     with_cache = list(calls)
     calls.clear()
     monkeypatch.setattr(pc, "refit_cache", lambda stats, cfg: None)
+    monkeypatch.setattr(pc, "_stream_request", lambda cfg, anatomy, num_images: 0)
     plain = _prune(table, _device(table, offset=offset))
     assert len(cached.record["latency_check"]["rounds"]) >= 2 and len(with_cache) >= 2
     assert cached.record["latency_check"]["chosen_round"] == plain.record["latency_check"]["chosen_round"]
     a, b = cached.model.state_dict(), plain.model.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert not with_cache[0][0]  # round 0 runs the dense model
-    if limit is None:  # later rounds read the stream
-        assert all(dense_none for dense_none, _ in with_cache[1:])
-    else:
-        assert not any(dense_none for dense_none, _ in with_cache)
+    assert not any(dense_none for dense_none, _ in calls)  # without the stream: a dense forward every round
+    # with it: none (round 0 reads the statistics pass's stream, the later rounds the same one)
+    assert all(dense_none for dense_none, _ in with_cache) == (limit is None)
+    assert not any(dense_none for dense_none, _ in with_cache) == (limit is not None)
     # a round whose blocks are pruned as before collects nothing: each block's statistics are reused
     monkeypatch.undo()
     monkeypatch.setattr(hc, "collect_fit_statistics", spy)

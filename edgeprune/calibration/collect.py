@@ -21,6 +21,7 @@ import torch
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics, QKSystemStatistics
+from edgeprune.calibration.stream import StreamRecorder
 from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statistics
 from edgeprune.errors import UserError
 from edgeprune.progress import progress as show_progress
@@ -51,6 +52,9 @@ class CalibrationStatistics:
     #: what is computed from these statistics once and read many times (the allocator's error curves,
     #: ``edgeprune.allocation.greedy.build_curves``), by the computing module's key
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: per batch, every block's dense input and output when the request asked for it (``stream_bytes``) and it
+    #: fitted (:mod:`edgeprune.calibration.stream`); the heads' refit reads it instead of a dense forward
+    stream: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +128,9 @@ class StatisticsRequest:
             this (``output_sum`` / ``output_count``; the dense side of the output bias
             correction, ``edgeprune.solve.output_bias``, at no extra cost). Needs a model with
             an affine classifier head.
+        stream_bytes: also keep every block's input and output, batch by batch, up to this many bytes
+            (``CalibrationStatistics.stream``; 0: none; only for a pass on the CPU of a model on the CPU,
+            not under torchrun; :mod:`edgeprune.calibration.stream`).
     """
 
     mlp: bool = True
@@ -137,6 +144,7 @@ class StatisticsRequest:
     mlp_tokens: int = 0
     first_image: int = 0
     output_images: int = 0
+    stream_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -263,6 +271,10 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], req
     shift_fn = common_shift_fn(first is not None) if is_distributed() and (req.mlp or req.vo) else None
     acc = _accumulators(anatomy, req, dev, shift_fn)
     handles = _hooks(anatomy, acc, req)
+    recorder = None
+    if req.stream_bytes > 0 and dev.type == "cpu" and home.type == "cpu" and not is_distributed():
+        recorder = StreamRecorder([b.block for b in anatomy.blocks], req.stream_bytes)
+        handles += recorder.attach()
     t0 = time.perf_counter()
     try:
         num_images = _run_pass(anatomy, batches, dev, home, progress, total)
@@ -282,4 +294,5 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], req
                                   output_sum=None if out is None else out.total,
                                   output_count=0 if out is None else out.count,
                                   output_rows=None if out is None else out.rows)
+    stats.stream = None if recorder is None else recorder.result()
     return reduce_statistics(stats)  # identity unless under torchrun (edgeprune.distributed)

@@ -22,7 +22,9 @@ from edgeprune.allocation.greedy import check_budget
 from edgeprune.allocation.select import select_allocation
 from edgeprune.allocation.unit_curves import CURVE_SECONDS
 from edgeprune.anatomy import ViTAnatomy
+from edgeprune.allocation.rules import heads_allocated
 from edgeprune.calibration.collect import CalibrationStatistics, StatisticsRequest, collect_statistics
+from edgeprune.calibration.stream import STREAM_BYTES, stream_bytes
 from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_used
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
@@ -76,7 +78,18 @@ def statistics_request(cfg: CorpConfig, anatomy: ViTAnatomy, num_images: int | N
         gram_dtype=torch.float64 if cfg.gram_dtype == "float64" else torch.float32,
         mlp_second_order=cfg.compensation, vo=bool(modules & {"v", "heads"}), mlp_active="positive" in needs,
         mlp_tokens=gram_tokens_used(cfg, anatomy, num_images), first_image=first_image,
-        output_images=output_images)
+        output_images=output_images, stream_bytes=_stream_request(cfg, anatomy, num_images))
+
+
+def _stream_request(cfg: CorpConfig, anatomy: ViTAnatomy, num_images: int | None) -> int:
+    """``StatisticsRequest.stream_bytes``: the memory bound when whole heads may be removed and refit through the
+    MLP (``edgeprune.head_compensation``: it then reads the pass's dense stream instead of running the dense
+    model again) and the stream fits in it (where the number of images is known), else 0."""
+    may_lose_heads = "heads" in pruned_modules(cfg) or heads_allocated(cfg)
+    if not (cfg.compensation and may_lose_heads) or cfg.sequential or not anatomy.blocks:
+        return 0
+    size = stream_bytes(num_images, anatomy.num_tokens, anatomy.blocks[0].fc2.out_features, len(anatomy.blocks))
+    return 0 if size is not None and size > STREAM_BYTES else STREAM_BYTES
 
 
 def _second_pass_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, progress: bool):
@@ -167,6 +180,9 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             passes = 2
             t0 = time.perf_counter() - solve_time
     cache = refit_cache(stats, cfg)
+    if stats.stream is not None:  # the pass kept the dense stream: the refit pass needs no dense forward
+        cache = cache or RefitCache()
+        cache.stream, stats.stream = stats.stream, None
     refit = prepare_refit(anatomy, plans, cfg, cache)  # blocks that lose heads: fc2 refit, one more pass
     info = apply_corp(anatomy, plans, cfg, stats.mlp, qk_solve, stats.vo)
     for i, rec in compensate_heads_through_mlp(refit, anatomy, cfg, batches, cache).items():
