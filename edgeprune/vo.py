@@ -30,6 +30,8 @@ Statistics are taken on the dense model in the same calibration pass as the MLP 
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from edgeprune.anatomy import BlockAnatomy
@@ -113,11 +115,36 @@ def rank_heads(stats: MLPStatistics, proj_weight: torch.Tensor, num_heads: int, 
     Returns:
         (H',) int64 sorted kept heads. Ties go to the lower head index.
     """
+    removed = elimination_order(stats, proj_weight, num_heads, alpha, compensation, worst, upto=num_heads - keep)
+    return torch.tensor([h for h in range(num_heads) if h not in removed], dtype=torch.int64)
+
+
+def elimination_order(stats: MLPStatistics, proj_weight: torch.Tensor, num_heads: int,
+                      alpha: float = mlp_ridge.DEFAULT_ALPHA, compensation: bool = True,
+                      worst: bool = False, upto: int | None = None) -> list[int]:
+    """The first ``upto`` heads (default H - 1) in the order the backward greedy elimination of :func:`rank_heads`
+    removes them. Each step depends only on the heads removed before it, so keeping H' heads removes the first
+    H - H' of one order. Remembered on ``stats`` per W_O and settings, and extended only as far as asked (the
+    budgeted allocation asks for many H' of the same block, issue 40 item 4).
+    """
+    upto = num_heads - 1 if upto is None else max(0, min(int(upto), num_heads - 1))
+    w = proj_weight.detach().cpu().contiguous()
+    key = (hashlib.blake2b(w.view(torch.uint8).numpy(), digest_size=16).hexdigest(), tuple(w.shape), w.dtype,
+           num_heads, float(alpha), bool(compensation), bool(worst), stats.count)
+    removed = stats.__dict__.setdefault("_head_elimination", {}).setdefault(key, [])
+    if len(removed) < upto:
+        _eliminate(stats, proj_weight, num_heads, alpha, compensation, worst, removed, upto)
+    return removed[:upto]
+
+
+def _eliminate(stats: MLPStatistics, proj_weight: torch.Tensor, num_heads: int, alpha: float, compensation: bool,
+               worst: bool, removed: list[int], upto: int) -> None:
+    """Extend ``removed`` (in place) by greedy steps until it holds ``upto`` heads."""
     d_v = proj_weight.shape[1] // num_heads
     mean, cov = stats.mean, stats.cov
     full = torch.arange(d_v).repeat(num_heads, 1)
-    kept, removed = list(range(num_heads)), []  # type: list[int], list[int]
-    while len(kept) > keep:
+    kept = [h for h in range(num_heads) if h not in removed]
+    while len(removed) < upto:
         errs = []
         for h in kept:
             s = head_channels(torch.tensor([g for g in kept if g != h]), full, d_v)
@@ -129,7 +156,6 @@ def rank_heads(stats: MLPStatistics, proj_weight: torch.Tensor, num_heads: int, 
         t = torch.tensor(errs, dtype=torch.float64)
         idx = int(torch.sort(-t if worst else t, stable=True).indices[0])
         removed.append(kept.pop(idx))
-    return torch.tensor(kept, dtype=torch.int64)
 
 
 def plan_attention(b: BlockAnatomy, plan: BlockPlan, cfg, qk_stats, vo_stats: MLPStatistics | None) -> None:

@@ -331,3 +331,46 @@ def test_head_channels_and_removal_error_known_answer():
     c = c + 0.05  # off the optimum: the mean term must count too
     empirical = ((h[:, drop] - h[:, keep] @ b.T - c) @ w[:, drop].T).pow(2).sum(1).mean()
     assert mlp_ridge.removal_error(mean, cov, w, keep, drop, b, c) == pytest.approx(float(empirical), rel=1e-10)
+
+
+def _reference_rank_heads(stats, w_o, H, keep, alpha, compensation, worst=False):
+    """The greedy elimination as first written (no memo): remove the argmin head until ``keep`` are left."""
+    from edgeprune.solve import mlp_ridge
+
+    d_v = w_o.shape[1] // H
+    full = torch.arange(d_v).repeat(H, 1)
+    kept, removed = list(range(H)), []
+    while len(kept) > keep:
+        errs = []
+        for h in kept:
+            s = head_channels(torch.tensor([g for g in kept if g != h]), full, d_v)
+            p = head_channels(torch.tensor(sorted(removed + [h])), full, d_v)
+            b = c = None
+            if compensation:
+                b, c, _ = mlp_ridge.ridge_affine_map(stats.mean, stats.cov, s, p, alpha)
+            errs.append(mlp_ridge.removal_error(stats.mean, stats.cov, w_o, s, p, b, c))
+        t = torch.tensor(errs, dtype=torch.float64)
+        removed.append(kept.pop(int(torch.sort(-t if worst else t, stable=True).indices[0])))
+    return torch.tensor(kept, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("order", ["down", "up"])
+def test_rank_heads_remembers_one_elimination_order(fmnist_model, order):
+    """issue 40 item 4: the budgeted allocation ranks the same block's heads for many H'; one greedy elimination
+    order is kept on the statistics and extended as far as asked -- every H', asked in any order, keeps exactly the
+    heads of the elimination run for that H' alone (with and without compensation, and inverted)."""
+    from edgeprune.vo import elimination_order
+
+    an = find_anatomy(copy.deepcopy(fmnist_model))
+    stats = collect_statistics(an, [_images(16, 5)], mlp=False, qk=False, vo=True, progress=False)
+    b = an.blocks[2]
+    w_o, H = b.proj.weight.detach(), b.num_heads
+    keeps = list(range(1, H + 1))
+    for comp, worst in ((True, False), (False, False), (True, True)):
+        for k in (keeps[::-1] if order == "down" else keeps):
+            got = rank_heads(stats.vo[2], w_o, H, k, 1e-3, comp, worst)
+            assert torch.equal(got, _reference_rank_heads(stats.vo[2], w_o, H, k, 1e-3, comp, worst)), (comp, k)
+        assert len(elimination_order(stats.vo[2], w_o, H, 1e-3, comp, worst)) == H - 1
+    # another W_O is another order (not the remembered one)
+    w2 = w_o.flip(1)
+    assert torch.equal(rank_heads(stats.vo[2], w2, H, 1, 1e-3), _reference_rank_heads(stats.vo[2], w2, H, 1, 1e-3, True))
