@@ -96,13 +96,14 @@ def script() -> None:
     """The ``edgeprune`` console script and ``python -m edgeprune.cli``: :func:`main`, with an interrupted
     command's exit status 130 made final.
 
-    CPython ends a process whose ``KeyboardInterrupt`` went unhandled by killing itself with SIGINT, and it
-    marks one as unhandled when the interrupt passed out of code that a compiled extension ran through
-    ``PyRun_*`` (``_Py_UnhandledKeyboardInterrupt``), even when edgeprune caught it afterwards: the
-    parent then saw "killed by SIGINT" (Python's ``returncode`` -2), not the exit status 130 that
-    ``interrupted`` promises (issue 43, a loaded test run). So after ``interrupted`` this runs the exit
-    handlers (temporary folders' finalizers included), flushes the standard streams and leaves with
-    ``os._exit(130)``. In-process callers use :func:`main` (a ``SystemExit``).
+    After ``interrupted`` was printed and ``SystemExit(130)`` raised, the process was sometimes still
+    reported as killed by SIGINT (Python's ``returncode`` -2, not 130): 2 of ~45 trials with the interrupt
+    3-4.5 s into a prune on a loaded 2-core box (issue 43); the interpreter's finalization puts SIGINT back to
+    its default action when a Python-level handler is installed, and which late path re-raised it was not
+    pinned down. So after ``interrupted`` this runs the exit handlers (temporary folders' finalizers
+    included), flushes the standard streams and leaves with ``os._exit(130)`` (0 of 30 trials since). Shells
+    report both as 130; a parent that waits on the process now always sees exit status 130. In-process
+    callers use :func:`main` (a ``SystemExit``).
 
     Raises:
         SystemExit: the command's exit status, except 130 (the process ends).
