@@ -226,10 +226,21 @@ def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
     # with it: none (round 0 reads the statistics pass's stream, the later rounds the same one)
     assert all(dense_none for dense_none, _ in with_cache) == (limit is None)
     assert not any(dense_none for dense_none, _ in with_cache) == (limit is not None)
-    # a round whose blocks are pruned as before collects nothing: each block's statistics are reused
-    monkeypatch.undo()
+
+
+def test_a_round_whose_blocks_are_pruned_as_before_refits_from_the_kept_statistics(table, monkeypatch):
+    """Issue 40 item 4: the heads refit of a round that prunes every block as the round before collects nothing
+    (each block's fit statistics are reused, keyed by its pruned weights), and gives the same weights."""
+    import edgeprune.head_compensation as hc
+
+    calls = []
+    real = hc.collect_fit_statistics
+
+    def spy(dense, anatomy, indices, batches, gram_dtype=torch.float32, cache=None):
+        calls.append((dense is None, tuple(indices)))
+        return real(dense, anatomy, indices, batches, gram_dtype, cache)
+
     monkeypatch.setattr(hc, "collect_fit_statistics", spy)
-    calls.clear()
     cfg = corp_config("all", None, latency=0.6, latency_table=table, last_block="full", allocation_check_images=0)
     x = _images()
     runs = []
