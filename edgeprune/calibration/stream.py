@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 #: the most bytes of dense activations kept for a later pass; above it nothing is kept (deit_small, 256 images at
-#: 224 px: 13 stream points x 77 MB = 1.0 GiB)
+#: 224 px: 13 stream points x 77.5 MB = 0.94 GiB)
 STREAM_BYTES = 2 * 2 ** 30
 
 #: one batch's stream: per block (0..depth-1), its (input, output), each (B, n, D) on the CPU
