@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=None)
     ap.add_argument("--latency-table", default=None)
     ap.add_argument("--sensitivity-images", type=int, default=None, help="[the library's default]")
+    ap.add_argument("--latency-tolerance", type=float, default=None,
+                    help="the measure-and-correct loop's tolerance [the library's default, 0.03]")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import torch
@@ -39,6 +41,8 @@ def main() -> None:
     uniform = time.perf_counter() - t
     t = time.perf_counter()
     extra = {} if a.sensitivity_images is None else {"allocation_sensitivity_images": a.sensitivity_images}
+    if a.latency_tolerance is not None:
+        extra["correction_tolerance"] = a.latency_tolerance
     res = edgeprune.prune(model, x, batch_size=32, **extra, **budget)
     budgeted = time.perf_counter() - t
     out = {"model": a.model, "images": a.images, "budget": res.record["allocation"]["budget"],
@@ -46,8 +50,10 @@ def main() -> None:
            "split": res.record["timing"].get("split")}
     chk = res.record.get("latency_check") or {}
     if chk.get("rounds"):  # the measure-and-correct loop: what each round cost (allocation + solve, measuring)
-        out["rounds"] = [{k: r[k] for k in ("round", "budget_value", "predicted", "measured", "miss", "seconds",
-                                            "measure_seconds")} for r in chk["rounds"]]
+        out["rounds"] = [{**{k: r[k] for k in ("round", "budget_value", "predicted", "measured", "miss", "seconds",
+                                               "measure_seconds")},
+                          "pairs": (r.get("measured_ms") or {}).get("pairs"),
+                          "ratio_interval": (r.get("measured_ms") or {}).get("ratio_interval")} for r in chk["rounds"]]
         out["chosen_round"] = chk.get("chosen_round")
     print(json.dumps(out, indent=1))
     if a.json:
