@@ -190,14 +190,10 @@ def test_a_correction_round_keeps_the_first_rounds_candidate_rule():
     assert _same_rule(anatomy, stats, c5, ("greedy(measured)", None), {}) is None
 
 
-@pytest.mark.parametrize("limit", [None, 1])
-def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
-    """Issue 40 item 4: the heads refit reads the statistics pass's dense stream in round 0 and the same stream in
-    each correction round (no dense copy, no dense forward), and reuses the statistics of every block pruned exactly
-    as before: the prune is bitwise the one that runs the dense model every time. Over the memory bound (``limit``
-    1 byte) nothing is kept and every round runs the dense model."""
+def _spy_fit_passes(monkeypatch) -> list[tuple[bool, tuple[int, ...]]]:
+    """Record each heads-refit pass (``head_compensation.collect_fit_statistics``): (no dense model given, the blocks
+    it collects)."""
     import edgeprune.head_compensation as hc
-    import edgeprune.pruning.corp as pc
 
     calls = []
     real = hc.collect_fit_statistics
@@ -207,6 +203,19 @@ def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
         return real(dense, anatomy, indices, batches, gram_dtype, cache)
 
     monkeypatch.setattr(hc, "collect_fit_statistics", spy)
+    return calls
+
+
+@pytest.mark.parametrize("limit", [None, 1])
+def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
+    """Issue 40 item 4: the heads refit reads the statistics pass's dense stream in round 0 and the same stream in
+    each correction round (no dense copy, no dense forward), and reuses the statistics of every block pruned exactly
+    as before: the prune is bitwise the one that runs the dense model every time. Over the memory bound (``limit``
+    1 byte) nothing is kept and every round runs the dense model."""
+    import edgeprune.head_compensation as hc
+    import edgeprune.pruning.corp as pc
+
+    calls = _spy_fit_passes(monkeypatch)
     if limit is not None:
         monkeypatch.setattr(pc, "STREAM_BYTES", limit)
         monkeypatch.setattr(pc, "refit_cache", lambda stats, cfg: stats.derived.setdefault(
@@ -231,16 +240,7 @@ def test_the_refit_cache_changes_no_weight(table, monkeypatch, limit):
 def test_a_round_whose_blocks_are_pruned_as_before_refits_from_the_kept_statistics(table, monkeypatch):
     """Issue 40 item 4: the heads refit of a round that prunes every block as the round before collects nothing
     (each block's fit statistics are reused, keyed by its pruned weights), and gives the same weights."""
-    import edgeprune.head_compensation as hc
-
-    calls = []
-    real = hc.collect_fit_statistics
-
-    def spy(dense, anatomy, indices, batches, gram_dtype=torch.float32, cache=None):
-        calls.append((dense is None, tuple(indices)))
-        return real(dense, anatomy, indices, batches, gram_dtype, cache)
-
-    monkeypatch.setattr(hc, "collect_fit_statistics", spy)
+    calls = _spy_fit_passes(monkeypatch)
     cfg = corp_config("all", None, latency=0.6, latency_table=table, last_block="full", allocation_check_images=0)
     x = _images()
     runs = []

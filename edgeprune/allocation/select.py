@@ -97,9 +97,7 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
             out[f"greedy(qk_weight={w:g})"] = (dims, rep)
     if x is not None and dense_out is not None and cfg.allocation_sensitivity:
         t0 = time.perf_counter()
-        n = cfg.allocation_sensitivity_images
-        if n is not None and n < x.shape[0]:  # the per-unit measurements on fewer images (CorpConfig)
-            x, dense_out = x[:n], dense_out[:n]
+        x, dense_out = _sensitivity_images(cfg, x), _sensitivity_images(cfg, dense_out)
         key = _measured_key(cfg, x)
         known, fresh = stats.derived.get(key), key not in stats.derived
         if fresh:
@@ -113,6 +111,13 @@ def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: to
                                images=int(x.shape[0]),
                                **({} if fresh else {"reused": "the measured curves of an earlier round"}))
     return out
+
+
+def _sensitivity_images(cfg, t: torch.Tensor) -> torch.Tensor:
+    """The first ``cfg.allocation_sensitivity_images`` rows of ``t`` (the check images or their dense outputs): the
+    per-unit measurements run on fewer images than the candidates' check (CorpConfig)."""
+    n = cfg.allocation_sensitivity_images
+    return t[:n] if n is not None and n < t.shape[0] else t
 
 
 def _round_key(cfg) -> tuple[str, str]:
@@ -367,8 +372,7 @@ def select_allocation(anatomy, stats, cfg, batches: Callable[[], Iterable[torch.
     check_seconds = time.perf_counter() - t_check
     chosen = min(measured, key=lambda k: (measured[k], k != "uniform"))
     if rule is None:  # a later round on these statistics (a latency correction) keeps this rule (issue 40 item 4)
-        m = cfg.allocation_sensitivity_images
-        mkey = _measured_key(cfg, x[:m] if m is not None and m < x.shape[0] else x)  # as candidates() keyed them
+        mkey = _measured_key(cfg, _sensitivity_images(cfg, x))  # as candidates() keyed them
         stats.derived.setdefault(_rule_key(cfg), (chosen, mkey if mkey in stats.derived else None))
     dims, report = cands[chosen]
     report = dict(report)

@@ -74,21 +74,21 @@ def main(argv: list[str] | None = None) -> None:
     Raises:
         SystemExit: the command's exit status (0, 1, 2, 130, 143).
     """
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        main_thread = False  # started with Ctrl-C ignored: keep it so (module doc); touch no handler
+    # handlers only from the main thread, and not at all for a process started with Ctrl-C ignored (module doc)
+    guard = (threading.current_thread() is threading.main_thread()
+             and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     try:
-        if main_thread:
+        if guard:
             signal.signal(signal.SIGINT, _exit_now)
         cli_main = importlib.import_module("edgeprune.cli.main")  # the heavy part: torch, timm, ...
         sys.modules["edgeprune.cli"].main = main  # the import bound the submodule to the package's 'main'
-        if main_thread:
+        if guard:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         cli_main.main(argv)
     except KeyboardInterrupt:
         _interrupted()
     finally:
-        if main_thread:  # the command is over (its outputs are written): Ctrl-C while exiting is ignored
+        if guard:  # the command is over (its outputs are written): Ctrl-C while exiting is ignored
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
