@@ -403,6 +403,7 @@ def test_bad_input_under_torchrun_env_is_checked_before_the_process_group(tmp_pa
     """A missing calibration folder fails before ``init_process_group`` (a patched process group
     would fail the test), and only rank 0 prints it; every rank exits 2."""
     import contextlib
+    import importlib
 
     import edgeprune.distributed
 
@@ -412,6 +413,8 @@ def test_bad_input_under_torchrun_env_is_checked_before_the_process_group(tmp_pa
         yield
 
     monkeypatch.setattr(edgeprune.distributed, "process_group", no_group)
+    cli_main = importlib.import_module("edgeprune.cli.main")  # the module (edgeprune.cli.main is also a function)
+    monkeypatch.setattr(cli_main, "QUIET_RANK_GRACE_S", 0.0)  # rank 1's wait for rank 0's message: its own test below
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")

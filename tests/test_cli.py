@@ -36,6 +36,9 @@ def test_prune_info_eval_end_to_end(tmp_path, capsys):
     code, stdout, err = run(["prune", "--calib-size", "64", "--eval-size", "300", "--quiet", "-o", str(out)], capsys)
     assert code == 0, err
     assert "dense" in stdout and "pruned" in stdout and "top-1" in stdout
+    table = [ln for ln in stdout.splitlines() if ln.startswith("|")]  # a markdown table: every row as wide as its header
+    assert len(table) == 4 and "agreement" in table[3], stdout
+    assert {ln.count("|") for ln in table} == {table[0].count("|")}, stdout
     rec = json.loads((out / "run.json").read_text())
     assert rec["method"] == "corp" and rec["sparsity"] == {"mlp": 0.5, "attn": 0.5}
     assert rec["calibration"]["num_images"] == 64

@@ -91,9 +91,26 @@ def test_worked_example_runs(worked_example):
     for line, res in results:
         assert res.returncode == 0, f"{line}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
         assert "Traceback" not in res.stderr, line
+        for table in _tables(res.stdout):  # every printed markdown table renders: rows as wide as the header
+            assert {row.count("|") for row in table} == {table[0].count("|")}, f"{line}\n{res.stdout}"
+    assert any("heal" in line and len(_tables(res.stdout)) == 1 for line, res in results)  # its before/after table
     assert (cwd / "runs" / "fm50" / "run.json").is_file()
     assert (cwd / "runs" / "fm50-int8.onnx").is_file()
     assert (cwd / "runs" / "fm50-int8-cpu.onnx").is_file()
+
+
+def _tables(stdout: str) -> list[list[str]]:
+    """The markdown tables in a command's output: runs of consecutive lines starting with ``|``."""
+    tables: list[list[str]] = []
+    previous = False
+    for ln in stdout.splitlines():
+        row = ln.startswith("|")
+        if row and not previous:
+            tables.append([])
+        if row:
+            tables[-1].append(ln)
+        previous = row
+    return tables
 
 
 def _have_tensorrt() -> bool:

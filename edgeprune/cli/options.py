@@ -346,15 +346,16 @@ def check_readable_dir(path: Any, what: str) -> None:
 
 
 def fmt_metric(m: dict | None, kind: str) -> str:
-    """One-line quality summary: top-1 / agreement (classifiers) or saliency fidelity."""
+    """One-line quality summary: top-1 / agreement (classifiers) or saliency fidelity, comma-separated (it is
+    one cell of the prune and heal tables: a ``|`` would split it into columns the header does not have)."""
     if not m:
         return "-"
     if kind == "saliency":
-        return (f"MAE {m['mae']:.4f} | Pearson {m['pearson']:.4f} | IoU@0.5 {m['iou@0.5']:.4f} | "
+        return (f"MAE {m['mae']:.4f}, Pearson {m['pearson']:.4f}, IoU@0.5 {m['iou@0.5']:.4f}, "
                 f"feat cos {m['feature_cosine']:.4f}")
     parts = []
     if "top1" in m:
         parts.append(f"top-1 {m['top1'] * 100:.2f}%")
     if "agreement" in m:
         parts.append(f"agreement {m['agreement'] * 100:.2f}%")
-    return " | ".join(parts) or "-"
+    return ", ".join(parts) or "-"
