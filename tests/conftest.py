@@ -135,9 +135,11 @@ def torchrun_beside(args: list, work, nproc: int = 2, timeout: float = 300) -> t
 #: The test files that take longest (measured with ``--durations``, slowest first). README's test
 #: command (``-n auto --dist loadfile --no-loadscope-reorder``) runs each file on one worker and hands
 #: files out in collection order: these start first, so that no long file starts last and runs alone.
-SLOW_FILES = ("test_readme.py", "test_gram_tokens.py", "test_quantize.py", "test_allocation_select.py",
-              "test_allocation.py", "test_heal.py", "test_method_properties.py", "test_corp_pipeline.py",
-              "test_cli.py", "test_quantize_dynamic.py", "test_onnx_export.py")
+SLOW_FILES = ("test_readme.py", "test_quantize.py", "test_deploy_more.py", "test_bad_input_41.py", "test_heal.py",
+              "test_deploy.py", "test_allocation_select.py", "test_gpu_check.py", "test_corp_pipeline.py",
+              "test_bench_cli.py", "test_gram_tokens.py", "test_bad_input.py", "test_distributed.py",
+              "test_method_properties.py", "test_onnx_export.py", "test_quantize_dynamic.py", "test_allocation.py",
+              "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -97,6 +98,20 @@ def test_worked_example_runs(worked_example):
     assert (cwd / "runs" / "fm50" / "run.json").is_file()
     assert (cwd / "runs" / "fm50-int8.onnx").is_file()
     assert (cwd / "runs" / "fm50-int8-cpu.onnx").is_file()
+
+
+@pytest.mark.slow
+def test_the_worked_examples_prune_keeps_top1_within_one_point_of_dense(worked_example):
+    """The main job's absolute bound: fmnist-vit, CORP both@0.5 on 512 calibration images (train split); top-1 on
+    2000 test images within 1 point of the dense model's, from the run the README's prune line wrote."""
+    rec = json.loads((worked_example[0] / "runs" / "fm50" / "run.json").read_text())
+    assert rec["method"] == "corp" and rec["calibration"]["num_images"] == 512 and "train" in rec["calibration"]["source"]
+    assert rec["achieved_sparsity"]["mlp"] == pytest.approx(0.5) and rec["achieved_sparsity"]["attn"] == pytest.approx(0.5)
+    d, p = rec["evaluation"]["dense"], rec["evaluation"]["pruned"]
+    assert "test" in rec["evaluation"]["data"] and d["num_images"] == p["num_images"] == 2000
+    assert d["top1"] > 0.85  # the embedded model is trained
+    assert p["top1"] >= d["top1"] - 0.01, (p["top1"], d["top1"])
+    assert p["agreement"] > 0.95
 
 
 def _tables(stdout: str) -> list[list[str]]:

@@ -48,11 +48,22 @@ def dataset_dir(path: str | os.PathLike | None = None) -> Path:
     return root
 
 
+#: decoded idx files of this process, keyed by (file, size, mtime_ns): a process that builds several calibration or
+#: evaluation sets (the Python API, a test session) decompresses the 26 MB train images once, not per set (0.4 s each;
+#: issue 43). Read-only arrays (``np.frombuffer``); callers copy them (``astype``). At most :data:`_IDX_CACHE_SIZE`.
+_IDX_CACHE: dict[tuple[str, int, int], np.ndarray] = {}
+_IDX_CACHE_SIZE = 4
+
+
 def _read_idx(path: Path) -> np.ndarray:
     gz = path.with_name(path.name + ".gz")
     opener = gzip.open if gz.exists() else open
     src = gz if gz.exists() else path
     try:
+        st = src.stat()
+        key = (str(src.resolve()), st.st_size, st.st_mtime_ns)
+        if key in _IDX_CACHE:
+            return _IDX_CACHE[key]
         with opener(src, "rb") as fh:
             raw = fh.read()
     except (OSError, EOFError) as err:
@@ -64,7 +75,10 @@ def _read_idx(path: Path) -> np.ndarray:
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
         raise UserError(f"{src} is truncated: expected {int(np.prod(dims))} values, got {data.size}")
-    return data.reshape(dims)
+    while len(_IDX_CACHE) >= _IDX_CACHE_SIZE:
+        _IDX_CACHE.pop(next(iter(_IDX_CACHE)))
+    _IDX_CACHE[key] = data.reshape(dims)
+    return _IDX_CACHE[key]
 
 
 def load_split(split: str, path: str | os.PathLike | None = None,
@@ -90,7 +104,10 @@ def load_split(split: str, path: str | os.PathLike | None = None,
     labels = _read_idx(root / lbl_stem)
     if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
         raise UserError(f"Fashion-MNIST {split} files in {root} have inconsistent shapes")
-    x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
+    # each of the 256 byte values converted once, then looked up: the same float32 values as converting every pixel
+    # ((v / 255 - MEAN) / STD in float32), in a third of the time
+    lut = torch.from_numpy(np.arange(256, dtype=np.float32) / np.float32(255.0))
     if normalize:
-        x = (x - MEAN) / STD
+        lut = (lut - MEAN) / STD
+    x = torch.from_numpy(lut.numpy()[images]).unsqueeze(1)
     return x, torch.from_numpy(labels.astype(np.int64))
