@@ -43,13 +43,87 @@ def _edgeprune_lines(block: str) -> list[str]:
     return lines
 
 
-def _run_cli(line: str, cwd: Path) -> subprocess.CompletedProcess:
-    argv = shlex.split(line)
-    assert argv[0] == "edgeprune", line
+#: A fork server for the README's command lines (issue 43: the 13 lines spent ~4 s each importing torch, timm,
+#: ONNX and the CLI's modules, a quarter of the worked example). It imports what every ``edgeprune`` process imports
+#: first (``edgeprune.cli.main``: the command modules and their third-party libraries), then forks one child per
+#: line: the child runs the console script's entry (``edgeprune.cli.entry:script``) with the line's argv in the
+#: line's directory, stdout and stderr to files, and ends as a process does (exit handlers, flush, exit status).
+#: What a command imports lazily it imports itself, in its own process.
+SERVER = r"""
+import atexit, json, os, signal, sys
+import edgeprune.cli.main  # noqa: F401 - what every command imports before it runs
+sys.stdout.write("ready\n"); sys.stdout.flush()
+for request in sys.stdin:
+    req = json.loads(request)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(900)  # a line that hangs is killed (returncode -14), as the subprocess timeout did
+        os.chdir(req["cwd"])
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["edgeprune", *req["argv"]]
+        code = 0
+        try:
+            from edgeprune.cli.entry import script
+            script()
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    sys.stdout.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n"); sys.stdout.flush()
+"""
+
+
+class _Server:
+    """:data:`SERVER` in a subprocess (one per test module); :meth:`run` one command line."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS))
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=ROOT)
+        assert self.proc.stdout.readline() == "ready\n", "the fork server did not start"
+
+    def run(self, line: str, cwd: Path) -> subprocess.CompletedProcess:
+        argv = shlex.split(line)
+        assert argv[0] == "edgeprune", line
+        out, err = cwd.parent / f".{cwd.name}.stdout", cwd.parent / f".{cwd.name}.stderr"
+        self.proc.stdin.write(json.dumps({"argv": argv[1:], "cwd": str(cwd), "stdout": str(out),
+                                          "stderr": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, "the fork server died"
+        return subprocess.CompletedProcess(argv, json.loads(reply)["returncode"], out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = _Server()
+    yield srv
+    srv.close()
+
+
+def test_a_line_run_by_the_server_is_the_console_script(server, tmp_path):
+    """The server's child is the ``edgeprune`` process a shell starts: same output and exit status; a bad argument
+    on the next line is its one-line error and exit status 2."""
     exe = Path(sys.executable).parent / "edgeprune"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from edgeprune.cli import main; main()"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS))
-    return subprocess.run(cmd + argv[1:], cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
+    line = "edgeprune info --model fmnist-vit"
+    served = server.run(line, tmp_path)
+    shell = subprocess.run([str(exe), *shlex.split(line)[1:]], cwd=tmp_path, capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS)), timeout=300)
+    assert served.returncode == 0 and "fmnist-vit: 6 blocks" in served.stdout
+    assert (served.returncode, served.stdout, served.stderr) == (shell.returncode, shell.stdout, shell.stderr)
+    served = server.run("edgeprune prune --sparsity 2 -o x", tmp_path)  # the shell's version: test_cli, test_bad_input
+    assert served.returncode == 2 and served.stderr.startswith("error: ") and len(served.stderr.splitlines()) == 1
 
 
 def test_readme_has_the_expected_blocks():
@@ -70,7 +144,7 @@ def test_setup_blocks_match_ci():
 
 
 @pytest.fixture(scope="module")
-def worked_example(tmp_path_factory):
+def worked_example(tmp_path_factory, server):
     """The worked example run once, line by line, in a fresh directory (stops at the first failure).
 
     Returns:
@@ -79,7 +153,7 @@ def worked_example(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("readme-worked-example")
     results = []
     for line in _edgeprune_lines(_blocks("bash")[2]):
-        results.append((line, _run_cli(line, cwd)))
+        results.append((line, server.run(line, cwd)))
         if results[-1][1].returncode != 0:
             break
     return cwd, results
@@ -139,12 +213,12 @@ def _have_tensorrt() -> bool:
 
 
 @pytest.mark.slow
-def test_device_block_runs_or_names_what_is_missing(worked_example, tmp_path):
+def test_device_block_runs_or_names_what_is_missing(worked_example, server, tmp_path):
     # the engine is built from the quantized ONNX of the worked example (in a copy of its runs/)
     assert (worked_example[0] / "runs" / "fm50-int8.onnx").is_file(), "the worked example made no fm50-int8.onnx"
     shutil.copytree(worked_example[0] / "runs", tmp_path / "runs")
     for line in _edgeprune_lines(_blocks("bash")[3]):
-        res = _run_cli(line, tmp_path)
+        res = server.run(line, tmp_path)
         if _have_tensorrt():
             assert res.returncode == 0, f"{line}\n{res.stderr[-2000:]}"
         else:
