@@ -125,7 +125,8 @@ _EVALUATION = Obj({"data": Str(nullable=True), "dense": _METRICS, "pruned": _MET
 
 _LATENCY_CHECK = Obj({"predicted_ms": Num(ge=0), "budget_ms": Num(gt=0), "dense_predicted_ms": Num(gt=0),
                       "measured": Obj({"dense_ms": Num(gt=0), "pruned_ms": Num(gt=0), "ratio": Num(gt=0),
-                                       "pairs": Int(min=1), "ratio_interval": ListOf(Num(gt=0), min_len=2, max_len=2)},
+                                       "pairs": Int(min=1), "ratio_interval": ListOf(Num(gt=0), min_len=2, max_len=2),
+                                       "stopped": Str(choices=("settled", "verdict known", "pair limit"))},
                                       nullable=True),
                       "meets_budget": Bool(nullable=True), "backend": Str(nullable=True),
                       # issue 40: the measure-and-correct rounds (edgeprune.pruning.latency_loop)

@@ -280,7 +280,69 @@ def test_the_measurer_exports_the_dense_model_once(monkeypatch):
         # issue 40: timed until settled (at least 6 pairs, at most the 7 asked); the ratio inside its interval
         lo, hi = got["ratio_interval"]
         assert 6 <= got["pairs"] <= 7 and lo <= got["ratio"] <= hi
+        assert got["stopped"] in ("settled", "pair limit")
     assert exported == ["dense", "pruned", "pruned"]
+    # a budget far from what the pruned model measures: the verdict (missed) is known after 6 of 20 pairs
+    measure, _ = ll.table_measurer(SimpleNamespace(table="t.json", value=0.01, unit=None), find_anatomy(dense),
+                                   iterations=20, warmup=1, tolerance=0.03)
+    got = measure(dense, pruned)
+    assert got["pairs"] == 6 and got["stopped"] == "verdict known" and got["ratio_interval"][0] > 0.0103
+    from edgeprune.errors import UserError
+    from edgeprune.record_schema import RECORD_SCHEMA
+    from edgeprune.schema import check
+
+    schema = RECORD_SCHEMA.fields["latency_check"]  # what a run record keeps of it
+    check(schema, {"measured": got}, "run.json", "")
+    with pytest.raises(UserError, match="stopped"):
+        check(schema, {"measured": {**got, "stopped": "bored"}}, "run.json", "")
+
+
+def test_the_measurement_stops_once_its_verdict_is_known(monkeypatch):
+    """issue 40 item 4: pairs are timed until the 99% interval of the median pruned / dense ratio is wholly inside
+    the budget's tolerance band or wholly outside it (at least 6 pairs); straddling an edge, to the pair limit."""
+    import edgeprune.pruning.latency_check as lc
+
+    noise = [1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.02, 0.98, 1.01, 0.99, 1.0,
+             1.02, 0.98]
+
+    def stops_at(true_ratio, band, n=20, spread=1.0):
+        rule = lc.verdict_known(band)
+        a, b = [], []
+        for i in range(n):
+            a.append(10.0)
+            b.append(10.0 * true_ratio * (1 + spread * (noise[i] - 1)))
+            if rule(a, b):
+                return i + 1
+        return None
+
+    assert stops_at(0.40, (0.485, 0.515)) == 6  # far below: missed at once
+    assert stops_at(0.60, (0.485, 0.515)) == 6  # far above
+    assert stops_at(0.50, (0.45, 0.55)) == 6  # well inside a wide band
+    assert stops_at(0.50, (0.485, 0.515)) == 6  # every pair inside the band: met
+    assert stops_at(0.50, (0.485, 0.515), spread=2.5) is None  # 7.5% noise against a 3% band: never decided
+    assert stops_at(0.515, (0.485, 0.515)) is None  # on the edge: never decided
+    assert lc.verdict_known((0.4, 0.6))([1.0] * 5, [0.1] * 5) is False  # fewer than 6 pairs: never
+    for bad in [(0.5, 0.5), (0.6, 0.4), (0.0, 0.5)]:
+        with pytest.raises(ValueError):
+            lc.verdict_known(bad)
+
+
+def test_a_latency_prune_hands_its_tolerance_to_the_measurer(table, monkeypatch):
+    import edgeprune.pruning.run as run_mod
+
+    seen = []
+
+    def fake(budget, anatomy, **kw):
+        seen.append((budget.value, kw.get("tolerance")))
+        return None, "captured"
+
+    monkeypatch.setattr(run_mod, "table_measurer", fake)
+    res = edgeprune.prune(small_vit(), _images(), target="all", sparsity=None, latency=0.6, latency_table=table,
+                          allocation_check_images=0, correction_tolerance=0.05)
+    assert seen == [(0.6, 0.05)] and res.record["latency_check"]["not_measured"] == "captured"
+    # the band is in the unit correct() compares: round 0's target as a ratio to dense is the budget's value
+    lat = res.record["allocation"]["latency"]
+    assert lat["target"] / lat["dense"] == pytest.approx(0.6)
 
 
 def test_next_value_steps():

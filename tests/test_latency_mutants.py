@@ -1366,7 +1366,7 @@ def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_ba
         exports.append((model, shape, dynamic_batch, batch_size))
         return f"dense{len(exports)}.onnx"
 
-    def pair(dense, pruned, key, shape, iterations, warmup, dense_onnx, settle):
+    def pair(dense, pruned, key, shape, iterations, warmup, dense_onnx, settle, band=None):
         pairs.append((dense, pruned, key["backend"], shape, iterations, warmup, dense_onnx, settle))
         return {"ratio": 0.5}
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -82,8 +82,38 @@ def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdi
                  for n, m in (("dense", dense), ("pruned", pruned)))
 
 
+#: the confidence at which a measurement stops early because its verdict is known (:func:`verdict_known`): higher
+#: than the 95% of the reported interval, since the rule looks after every pair (up to 15 looks)
+VERDICT_CONFIDENCE = 0.99
+
+
+def verdict_known(band: tuple[float, float], confidence: float = VERDICT_CONFIDENCE,
+                  min_pairs: int = 6) -> Callable[[Sequence[float], Sequence[float]], bool]:
+    """A ``stop`` rule for ``runners.compare.bench_pair`` (A = dense, B = pruned): true once at least ``min_pairs``
+    pairs were timed and the ``confidence`` interval of the median per-pair ratio B / A
+    (``runners.compare.median_interval``) lies wholly inside ``band`` (the budget is met within its tolerance) or
+    wholly outside it (it is missed: a correction round follows) -- more pairs would not change what is done next
+    (issue 40 item 4). ``band``: (low, high) ratios, e.g. ``budget * (1 -+ tolerance)``.
+
+    Raises:
+        ValueError: ``band`` not increasing and positive, or ``min_pairs < 2``.
+    """
+    lo_b, hi_b = (float(v) for v in band)
+    if not 0 < lo_b < hi_b or min_pairs < 2:
+        raise ValueError(f"need 0 < low < high and min_pairs >= 2, got {band!r}, {min_pairs}")
+
+    def stop(lat_a: Sequence[float], lat_b: Sequence[float]) -> bool:
+        if len(lat_a) < min_pairs:
+            return False
+        lo, hi = median_interval([b / max(a, 1e-12) for a, b in zip(lat_a, lat_b)], confidence)
+        return (lo_b <= lo and hi <= hi_b) or hi < lo_b or lo > hi_b
+
+    return stop
+
+
 def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, iterations: int = 20,
-                 warmup: int = 3, dense_onnx: Path | None = None, settle: float | None = None) -> dict[str, Any]:
+                 warmup: int = 3, dense_onnx: Path | None = None, settle: float | None = None,
+                 band: tuple[float, float] | None = None) -> dict[str, Any]:
     """p50 ms per batch of the dense and the pruned model, interleaved, on the table's backend.
 
     Args:
@@ -96,17 +126,31 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
         settle: stop timing once the 95% interval of the median per-pair ratio is narrower than this
             fraction of it (``runners.compare.ratio_settled``, at least 6 pairs; issue 40: a quiet machine
             needs far fewer than 20 pairs); None times all ``iterations``.
+        band: (low, high) pruned / dense ratios of "within the budget's tolerance": timing also stops once the
+            verdict is known (:func:`verdict_known`); None: no such stop.
 
     Returns:
-        ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval"}``: ratio = pruned / dense, the median
-        over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
-        (``runners.compare.median_interval``); ``pairs`` the pairs timed.
+        ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval", "stopped"}``: ratio = pruned / dense, the
+        median over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
+        (``runners.compare.median_interval``); ``pairs`` the pairs timed; ``stopped`` why timing ended
+        ("settled", "verdict known" or "pair limit").
     """
-    stop = None if settle is None else ratio_settled(settle)
+    rules = {}
+    if settle is not None:
+        rules["settled"] = ratio_settled(settle)
+    if band is not None:
+        rules["verdict known"] = verdict_known(band)
+    why: list[str] = []
+
+    def stop(lat_a: Sequence[float], lat_b: Sequence[float]) -> bool:
+        why[:] = [name for name, rule in rules.items() if rule(lat_a, lat_b)]
+        return bool(why)
+
     with tempfile.TemporaryDirectory(prefix="edgeprune-latency-check-") as tmp:
         ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp), dense_onnx)
         try:
-            (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup, stop=stop)
+            (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup,
+                                stop=stop if rules else None)
         finally:
             ra.close()
             rb.close()
@@ -114,7 +158,8 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
     per_pair = [b / max(a, 1e-12) for a, b in zip(res.latencies_a, res.latencies_b)]
     lo, hi = median_interval(per_pair)
     return {"dense_ms": float(res.a.latency_ms["p50"]), "pruned_ms": float(res.b.latency_ms["p50"]),
-            "ratio": 1.0 / float(res.latency_ratio["median"]), "pairs": len(per_pair), "ratio_interval": [lo, hi]}
+            "ratio": 1.0 / float(res.latency_ratio["median"]), "pairs": len(per_pair), "ratio_interval": [lo, hi],
+            "stopped": why[0] if why else "pair limit"}
 
 
 def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None = None) -> dict[str, Any]:

@@ -75,10 +75,15 @@ SETTLE = 0.02
 
 
 def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
-                   warmup: int = 3) -> tuple[Measurer | None, str | None]:
+                   warmup: int = 3, tolerance: float | None = None) -> tuple[Measurer | None, str | None]:
     """(a measurer on the table's backend, None) where its measurements can be repeated here, else
     (None, the reason). It times dense and pruned interleaved until the ratio is settled
-    (:data:`SETTLE`), at most ``iterations`` pairs."""
+    (:data:`SETTLE`) or, with ``tolerance`` and a budget relative to dense, until the measurement says whether
+    the ratio is within ``tolerance`` of the budget or not (``latency_check.verdict_known``), at most
+    ``iterations`` pairs."""
+    band = None
+    if tolerance is not None and getattr(budget, "unit", None) is None and getattr(budget, "value", None):
+        band = (budget.value * (1 - tolerance), budget.value * (1 + tolerance))
     key = load_table(budget.table).key
     reason = why_not_measured(key)
     if reason is not None:
@@ -98,7 +103,7 @@ def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
             onnx = kept[id(dense)][1]
         with torch.no_grad():
             return measure_pair(dense.eval(), pruned.eval(), key, shape, iterations, warmup, dense_onnx=onnx,
-                                settle=SETTLE)
+                                settle=SETTLE, band=band)
 
     return measure, None
 

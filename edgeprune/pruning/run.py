@@ -137,7 +137,7 @@ def measure_and_correct(run_config: Callable[[CorpConfig], "tuple[nn.Module, dic
     if not config.verify_budget:
         reason = "not asked (--no-verify-latency)"
     elif measure is None:
-        measure, reason = table_measurer(budget, find_anatomy(dense))
+        measure, reason = table_measurer(budget, find_anatomy(dense), tolerance=config.correction_tolerance)
     if reason is not None or measure is None:
         not_measured(first[1], budget, reason or "no measurer")
         return first
