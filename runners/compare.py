@@ -108,6 +108,35 @@ def ratio_settled(rel_width: float = 0.02, min_pairs: int = 6,
     return stop
 
 
+#: the confidence at which :func:`ratio_decided` stops: higher than the 95% of a reported interval, since a stop rule
+#: looks after every pair (up to ``iterations`` looks)
+DECIDED_CONFIDENCE = 0.99
+
+
+def ratio_decided(band: tuple[float, float], confidence: float = DECIDED_CONFIDENCE,
+                  min_pairs: int = 6) -> Callable[[Sequence[float], Sequence[float]], bool]:
+    """A ``stop`` rule for :func:`bench_pair`: true once at least ``min_pairs`` pairs were timed and the
+    ``confidence`` interval of the median per-pair ratio ``b[i] / a[i]`` (:func:`median_interval`) lies wholly inside
+    ``band`` or wholly outside it -- more pairs would not change which side it is on. With A the dense model and B
+    the pruned one, ``band = budget * (1 -+ tolerance)``: met or missed (issue 40 item 4,
+    ``edgeprune.pruning.latency_check.measure_pair``).
+
+    Raises:
+        ValueError: ``band`` not increasing and positive, or ``min_pairs < 2``.
+    """
+    lo_b, hi_b = (float(v) for v in band)
+    if not 0 < lo_b < hi_b or min_pairs < 2:
+        raise ValueError(f"need 0 < low < high and min_pairs >= 2, got {band!r}, {min_pairs}")
+
+    def stop(lat_a: Sequence[float], lat_b: Sequence[float]) -> bool:
+        if len(lat_a) < min_pairs:
+            return False
+        lo, hi = median_interval([b / max(a, 1e-12) for a, b in zip(lat_a, lat_b)], confidence)
+        return (lo_b <= lo and hi <= hi_b) or hi < lo_b or lo > hi_b
+
+    return stop
+
+
 def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
                iterations: int = 50, warmup: int = 10, *, inputs: Any = None,
                seed: int = 0, stop: Callable[[Sequence[float], Sequence[float]], bool] | None = None

@@ -300,13 +300,13 @@ def test_the_measurer_exports_the_dense_model_once(monkeypatch):
 def test_the_measurement_stops_once_its_verdict_is_known(monkeypatch):
     """issue 40 item 4: pairs are timed until the 99% interval of the median pruned / dense ratio is wholly inside
     the budget's tolerance band or wholly outside it (at least 6 pairs); straddling an edge, to the pair limit."""
-    import edgeprune.pruning.latency_check as lc
+    from runners.compare import ratio_decided
 
     noise = [1.0, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.02, 0.98, 1.01, 0.99, 1.0,
              1.02, 0.98]
 
     def stops_at(true_ratio, band, n=20, spread=1.0):
-        rule = lc.verdict_known(band)
+        rule = ratio_decided(band)
         a, b = [], []
         for i in range(n):
             a.append(10.0)
@@ -321,10 +321,10 @@ def test_the_measurement_stops_once_its_verdict_is_known(monkeypatch):
     assert stops_at(0.50, (0.485, 0.515)) == 6  # every pair inside the band: met
     assert stops_at(0.50, (0.485, 0.515), spread=2.5) is None  # 7.5% noise against a 3% band: never decided
     assert stops_at(0.515, (0.485, 0.515)) is None  # on the edge: never decided
-    assert lc.verdict_known((0.4, 0.6))([1.0] * 5, [0.1] * 5) is False  # fewer than 6 pairs: never
+    assert ratio_decided((0.4, 0.6))([1.0] * 5, [0.1] * 5) is False  # fewer than 6 pairs: never
     for bad in [(0.5, 0.5), (0.6, 0.4), (0.0, 0.5)]:
         with pytest.raises(ValueError):
-            lc.verdict_known(bad)
+            ratio_decided(bad)
 
 
 def test_a_latency_prune_hands_its_tolerance_to_the_measurer(table, monkeypatch):

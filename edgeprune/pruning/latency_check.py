@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -30,7 +30,7 @@ from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
 from edgeprune.latency.measure import cpu_name  # the one CPU-name helper (the table's device_name)
 from exporters.onnx import export_onnx
-from runners.compare import bench_pair, median_interval, ratio_settled
+from runners.compare import bench_pair, median_interval, ratio_decided, ratio_settled
 from runners.onnxruntime_runner import OrtRunner
 from runners.registry import backend_available
 from runners.torch_runner import TorchRunner
@@ -82,35 +82,6 @@ def _runners(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, workdi
                  for n, m in (("dense", dense), ("pruned", pruned)))
 
 
-#: the confidence at which a measurement stops early because its verdict is known (:func:`verdict_known`): higher
-#: than the 95% of the reported interval, since the rule looks after every pair (up to 15 looks)
-VERDICT_CONFIDENCE = 0.99
-
-
-def verdict_known(band: tuple[float, float], confidence: float = VERDICT_CONFIDENCE,
-                  min_pairs: int = 6) -> Callable[[Sequence[float], Sequence[float]], bool]:
-    """A ``stop`` rule for ``runners.compare.bench_pair`` (A = dense, B = pruned): true once at least ``min_pairs``
-    pairs were timed and the ``confidence`` interval of the median per-pair ratio B / A
-    (``runners.compare.median_interval``) lies wholly inside ``band`` (the budget is met within its tolerance) or
-    wholly outside it (it is missed: a correction round follows) -- more pairs would not change what is done next
-    (issue 40 item 4). ``band``: (low, high) ratios, e.g. ``budget * (1 -+ tolerance)``.
-
-    Raises:
-        ValueError: ``band`` not increasing and positive, or ``min_pairs < 2``.
-    """
-    lo_b, hi_b = (float(v) for v in band)
-    if not 0 < lo_b < hi_b or min_pairs < 2:
-        raise ValueError(f"need 0 < low < high and min_pairs >= 2, got {band!r}, {min_pairs}")
-
-    def stop(lat_a: Sequence[float], lat_b: Sequence[float]) -> bool:
-        if len(lat_a) < min_pairs:
-            return False
-        lo, hi = median_interval([b / max(a, 1e-12) for a, b in zip(lat_a, lat_b)], confidence)
-        return (lo_b <= lo and hi <= hi_b) or hi < lo_b or lo > hi_b
-
-    return stop
-
-
 def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, iterations: int = 20,
                  warmup: int = 3, dense_onnx: Path | None = None, settle: float | None = None,
                  band: tuple[float, float] | None = None) -> dict[str, Any]:
@@ -127,7 +98,7 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
             fraction of it (``runners.compare.ratio_settled``, at least 6 pairs; issue 40: a quiet machine
             needs far fewer than 20 pairs); None times all ``iterations``.
         band: (low, high) pruned / dense ratios of "within the budget's tolerance": timing also stops once the
-            verdict is known (:func:`verdict_known`); None: no such stop.
+            verdict is known (``runners.compare.ratio_decided``); None: no such stop.
 
     Returns:
         ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval", "stopped"}``: ratio = pruned / dense, the
@@ -139,7 +110,7 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
     if settle is not None:
         rules["settled"] = ratio_settled(settle)
     if band is not None:
-        rules["verdict known"] = verdict_known(band)
+        rules["verdict known"] = ratio_decided(band)
     why: list[str] = []
 
     def stop(lat_a: Sequence[float], lat_b: Sequence[float]) -> bool:

@@ -79,10 +79,10 @@ def table_measurer(budget: Budget, anatomy: ViTAnatomy, iterations: int = 20,
     """(a measurer on the table's backend, None) where its measurements can be repeated here, else
     (None, the reason). It times dense and pruned interleaved until the ratio is settled
     (:data:`SETTLE`) or, with ``tolerance`` and a budget relative to dense, until the measurement says whether
-    the ratio is within ``tolerance`` of the budget or not (``latency_check.verdict_known``), at most
+    the ratio is within ``tolerance`` of the budget or not (``runners.compare.ratio_decided``), at most
     ``iterations`` pairs."""
     band = None
-    if tolerance is not None and getattr(budget, "unit", None) is None and getattr(budget, "value", None):
+    if tolerance is not None and budget.unit is None:  # a fraction of dense: the band the loop's verdict uses
         band = (budget.value * (1 - tolerance), budget.value * (1 + tolerance))
     key = load_table(budget.table).key
     reason = why_not_measured(key)
