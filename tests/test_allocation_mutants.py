@@ -554,6 +554,38 @@ def test_output_energy_known_answers():
     assert E.output_energy(light, w) == pytest.approx(((hn ** 2).mean(0) * (wn ** 2).sum(0)).sum(), rel=1e-12)
 
 
+def test_normalise_keeps_each_blocks_energy_for_the_same_statistics_and_weights():
+    """The energies are kept in ``stats.derived`` (issue 40 item 4: five candidate allocations normalise with the
+    same statistics): a second call reads them (same scales, no new key), a changed weight or LayerScale is a new
+    key with its own energy, and the kept value is the one a fresh computation gives."""
+    g = torch.Generator().manual_seed(4)
+    hs = [torch.randn(6, 4, generator=g, dtype=torch.float64) + i for i in range(2)]
+    ws = [torch.randn(2, 4, generator=g).double() for _ in range(2)]
+    mlp = []
+    for h in hs:
+        st = MLPStatistics(4, gram_dtype=torch.float64)
+        st.add_batch(h)
+        mlp.append(st)
+    an = SimpleNamespace(blocks=[_fake_mlp_block(i, w) for i, w in enumerate(ws)])
+    stats = SimpleNamespace(mlp=mlp, vo=None, derived={})
+
+    def scales(anatomy, st):
+        cs = [E.Curve(0, ("mlp",), [1, 4], [1.0, 0.0], 5.0, "compensated"),
+              E.Curve(1, ("mlp",), [1, 4], [1.0, 0.0], 5.0, "compensated")]
+        E.normalise(cs, anatomy, st)
+        return [c.scale for c in cs]
+
+    first = scales(an, stats)
+    assert len(stats.derived) == 2 and first == scales(an, SimpleNamespace(mlp=mlp, vo=None))
+    assert scales(an, stats) == first and len(stats.derived) == 2
+    changed = SimpleNamespace(blocks=[an.blocks[0], _fake_mlp_block(1, 2 * ws[1])])
+    got = scales(changed, stats)
+    assert len(stats.derived) == 3
+    assert got == scales(changed, SimpleNamespace(mlp=mlp, vo=None)) and got[1] != first[1]
+    scaled = SimpleNamespace(blocks=[an.blocks[0], _fake_mlp_block(1, ws[1], torch.tensor([3.0, 0.5]))])
+    assert scales(scaled, stats)[1] == scales(scaled, SimpleNamespace(mlp=mlp, vo=None))[1] != first[1]
+
+
 def test_normalise_by_the_residual_stream_energy():
     g = torch.Generator().manual_seed(3)
     hs = [torch.randn(6, 4, generator=g, dtype=torch.float64) + i for i in range(3)]

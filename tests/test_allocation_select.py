@@ -180,3 +180,47 @@ def test_two_anchors_offer_one_more_candidate_and_never_choose_worse(setup, sele
     assert min(e2.values()) <= min(e1.values())
     with pytest.raises(UserError, match="allocation anchors must be 1 or 2"):
         CorpConfig.from_target("both", None, budget={"kind": "flops", "value": 0.5}, allocation_anchors=3)
+
+
+@needs_fmnist
+def test_a_one_block_trial_shares_the_rest_and_folds_like_a_deep_copy(setup):
+    """``trial_copy`` (issue 40 item 4): a plan that prunes one block deep-copies that block only; folding into it
+    gives bitwise the output of folding into a deep copy of the whole model, and the dense model is unchanged."""
+    from edgeprune.allocation.select import _fold_and_measure
+    from edgeprune.allocation.trial import trial_copy
+    from edgeprune.corp.steps import plan_corp
+    from edgeprune.plan import BlockPlan
+
+    model, an, x, cfg, stats = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dims = [{} for _ in an.blocks]
+    dims[2] = {"mlp": 64, "qk": 8}
+    plain = dataclasses.replace(cfg, dims=dims, budget=None)
+    ref = plan_corp(an, stats, plain)[2]
+    plans = [BlockPlan(index=b.index) for b in an.blocks]
+    plans[2] = BlockPlan(index=2, mlp_keep=ref.mlp_keep, qk_keep=ref.qk_keep)
+    trial = trial_copy(model, plans)
+    blocks, trial_blocks = find_anatomy(model).blocks, find_anatomy(trial).blocks
+    assert trial_blocks[2].block is not blocks[2].block
+    assert all(t.block is d.block for i, (t, d) in enumerate(zip(trial_blocks, blocks)) if i != 2)
+    with torch.no_grad():
+        dense_out = model(x[:16])
+        got = _fold_and_measure(model, plans, plain, stats, x[:16], dense_out)
+        full = copy.deepcopy(model).eval()
+        from edgeprune.corp.qk_solvers import qk_solver_from_grams
+        from edgeprune.corp.steps import apply_corp
+        apply_corp(find_anatomy(full), plans, plain, stats.mlp, qk_solver_from_grams(stats.qk, plans, plain), stats.vo)
+        want = output_error(full(x[:16]), dense_out)
+    assert got == want and got > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert find_anatomy(model).blocks[2].fc1.out_features == before["blocks.2.mlp.fc1.weight"].shape[0]
+    # two blocks, or a model in training mode: a whole deep copy
+    plans[3] = BlockPlan(index=3, mlp_keep=ref.mlp_keep)
+    assert all(a.block is not b.block for a, b in zip(find_anatomy(trial_copy(model, plans)).blocks, blocks))
+    model.train()
+    try:
+        one = [BlockPlan(index=b.index) for b in an.blocks]
+        one[2] = plans[2]
+        assert all(a.block is not b.block for a, b in zip(find_anatomy(trial_copy(model, one)).blocks, blocks))
+    finally:
+        model.eval()

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from edgeprune.calibration.mlp_stats import MLPStatistics, _mirror_upper, symmetric_gram
+from edgeprune.calibration.mlp_stats import MLPStatistics
+from edgeprune.solve.gram import _mirror_upper, symmetric_gram
 from edgeprune.calibration.qk_stats import QKStatistics, QKSystemStatistics
 
 

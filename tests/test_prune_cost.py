@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeprune.calibration.mlp_stats import MLPStatistics, symmetric_gram
+from edgeprune.calibration.mlp_stats import MLPStatistics
+from edgeprune.solve.gram import symmetric_gram
 from edgeprune.calibration.qk_stats import QKStatistics
 from edgeprune.solve import qk_logit_cg
 from edgeprune.solve.qk_choice import cg_is_cheaper, solver_costs

@@ -77,7 +77,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                      ["tests/test_known_answers.py", "tests/test_mutation_extras.py",
                       "tests/test_runners.py::test_summarize_latencies_linear_interpolation",
                       "tests/test_runners.py::test_ratio_stats_are_per_pair"]),
-    "calibration": (["edgeprune/calibration/mlp_stats.py", "edgeprune/calibration/qk_stats.py"],
+    "calibration": (["edgeprune/calibration/mlp_stats.py", "edgeprune/calibration/qk_stats.py", "edgeprune/solve/gram.py"],
                     ["tests/test_calibration_mutants.py", "tests/test_solvers.py", "tests/test_known_answers.py",
                      "tests/test_distributed.py::test_recentred_halves_equal_one_pass",
                      "tests/test_prune_cost.py::test_symmetric_gram_is_the_full_product_and_accumulates",

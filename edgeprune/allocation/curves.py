@@ -58,6 +58,7 @@ normalisation at QK_WEIGHT 0.1-0.2.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import torch
 
@@ -312,21 +313,32 @@ def output_energy(st, weight: torch.Tensor) -> float:
     return float((st.energy.double().clamp_min(0) * w.pow(2).sum(0)).sum())
 
 
+def _block_energy(b, stats) -> float | None:
+    """Block ``b``'s output energy for :func:`normalise` (fc2's from the MLP statistics, else proj's from the V/O
+    ones; None without either), kept in ``stats.derived`` by the weight's bytes: every candidate allocation of a
+    prune (and a latency correction's rounds) normalises with the same statistics and weights (issue 40 item 4)."""
+    mlp = stats.mlp[b.index] if stats.mlp else None
+    vo = stats.vo[b.index] if stats.vo else None
+    if mlp is None and vo is None:
+        return None
+    st = mlp if mlp is not None else vo
+    w = _effective_weight(b.fc2, b.ls2) if mlp is not None else _effective_weight(b.proj, b.ls1)
+    key = ("allocation.energy", b.index, mlp is not None, tuple(w.shape),
+           hashlib.blake2b(w.cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest())
+    cache = getattr(stats, "derived", None)
+    if cache is None:
+        return output_energy(st, w)
+    if key not in cache:
+        cache[key] = output_energy(st, w)
+    return cache[key]
+
+
 def normalise(curves: list[Curve], anatomy, stats, qk_weight: float | None = None) -> None:
     """Set every curve's ``scale`` so that errors of all blocks and module types are comparable
     (module doc, "Normalisation"; in place). ``qk_weight``: the Q/K weight (default
     :data:`QK_WEIGHT`)."""
     qk_weight = QK_WEIGHT if qk_weight is None else float(qk_weight)
-    energy: list[float | None] = []
-    for b in anatomy.blocks:
-        mlp = stats.mlp[b.index] if stats.mlp else None
-        vo = stats.vo[b.index] if stats.vo else None
-        if mlp is not None:
-            energy.append(output_energy(mlp, _effective_weight(b.fc2, b.ls2)))
-        elif vo is not None:
-            energy.append(output_energy(vo, _effective_weight(b.proj, b.ls1)))
-        else:
-            energy.append(None)
+    energy = [_block_energy(b, stats) for b in anatomy.blocks]
     known = all(e is not None and e > 0 for e in energy)
     residual = []
     total = 0.0

@@ -175,6 +175,7 @@ def _uniform_positions(anatomy, curves: list[Curve], cfg, base, cost, target,
     blocks = anatomy.blocks
     round_to = grid.round_to if grid is not None else {k: cfg.round_to for k in ("mlp", "qk", "v")}
     extra_heads = heads_allocated(cfg)
+    last = None  # the positions of the sparsity before: the same positions cost the same (rounding to round_to)
     for i in range(0, 1000):
         s = i / 1000
         pos = []
@@ -191,6 +192,9 @@ def _uniform_positions(anatomy, curves: list[Curve], cfg, base, cost, target,
             if k not in c.ks:
                 return None
             pos.append(c.ks.index(k))
+        if pos == last:
+            continue
+        last = pos
         st = _State(anatomy, curves, base, cost, pos)
         if st.total <= target:
             return pos, s

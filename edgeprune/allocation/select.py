@@ -41,6 +41,8 @@ import torch
 from edgeprune.allocation.curves import Curve
 from edgeprune.allocation.greedy import allocate, build_curves
 from edgeprune.allocation.suffix import BlockInputs
+from edgeprune.allocation.trial import PLAN_FIELD as _PLAN_FIELD
+from edgeprune.allocation.trial import touched_blocks, trial_copy
 from edgeprune.anatomy import find_anatomy
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, plan_corp
@@ -182,8 +184,6 @@ def _measure(anatomy, stats, cfg, out: dict, x: torch.Tensor, dense_out: torch.T
     return got
 
 
-#: BlockPlan field of each allocation key
-_PLAN_FIELD = {"mlp": "mlp_keep", "qk": "qk_keep", "v": "v_keep", "heads": "head_keep"}
 
 
 def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torch.Tensor,
@@ -192,7 +192,7 @@ def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torc
 
     With ``cache`` (the dense block inputs on ``x``) only the blocks from the first pruned one on
     are run (:mod:`edgeprune.allocation.suffix`; bitwise the full forward's output)."""
-    trial = copy.deepcopy(model).eval()
+    trial = trial_copy(model, plans)
     an = find_anatomy(trial)
     qk_solve = None
     if cfg.compensation and any(p.qk_keep is not None for p in plans):
@@ -200,8 +200,7 @@ def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torc
     apply_corp(an, plans, cfg, stats.mlp, qk_solve, stats.vo)
     if cache is None:
         return output_error(output_tensor(trial(x)), dense_out)
-    first = min((p.index for p in plans if any(getattr(p, f) is not None for f in _PLAN_FIELD.values())),
-                default=0)
+    first = min(touched_blocks(plans), default=0)
     return output_error(cache.forward_from(trial, [a.block for a in an.blocks], first), dense_out)
 
 
