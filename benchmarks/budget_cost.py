@@ -5,7 +5,8 @@
 Prunes a random-init timm model (10 classes) twice in one process, side by side: ``target="both",
 sparsity=0.5`` (uniform) and the budget (``flops=`` or ``latency=`` with ``--latency-table``), and prints
 both wall times, their ratio and the budgeted run's ``timing.split`` (statistics, curves, sensitivity,
-check, allocation, solve; ``edgeprune.pruning.record.cost_split``). ``--json FILE`` writes the same.
+check, allocation, solve, output; ``edgeprune.pruning.record.cost_split``), a latency prune's measurement
+(every round's ``measure_seconds``) and the rest (``other_s``). ``--json FILE`` writes the same.
 Timings are noisy on a shared machine: compare the ratio, measured in one process.
 """
 
@@ -55,6 +56,9 @@ def main() -> None:
                           "pairs": (r.get("measured_ms") or {}).get("pairs"),
                           "ratio_interval": (r.get("measured_ms") or {}).get("ratio_interval")} for r in chk["rounds"]]
         out["chosen_round"] = chk.get("chosen_round")
+        out["measurement_s"] = sum(r["measure_seconds"] for r in chk["rounds"])
+    # what neither the split nor the measurement holds (the dense copy, surgery, the record, earlier rounds)
+    out["other_s"] = budgeted - sum((out["split"] or {}).values()) - out.get("measurement_s", 0.0)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

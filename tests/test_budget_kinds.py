@@ -173,3 +173,28 @@ def test_cli_derive_refuses_a_bad_budget_like_prune():
     for cmd in (["derive", "--classes", "0,1"], ["prune", "--target", "both"]):
         res = run_cli([*cmd, "--flops", "2.3X", "--quiet"])
         assert_one_line_error(res, "--flops must be a fraction of the dense model (e.g. 0.5) or a count")
+
+
+def test_the_flops_price_of_a_block_is_remembered_per_block_widths_and_dims():
+    """``FlopsCost.block_cost`` keeps its prices (issue 40 item 4): each equals ``block_flops`` computed afresh, for
+    every dims asked (in any order of the keys), and a block of other widths at the same index is priced anew."""
+    from edgeprune.budget.flops import FlopsCost
+    from edgeprune.flops import block_flops, with_dims
+
+    an = find_anatomy(tiny_vit())
+    cost = FlopsCost(an)
+    b = an.blocks[0]
+    asks = [{"heads": b.num_heads, "qk": b.qk_dim, "v": b.v_dim, "mlp": m} for m in (8, 16, b.mlp_hidden)]
+    asks += [{"mlp": 8, "v": 8, "qk": 8, "heads": 1}, {"heads": 1, "qk": 8, "v": 8, "mlp": 8}]
+    for _ in range(2):
+        for d in asks:
+            assert cost.block_cost(b, d) == float(block_flops(with_dims(b, d), an.num_tokens)["total"])
+    assert len(cost._memo) == 4
+    from timm.models.vision_transformer import VisionTransformer  # tiny_vit() imported timm with its shim
+
+    wide = VisionTransformer(img_size=16, patch_size=4, num_classes=5, embed_dim=48, depth=2, num_heads=2,
+                             mlp_ratio=4.0)
+    other = find_anatomy(wide).blocks[0]
+    assert other.index == b.index and other.qkv.in_features != b.qkv.in_features
+    want = float(block_flops(with_dims(other, asks[0]), an.num_tokens)["total"])
+    assert cost.block_cost(other, asks[0]) == want != cost.block_cost(b, asks[0])

@@ -309,6 +309,44 @@ def test_a_non_symmetric_accumulated_gram_gives_the_symmetrised_covariance():
     torch.testing.assert_close(st.cov, torch.tensor([[1.0, 1.0], [1.0, 3.0]], dtype=torch.float64))
 
 
+def test_the_covariance_is_computed_once_until_the_sums_change():
+    """``cov`` is kept between reads (issue 40 item 4) and recomputed after a new batch, an in-place change of the
+    sums (an all-reduce) or a replaced Gram; every value equals the covariance of the rows seen so far."""
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(7, 3, generator=g, dtype=torch.float64) + i for i in range(2)]
+
+    def ref(x):
+        return torch.from_numpy(np.cov(x.numpy().T, bias=True))
+
+    st = MLPStatistics(3, gram_dtype=torch.float64)
+    st.add_batch(rows[0])
+    first = st.cov
+    assert st.cov is first
+    torch.testing.assert_close(first, ref(rows[0]), rtol=1e-12, atol=1e-12)
+    st.add_batch(rows[1])
+    torch.testing.assert_close(st.cov, ref(torch.cat(rows)), rtol=1e-12, atol=1e-12)
+    before = st.cov
+    st._gram.mul_(2.0)
+    st._sum.mul_(2.0)
+    st.count *= 2  # as if a second process with the same rows were all-reduced in (same shift)
+    torch.testing.assert_close(st.cov, before, rtol=1e-12, atol=1e-12)
+    st._gram.add_(torch.eye(3, dtype=torch.float64))  # in place, same count: must be seen
+    torch.testing.assert_close(st.cov, before + torch.eye(3, dtype=torch.float64) / st.count, rtol=1e-12, atol=1e-12)
+    now = st.cov
+    half = st._gram.clone() * 0.5  # a replaced Gram, its version counter brought to the old one's
+    while half._version < st._gram._version:
+        half.add_(0.0)
+    assert half._version == st._gram._version
+    st._gram = half
+    m = st._sum / st.count
+    torch.testing.assert_close(st.cov, 0.5 * now - 0.5 * torch.outer(m, m), rtol=1e-12, atol=1e-12)
+    now = st.cov
+    st.count += 1  # the count alone
+    m2 = st._sum / st.count
+    torch.testing.assert_close(st.cov, st._gram / st.count - torch.outer(m2, m2), rtol=1e-12, atol=1e-12)
+    assert not torch.equal(st.cov, now)
+
+
 # ---- QKStatistics --------------------------------------------------------------------------------
 def _qk(B=4, H=2, n=5, d=3, seed=0):
     g = torch.Generator().manual_seed(seed)

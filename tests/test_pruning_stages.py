@@ -118,9 +118,11 @@ def test_the_budget_builds_each_cost_model_once_per_prune(monkeypatch):
     assert sorted(made) == ["FlopsCost", "FlopsCost", "ParamsCost"]
     # the record's cost split (issue 40 item 4) adds up to the statistics pass plus the solve
     t = res.record["timing"]
-    assert set(t["split"]) == {"statistics", "curves", "sensitivity", "check", "allocation", "solve"}
+    assert set(t["split"]) == {"statistics", "curves", "sensitivity", "check", "allocation", "solve", "output"}
     assert all(v >= 0 for v in t["split"].values()) and t["split"]["sensitivity"] > 0 and t["split"]["check"] > 0
-    assert sum(t["split"].values()) == pytest.approx(t["calibration_s"] + t["solve_s"], rel=1e-9)
+    assert t["split"]["output"] > 0 and res.record["bias_correction"]  # the budget's output correction ran
+    assert sum(t["split"].values()) - t["split"]["output"] == pytest.approx(t["calibration_s"] + t["solve_s"], rel=1e-9)
+    assert sum(t["split"].values()) <= t["total_s"]
 
 
 def test_budget_record_form_and_refusals():

@@ -199,10 +199,26 @@ class MLPStatistics:
         self._check()
         if not self.second_order:
             raise RuntimeError("MLPStatistics was built with second_order=False")
+        key = self._sums_key()
+        memo = self.__dict__.get("_cov_memo")
+        if key is not None and memo is not None and memo[0] == key:
+            return memo[1]
         m = self._sum / self.count
         c = torch.addr(self._gram, m, m, beta=1.0 / self.count, alpha=-1.0)  # one pass over D^2
         # the accumulated Gram is exactly symmetric (mirrored blocks), and so is c then
-        return c if torch.equal(c, c.T) else 0.5 * (c + c.T)
+        c = c if torch.equal(c, c.T) else 0.5 * (c + c.T)
+        self._cov_memo = (key, c)
+        return c
+
+    def _sums_key(self) -> tuple | None:
+        """What ``cov`` is computed from: the count and the identity and in-place version of the sums (a new batch, a
+        device move or an all-reduce changes it), so that the allocator's ~300 reads of one block's covariance per
+        budgeted prune compute it once (issue 40 item 4; callers only read it). None where the tensors keep no
+        version (inference-mode tensors): no memo."""
+        try:
+            return (self.count, id(self._gram), self._gram._version, id(self._sum), self._sum._version)
+        except RuntimeError:
+            return None
 
     @property
     def variance(self) -> torch.Tensor:

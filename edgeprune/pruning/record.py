@@ -100,7 +100,9 @@ def cost_split(info: dict) -> dict[str, Any]:
     """Where a budgeted prune's time went (issue 40 item 4): ``split`` = statistics (the calibration pass), curves
     (the allocator's closed-form error curves), sensitivity (each unit pruned alone and measured on the check images),
     check (the candidate allocations folded and measured), allocation (the rest of choosing the dims), solve (the
-    chosen allocation's closed forms and cut), in seconds; ``{}`` without a budget."""
+    chosen allocation's closed forms and cut), output (the output correction: the pruned model's pass over the
+    calibration images and the classifier's bias or refit), in seconds; ``{}`` without a budget. The first six add
+    up to ``calibration_s + solve_s``; a latency prune's measurement is in ``latency_check.rounds``."""
     alloc = info.get("allocation")
     if not alloc:
         return {}
@@ -111,7 +113,8 @@ def cost_split(info: dict) -> dict[str, Any]:
     check = float(sel.get("check_seconds", 0.0))
     return {"split": {"statistics": float(info["calibration_seconds"]), "curves": curves, "sensitivity": sens,
                       "check": check, "allocation": max(0.0, chosen_s - sens - check - curves),
-                      "solve": max(0.0, float(info["solve_seconds"]) - chosen_s)}}
+                      "solve": max(0.0, float(info["solve_seconds"]) - chosen_s),
+                      "output": float(info.get("output_seconds", 0.0))}}
 
 
 def prune_record(config: CorpConfig, base_record: dict, dense: dict, pruned: dict, info: dict, last_block: Any,

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import time
+
 from edgeprune.corp.config import bias_correction_used
 from edgeprune.embed.step import embed_budget, embed_stage, slices_first
 from edgeprune.layers.class_token_block import class_token_plan, to_class_token_block
@@ -84,5 +86,7 @@ class OutputCorrection(Stage):
 
     def run(self, state: PruneState) -> None:
         correction = state.extra["output_correction"]
+        t0 = time.perf_counter()
         state.info["bias_correction"] = correction.fold(state.model, state.info.get("output_sums"),
                                                         state.info.get("output_rows"))
+        state.info["output_seconds"] = time.perf_counter() - t0  # the record's cost split (issue 40 item 4)
