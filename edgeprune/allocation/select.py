@@ -41,8 +41,7 @@ import torch
 from edgeprune.allocation.curves import Curve
 from edgeprune.allocation.greedy import allocate, build_curves
 from edgeprune.allocation.suffix import BlockInputs
-from edgeprune.allocation.trial import PLAN_FIELD as _PLAN_FIELD
-from edgeprune.allocation.trial import touched_blocks, trial_copy
+from edgeprune.allocation.trial import PLAN_FIELD, touched_blocks, trial_copy
 from edgeprune.anatomy import find_anatomy
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, plan_corp
@@ -184,8 +183,6 @@ def _measure(anatomy, stats, cfg, out: dict, x: torch.Tensor, dense_out: torch.T
     return got
 
 
-
-
 def _fold_and_measure(model, plans, cfg, stats, x: torch.Tensor, dense_out: torch.Tensor,
                       cache: BlockInputs | None = None) -> float:
     """Relative output error vs dense of a copy of ``model`` pruned by ``plans`` (same statistics).
@@ -264,7 +261,7 @@ def _measure_units(anatomy, stats, cfg, curves: list[Curve], positions: list[int
             continue
         plans = [BlockPlan(index=b.index) for b in anatomy.blocks]
         src = ref_plans[c.block]
-        plans[c.block] = BlockPlan(index=c.block, **{_PLAN_FIELD[k]: getattr(src, _PLAN_FIELD[k]) for k in c.keys})
+        plans[c.block] = BlockPlan(index=c.block, **{PLAN_FIELD[k]: getattr(src, PLAN_FIELD[k]) for k in c.keys})
         out.append(_fold_and_measure(anatomy.model, plans, plain, stats, x, dense_out, cache))
     return out
 

@@ -9,7 +9,7 @@ between kinds is said by the class attributes and hooks below.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
 
@@ -57,6 +57,17 @@ class CostModel:
     def fixed_cost(self) -> float:
         """Cost that does not depend on any block's kept dims."""
         raise NotImplementedError
+
+    def remembered(self, b: BlockAnatomy, dims: dict[str, int], price: Callable[[], float], *also: Any) -> float:
+        """``price()``, computed once per block index, kept dims and ``also`` (whatever else the price depends on,
+        e.g. the layer widths): the greedy allocation asks for the same few hundred prices ~10^5 times per prune
+        (issue 40 item 4). For a kind's :meth:`block_cost`."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (b.index, *also, tuple(sorted(dims.items())))
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = price()
+        return got
 
     @property
     def rules(self) -> dict[str, Any]:

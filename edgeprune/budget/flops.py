@@ -27,14 +27,11 @@ class FlopsCost(CostModel):
         self._fixed = float(dense["patch_embed"]) + float(dense["head"])  # type: ignore[arg-type]
 
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
-        """FLOPs of block ``b`` at kept ``dims``, remembered per block, its layers' widths and the dims (the greedy
-        allocation asks for the same few hundred prices ~10^5 times per prune: issue 40 item 4)."""
-        memo = self.__dict__.setdefault("_memo", {})
-        key = (b.index, b.qkv.in_features, b.fc2.out_features, tuple(sorted(dims.items())))
-        got = memo.get(key)
-        if got is None:
-            got = memo[key] = float(block_flops(with_dims(b, dims, self.query_tokens.get(b.index)), self.n)["total"])
-        return got
+        """FLOPs of block ``b`` at kept ``dims``, remembered per block, its layers' widths and the dims
+        (:meth:`~edgeprune.budget.base.CostModel.remembered`)."""
+        return self.remembered(b, dims, lambda: float(
+            block_flops(with_dims(b, dims, self.query_tokens.get(b.index)), self.n)["total"]),
+            b.qkv.in_features, b.fc2.out_features)
 
     def fixed_cost(self) -> float:
         return self._fixed

@@ -115,13 +115,8 @@ class LatencyCost(CostModel):
     def block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         """ms of block ``b`` at kept ``dims``: the table's sub-blocks plus its per-block overhead (a class-token
         block: that, times its FLOPs ratio; module doc). Remembered per block and dims (the greedy allocation asks
-        for the same few hundred prices ~10^5 times per prune: issue 40's repeated work)."""
-        memo = self.__dict__.setdefault("_memo", {})
-        key = (b.index, tuple(sorted(dims.items())))
-        got = memo.get(key)
-        if got is None:
-            got = memo[key] = self._block_cost(b, dims)
-        return got
+        for the same few hundred prices ~10^5 times per prune: issue 40's repeated work; :meth:`remembered`)."""
+        return self.remembered(b, dims, lambda: self._block_cost(b, dims))
 
     def _block_cost(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
         """:meth:`block_cost`, computed."""
