@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from edgeprune.phases import reached
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -249,6 +251,7 @@ def atomic_dir(dest: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(dest), suffix=".tmp", dir=dest.parent))
     try:
         yield tmp
+        reached("saving")
         os.chmod(tmp, default_dir_mode())
         os.rename(tmp, dest)
     except BaseException:

@@ -5,7 +5,8 @@ It imports nothing heavy: :func:`main` first makes Ctrl-C (SIGINT) one ``interru
 exit 130, then imports the command line (:mod:`edgeprune.cli.main`: torch, timm, ...; seconds)
 and runs it. So an interrupt at any moment of a command -- while the modules are still being
 imported included -- prints one line, never a traceback (issue 41). Only this module and the light
-package ``__init__`` files run before the guard.
+package ``__init__`` files run before the guard. The points :mod:`edgeprune.phases` reports (``start``, ``imported``, ``done``) are set here, so
+that a test sends its Ctrl-C at a point the program names, not after a delay.
 
 While the modules are imported, SIGINT does not raise ``KeyboardInterrupt``: an exception raised
 inside the initialisation of a compiled module (numpy's, torch's) can be swallowed (the command
@@ -29,6 +30,8 @@ import os
 import signal
 import sys
 import threading
+
+from edgeprune.phases import reached
 
 #: the exit status of an interrupted command (128 + SIGINT), as the CLI's error handler uses
 INTERRUPTED_EXIT = 130
@@ -80,16 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if guard:
             signal.signal(signal.SIGINT, _exit_now)
+        reached("start")
         cli_main = importlib.import_module("edgeprune.cli.main")  # the heavy part: torch, timm, ...
         sys.modules["edgeprune.cli"].main = main  # the import bound the submodule to the package's 'main'
         if guard:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        reached("imported")
         cli_main.main(argv)
     except KeyboardInterrupt:
         _interrupted()
     finally:
         if guard:  # the command is over (its outputs are written): Ctrl-C while exiting is ignored
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        reached("done")
 
 
 def script() -> None:

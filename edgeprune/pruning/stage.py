@@ -24,6 +24,7 @@ from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.collect import calibration_device
 from edgeprune.corp.config import CorpConfig
 from edgeprune.errors import UserError
+from edgeprune.phases import reached
 
 
 @dataclasses.dataclass
@@ -129,11 +130,13 @@ def run_stages(state: PruneState, after_checks: Callable[[PruneState], None] | N
     stages = [cls() for _, cls in STAGES]
     for s in stages:
         s.check(state)
+    reached("checked")
     if after_checks is not None:
         after_checks(state)
     for s in stages:
         s.prepare(state)
-    for s in stages:
+    for (name, _), s in zip(STAGES, stages):
+        reached(f"stage {name}")
         with calibration_device(state.device) if s.calibration_device else contextlib.nullcontext():
             s.run(state)
     return state
