@@ -73,7 +73,8 @@ _CALIBRATION = Obj({"source": Str(nullable=True), "num_images": Int(min=0, nulla
                     "size_requested": Int(min=1, nullable=True), "seed": Int(nullable=True),
                     "batch_size": Int(min=1, nullable=True), "passes": Int(min=0, nullable=True),
                     # the --calib folder (absolute) and its content hash (edgeprune.cli.calib_reuse), issue 42
-                    "folder": Str(nullable=True), "folder_sha256": Str(nullable=True)})
+                    "folder": Str(nullable=True), "folder_sha256": Str(nullable=True),
+                    "eval_folder": Str(nullable=True)})  # the --eval-data folder (absolute), issue 52
 
 _BUDGET = Obj({"kind": Req(Str(nonempty=True)), "value": Req(Num(gt=0)), "unit": Str(nullable=True),
                "table": Str(nullable=True)})
@@ -126,9 +127,13 @@ _EVALUATION = Obj({"data": Str(nullable=True), "dense": _METRICS, "pruned": _MET
 _LATENCY_CHECK = Obj({"predicted_ms": Num(ge=0), "budget_ms": Num(gt=0), "dense_predicted_ms": Num(gt=0),
                       "measured": Obj({"dense_ms": Num(gt=0), "pruned_ms": Num(gt=0), "ratio": Num(gt=0),
                                        "pairs": Int(min=1), "ratio_interval": ListOf(Num(gt=0), min_len=2, max_len=2),
-                                       "stopped": Str(choices=("settled", "verdict known", "pair limit"))},
+                                       "stopped": Str(choices=("settled", "verdict known", "pair limit")),
+                                       # issue 52: the machine's load while it measured (edgeprune.latency.load)
+                                       "load": Obj({"dense_spread": Num(ge=0, nullable=True),
+                                                    "loaded": Str(nullable=True)})},
                                       nullable=True),
                       "meets_budget": Bool(nullable=True), "backend": Str(nullable=True),
+                      "loaded": Str(nullable=True),
                       # issue 40: the measure-and-correct rounds (edgeprune.pruning.latency_loop)
                       "rounds": ListOf(Obj({"round": Req(Int(min=0)), "budget_value": Num(gt=0),
                                             "predicted": Num(gt=0), "measured": Num(gt=0), "miss": Num()})),

@@ -216,6 +216,37 @@ def test_prune_latency_records_predicted_and_measured(tmp_path):
     assert res.record["latency_check"]["measured"] is None and "not measured" in lines[-1]
 
 
+@pytest.mark.parametrize("load_1m,cores,loaded", [(5.0, 2, True), (1.5, 2, False)])
+def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load_1m, cores, loaded):
+    """issue 52: the measurement records the machine's load figures before and after, and the dense model's own
+    spread; above the usable cores the record's ``loaded`` and the prune's output say the verdict was taken on a
+    loaded machine, with the figures (the figures are planted: no verdict here depends on this machine's load)."""
+    pytest.importorskip("onnxruntime")
+    from edgeprune.latency import load
+    from edgeprune.pruning.latency_check import cpu_name, latency_report, record_latency_check
+
+    monkeypatch.setattr(load, "snapshot", lambda: {"load_1m": load_1m, "load_5m": 1.0, "cores": cores,
+                                                   "clock": load.CLOCK})
+    monkeypatch.setattr(load, "spread_of", lambda ms: 0.05)  # the dense model's own spread: quiet
+    model = small_vit()
+    x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    table = make_table(tmp_path / "t.json", head_ms=0.05, dim_ms=0.01, mlp_ms=0.004,
+                       shape={"device_name": cpu_name()}, batch=2)
+    res = edgeprune.prune(model, x, target="all", sparsity=None, latency=0.6, latency_table=table,
+                          allocation_check_images=0)
+    lines = record_latency_check(res.record, model, res.model, (3, 16, 16), iterations=3, warmup=1)
+    chk = res.record["latency_check"]
+    got = chk["measured"]["load"]
+    assert got["before"]["load_1m"] == load_1m and got["after"]["cores"] == cores and got["dense_spread"] == 0.05
+    warned = [ln for ln in lines + latency_report(chk) if "loaded machine" in ln]
+    if loaded:
+        assert chk["loaded"] == f"load average {load_1m:.1f} on {cores} cores" and len(warned) == 2, lines
+        assert warned[0].startswith("warning: the verdict was taken on a loaded machine (load average 5.0 on 2 cores)")
+    else:
+        assert chk["loaded"] is None and not warned, lines
+    assert load.loaded({"load_1m": 0.5, "cores": 2}, 0.4) == "the dense model's own timings spread 40%"
+
+
 def test_qk_solutions_are_reused_across_candidates(model_and_stats):
     """A budgeted prune solves the same (block, head, kept dims) again for another candidate and
     for the chosen one: the solution is kept on the statistics and returned equal (a copy)."""

@@ -824,7 +824,7 @@ def test_self_check_allocations_span_and_verdict(table):
     models = [{"name": "dense", "predicted_ms": 2.0, "measured_ms": 2.0, "error": 0.0, "blocks": allocs["dense"]},
               {"name": "x0.5", "predicted_ms": 1.0, "measured_ms": 1.0, "error": 0.1, "blocks": allocs["x0.5"]}]
     v = sc.verdict(t, models, tolerance=0.1)
-    assert v == {"passed": True, "tolerance": 0.1, "failure": None, "models": models}
+    assert v == {"passed": True, "tolerance": 0.1, "failure": None, "cause": None, "models": models}
     models[1]["error"] = -0.15
     v = sc.verdict(t, models, tolerance=0.1)
     assert not v["passed"] and v["failure"] == (
@@ -833,8 +833,25 @@ def test_self_check_allocations_span_and_verdict(table):
     models[0]["error"], models[0]["predicted_ms"] = 0.2, 2.5
     v = sc.verdict(t, models, tolerance=0.1)
     block = mlp_ms(MLP) + attn_ms(H, HD, HD)
-    assert v["failure"] == (f"the parts do not add up to the dense model: outside the blocks 1 ms + 2 x block "
-                            f"{block:.4g} ms predicted 2.5 ms, measured 2 ms whole (+20.0%, more than 10%)")
+    table_failure = (f"the parts do not add up to the dense model: outside the blocks 1 ms + 2 x block "
+                     f"{block:.4g} ms predicted 2.5 ms, measured 2 ms whole (+20.0%, more than 10%)")
+    assert v["failure"] == table_failure and v["cause"] == "table"
+    # issue 52: the load figures name the load when the dense model moved by more than half the tolerance during the
+    # build, or the machine was loaded; a quiet build blames the table
+    quiet = {"load_1m": 0.5, "load_5m": 0.4, "cores": 2, "clock": "wall"}
+    busy = {**quiet, "load_1m": 5.25}
+    v = sc.verdict(t, models, 0.1, {"start": quiet, "end": busy, "dense_ms_again": 2.4, "dense_drift": 0.2})
+    assert v["cause"] == "load" and v["failure"] == (
+        "the machine's load changed the timings by +20.0% during the build (load average 5.2 on 2 cores), so the "
+        f"check cannot tell a table error from the load; what it saw: {table_failure}")
+    v = sc.verdict(t, models, 0.1, {"start": quiet, "end": busy, "dense_ms_again": 2.0, "dense_drift": 0.0})
+    assert v["cause"] == "load" and v["failure"].startswith("the machine was loaded during the build (load average "
+                                                           "5.2 on 2 cores)")
+    for drift in (0.0, 0.049, -0.049):  # within half the tolerance and a quiet machine: the table is off
+        v = sc.verdict(t, models, 0.1, {"start": quiet, "end": quiet, "dense_ms_again": 2.0, "dense_drift": drift})
+        assert v["cause"] == "table" and v["failure"] == table_failure
+    v = sc.verdict(t, models, 0.1, {"start": quiet, "end": quiet, "dense_ms_again": 1.8, "dense_drift": -0.1})
+    assert v["cause"] == "load" and "by -10.0%" in v["failure"]
 
 
 def test_finish_recovers_the_block_scale_and_overhead(table):

@@ -73,13 +73,20 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1)),
-                "tokens": ListOf(ListOf(Int(min=1), min_len=2))})
+                "tokens": ListOf(ListOf(Int(min=1), min_len=2)), "attempts": Int(min=1)})
+
+#: the machine's load figures (edgeprune.latency.load.snapshot)
+_LOAD = Obj({"load_1m": Num(ge=0, nullable=True), "load_5m": Num(ge=0, nullable=True), "cores": Int(min=1),
+             "clock": Str()}, nullable=True)
 
 _SELF_CHECK = Obj({"passed": Req(Bool()), "tolerance": Req(Num(gt=0, le=1)), "forced": Bool(),
-                   "failure": Str(nullable=True), "models": Req(ListOf(_CHECKED))})
+                   "failure": Str(nullable=True), "models": Req(ListOf(_CHECKED)),
+                   "cause": Str(choices=("load", "table"), nullable=True),
+                   "load": Obj({"start": _LOAD, "end": _LOAD, "dense_ms_again": Num(gt=0), "dense_drift": Num()})})
 
 _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "created": Str(nullable=True),
-             "edgeprune": Str(nullable=True), "parts": _PARTS, "self_check": _SELF_CHECK})
+             "edgeprune": Str(nullable=True), "parts": _PARTS, "self_check": _SELF_CHECK,
+             "load": Obj({"start": _LOAD})})
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
                  "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),

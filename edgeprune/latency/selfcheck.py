@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault
+from edgeprune.latency import load
 from edgeprune.latency.schema import ADD_UP_TOLERANCE
 from edgeprune.surgery import apply_structure, backbone_vit
 from edgeprune.tokens.apply import apply_token_merge
@@ -184,30 +185,71 @@ def merged_check(t: Any, anatomy: Any) -> tuple[str, list[dict[str, int]], list[
 def run_check(t: Any, anatomy: Any, measure: Callable[[nn.Module], float]) -> dict[str, Any]:
     """Predict and time every :func:`allocations` model (the dense one is ``t.dense_model_ms``, already timed) and
     the :func:`merged_check` model where there is one; ``measure(model) -> ms``. Returns the table's
-    ``meta["self_check"]`` (:func:`verdict`)."""
+    ``meta["self_check"]`` (:func:`verdict`).
+
+    Issue 52 (a busy machine): a model that misses the tolerance is timed once more and keeps its faster time (a
+    load only slows a run down: ``attempts`` 2), and the dense model is timed again after the others: how far it
+    moved from its timing in the build (``load.dense_drift``) and the machine's load figures (``load.end``, beside
+    ``t.meta["load"]["start"]`` where the build recorded it) let :func:`verdict` name the load, not the table, when
+    it moved the timings."""
+    tolerance = ADD_UP_TOLERANCE
     models = []
+
+    def timed(model: nn.Module, pred: float) -> tuple[float, int]:
+        ms = float(measure(model))
+        if abs(pred / ms - 1.0) <= tolerance:
+            return ms, 1
+        return min(ms, float(measure(model))), 2  # re-timed on a miss: the faster of the two
+
     for name, blocks in allocations(t):
-        ms = float(t.dense_model_ms) if name == "dense" else float(measure(pruned_model(anatomy, blocks)))
         pred = t.model_ms(blocks)
+        ms, attempts = (float(t.dense_model_ms), 1) if name == "dense" else timed(pruned_model(anatomy, blocks), pred)
         models.append({"name": name, "predicted_ms": pred, "measured_ms": ms, "error": pred / ms - 1.0,
-                       "blocks": blocks})
+                       "blocks": blocks, "attempts": attempts})
     merged = merged_check(t, anatomy)
     if merged is not None:
         name, blocks, rs, pairs = merged
         model = pruned_model(anatomy, blocks)
         apply_token_merge(model, rs)
-        ms, pred = float(measure(model)), t.model_ms(blocks, pairs)
+        pred = t.model_ms(blocks, pairs)
+        ms, attempts = timed(model, pred)
         models.append({"name": name, "predicted_ms": pred, "measured_ms": ms, "error": pred / ms - 1.0,
-                       "blocks": blocks, "tokens": pairs})
-    return verdict(t, models)
+                       "blocks": blocks, "tokens": pairs, "attempts": attempts})
+    dense_again = float(measure(anatomy.model))
+    load_info = {"start": (t.meta.get("load") or {}).get("start"), "end": load.snapshot(),
+                 "dense_ms_again": dense_again, "dense_drift": load.drift(t.dense_model_ms, dense_again)}
+    return verdict(t, models, tolerance, load_info)
 
 
-def verdict(t: Any, models: list[dict[str, Any]], tolerance: float = ADD_UP_TOLERANCE) -> dict[str, Any]:
-    """``{"passed", "tolerance", "failure", "models"}``: failed when a model's ``error`` (predicted / measured
-    - 1) exceeds ``tolerance``; ``failure`` names the worst model and the part that is off (the dense model: the
-    parts outside / per block do not add up to the whole; a pruned one: the grid's entries at its dims)."""
+def load_cause(load_info: dict[str, Any] | None, tolerance: float) -> str | None:
+    """The words for "the machine's load moved the timings" when the self-check's load figures show it, else None:
+    the dense model timed again at the self-check moved by more than half the tolerance from its timing in the
+    build, or the machine counted as loaded (:func:`edgeprune.latency.load.loaded`) at the build's start or end."""
+    if not load_info:
+        return None
+    drift = load_info.get("dense_drift")
+    snaps = [s for s in (load_info.get("start"), load_info.get("end")) if s]
+    busiest = max(snaps, key=lambda s: s.get("load_1m") or 0.0) if snaps else {}
+    figures = (f"load average {busiest['load_1m']:.1f} on {busiest['cores']} cores"
+               if busiest.get("load_1m") is not None else "no load average on this platform")
+    if drift is not None and abs(drift) > tolerance / 2:
+        return f"the machine's load changed the timings by {100 * drift:+.1f}% during the build ({figures})"
+    why = load.loaded(busiest) if busiest else None
+    if why:
+        return f"the machine was loaded during the build ({why})"
+    return None
+
+
+def verdict(t: Any, models: list[dict[str, Any]], tolerance: float = ADD_UP_TOLERANCE,
+            load_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"passed", "tolerance", "failure", "cause", "models", "load"}``: failed when a model's ``error``
+    (predicted / measured - 1) exceeds ``tolerance``; ``failure`` names the worst model and the part that is off
+    (the dense model: the parts outside / per block do not add up to the whole; a pruned one: the grid's entries at
+    its dims) and, first, the machine's load when ``load_info`` (:func:`run_check`) shows it moved the timings
+    (:func:`load_cause`; ``cause`` "load", else "table"; None when it passed)."""
     bad = [m for m in models if abs(m["error"]) > tolerance]
     failure = None
+    cause = None
     if bad:
         m = max(bad, key=lambda m: abs(m["error"]))
         say = (f"predicted {m['predicted_ms']:.4g} ms, measured {m['measured_ms']:.4g} ms whole "
@@ -222,7 +264,14 @@ def verdict(t: Any, models: list[dict[str, Any]], tolerance: float = ADD_UP_TOLE
         else:
             failure = (f"the sub-block entries (mlp.ms / attn.ms) are off at the pruned dims of allocation "
                        f"{m['name']} ({_span(m['blocks'])}): {say}")
-    return {"passed": not bad, "tolerance": tolerance, "failure": failure, "models": models}
+        by_load = load_cause(load_info, tolerance)
+        cause = "load" if by_load else "table"
+        if by_load:
+            failure = f"{by_load}, so the check cannot tell a table error from the load; what it saw: {failure}"
+    out = {"passed": not bad, "tolerance": tolerance, "failure": failure, "cause": cause, "models": models}
+    if load_info is not None:
+        out["load"] = load_info
+    return out
 
 
 class SelfCheckFailed(RuntimeFault):
@@ -306,6 +355,9 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
     if t.meta["complete"]:
         t.meta["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t.save(out)
+    if not t.meta["complete"] and check.get("cause") == "load":
+        raise SelfCheckFailed(f"latency table self-check failed: {check['failure']} ({out} is left incomplete: "
+                              "rerun the command when the machine is quieter, or add --force to keep it unverified)")
     if not t.meta["complete"]:
         raise SelfCheckFailed(f"latency table self-check failed: {check['failure']} ({out} is left incomplete: "
                               "rerun the command to time the check again, or add --force to keep it unverified)")

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
+from edgeprune.latency import load
 from edgeprune.latency.measure import cpu_name  # the one CPU-name helper (the table's device_name)
 from exporters.onnx import export_onnx
 from runners.compare import bench_pair, median_interval, ratio_decided, ratio_settled
@@ -101,10 +102,12 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
             verdict is known (``runners.compare.ratio_decided``); None: no such stop.
 
     Returns:
-        ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval", "stopped"}``: ratio = pruned / dense, the
-        median over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
+        ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval", "stopped", "load"}``: ratio = pruned /
+        dense, the median over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
         (``runners.compare.median_interval``); ``pairs`` the pairs timed; ``stopped`` why timing ended
-        ("settled", "verdict known" or "pair limit").
+        ("settled", "verdict known" or "pair limit"); ``load``: the machine's load figures before and after
+        (:func:`edgeprune.latency.load.snapshot`), the dense model's own spread and, when they mean a loaded
+        machine, why (``loaded``, else None; issue 52).
     """
     rules = {}
     if settle is not None:
@@ -117,6 +120,7 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
         why[:] = [name for name, rule in rules.items() if rule(lat_a, lat_b)]
         return bool(why)
 
+    before = load.snapshot()
     with tempfile.TemporaryDirectory(prefix="edgeprune-latency-check-") as tmp:
         ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp), dense_onnx)
         try:
@@ -128,9 +132,13 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
     # the ratio: median over the interleaved pairs of pruned / dense (robust to load drifting)
     per_pair = [b / max(a, 1e-12) for a, b in zip(res.latencies_a, res.latencies_b)]
     lo, hi = median_interval(per_pair)
+    after, dense_spread = load.snapshot(), load.spread_of(res.latencies_a)
+    busiest = max((before, after), key=lambda s: -1.0 if s["load_1m"] is None else s["load_1m"])
     return {"dense_ms": float(res.a.latency_ms["p50"]), "pruned_ms": float(res.b.latency_ms["p50"]),
             "ratio": 1.0 / float(res.latency_ratio["median"]), "pairs": len(per_pair), "ratio_interval": [lo, hi],
-            "stopped": why[0] if why else "pair limit"}
+            "stopped": why[0] if why else "pair limit",
+            "load": {"before": before, "after": after, "dense_spread": dense_spread,
+                     "loaded": load.loaded(busiest, dense_spread)}}
 
 
 def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None = None) -> dict[str, Any]:
@@ -149,7 +157,8 @@ def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None
         got, want = (measured["pruned_ms"], target) if absolute else (measured["ratio"], target / dense_pred)
         out.update(measured=measured, measured_over_predicted=measured["pruned_ms"] / predicted,
                    compared="ms" if absolute else "ratio to dense", miss=got / want - 1.0,
-                   meets_budget=got <= want * (1 + MISS_TOLERANCE))
+                   meets_budget=got <= want * (1 + MISS_TOLERANCE),
+                   loaded=(measured.get("load") or {}).get("loaded"))
     return out
 
 
@@ -158,6 +167,21 @@ def _interval(measured: dict) -> str:
     settling rule have not)."""
     iv, n = measured.get("ratio_interval"), measured.get("pairs")
     return "" if not iv or n is None else f", 95% x{iv[0]:.3f}-{iv[1]:.3f} over {n} pairs"
+
+
+def loaded_lines(chk: dict) -> list[str]:
+    """One ``warning:`` line when the verdict (the kept round's measurement) or another round's was taken on a
+    loaded machine (:func:`edgeprune.latency.load.loaded`), with the load figures; none otherwise."""
+    why = chk.get("loaded")
+    others = [r["round"] for r in chk.get("rounds", []) if (r.get("measured_ms", {}).get("load") or {}).get("loaded")
+              and r["round"] != chk.get("chosen_round", 0)]
+    if why:
+        return [f"warning: the verdict was taken on a loaded machine ({why}): the measured ratio carries the load's "
+                f"noise; measure again on a quiet machine (edgeprune bench) to confirm it"]
+    if others:
+        return [f"note: round(s) {', '.join(map(str, others))} were measured on a loaded machine; the kept round's "
+                f"measurement was not"]
+    return []
 
 
 def latency_report(chk: dict | None) -> list[str]:
@@ -180,6 +204,7 @@ def latency_report(chk: dict | None) -> list[str]:
     lines.append(f"latency: measured {measured['pruned_ms']:.3f} ms vs dense {measured['dense_ms']:.3f} ms "
                  f"(x{measured['ratio']:.3f}{_interval(measured)}, interleaved; "
                  f"round {chk.get('chosen_round', 0)} kept)")
+    lines += loaded_lines(chk)
     tol = chk.get("tolerance", MISS_TOLERANCE)
     if abs(chk["miss"]) > tol:
         lines.append(f"warning: the measured latency misses the budget by {100 * chk['miss']:+.1f}% "
@@ -216,6 +241,7 @@ def record_latency_check(rec: dict, dense: nn.Module, pruned: nn.Module, input_s
         return lines
     lines.append(f"latency: measured {measured['pruned_ms']:.3f} ms vs dense {measured['dense_ms']:.3f} ms "
                  f"(x{measured['ratio']:.3f}, interleaved on {key['backend']}, batch {key['batch']})")
+    lines += loaded_lines(chk)
     if not chk["meets_budget"]:
         lines.append(f"warning: the measured latency misses the budget by {100 * chk['miss']:.0f}% "
                      f"({chk['compared']}; > {100 * MISS_TOLERANCE:.0f}%)")
