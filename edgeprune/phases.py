@@ -25,7 +25,8 @@ The window before the interpreter runs any of edgeprune's code (CPython's own st
 install's path finder) is out of the program's reach: an interrupt there is Python's to report, and no point names it.
 
 The variable is removed from the environment when first read, so processes the command starts do not inherit it
-(their descriptors of the same numbers are other files). Off (the default), :func:`reached` costs one dictionary look-up.
+(their descriptors of the same numbers are other files). Off (the default), :func:`reached` costs one dictionary
+look-up.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load
     from edgeprune.latency import load
     from edgeprune.pruning.latency_check import cpu_name, latency_report, record_latency_check
 
-    monkeypatch.setattr(load, "snapshot", lambda: {"load_1m": load_1m, "load_5m": 1.0, "cores": cores,
+    monkeypatch.setattr(load, "snapshot", lambda clock="wall": {"load_1m": load_1m, "load_5m": 1.0, "cores": cores,
                                                    "clock": load.CLOCK})
     monkeypatch.setattr(load, "spread_of", lambda ms: 0.05)  # the dense model's own spread: quiet
     model = small_vit()

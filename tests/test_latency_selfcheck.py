@@ -457,7 +457,8 @@ def test_the_self_check_tells_the_load_from_the_table(tmp_path: Path, tiny_vit, 
 
     t = _build(tiny_vit, tmp_path / "t.json")
     assert t.meta["self_check"]["passed"] and t.meta["load"]["start"]["cores"] >= 1
-    monkeypatch.setattr(load, "snapshot", lambda: {"load_1m": 1.5, "load_5m": 1.0, "cores": 2, "clock": load.CLOCK})
+    monkeypatch.setattr(load, "snapshot",
+                        lambda clock="wall": {"load_1m": 1.5, "load_5m": 1.0, "cores": 2, "clock": clock})
     t.meta["load"]["start"] = load.snapshot()
     _Counting.reset(model_factor=model_factor)
     calls = []

@@ -5,8 +5,9 @@ It imports nothing heavy: :func:`main` first makes Ctrl-C (SIGINT) one ``interru
 exit 130, then imports the command line (:mod:`edgeprune.cli.main`: torch, timm, ...; seconds)
 and runs it. So an interrupt at any moment of a command -- while the modules are still being
 imported included -- prints one line, never a traceback (issue 41). Only this module and the light
-package ``__init__`` files run before the guard. The points :mod:`edgeprune.phases` reports (``start``, ``imported``, ``done``) are set here, so
-that a test sends its Ctrl-C at a point the program names, not after a delay.
+package ``__init__`` files run before the guard. The points :mod:`edgeprune.phases` reports (``start``,
+``imported``, ``done``) are set here, so that a test sends its Ctrl-C at a point the program names, not after a
+delay.
 
 While the modules are imported, SIGINT does not raise ``KeyboardInterrupt``: an exception raised
 inside the initialisation of a compiled module (numpy's, torch's) can be swallowed (the command

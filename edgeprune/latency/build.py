@@ -357,7 +357,7 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
     if not todo and t.complete and not (opts.force and _check_failed(t)):
         return t  # nothing to time
     checks = len(selfcheck.FRACTIONS) + (1 if grid.tokens else 0) + 1  # + the dense model timed again
-    t.meta.setdefault("load", {})["start"] = load.snapshot()  # issue 52: the self-check names a load that moved
+    t.meta.setdefault("load", {})["start"] = load.snapshot(s.clock)  # issue 52: the self-check names a load that moved
     refs = References(timer, anatomy, t.key, s, batch) if opts.interleave else None
     bar = progress(None, desc="latency table", enabled=show_progress, total=len(todo) + checks, unit="entry")
     try:

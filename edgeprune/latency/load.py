@@ -8,9 +8,10 @@ process may use, the clock the timings were read from), :func:`loaded` says in w
 machine -- a load average above the usable cores, or the dense model's own repeated timings spread past
 :data:`SPREAD_BOUND` -- and :func:`drift` how much a model's time moved between two timings of it.
 
-The timings themselves are wall-clock (``time.perf_counter`` around each run, ``runners/``): a CPU backend with
-several intra-op threads spends its time on threads the caller does not own, so a per-thread CPU clock would miss
-most of it; docs/latency_budget.md says what load does to the ratios.
+A ``--latency`` prune's measurement is wall-clock (``time.perf_counter`` around each run, ``runners/``); a latency
+table's is its ``--clock`` (``auto``: the calling thread's CPU time for one CPU thread, else wall); the figures say
+which. ``benchmarks/load_clock.py`` measures both clocks on the same runs, quiet and loaded
+(docs/latency_budget.md).
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def snapshot() -> dict[str, Any]:
+def snapshot(clock: str = CLOCK) -> dict[str, Any]:
     """``{"load_1m", "load_5m", "cores", "clock"}``: the load averages (runnable processes, averaged by the kernel
-    over 1 and 5 minutes; None where the platform has none), the usable cores and :data:`CLOCK`."""
+    over 1 and 5 minutes; None where the platform has none), the usable cores and the clock the timings beside it
+    were read from (default :data:`CLOCK`; a latency table's own: ``wall`` or ``cpu``, its ``--clock``)."""
     try:
         one, five, _ = os.getloadavg()
     except (AttributeError, OSError):
         one = five = None
     return {"load_1m": None if one is None else round(float(one), 2),
-            "load_5m": None if five is None else round(float(five), 2), "cores": usable_cores(), "clock": CLOCK}
+            "load_5m": None if five is None else round(float(five), 2), "cores": usable_cores(), "clock": clock}
 
 
 def spread_of(ms: Sequence[float]) -> float | None:

@@ -216,7 +216,8 @@ def run_check(t: Any, anatomy: Any, measure: Callable[[nn.Module], float]) -> di
         models.append({"name": name, "predicted_ms": pred, "measured_ms": ms, "error": pred / ms - 1.0,
                        "blocks": blocks, "tokens": pairs, "attempts": attempts})
     dense_again = float(measure(anatomy.model))
-    load_info = {"start": (t.meta.get("load") or {}).get("start"), "end": load.snapshot(),
+    clock = t.meta.get("settings", {}).get("clock") or load.CLOCK
+    load_info = {"start": (t.meta.get("load") or {}).get("start"), "end": load.snapshot(clock),
                  "dense_ms_again": dense_again, "dense_drift": load.drift(t.dense_model_ms, dense_again)}
     return verdict(t, models, tolerance, load_info)
 
