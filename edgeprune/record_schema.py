@@ -128,7 +128,8 @@ _LATENCY_CHECK = Obj({"predicted_ms": Num(ge=0), "budget_ms": Num(gt=0), "dense_
                       "measured": Obj({"dense_ms": Num(gt=0), "pruned_ms": Num(gt=0), "ratio": Num(gt=0),
                                        "pairs": Int(min=1), "ratio_interval": ListOf(Num(gt=0), min_len=2, max_len=2),
                                        "stopped": Str(choices=("settled", "verdict known", "pair limit")),
-                                       # issue 52: the machine's load while it measured (edgeprune.latency.load)
+                                       # issue 52: the clock and the machine's load (edgeprune.latency.load)
+                                       "clock": Str(choices=("wall", "cpu")),
                                        "load": Obj({"dense_spread": Num(ge=0, nullable=True),
                                                     "loaded": Str(nullable=True)})},
                                       nullable=True),

@@ -226,7 +226,7 @@ def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load
     from edgeprune.pruning.latency_check import cpu_name, latency_report, record_latency_check
 
     monkeypatch.setattr(load, "snapshot", lambda clock="wall": {"load_1m": load_1m, "load_5m": 1.0, "cores": cores,
-                                                   "clock": load.CLOCK})
+                                                   "clock": clock})
     monkeypatch.setattr(load, "spread_of", lambda ms: 0.05)  # the dense model's own spread: quiet
     model = small_vit()
     x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(3))
@@ -237,6 +237,7 @@ def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load
     lines = record_latency_check(res.record, model, res.model, (3, 16, 16), iterations=3, warmup=1)
     chk = res.record["latency_check"]
     got = chk["measured"]["load"]
+    assert chk["measured"]["clock"] == "cpu" and got["before"]["clock"] == "cpu"  # one CPU thread: runners.clock
     assert got["before"]["load_1m"] == load_1m and got["after"]["cores"] == cores and got["dense_spread"] == 0.05
     warned = [ln for ln in lines + latency_report(chk) if "loaded machine" in ln]
     if loaded:
@@ -245,6 +246,28 @@ def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load
     else:
         assert chk["loaded"] is None and not warned, lines
     assert load.loaded({"load_1m": 0.5, "cores": 2}, 0.4) == "the dense model's own timings spread 40%"
+
+
+def test_one_cpu_thread_is_timed_by_its_cpu_time():
+    """issue 52: the measurement's clock is the calling thread's CPU time for one CPU thread (what load disturbs
+    least, benchmarks/load_clock.py), wall time otherwise; the CPU clock does not count time the thread waited."""
+    import time
+
+    from runners.clock import ThreadClock, clock_for
+
+    assert clock_for("cpu", 1) == "cpu" and clock_for("cpu", 2) == "wall" and clock_for("cpu", None) == "wall"
+    assert clock_for("cuda", 1) == "wall"
+
+    class Sleeper:  # a run that waits 50 ms without computing: wall time sees it, CPU time does not
+        label = "sleeper"
+
+        def time_once(self, x):
+            t0 = time.perf_counter()
+            time.sleep(0.05)
+            return (time.perf_counter() - t0) * 1e3
+
+    r = ThreadClock(Sleeper())
+    assert r.label == "sleeper" and Sleeper().time_once(None) >= 50.0 and r.time_once(None) < 25.0
 
 
 def test_qk_solutions_are_reused_across_candidates(model_and_stats):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-#: the clock every CPU timing of edgeprune is read from (``runners/``: around one run)
-CLOCK = "wall (time.perf_counter)"
+#: the default clock of a timing: wall time (``time.perf_counter`` around one run, ``runners/``)
+CLOCK = "wall"
 
 #: a dense model's repeated timings whose p90 / p10 - 1 exceeds this were taken on a loaded machine
 SPREAD_BOUND = 0.25

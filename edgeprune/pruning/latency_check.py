@@ -31,6 +31,7 @@ from edgeprune.errors import UserError
 from edgeprune.latency import load
 from edgeprune.latency.measure import cpu_name  # the one CPU-name helper (the table's device_name)
 from exporters.onnx import export_onnx
+from runners.clock import CPU, ThreadClock, clock_for
 from runners.compare import bench_pair, median_interval, ratio_decided, ratio_settled
 from runners.onnxruntime_runner import OrtRunner
 from runners.registry import backend_available
@@ -105,7 +106,8 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
         ``{"dense_ms", "pruned_ms", "ratio", "pairs", "ratio_interval", "stopped", "load"}``: ratio = pruned /
         dense, the median over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
         (``runners.compare.median_interval``); ``pairs`` the pairs timed; ``stopped`` why timing ended
-        ("settled", "verdict known" or "pair limit"); ``load``: the machine's load figures before and after
+        ("settled", "verdict known" or "pair limit"); ``clock``: ``cpu`` (the calling thread's CPU time, for one
+        CPU thread: the clock load disturbs least, ``runners.clock``) or ``wall``; ``load``: the machine's load figures before and after
         (:func:`edgeprune.latency.load.snapshot`), the dense model's own spread and, when they mean a loaded
         machine, why (``loaded``, else None; issue 52).
     """
@@ -120,11 +122,14 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
         why[:] = [name for name, rule in rules.items() if rule(lat_a, lat_b)]
         return bool(why)
 
-    before = load.snapshot()
+    device = "cpu" if key["backend"] == "onnxruntime" else (torch_device_for(key) or "cpu")
+    clock = clock_for(device, key.get("threads"))
+    before = load.snapshot(clock)
     with tempfile.TemporaryDirectory(prefix="edgeprune-latency-check-") as tmp:
         ra, rb = _runners(dense, pruned, key, input_shape, Path(tmp), dense_onnx)
         try:
-            (res,) = bench_pair(ra, rb, [int(key["batch"])], iterations=iterations, warmup=warmup,
+            ta, tb = (ThreadClock(ra), ThreadClock(rb)) if clock == CPU else (ra, rb)
+            (res,) = bench_pair(ta, tb, [int(key["batch"])], iterations=iterations, warmup=warmup,
                                 stop=stop if rules else None)
         finally:
             ra.close()
@@ -132,11 +137,11 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
     # the ratio: median over the interleaved pairs of pruned / dense (robust to load drifting)
     per_pair = [b / max(a, 1e-12) for a, b in zip(res.latencies_a, res.latencies_b)]
     lo, hi = median_interval(per_pair)
-    after, dense_spread = load.snapshot(), load.spread_of(res.latencies_a)
+    after, dense_spread = load.snapshot(clock), load.spread_of(res.latencies_a)
     busiest = max((before, after), key=lambda s: -1.0 if s["load_1m"] is None else s["load_1m"])
     return {"dense_ms": float(res.a.latency_ms["p50"]), "pruned_ms": float(res.b.latency_ms["p50"]),
             "ratio": 1.0 / float(res.latency_ratio["median"]), "pairs": len(per_pair), "ratio_interval": [lo, hi],
-            "stopped": why[0] if why else "pair limit",
+            "stopped": why[0] if why else "pair limit", "clock": clock,
             "load": {"before": before, "after": after, "dense_spread": dense_spread,
                      "loaded": load.loaded(busiest, dense_spread)}}
 
