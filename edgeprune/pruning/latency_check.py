@@ -107,9 +107,9 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
         dense, the median over the interleaved pairs; ``ratio_interval`` its distribution-free 95% interval
         (``runners.compare.median_interval``); ``pairs`` the pairs timed; ``stopped`` why timing ended
         ("settled", "verdict known" or "pair limit"); ``clock``: ``cpu`` (the calling thread's CPU time, for one
-        CPU thread: the clock load disturbs least, ``runners.clock``) or ``wall``; ``load``: the machine's load figures before and after
-        (:func:`edgeprune.latency.load.snapshot`), the dense model's own spread and, when they mean a loaded
-        machine, why (``loaded``, else None; issue 52).
+        CPU thread: the clock load disturbs least, ``runners.clock``) or ``wall``; ``load``: the machine's load
+        figures before and after (:func:`edgeprune.latency.load.snapshot`), the dense model's own spread and, when
+        they mean a loaded machine, why (``loaded``, else None; issue 52).
     """
     rules = {}
     if settle is not None:
