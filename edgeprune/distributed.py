@@ -137,7 +137,7 @@ def process_group(device: str = "cpu") -> Iterator[bool]:
     backend = backend_for(device)
     if backend == "nccl":
         if ":" in str(device):
-            raise UserError(f"--device {device} under torchrun: give --device cuda (each process uses "
+            raise UserError(f"--torch-device {device} under torchrun: give --torch-device cuda (each process uses "
                             f"cuda:LOCAL_RANK)")
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if not torch.cuda.is_available() or local >= torch.cuda.device_count():

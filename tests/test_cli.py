@@ -301,7 +301,7 @@ def test_cuda_without_cuda_is_refused_before_work(cmd, tmp_path, capsys, monkeyp
     code, _, err = run([*args, "--torch-device", "cuda", "-o" if cmd != "eval" else "--quiet",
                         *([str(tmp_path / "o")] if cmd != "eval" else [])], capsys)
     assert code == 2
-    assert_one_line_error(code, err, "CUDA is not available (use --device cpu)")
+    assert_one_line_error(code, err, "CUDA is not available (use --torch-device cpu)")
     assert not (tmp_path / "o").exists()
 
 

@@ -122,7 +122,7 @@ def test_auto_resolves_to_cuda_only_when_available(monkeypatch):
 def test_bad_devices_are_user_errors_before_work(tiny_heal, monkeypatch):
     dense, pruned, calib = tiny_heal
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match=r"CUDA is not available \(use --device cpu\)"):
+    with pytest.raises(UserError, match=r"CUDA is not available \(use --torch-device cpu\)"):
         HealConfig(device="cuda")
     with pytest.raises(UserError, match="unknown device 'tpu'"):
         HealConfig(device="tpu")
@@ -192,7 +192,7 @@ def test_cli_cuda_without_cuda_is_one_line_error(cmd, fmnist_run, tmp_path, monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a CUDA machine
     args = ([cmd, fmnist_run] if cmd == "heal" else [cmd, "--classes", "0,1", "--flops", "0.6"])
     result = run_cli([*args, "--torch-device", "cuda", "-o", tmp_path / "out", "--quiet"])
-    assert_one_line_error(result, "CUDA is not available (use --device cpu)")
+    assert_one_line_error(result, "CUDA is not available (use --torch-device cpu)")
     assert not (tmp_path / "out").exists()
     result = run_cli([*args, "--torch-device", "cuda:x", "-o", tmp_path / "out", "--quiet"])
     assert_one_line_error(result, "unknown device 'cuda:x'")

@@ -95,7 +95,7 @@ def test_old_device_cuda_warns_then_fails_as_before_without_cuda(cmd, tmp_path, 
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 2 and "Traceback" not in res.output, res.stderr
     assert lines[0].startswith("warning: --device cuda is a torch device: use --torch-device cuda")
-    assert lines[1] == "error: CUDA is not available (use --device cpu)"
+    assert lines[1] == "error: CUDA is not available (use --torch-device cpu)"
     assert not (tmp_path / "o").exists()
 
 

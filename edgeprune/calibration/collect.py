@@ -26,6 +26,7 @@ from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statis
 from edgeprune.errors import UserError
 from edgeprune.progress import progress as show_progress
 from edgeprune.solve.output_bias import OutputSums, classifier_head
+from edgeprune.torch_device import CUDA_MISSING
 
 
 @dataclasses.dataclass
@@ -262,7 +263,7 @@ def collect_statistics(anatomy: ViTAnatomy, batches: Iterable[torch.Tensor], req
     home = _model_device(model)
     dev = torch.device(device if device is not None else (_DEVICE.get() or home))
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("CUDA is not available (use --device cpu)")
+        raise UserError(CUDA_MISSING)
     batches = iter(batches)
     first = next(batches, None)
     if first is not None:

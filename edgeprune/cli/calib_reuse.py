@@ -2,13 +2,18 @@
 
 ``prune`` records, beside the calibration's size and seed, the folder given with ``--calib``
 (``calibration.folder``, absolute) and a content hash of it (``calibration.folder_sha256``,
-:func:`folder_sha256`). A later command on the run reuses the folder when it is still there and
-its hash is unchanged; ``--calib`` overrides it; a changed folder is said in one line and used as it
-is now; a folder that is gone is said in one line and not used.
+:func:`folder_sha256`), and the ``--eval-data`` folder the calibration was checked disjoint from
+(``calibration.eval_folder``, absolute; issue 52). A later command on the run reuses the folder when it
+is still there and its hash is unchanged; ``--calib`` overrides it; a changed folder is said in one line
+and used as it is now. A folder that is gone is refused in one line (exit 2: calibrating on other data
+than the run's would be silent; issue 52) unless it held the model's built-in data (a zoo model's
+Fashion-MNIST copy with the same content hash as the built-in folder): then the built-in folder is used,
+said in one line.
 
 Without labeled evaluation data, a timm run's quantized or evaluated model is compared with the
 float / dense model on the folder's *held-out* images (:func:`heldout_source`: the images of the
-folder that the calibration did not use), by top-1 agreement.
+folder that the calibration did not use), by top-1 agreement; ``quantize`` first reuses the run's
+recorded evaluation folder (:func:`recorded_eval_folder`).
 """
 
 from __future__ import annotations
@@ -52,32 +57,62 @@ def folder_sha256(folder: str | os.PathLike, used: list[Path] | None = None) -> 
     return h.hexdigest()
 
 
-def calibration_fields(calib_dir: str | os.PathLike | None, source: Any) -> dict[str, Any]:
+def calibration_fields(calib_dir: str | os.PathLike | None, source: Any,
+                       eval_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """The run record's ``calibration.folder`` (absolute) and ``calibration.folder_sha256`` of a
     calibration drawn from ``calib_dir`` (``source``: the data source; its ``files``, when it has
-    them, are the images hashed); ``{}`` without a folder (the model's own data)."""
+    them, are the images hashed), and ``calibration.eval_folder`` (absolute) of the ``--eval-data``
+    folder ``eval_dir`` it was checked disjoint from; ``{}`` without folders (the model's own data)."""
+    out: dict[str, Any] = {}
+    if eval_dir is not None and Path(eval_dir).is_dir():
+        out["eval_folder"] = str(Path(eval_dir).resolve())
     if calib_dir is None or not Path(calib_dir).is_dir():
-        return {}
+        return out
     folder = Path(calib_dir).resolve()
     used = [Path(f).resolve() for f in source.files] if isinstance(getattr(source, "files", None), list) else None
-    return {"folder": str(folder), "folder_sha256": folder_sha256(folder, used)}
+    return {"folder": str(folder), "folder_sha256": folder_sha256(folder, used), **out}
 
 
-def recorded_folder(calibration: dict | None, spec: Any, say: Callable[[str], None] = click.echo) -> str | None:
+def _builtin_copy(cal: dict, spec: Any) -> str | None:
+    """The model's built-in data folder when the run's (gone) calibration folder was a copy of it (the same
+    content hash), else None. Only zoo models have built-in data (Fashion-MNIST for ``fmnist-vit`` and
+    ``dinov2-s14-fmnist``); a timm model's folder is the user's own."""
+    from edgeprune.data import fashion_mnist
+    from edgeprune.zoo.entries import zoo_entry
+
+    entry = zoo_entry(str(getattr(spec, "name", "")))
+    if entry is None or entry.dataset != "Fashion-MNIST" or not cal.get("folder_sha256"):
+        return None
+    try:
+        builtin = fashion_mnist.dataset_dir(None)
+    except UserError:  # not installed either
+        return None
+    return str(builtin) if folder_sha256(builtin) == cal["folder_sha256"] else None
+
+
+def recorded_folder(calibration: dict | None, spec: Any, say: Callable[[str], None] = click.echo,
+                    option: str = "--calib DIR") -> str | None:
     """The run's calibration folder when it is still there (``calibration``: the record's entry),
-    else None. Unchanged: said in one line; changed (another hash): said in one warning line, and
-    used as it is now; gone: one line, not used.
+    else None (the run recorded none: the model's own data). Unchanged: said in one line; changed
+    (another hash): said in one warning line, and used as it is now; gone: refused, unless it held
+    the model's built-in data (:func:`_builtin_copy`: that folder is used, said in one line).
 
     Raises:
-        UserError: the folder cannot be read.
+        UserError: the folder is gone (the message names ``option``, the command's way to give
+            another), or it cannot be read.
     """
     cal = calibration or {}
     folder = cal.get("folder")
     if not folder:
         return None
     if not Path(folder).is_dir():
-        say(f"the run's calibration folder {folder} is gone (pass --calib DIR)")
-        return None
+        builtin = _builtin_copy(cal, spec)
+        if builtin is None:
+            raise UserError(f"the run's calibration folder {folder} is gone (moved or deleted): pass {option} "
+                            "(the folder the run calibrated on, or other data on purpose)")
+        say(f"calibration: the run's folder {folder} is gone; it held the built-in {spec.name} data (same "
+            f"content hash): using {builtin}")
+        return builtin
     n, seed = cal.get("num_images") or cal.get("size_requested"), cal.get("seed") or 0
     used = None
     if not spec.is_zoo:
@@ -110,4 +145,18 @@ def heldout_source(spec: Any, folder: str, n: int, seed: int, eval_size: int | N
                         f"{folder}, {len(rest)} held-out images (unlabeled, not used by the calibration)")
 
 
-__all__ = ["calibration_fields", "folder_sha256", "heldout_source", "recorded_folder"]
+def recorded_eval_folder(calibration: dict | None, say: Callable[[str], None] = click.echo) -> str | None:
+    """The ``--eval-data`` folder the run's calibration was checked disjoint from
+    (``calibration.eval_folder``) when it is still there (said in one line), else None (none
+    recorded, or gone: said in one line; the caller falls back to held-out images or refuses)."""
+    folder = (calibration or {}).get("eval_folder")
+    if not folder:
+        return None
+    if not Path(folder).is_dir():
+        say(f"the run's evaluation folder {folder} is gone (--eval-data DIR to give one)")
+        return None
+    say(f"evaluation: the run's folder {folder} (its --eval-data)")
+    return str(folder)
+
+
+__all__ = ["calibration_fields", "folder_sha256", "heldout_source", "recorded_eval_folder", "recorded_folder"]

@@ -28,7 +28,7 @@ from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, check_ignored_options, check_readable_dir, device_option, eval_options,
                                    latency_correction_options, latency_table_option, make_spec, model_options,
                                    out_option, quiet_option, torch_device_of)
-from edgeprune.cli.recipe import write_recipe
+from edgeprune.cli.recipe import replay_measurer, replay_rounds, write_recipe
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
@@ -138,9 +138,11 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
     click.echo(f"model {model_name}: classes {cls}"
                + (f" ({', '.join(names[c] for c in cls)})" if names else "")
                + f"; {metric} budget {amount:g}{unit}; labeled images: {train_desc}; device {cfg.device}")
+    replay = replay_measurer(click.get_current_context())  # a recipe's recorded measurements (issue 52)
     res = derive(base, cls, x, y, budget=budget, calibration=calibration, config=cfg,
-                 class_names=names, spec=spec, progress=not quiet)
+                 class_names=names, spec=spec, progress=not quiet, measurer=replay)
     rec = res.record
+    replayed = [replay.check(rec)] if replay is not None else []
     rec["derivation"]["data"]["train_source"] = train_desc
     d = rec["derivation"]
     rows = [("base", rec["dense_params"], rec["dense_flops"], None),
@@ -156,10 +158,12 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
         rows = [(r[0], r[1], r[2], m) for r, m in zip(rows, (m_base, m_anchor, m_derived))]
         click.echo(f"evaluation: {edesc}")
     save_run(out_path, res.model.cpu(), rec)
-    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
+    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)},
+                 replay=replay_rounds(rec))  # issue 52: what the run measured, for an exact replay
 
     # 3. the report
-    _print_report(rec, rows, metric, f"{amount:g}{unit}", out_path, latency_report(rec.get("latency_check")))
+    _print_report(rec, rows, metric, f"{amount:g}{unit}", out_path,
+                  latency_report(rec.get("latency_check")) + replayed)
 
 
 def _print_report(rec: dict, rows: list[tuple], metric: str, amount: str, out_path, latency_lines: list[str]) -> None:

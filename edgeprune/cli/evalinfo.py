@@ -14,7 +14,7 @@ from edgeprune.artifact import check_writable
 from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, fmt_metric, load_model,
                                    make_spec, model_options, quiet_option, torch_device_of)
-from edgeprune.cli.calib_reuse import heldout_source, recorded_folder
+from edgeprune.cli.calib_reuse import heldout_source, recorded_eval_folder, recorded_folder
 from edgeprune.evaluate import evaluate, evaluate_target_classes
 from edgeprune.flops import block_tokens, count_params, model_flops
 from edgeprune.loading import load_base_model
@@ -61,13 +61,15 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
 
 
 def _eval_source(spec, rec: dict | None, eval_data: str | None, eval_size: int | None):
-    """The evaluation images: ``--eval-data``; else, for a run that recorded its calibration folder
-    (issue 42), that folder's test split (Fashion-MNIST) or, for a timm model, the folder's images
-    the calibration did not use (unlabeled: agreement with the dense model only); else the model's own."""
+    """The evaluation images: ``--eval-data``; else the run's recorded evaluation folder (issue 52); else,
+    for a run that recorded its calibration folder (issue 42), that folder's test split (Fashion-MNIST)
+    or, for a timm model, the folder's images the calibration did not use (unlabeled: agreement with
+    the dense model only; a folder that is gone is refused); else the model's own."""
     if eval_data is None and rec is not None and not rec.get("head"):
         cal = rec.get("calibration") or {}
-        if cal.get("folder") and (spec.data_holds_both_splits or not spec.is_zoo):
-            folder = recorded_folder(cal, spec)
+        eval_data = recorded_eval_folder(cal)  # issue 52: the run's own --eval-data first
+        if eval_data is None and cal.get("folder") and (spec.data_holds_both_splits or not spec.is_zoo):
+            folder = recorded_folder(cal, spec, option="--eval-data DIR")
             if folder is not None and spec.data_holds_both_splits:
                 eval_data = folder
             elif folder is not None:

@@ -28,7 +28,7 @@ import torch
 from click.core import ParameterSource
 
 from edgeprune.artifact import check_new_dir, check_writable, load_run, save_run
-from edgeprune.cli.calib_reuse import calibration_fields, recorded_folder
+from edgeprune.cli.calib_reuse import calibration_fields, recorded_eval_folder, recorded_folder
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (FINITE, calibration_options, check_readable_dir, device_option, eval_options,
                                    fmt_metric, out_option, quiet_option, torch_device_of)
@@ -111,6 +111,8 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
         seed = config.seed = recorded_seed  # the run's own calibration set: its seed too (issue 42)
     if calib_dir is None:  # the run's own folder, when it is still there (issue 42)
         calib_dir = recorded_folder(rec.get("calibration"), spec, say=_say if main else _silent)
+    if eval_data is None and not no_eval:  # the run's own --eval-data, when it is still there (issue 52)
+        eval_data = recorded_eval_folder(rec.get("calibration"), say=_say if main else _silent)
     calib = spec.calibration_source(n, seed=seed, data=calib_dir, eval_data=eval_data)
     if len(calib) == 0:
         raise UserError("the calibration set is empty")
@@ -144,7 +146,7 @@ def heal_cmd(run_dir, calib_dir, calib_size, seed, batch_size, eval_data, eval_s
                         evaluation=evaluation)
     save_run(out_path, result.model.cpu(), new)
     write_recipe(click.get_current_context(), out_path / "recipe.toml",  # the values used, reused ones included
-                 {"out": str(out_path), "seed": seed, "calib": calib_dir})
+                 {"out": str(out_path), "seed": seed, "calib": calib_dir, "eval-data": eval_data})
     shutil.rmtree(ckpt, ignore_errors=True)
     _report(result.info, evaluation, spec, loss=loss, lr=lr, epochs=epochs, keep_best=keep_best)
     click.echo(f"saved {out_path}")

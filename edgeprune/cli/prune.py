@@ -17,7 +17,7 @@ from edgeprune.cli.options import (FINITE, calibration_options, check_budget_opt
                                    latency_correction_options, make_spec, model_options, out_option, quiet_option,
                                    torch_device_of)
 from edgeprune.cli.calib_reuse import calibration_fields
-from edgeprune.cli.recipe import write_recipe
+from edgeprune.cli.recipe import replay_measurer, replay_rounds, tokens_choice, write_recipe
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.embed.settings import parse_embed_sparsity
@@ -172,17 +172,22 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
         used = api.work_device(config, device)
         where = used if used == device else f"{used} (sequential calibration runs on the CPU)"
         click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
+    replay = replay_measurer(click.get_current_context(), click.echo if main else (lambda _line: None))
     t0 = time.perf_counter()
     result = api.prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
-                       calibration_info={"seed": seed, "size_requested": n, **calibration_fields(calib_dir, calib)})
+                       calibration_info={"seed": seed, "size_requested": n,
+                                         **calibration_fields(calib_dir, calib, eval_data)}, measurer=replay)
     prune_s = time.perf_counter() - t0
     if not main:
         return  # another rank of a torchrun job: rank 0 evaluates, writes and reports
     rec = result.record
+    replayed = [replay.check(rec)] if replay is not None else []  # a recipe's exact replay (issue 52)
     metrics = _evaluate(spec, dense, result.model, ev, device, quiet, rec)
-    latency_lines = latency_report(rec.get("latency_check"))  # measured and corrected by the prune (issue 40)
+    latency_lines = latency_report(rec.get("latency_check")) + replayed  # measured and corrected (issue 40)
     save_run(out_path, result.model, rec)
-    write_recipe(click.get_current_context(), out_path / "recipe.toml", {"out": str(out_path)})
+    ctx = click.get_current_context()
+    pinned, notes = tokens_choice(ctx, rec)  # issue 52: what the measurements decided, for an exact replay
+    write_recipe(ctx, out_path / "recipe.toml", {"out": str(out_path), **pinned}, notes, replay_rounds(rec))
 
     # 3. the report
     _report(rec, spec, *metrics, prune_s)

@@ -99,19 +99,28 @@ def activation_matmuls(model_path: Path, names: Sequence[str]) -> list[str]:
             if n.op_type == "MatMul" and n.name in wanted and not any(i in const for i in n.input[:2])]
 
 
-def match_patterns(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
+def match_patterns(patterns: Sequence[str], names: Sequence[str], what: str = "quantizable node",
+                   result: str = "nothing would be quantized") -> list[str]:
     """Node names matching any fnmatch pattern, in graph order.
 
+    ``what`` / ``result``: how the message names the nodes and what excluding them all would leave
+    (fp16: every node, nothing converted).
+
     Raises:
-        UserError: a pattern that matches no node (the message shows example names).
+        UserError: a pattern that matches no node (the message shows example names); the patterns
+            together match every node (issue 52: the "quantized" file would be the float model).
     """
     out: list[str] = []
     for pat in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
         if not hits:
             example = ", ".join(names[:2])
-            raise UserError(f"--exclude {pat!r} matches no quantizable node (names look like {example})")
+            raise UserError(f"--exclude {pat!r} matches no {what} (names look like {example})")
         out.extend(h for h in hits if h not in out)
+    if names and len(out) == len(set(names)):
+        given = " ".join(f"--exclude {p!r}" for p in patterns)
+        verb = "matches" if len(patterns) == 1 else "together match"
+        raise UserError(f"{given} {verb} every {what} ({len(set(names))}): {result} (exclude fewer nodes)")
     return [n for n in names if n in out]
 
 

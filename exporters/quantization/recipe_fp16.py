@@ -37,11 +37,11 @@ class Fp16Recipe(Recipe):
         """Convert, keeping the excluded nodes and the sensitive op types in fp32.
 
         Raises:
-            UserError: an ``--exclude`` pattern matching no node.
+            UserError: an ``--exclude`` pattern matching no node, or the patterns matching every node.
             RuntimeFault: the conversion fails on a valid model.
         """
         names = [n.name for n in onnx.load(str(job.float_path), load_external_data=False).graph.node if n.name]
-        excluded = match_patterns(job.cfg.common.exclude, names)
+        excluded = match_patterns(job.cfg.common.exclude, names, "node", "nothing would be converted to fp16")
         job.say("fp16: converting (fp32 inputs/outputs; LayerNorm, Softmax, reductions kept fp32)")
         convert_fp16(job.float_path, job.quant_path, excluded)
         return Converted(f"onnxruntime {onnxruntime.__version__} transformers.float16.convert_float_to_float16",

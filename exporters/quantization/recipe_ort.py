@@ -47,8 +47,8 @@ class OrtRecipe(Recipe):
         """Smoothing, pre-processing, node selection, quantization, sensitivity pass (module docstring).
 
         Raises:
-            UserError: no node of the quantized op types; an ``--exclude`` pattern matching nothing; ``--auto-exclude``
-                at least the number of nodes left to quantize.
+            UserError: no node of the quantized op types; an ``--exclude`` pattern matching nothing, or nothing left
+                to quantize; ``--auto-exclude`` at least the number of nodes left to quantize.
         """
         cfg, c, tmp, say = job.cfg, job.cfg.common, job.workdir, job.say
         smoothing: list[dict[str, Any]] = []
@@ -61,6 +61,9 @@ class OrtRecipe(Recipe):
         pre = int8.preprocess(to_quantize, tmp / "pre.onnx") if cfg.ort.preprocess else to_quantize
         names, excluded, attention = _select(job.src, pre, cfg)
         left = len(names) - len(excluded)
+        if left == 0:  # issue 52: --exclude alone is refused when it matches all (match_patterns); with attention:
+            raise UserError(f"nothing would be quantized: --exclude and the attention products (float unless "
+                            f"--quantize-attention) cover all {len(names)} quantizable nodes (exclude fewer nodes)")
         if cfg.ort.auto_exclude >= left:  # issue 41: else every node stays float and the "int8" file is float
             raise UserError(f"--auto-exclude {cfg.ort.auto_exclude} would keep all {left} quantizable nodes in float "
                             f"(nothing quantized): give --auto-exclude below {left}")

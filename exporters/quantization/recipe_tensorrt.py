@@ -207,7 +207,7 @@ def quantize_tensorrt(src: Path, dst: Path, calib: np.ndarray, cfg: QuantizeConf
             ``exclude``, ``batch_size``, ``threads``).
 
     Raises:
-        UserError: an ``--exclude`` pattern matching no GEMM, or no GEMM at all.
+        UserError: an ``--exclude`` pattern matching no GEMM (or the patterns every GEMM), or no GEMM at all.
     """
     import onnx
 
