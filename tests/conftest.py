@@ -139,7 +139,7 @@ SLOW_FILES = ("test_readme.py", "test_quantize.py", "test_deploy_more.py", "test
               "test_deploy.py", "test_allocation_select.py", "test_gpu_check.py", "test_corp_pipeline.py",
               "test_bench_cli.py", "test_gram_tokens.py", "test_bad_input.py", "test_distributed.py",
               "test_method_properties.py", "test_onnx_export.py", "test_quantize_dynamic.py", "test_allocation.py",
-              "test_cli.py")
+              "test_cli.py", "test_bad_input_52.py")
 
 
 def pytest_collection_modifyitems(config, items):
