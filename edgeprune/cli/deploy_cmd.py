@@ -8,12 +8,19 @@ quantize to the profile's precision (``OUT/model-int8.onnx`` / ``model-fp16.onnx
 -> build the TensorRT engine (``OUT/model.engine``; TensorRT profiles only, where TensorRT is
 installed: else the deploy stops there, exit 0, with the ``edgeprune build`` line to run on the
 device) -> bench the deployed model vs the dense one on the profile's backend (``OUT/bench.json``).
-``OUT/report.md`` / ``report.json`` (:mod:`.deploy_report`) sum it up; ``OUT/stages.json``
-(:mod:`.deploy_state`) lets a rerun skip the stages whose settings and inputs are unchanged.
+``OUT/report.md`` / ``report.json`` (:mod:`.deploy_report`) sum it up, with the ``edgeprune build`` /
+``bench`` lines left to run on the device; ``OUT/stages.json`` (:mod:`.deploy_state`) lets a rerun
+skip the stages whose settings and inputs are unchanged (a redone stage says why, in one line).
+
+Settings refused before any stage finished (by deploy's own checks or by the first stage's command,
+e.g. ``--sparsity 1``) leave no folder behind: a folder this run made is removed again, and an
+earlier deploy's outputs that the refused stage would have replaced are put back.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import shlex
 import time
 from pathlib import Path
@@ -27,7 +34,8 @@ from devices import load_profile
 from edgeprune.cli.deploy import export_cmd, verify_cmd
 from edgeprune.cli.deploy_heal import check_heal, heal_step
 from edgeprune.cli.deploy_report import write_report
-from edgeprune.cli.deploy_state import STAGES, DeployState, hash_paths, hash_settings
+from edgeprune.cli.deploy_state import (STAGES, DeployState, hash_paths, hash_settings, is_deploy_folder,
+                                        setting_values)
 from edgeprune.cli.device import bench_cmd, build_cmd
 from edgeprune.cli.device_options import torch_device_of
 from edgeprune.cli.help import RecipeCommand
@@ -107,8 +115,43 @@ def deploy_cmd(**opts: Any) -> None:
     ctx = click.get_current_context()
     o = _check(opts)
     state = DeployState(o["out"])
+    made, had_state = _missing_folders(o["out"]), state.path.is_file()
+    if o.get("adopted") and not o["quiet"]:
+        click.echo(f"{o['out']}: no {state.path.name}, but its files are a deploy's: every stage is redone", err=True)
     o["out"].mkdir(parents=True, exist_ok=True)
     state.save()  # OUT is a deploy's from now on: a rerun after Ctrl-C in the first stage is accepted
+    try:
+        _deploy(ctx, o, state)
+    except UserError:
+        if not had_state and not state.stages:
+            _remove_unused(state, made)  # refused before any stage finished: leave no folder behind
+        raise
+
+
+def _missing_folders(out: Path) -> list[Path]:
+    """The folders ``mkdir(parents=True)`` of ``out`` would create, deepest first."""
+    made, p = [], out.absolute()
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
+def _remove_unused(state: DeployState, made: list[Path]) -> None:
+    """Remove the (empty) ``stages.json`` this run wrote, then the folders this run made that are empty
+    (never a folder that was there before): OUT is as it was before the deploy."""
+    try:
+        state.path.unlink(missing_ok=True)
+        for folder in made:
+            if os.listdir(folder):
+                break  # something else is in it: left as it is
+            folder.rmdir()
+    except OSError:
+        pass  # not ours to remove: left as it is
+
+
+def _deploy(ctx: click.Context, o: dict[str, Any], state: DeployState) -> None:
+    """The stages of the plan, in order (reused, redone, skipped, or left to do on the device), then the report."""
     plan = _plan(o)
     t_all = time.perf_counter()
     stopped = None
@@ -121,31 +164,55 @@ def deploy_cmd(**opts: Any) -> None:
             state.record(name, {"status": "skipped", "why": step["skip"]})
             continue
         if step.get("stop"):
-            stopped = step["stop"]
+            commands = []
             for later in STAGES[i:]:
                 if state.stages.get(later, {}).get("status") == "done":
                     state.forget(later)  # an earlier deploy's engine / bench: not this model's
-                state.record(later, {"status": "pending", "why": "left to do on the device (the line below)"})
+                if plan[later].get("skip"):
+                    state.record(later, {"status": "skipped", "why": plan[later]["skip"]})
+                    continue
+                commands.append(plan[later]["command"])
+                state.record(later, {"status": "pending", "why": "left to do on the device: run its command there",
+                                     "command": plan[later]["command"]})
+            stopped = f"{step['stop']}; on the device run: {' && '.join(commands)}"
             break
-        _run_stage(ctx, state, name, step)
+        _run_stage(ctx, state, name, step, o["quiet"])
     report = write_report(o["out"], state, o)
     click.echo(f"report: {report} ({time.perf_counter() - t_all:.1f} s)")
     if stopped:
         click.echo(stopped)
 
 
-def _run_stage(ctx: click.Context, state: DeployState, name: str, step: dict[str, Any]) -> None:
-    """Run one stage unless its settings and inputs are unchanged (then it is reused)."""
-    settings, inputs = hash_settings(step["settings"]), hash_paths(step["inputs"])
-    if state.reusable(name, settings, inputs):
+def _run_stage(ctx: click.Context, state: DeployState, name: str, step: dict[str, Any], quiet: bool = False) -> None:
+    """Run one stage unless its settings and inputs are unchanged (then it is reused); a stage that ran
+    before and is redone says why on stderr (unless ``quiet``) and in its entry (``redone``).
+
+    A stage that refuses (a UserError before it wrote any output) as the first stage this run redoes
+    leaves the earlier deploy's outputs in place (:meth:`DeployState.set_aside`)."""
+    labelled = step["inputs"]
+    settings, inputs = hash_settings(step["settings"]), hash_paths(list(labelled.values()))
+    each = functools.cache(lambda: {label: hash_paths([p]) for label, p in labelled.items()})
+    why = state.stale(name, settings, inputs, step["settings"], each)
+    if why is None:
         click.echo(f"== {name}: unchanged, reused ({state.stages[name].get('seconds', 0):.1f} s before)")
         return
+    redone = state.stages.get(name, {}).get("status") == "done"
     click.echo(f"== {name}: {step['what']}")
-    state.forget(name, step["outputs"])
+    if redone and not quiet:
+        click.echo(f"{name}: redone ({why})", err=True)
+    aside = state.set_aside(name, step["outputs"])
     t0 = time.perf_counter()
-    step["run"](ctx)
+    try:
+        step["run"](ctx)
+    except UserError:
+        aside.restore()
+        raise
+    finally:
+        aside.drop()
     state.record(name, {"status": "done", "settings": settings, "inputs": inputs, "what": step["what"],
-                        "outputs": state.outputs_hash(step["outputs"]), "seconds": round(time.perf_counter() - t0, 3)})
+                        "values": setting_values(step["settings"]), "input_hashes": each(),
+                        "outputs": state.outputs_hash(step["outputs"]), "seconds": round(time.perf_counter() - t0, 3),
+                        **({"redone": why} if redone else {})})
 
 
 def _check(opts: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +236,8 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
     out: Path = o["out"]
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: is a file (the deploy folder: a new folder or an earlier deploy's)")
-    if out.is_dir() and any(out.iterdir()) and not (out / "stages.json").is_file():
+    o["adopted"] = out.is_dir() and any(out.iterdir()) and not (out / "stages.json").is_file()
+    if o["adopted"] and not is_deploy_folder(out):
         raise UserError(f"-o {out}: exists and is not a deploy folder (no stages.json): choose a new folder")
     for option, path in (("--calib", o["calib_dir"]), ("--eval-data", o["eval_data"]),
                          ("--checkpoint", o["checkpoint"]), ("--latency-table", o["latency_table"])):
@@ -188,8 +256,9 @@ def _check(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per stage: ``settings`` (hashed), ``inputs`` (paths hashed), ``outputs`` (under OUT), ``run``
-    (ctx -> summary dict), ``what``; or ``skip`` (why) / ``stop`` (the line to print)."""
+    """Per stage: ``settings`` (hashed), ``inputs`` (``{label: path}``, hashed in order), ``outputs`` (under
+    OUT), ``run`` (ctx -> summary dict), ``what``, ``command`` (the line to run it on the device: build, bench);
+    or ``skip`` (why) / ``stop`` (why it stops there)."""
     out, profile, prec = o["out"], o["profile"], o["precision"]
     run, onnx, dense = out / "run", out / "model.onnx", out / "dense.onnx"
     final_run = out / "healed" if o["heal"] else run
@@ -200,18 +269,19 @@ def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
     prune = {**model, **data, "batch_size": o["batch_size"], o["budget"]: o[o["budget"]],
              "latency_table": o["latency_table"], "torch_device": o["torch_device"],
              **({"tokens_merge": o["tokens_merge"]} if o["tokens_merge"] is not None else {})}  # older hashes kept
-    plan["prune"] = {"settings": prune, "inputs": [o["checkpoint"], o["latency_table"]]
-                     + [_listing(o["calib_dir"]), _listing(o["eval_data"])], "outputs": ["run"],
+    inputs = {"--checkpoint": o["checkpoint"], "--latency-table": o["latency_table"], **_data_listings(o)}
+    plan["prune"] = {"settings": prune, "inputs": inputs, "outputs": ["run"],
                      "what": f"prune {o['model_name']} with a {o['budget']} budget of {o[o['budget']]}",
                      "run": lambda ctx: call_command(ctx, prune_cmd, out=str(run), quiet=o["quiet"],
                                                      **{k: v for k, v in prune.items() if v is not None})}
     plan["heal"] = heal_step(o, run, out / "healed", _listing, call_command)
-    plan["export"] = {"settings": {**model, "opset": 17}, "inputs": [final_run],
+    plan["export"] = {"settings": {**model, "opset": 17}, "inputs": {f"{final_run.name}/": final_run},
                       "outputs": ["model.onnx", "dense.onnx"],
                       "what": "export the pruned and the dense model to ONNX (opset 17, dynamic batch)",
                       "run": lambda ctx: _export(ctx, final_run, onnx, dense, model)}
     n = o["eval_size"] or 64
-    plan["verify"] = {"settings": {"n": n, "eval_data": o["eval_data"]}, "inputs": [final_run, onnx],
+    plan["verify"] = {"settings": {"n": n, "eval_data": o["eval_data"]},
+                      "inputs": {f"{final_run.name}/": final_run, onnx.name: onnx},
                       "outputs": ["verify.json"], "what": f"ONNX Runtime vs PyTorch on {n} evaluation images",
                       "run": lambda ctx: call_command(ctx, verify_cmd, onnx_file=onnx, run_dir=final_run, n=n,
                                                       data=o["eval_data"], json_out=out / "verify.json")}
@@ -227,6 +297,11 @@ def _plan(o: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _listing(path: Any) -> str | None:
     """A data folder as a cheap hash of its listing (paths, sizes, times), or None."""
     return None if path is None else f"listing:{hash_paths([path], content=False)}"
+
+
+def _data_listings(o: dict[str, Any]) -> dict[str, str | None]:
+    """The inputs ``--calib`` and ``--eval-data`` of a stage, as :func:`_listing` hashes them."""
+    return {"--calib": _listing(o["calib_dir"]), "--eval-data": _listing(o["eval_data"])}
 
 
 def _export(ctx: click.Context, run: Path, onnx: Path, dense: Path, model: dict[str, Any]) -> None:
@@ -248,7 +323,7 @@ def _quantize_step(o: dict[str, Any], onnx: Path, final: Path) -> dict[str, Any]
     settings = {k: str(v) for k, v in given.items() if k not in ("model", "output", "json_out", "force")}
     outputs = [final.name, "quantize.json", final.name + ".recipe.toml"]
     how = f" ({mode}, {recipe} recipe)" if mode == "static" and prec == "int8" else f" ({mode})" * (prec == "int8")
-    return {"settings": settings, "inputs": [onnx, _listing(o["calib_dir"]), _listing(o["eval_data"])],
+    return {"settings": settings, "inputs": {onnx.name: onnx, **_data_listings(o)},
             "outputs": outputs, "what": f"quantize to {prec}" + how,
             "run": lambda ctx: call_command(ctx, quantize_cmd, **given)}
 
@@ -260,8 +335,8 @@ def _build_step(o: dict[str, Any], final: Path, engine: Path) -> dict[str, Any]:
     missing = backend_available("tensorrt")
     if missing is not None:
         cmd = shlex.join(["edgeprune", "build", str(final), "--device", o["profile_name"], "-o", str(engine)])
-        return {"stop": f"stopped before build: TensorRT is not usable here ({missing}); on the device run: {cmd}"}
-    return {"settings": {"profile": profile.to_dict()}, "inputs": [final],
+        return {"stop": f"stopped before build: TensorRT is not usable here ({missing})", "command": cmd}
+    return {"settings": {"profile": profile.to_dict()}, "inputs": {final.name: final},
             "outputs": [engine.name, engine.name + ".json"],
             "what": f"build a TensorRT engine for {profile.name} ({o['precision']})",
             "run": lambda ctx: call_command(ctx, build_cmd, onnx_path=final, profile_name=o["profile_name"],
@@ -277,7 +352,11 @@ def _bench_step(o: dict[str, Any], target: Path, dense: Path) -> dict[str, Any]:
     if o["bench_iterations"] is not None:
         given["iterations"] = o["bench_iterations"]
     settings = {"profile": profile.to_dict(), "iterations": o["bench_iterations"], "memory": "per model"}
-    return {"settings": settings, "inputs": [target, dense], "outputs": ["bench.json", "bench.md"],
+    cmd = ["edgeprune", "bench", str(target), "--vs", str(dense), "--device", o["profile_name"],
+           *(["--iterations", str(o["bench_iterations"])] if o["bench_iterations"] is not None else []),
+           "--json", str(out / "bench.json"), "--markdown", str(out / "bench.md")]
+    return {"settings": settings, "inputs": {target.name: target, dense.name: dense},
+            "outputs": ["bench.json", "bench.md"], "command": shlex.join(cmd),
             "what": f"bench {target.name} vs dense.onnx on {profile.name} ({profile.backend}, interleaved)",
             "run": lambda ctx: call_command(ctx, bench_cmd, **given)}
 

@@ -64,7 +64,8 @@ def heal_step(o: dict[str, Any], run: Path, healed: Path, listing: Callable[[Any
         call(ctx, heal_cmd, quiet=o["quiet"], **given)
         healed.with_name(healed.name + ".partial.json").unlink(missing_ok=True)
 
-    return {"settings": settings, "inputs": [run, listing(o["calib_dir"]), listing(o["eval_data"])],
+    return {"settings": settings,
+            "inputs": {f"{run.name}/": run, "--calib": listing(o["calib_dir"]), "--eval-data": listing(o["eval_data"])},
             "outputs": [healed.name], "run": run_heal,
             "what": f"heal {run.name}/ with STARFISH ({epochs} epochs, lr {lr:g}) to {healed.name}/"}
 

@@ -5,7 +5,10 @@ quality of the dense and the pruned model from the run's record (``OUT/run/run.j
 latency predicted by the table and measured by the prune (its ``latency_check``, a ``--latency``
 budget), the ONNX check (``OUT/verify.json``), the quantized model's top-1 / agreement with the
 float model and its size (``OUT/quantize.json``), the bench of the deployed vs the dense model
-(``OUT/bench.json``, ``bench.md``). Both files are written atomically, and only when they change.
+(``OUT/bench.json``, ``bench.md``). A deploy that stopped before ``build`` (no TensorRT here) lists
+the stages left to do on the device with the ``edgeprune build`` / ``bench`` line of each
+(``on_device``; the same lines deploy printed). Both files are written atomically, and only when
+they change.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def _memory(bench: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def report_data(out: Path, state: DeployState, o: dict[str, Any]) -> dict[str, Any]:
     """The content of ``report.json`` (see the module)."""
-    stages = [{"stage": n, **{k: e.get(k) for k in ("status", "what", "why", "seconds") if e.get(k) is not None},
+    keys = ("status", "what", "why", "redone", "command", "seconds")
+    stages = [{"stage": n, **{k: e.get(k) for k in keys if e.get(k) is not None},
                "outputs": sorted(e.get("outputs") or {})}
               for n, e in sorted(state.stages.items(), key=lambda item: STAGES.index(item[0]))]
     verify = _json(out / "verify.json")
@@ -95,6 +99,7 @@ def report_data(out: Path, state: DeployState, o: dict[str, Any]) -> dict[str, A
         "bench": None if bench is None else bench.get("results"),
         "memory": _memory(bench),
         "left": [s["stage"] for s in stages if s.get("status") == "pending"],
+        "on_device": [s["command"] for s in stages if s.get("status") == "pending" and s.get("command")],
     }
 
 
@@ -110,8 +115,9 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
              f"Budget: {budget}.", "", "| stage | status | seconds | what |",
              "|---|---|---|---|"]
     for s in data["stages"]:
+        what = (s.get("what") or s.get("why") or "") + (f" (redone: {s['redone']})" if s.get("redone") else "")
         lines.append(f"| {s['stage']} | {s.get('status')} | {_fmt(s.get('seconds'), digits=1)} | "
-                     f"{s.get('what') or s.get('why') or ''} |")
+                     f"{what.replace('|', '/')} |")
     t = data["table"]
     if t:
         lines += ["", "| model | params | GFLOPs | top-1 % | agreement % | predicted ms | measured ms |",
@@ -147,7 +153,10 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
     if (out / "bench.md").is_file():
         lines += ["", "## Bench (deployed vs dense)", "", (out / "bench.md").read_text(encoding="utf-8").strip()]
     if data["left"]:
-        lines += ["", f"Left to do on the device: {', '.join(data['left'])} (see the line deploy printed)."]
+        lines += ["", f"Left to do on the device: {', '.join(data['left'])}"
+                  + (". Run there:" if data.get("on_device") else ".")]
+        if data.get("on_device"):
+            lines += ["", "```", *data["on_device"], "```"]
     return "\n".join(lines) + "\n"
 
 
