@@ -15,7 +15,8 @@ import pytest
 from click.core import ParameterSource
 
 from edgeprune.cli.main import cli
-from edgeprune.cli.recipe import SECTIONS, _toml_value, recipe_params, recipe_text, section_of
+from edgeprune.cli.recipe import SECTIONS, recipe_params, recipe_text, section_of
+from edgeprune.cli.recipe_toml import toml_value as _toml_value
 from edgeprune.errors import UserError
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 

@@ -25,8 +25,10 @@ from typing import Any, Callable
 
 import click
 
+from edgeprune.data import fashion_mnist
 from edgeprune.data.sources import FolderSource, list_image_folder, subset
 from edgeprune.errors import UserError
+from edgeprune.zoo.entries import zoo_entry
 
 _CHUNK = 1 << 20
 
@@ -77,9 +79,6 @@ def _builtin_copy(cal: dict, spec: Any) -> str | None:
     """The model's built-in data folder when the run's (gone) calibration folder was a copy of it (the same
     content hash), else None. Only zoo models have built-in data (Fashion-MNIST for ``fmnist-vit`` and
     ``dinov2-s14-fmnist``); a timm model's folder is the user's own."""
-    from edgeprune.data import fashion_mnist
-    from edgeprune.zoo.entries import zoo_entry
-
     entry = zoo_entry(str(getattr(spec, "name", "")))
     if entry is None or entry.dataset != "Fashion-MNIST" or not cal.get("folder_sha256"):
         return None

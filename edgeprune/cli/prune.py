@@ -167,11 +167,7 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
 
     # 2. the work
     if main:
-        for msg in rounding_warnings(find_anatomy(dense), config):
-            click.echo(f"warning: {msg}", err=True)
-        used = api.work_device(config, device)
-        where = used if used == device else f"{used} (sequential calibration runs on the CPU)"
-        click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
+        _announce(dense, config, device, spec, calib)
     replay = replay_measurer(click.get_current_context(), click.echo if main else (lambda _line: None))
     t0 = time.perf_counter()
     result = api.prune(dense, calib, config, spec=spec, progress=not quiet, batch_size=batch_size, device=device,
@@ -194,6 +190,15 @@ def prune_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_
     for line in latency_lines:
         click.echo(line, err=line.startswith("warning"))
     click.echo(f"saved {out_path}")
+
+
+def _announce(dense, config, device: str, spec, calib) -> None:
+    """The warnings about rounding, then the line naming the model, the calibration data and the device."""
+    for msg in rounding_warnings(find_anatomy(dense), config):
+        click.echo(f"warning: {msg}", err=True)
+    used = api.work_device(config, device)
+    where = used if used == device else f"{used} (sequential calibration runs on the CPU)"
+    click.echo(f"model {spec.name}: calibration {calib.description}; device {where}")
 
 
 def _evaluate(spec, dense, pruned, ev, device: str, quiet: bool, rec: dict) -> tuple:

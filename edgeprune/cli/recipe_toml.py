@@ -1,0 +1,74 @@
+"""TOML values of recipe files (:mod:`edgeprune.cli.recipe`): how a value is written, how a message shows one, which
+values a recipe cannot hold; and the ``ctx.meta`` keys under which ``--config``'s file travels through a command."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+#: ``ctx.meta`` keys: the recipe file given with --config, the keys it set, and its ``[replay]`` measurements
+META_FILE = "edgeprune.recipe_file"
+META_KEYS = "edgeprune.recipe_keys"
+META_REPLAY = "edgeprune.recipe_replay"
+
+_BARE = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def toml_value(v: Any) -> str:
+    """One TOML value: a boolean, integer, finite float, string, list or inline table."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError(f"not a finite number: {v}")
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{toml_key(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(str(v), ensure_ascii=False)  # a TOML basic string (JSON's escapes are TOML's)
+
+
+def toml_key(k: str) -> str:
+    return k if _BARE.fullmatch(k) else json.dumps(k, ensure_ascii=False)
+
+
+def toml_plain(v: Any) -> bool:
+    """Whether ``v`` can be written as a TOML value (no None, no non-finite float)."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return False
+    if isinstance(v, (list, tuple)):
+        return all(toml_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(toml_plain(x) for x in v.values())
+    return isinstance(v, (bool, int, float, str))
+
+
+def non_finite(value: Any) -> bool:
+    """Whether a TOML value is, or holds (in a list or inline table), a float that is not finite."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return any(non_finite(v) for v in value)
+    if isinstance(value, dict):
+        return any(non_finite(v) for v in value.values())
+    return False
+
+
+def shown(value: Any) -> str:
+    """A recipe value as a message shows it: its TOML text, non-finite floats included (``nan``, ``inf``,
+    ``-inf``, TOML's own spelling); never raises (:func:`toml_value` refuses them: a recipe never holds one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(shown(x) for x in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_key(str(k))} = {shown(x)}" for k, x in value.items()) + "}"
+    return toml_value(value)
+
+
+__all__ = ["META_FILE", "META_KEYS", "META_REPLAY", "non_finite", "shown", "toml_key", "toml_plain", "toml_value"]
