@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from edgeprune.cli.deploy_report import report_data, report_markdown
@@ -27,6 +26,8 @@ from edgeprune.cli.deploy_state import DeployState, hash_paths, hash_settings
 from edgeprune.errors import UserError
 from runners.memory import memory_markdown, probe_memory
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
+from tests.test_deploy import _copy, _stages
+from tests.test_deploy_more import _matmul_onnx as _onnx
 
 FAST = ["--model", "fmnist-vit", "--calib-size", "32", "--eval-size", "64", "--bench-iterations", "2"]
 FP32 = FAST + ["--sparsity", "0.5", "--precision", "fp32", "--device", "cpu", "--no-bench"]
@@ -36,22 +37,12 @@ def _mtimes(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*"))}
 
 
-def _stages(folder: Path) -> dict:
-    return json.loads((folder / "stages.json").read_text())["stages"]
-
-
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("deploy52") / "out"
     r = run_cli(["deploy", *FP32, "--quiet", "-o", out])
     assert r.exit_code == 0, r.output
     return out
-
-
-def _copy(src: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "copy"
-    shutil.copytree(src, dst)  # copy2: the mtimes are kept
-    return dst
 
 
 # -- case 1: stages.json is checked like the other records -------------------------------------------------
@@ -399,24 +390,6 @@ def test_memory_table_puts_each_value_in_its_column():
     assert _cells(table, "B = dense.onnx") == {"model": "B = dense.onnx", "weights MiB": "-", "peak RSS MiB": "250.0",
                                                "RSS over the interpreter MiB": "10.0", "device peak MiB": "-"}
     assert _cells(table, "c")["device peak MiB"] == "- (the memory probe failed: boom)"
-
-
-def _onnx(path: Path, k: int, n: int, external: bool = False) -> Path:
-    """(B, 1, 1, k) @ W (k, n): one float32 constant, in the file or in ``<name>.data`` beside it."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((k, n), dtype=np.float32), "W")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "m",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 1, 1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 1, 1, n])], [w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
-    else:
-        onnx.save(model, path)
-    return path
 
 
 def test_memory_probe_measures_each_target_in_its_own_child(tmp_path):

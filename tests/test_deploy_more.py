@@ -124,8 +124,8 @@ def test_plot_is_skipped_in_one_line_without_matplotlib(healed, tmp_path, monkey
         tmp_path / "report.png").exists()
 
 
-def _matmul_onnx(path: Path, k: int, n: int) -> Path:
-    """(B, 1, 1, k) @ W (k, n) -> (B, 1, 1, n): a model whose weights are one k x n float32 constant."""
+def _matmul_onnx(path: Path, k: int, n: int, external: bool = False) -> Path:
+    """(B, 1, 1, k) @ W (k, n): one float32 constant, in the file or in ``<name>.data`` beside it."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -135,7 +135,10 @@ def _matmul_onnx(path: Path, k: int, n: int) -> Path:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 1, 1, n])], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    onnx.save(model, path)
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
+    else:
+        onnx.save(model, path)
     return path
 
 

@@ -193,10 +193,9 @@ def test_derive_takes_latency_budgets(tmp_path):
                                    "-o", str(tmp_path / "d")]), "latency table is for")
 
 
-def test_prune_latency_records_predicted_and_measured(tmp_path):
-    """A table of this CPU on onnxruntime: the pruned model is benched against the dense one
-    (interleaved) and the record holds predicted and measured latency; another device: not measured."""
-    pytest.importorskip("onnxruntime")
+def _measured_latency_prune(tmp_path):
+    """(dense, ``--latency 0.6`` prune result, report lines) of a small ViT on a table of this CPU (ONNX Runtime,
+    batch 2), its latency measured (3 pairs)."""
     from edgeprune.pruning.latency_check import cpu_name, record_latency_check
 
     model = small_vit()
@@ -205,7 +204,16 @@ def test_prune_latency_records_predicted_and_measured(tmp_path):
                        shape={"device_name": cpu_name()}, batch=2)
     res = edgeprune.prune(model, x, target="all", sparsity=None, latency=0.6, latency_table=table,
                           allocation_check_images=0)
-    lines = record_latency_check(res.record, model, res.model, (3, 16, 16), iterations=3, warmup=1)
+    return model, res, record_latency_check(res.record, model, res.model, (3, 16, 16), iterations=3, warmup=1)
+
+
+def test_prune_latency_records_predicted_and_measured(tmp_path):
+    """A table of this CPU on onnxruntime: the pruned model is benched against the dense one
+    (interleaved) and the record holds predicted and measured latency; another device: not measured."""
+    pytest.importorskip("onnxruntime")
+    from edgeprune.pruning.latency_check import record_latency_check
+
+    model, res, lines = _measured_latency_prune(tmp_path)
     chk = res.record["latency_check"]
     assert chk["measured"]["dense_ms"] > 0 and chk["measured"]["pruned_ms"] > 0 and chk["interleaved"]
     assert chk["predicted_ms"] <= chk["budget_ms"] and chk["backend"] == "onnxruntime"
@@ -223,18 +231,12 @@ def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load
     loaded machine, with the figures (the figures are planted: no verdict here depends on this machine's load)."""
     pytest.importorskip("onnxruntime")
     from edgeprune.latency import load
-    from edgeprune.pruning.latency_check import cpu_name, latency_report, record_latency_check
+    from edgeprune.pruning.latency_check import latency_report
 
     monkeypatch.setattr(load, "snapshot", lambda clock="wall": {"load_1m": load_1m, "load_5m": 1.0, "cores": cores,
                                                    "clock": clock})
     monkeypatch.setattr(load, "spread_of", lambda ms: 0.05)  # the dense model's own spread: quiet
-    model = small_vit()
-    x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(3))
-    table = make_table(tmp_path / "t.json", head_ms=0.05, dim_ms=0.01, mlp_ms=0.004,
-                       shape={"device_name": cpu_name()}, batch=2)
-    res = edgeprune.prune(model, x, target="all", sparsity=None, latency=0.6, latency_table=table,
-                          allocation_check_images=0)
-    lines = record_latency_check(res.record, model, res.model, (3, 16, 16), iterations=3, warmup=1)
+    model, res, lines = _measured_latency_prune(tmp_path)
     chk = res.record["latency_check"]
     got = chk["measured"]["load"]
     assert chk["measured"]["clock"] == "cpu" and got["before"]["clock"] == "cpu"  # one CPU thread: runners.clock
