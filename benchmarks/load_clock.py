@@ -36,6 +36,7 @@ from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.latency import load  # noqa: E402
 from edgeprune.surgery import apply_structure  # noqa: E402
 from exporters.onnx import export_onnx  # noqa: E402
+from runners.compare import ratio_stats  # noqa: E402
 
 
 def pruned_copy(model: torch.nn.Module, keep: float) -> torch.nn.Module:
@@ -68,11 +69,6 @@ def timed(sess, x: np.ndarray) -> tuple[float, float]:
     return (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
-
-
 def condition(dense, pruned, x: np.ndarray, pairs: int, warmup: int, busy: int) -> dict:
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
@@ -91,10 +87,10 @@ def condition(dense, pruned, x: np.ndarray, pairs: int, warmup: int, busy: int) 
     for i, clock in enumerate(("wall", "cpu")):
         a = [r[0][i] for r in runs]
         b = [r[1][i] for r in runs]
-        ratio = [bb / aa for aa, bb in zip(a, b)]
+        ratio = ratio_stats(b, a)  # pruned / dense per pair
         out[clock] = {"dense_p50_ms": statistics.median(a), "pruned_p50_ms": statistics.median(b),
-                      "ratio_median": statistics.median(ratio), "ratio_p10": pct(ratio, 0.1),
-                      "ratio_p90": pct(ratio, 0.9), "dense_spread": load.spread_of(a)}
+                      "ratio_median": ratio["median"], "ratio_p10": ratio["p10"], "ratio_p90": ratio["p90"],
+                      "dense_spread": load.spread_of(a)}
     return out
 
 

@@ -56,6 +56,11 @@ def temp_prefix(dest: Path) -> str:
 _TEMP = re.compile(r"\..+\.ep([0-9a-f]{8})-(\d+)\.[a-z0-9_]{8}\.[A-Za-z0-9]+")
 
 
+def is_temporary(name: str) -> bool:
+    """Whether a file or folder name is one of edgeprune's atomic-write temporaries (:func:`temp_prefix`)."""
+    return _TEMP.fullmatch(name) is not None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
-from edgeprune.atomic import atomic_write_text, temp_prefix
+from edgeprune.atomic import atomic_write_text, is_temporary, temp_prefix
 from edgeprune.errors import UserError
 from edgeprune.schema import Int, MapOf, Num, Obj, Req, SchemaError, Str, check, shown
 
@@ -36,10 +36,10 @@ STATE_FILE = "stages.json"
 #: the stages of a deploy, in order
 STAGES = ("prune", "heal", "export", "verify", "quantize", "build", "bench")
 _CHUNK = 1 << 20
-#: the names a deploy writes in OUT (besides stages.json), and the atomic writes' temporaries
+#: the names a deploy writes in OUT (besides stages.json; its atomic writes' temporaries: atomic.is_temporary)
 _DEPLOY_NAME = re.compile(r"run|healed|healed\.partial(\.json)?|verify\.json|quantize\.json|bench\.(json|md)"
                           r"|report\.(md|json|png)|(model|dense|model-(int8|fp16))\.onnx(\.data|\.recipe\.toml)?"
-                          r"|model\.engine(\.json)?|\..+\.ep[0-9a-f]{8}-\d+\..+")
+                          r"|model\.engine(\.json)?")
 
 
 def _hint(path: Path) -> str:
@@ -88,7 +88,7 @@ def is_deploy_folder(out: Path) -> bool:
         names = os.listdir(out)
     except OSError:
         return False
-    return (out / "run" / "run.json").is_file() and all(_DEPLOY_NAME.fullmatch(n) for n in names)
+    return (out / "run" / "run.json").is_file() and all(_DEPLOY_NAME.fullmatch(n) or is_temporary(n) for n in names)
 
 
 def _file_sha(path: Path, h: Any) -> None:

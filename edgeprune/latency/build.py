@@ -35,6 +35,7 @@ from edgeprune.latency import load, relative, selfcheck
 from edgeprune.latency.grid import Grid, check_token_counts, make_grid, shape_of
 from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
 from edgeprune.latency.relative import References
+from runners.clock import clock_for
 from edgeprune.latency.selfcheck import SelfCheckFailed, conclude, finish
 from edgeprune.latency.table import LatencyTable
 from edgeprune.latency.token_axis import TOKEN_KINDS, add_axis, counts_of, time_tokens
@@ -125,7 +126,7 @@ def settings_for(profile: Any, opts: BuildOptions, model: str = "M") -> tuple[Ti
                        max_seconds=opts.max_seconds, statistic=opts.statistic, clock=opts.clock,
                        repeats=opts.repeats, spread=opts.spread, retries=opts.retries)
     if s.clock == "auto":
-        s.clock = "cpu" if s.device == "cpu" and s.threads == 1 else "wall"
+        s.clock = clock_for(s.device, s.threads)
     _check_way(s)
     if s.iterations < 1 or s.warmup < 0:
         raise UserError(f"need --iterations >= 1 and --warmup >= 0, got {s.iterations}, {s.warmup}")

@@ -46,6 +46,13 @@ def snapshot(clock: str = CLOCK) -> dict[str, Any]:
             "load_5m": None if five is None else round(float(five), 2), "cores": usable_cores(), "clock": clock}
 
 
+def busiest(snapshots: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The snapshot with the highest 1-minute load average among ``snapshots`` (None entries skipped; one without a
+    load average counts as the lowest), or None when there is none."""
+    snaps = [s for s in snapshots if s]
+    return max(snaps, key=lambda s: -1.0 if s.get("load_1m") is None else s["load_1m"]) if snaps else None
+
+
 def spread_of(ms: Sequence[float]) -> float | None:
     """p90 / p10 - 1 of repeated timings of one model (None for fewer than 3): how far its own times scattered."""
     xs = sorted(float(x) for x in ms)
@@ -73,4 +80,4 @@ def drift(first_ms: float, again_ms: float) -> float:
     return float(again_ms) / float(first_ms) - 1.0
 
 
-__all__ = ["CLOCK", "SPREAD_BOUND", "drift", "loaded", "snapshot", "spread_of", "usable_cores"]
+__all__ = ["CLOCK", "SPREAD_BOUND", "busiest", "drift", "loaded", "snapshot", "spread_of", "usable_cores"]

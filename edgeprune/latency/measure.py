@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import platform
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,6 +41,7 @@ from exporters.onnx import export_onnx
 from exporters.ort_session import import_onnxruntime
 from exporters.tensorrt import build_engine, tensorrt_version
 from runners.base import Runner, summarize_latencies
+from runners.clock import CPU, ThreadClock
 from runners.onnxruntime_runner import OrtRunner
 from runners.tensorrt.runner import TrtRunner
 from runners.torch_runner import TorchRunner
@@ -181,11 +181,7 @@ def time_once(r: Runner, x: np.ndarray, s: TimingSettings) -> float:
     ``s.clock == "cpu"`` the CPU time of this thread around it (``time.thread_time``: a
     single-threaded CPU backend computes on the calling thread, so this is its compute time
     without the time other jobs held the core)."""
-    if s.clock == "cpu":
-        t0 = time.thread_time()
-        r.time_once(x)
-        return (time.thread_time() - t0) * 1000.0
-    return r.time_once(x)
+    return (ThreadClock(r) if s.clock == CPU else r).time_once(x)
 
 
 class Timer:

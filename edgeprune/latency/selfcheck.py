@@ -229,8 +229,7 @@ def load_cause(load_info: dict[str, Any] | None, tolerance: float) -> str | None
     if not load_info:
         return None
     drift = load_info.get("dense_drift")
-    snaps = [s for s in (load_info.get("start"), load_info.get("end")) if s]
-    busiest = max(snaps, key=lambda s: s.get("load_1m") or 0.0) if snaps else {}
+    busiest = load.busiest([load_info.get("start"), load_info.get("end")]) or {}
     figures = (f"load average {busiest['load_1m']:.1f} on {busiest['cores']} cores"
                if busiest.get("load_1m") is not None else "no load average on this platform")
     if drift is not None and abs(drift) > tolerance / 2:
@@ -356,12 +355,10 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
     if t.meta["complete"]:
         t.meta["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t.save(out)
-    if not t.meta["complete"] and check.get("cause") == "load":
-        raise SelfCheckFailed(f"latency table self-check failed: {check['failure']} ({out} is left incomplete: "
-                              "rerun the command when the machine is quieter, or add --force to keep it unverified)")
     if not t.meta["complete"]:
+        rerun = "when the machine is quieter" if check.get("cause") == "load" else "to time the check again"
         raise SelfCheckFailed(f"latency table self-check failed: {check['failure']} ({out} is left incomplete: "
-                              "rerun the command to time the check again, or add --force to keep it unverified)")
+                              f"rerun the command {rerun}, or add --force to keep it unverified)")
     return t
 
 

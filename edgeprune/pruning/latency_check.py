@@ -138,12 +138,11 @@ def measure_pair(dense: nn.Module, pruned: nn.Module, key: dict, input_shape, it
     per_pair = [b / max(a, 1e-12) for a, b in zip(res.latencies_a, res.latencies_b)]
     lo, hi = median_interval(per_pair)
     after, dense_spread = load.snapshot(clock), load.spread_of(res.latencies_a)
-    busiest = max((before, after), key=lambda s: -1.0 if s["load_1m"] is None else s["load_1m"])
     return {"dense_ms": float(res.a.latency_ms["p50"]), "pruned_ms": float(res.b.latency_ms["p50"]),
             "ratio": 1.0 / float(res.latency_ratio["median"]), "pairs": len(per_pair), "ratio_interval": [lo, hi],
             "stopped": why[0] if why else "pair limit", "clock": clock,
             "load": {"before": before, "after": after, "dense_spread": dense_spread,
-                     "loaded": load.loaded(busiest, dense_spread)}}
+                     "loaded": load.loaded(load.busiest([before, after]), dense_spread)}}
 
 
 def latency_check(alloc_latency: dict, measured: dict | None, reason: str | None = None) -> dict[str, Any]:
