@@ -545,7 +545,7 @@ def sized_table(t: LatencyTable, path: Path) -> Path:
                                full_attn * size(h * (q + u) / (2 * k["num_heads"] * k["head_dim"]))
                                for m, u in enumerate(v)] for j, q in enumerate(qk)] for i, h in enumerate(heads)]}
     sized = dataclasses.replace(t, mlp=mlp, attn=attn, block_overhead_ms=0.0, block_scale=1.0, block_points=None,
-                                meta={**t.meta, "sized_for_dry_run": True})
+                                block_surface=None, meta={**t.meta, "sized_for_dry_run": True})
     sized.dense_model_ms = sized.dense_ms()
     atomic_write_text(path, json.dumps(sized.to_dict()))
     LatencyTable.load(path)  # the same schema check as any table

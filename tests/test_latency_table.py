@@ -246,10 +246,12 @@ class _Counting:
     model_factor = 1.0
     dense_factor = 1.0
     square = 0.0  # a block inside a model also costs ``square`` x its compute squared (a curved in-model cost)
+    attn_inside = None  # inside a model the attention costs this x its compute (None: ``inside``, as the MLP)
 
     @classmethod
     def reset(cls, **kw) -> None:
         cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside, cls.square = [], None, 0.0, 0.0, 3.0, 0.0
+        cls.attn_inside = None
         cls.model_factor = cls.dense_factor = cls.inside = 1.0
         for k, v in kw.items():
             setattr(cls, k, v)
@@ -269,10 +271,12 @@ def _block_dims(blk) -> tuple[int, int, int, int]:
     return a.num_heads, getattr(a, "qk_dim", a.head_dim), getattr(a, "v_dim", a.head_dim), blk.mlp.fc1.out_features
 
 
-def _inside(compute: float) -> float:
-    """ms of a block inside a model (or a chain) whose two sub-blocks compute ``compute`` ms."""
+def _inside(compute: float, attn: float = 0.0) -> float:
+    """ms of a block inside a model (or a chain) whose two sub-blocks compute ``compute`` ms, ``attn`` ms of it the
+    attention's (priced at ``attn_inside`` where set)."""
     c = _Counting
-    return c.inside * compute + c.square * compute ** 2 + c.overhead
+    shift = 0.0 if c.attn_inside is None else (c.attn_inside - c.inside) * attn
+    return c.inside * compute + shift + c.square * compute ** 2 + c.overhead
 
 
 def _cost(module) -> tuple[tuple, float]:
@@ -289,12 +293,14 @@ def _cost(module) -> tuple[tuple, float]:
         return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim) + c.call
     if not hasattr(module, "blocks"):  # one whole block, or a chain of them
         chain = list(module) if isinstance(module, nn.Sequential) else [module]
-        ms = sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m)) for h, q, v, m in map(_block_dims, chain))
+        ms = sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m), _attn_cost(h, q, v))
+                 for h, q, v, m in map(_block_dims, chain))
         return (("chain", len(chain)) if len(chain) > 1 else ("block",)), ms + c.call
     dims = [_block_dims(b) for b in module.blocks]
     if not dims:
         return ("outside",), c.outside + c.call
-    ms = c.outside + c.call + sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m)) for h, q, v, m in dims)
+    ms = c.outside + c.call + sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m), _attn_cost(h, q, v))
+                                        for h, q, v, m in dims)
     dense = all(d == (3, 64, 64, 768) for d in dims)
     return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor)
 
@@ -385,9 +391,10 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     _Counting.calls, _Counting.fail_after = [], None
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
-    # the grid, the dense model, the model without blocks, the dense block, three chains, then 3 self-check models
-    # and the dense model once more (issue 52: how far the load moved it during the build)
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 6 + 3 + 1
+    # the grid, the dense model, the model without blocks, the dense block, nine chains (three uniform, six mixed: the
+    # in-model cost surface), then 3 self-check models and the dense model once more (issue 52: how far the load
+    # moved it during the build)
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 12 + 3 + 1
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
     assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5

@@ -22,7 +22,7 @@ from edgeprune.cli.recipe import output_recipe_path, write_recipe
 from edgeprune.errors import UserError
 from edgeprune.zoo.registry import MissingWeightsError
 from edgeprune.latency.grid import parse_token_counts
-from edgeprune.latency.build import PRECISIONS, BuildOptions, build_table, settings_for
+from edgeprune.latency.build import PRECISIONS, WHOLE, BuildOptions, build_table, settings_for
 from edgeprune.latency.measure import list_timers
 
 
@@ -104,8 +104,7 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
     write_recipe(click.get_current_context(), output_recipe_path(out_path))
     k = table.key
-    whole = ("model", "outside", "block", "chain", "chain_half", "chain_quarter")
-    n = (len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(bool(table.measured.get(w)) for w in whole)
+    n = (len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(bool(table.measured.get(w)) for w in WHOLE)
          + sum(len(table.measured.get(w, [])) for w in ("tokens_mlp", "tokens_attn")))
     click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
                f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "

@@ -36,6 +36,7 @@ from edgeprune.latency.grid import Grid, check_token_counts, make_grid, shape_of
 from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
 from edgeprune.latency.relative import References
 from runners.clock import clock_for
+from edgeprune.latency.schema import CHAIN_KINDS, WHOLE_KINDS
 from edgeprune.latency.selfcheck import SelfCheckFailed, conclude, finish
 from edgeprune.latency.table import LatencyTable
 from edgeprune.latency.token_axis import TOKEN_KINDS, add_axis, counts_of, time_tokens
@@ -153,7 +154,7 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
         fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
         measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
-                  "chain": False, "chain_half": False, "chain_quarter": False},
+                  **{kind: False for kind in CHAIN_KINDS}},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
@@ -218,7 +219,7 @@ def _check_failed(t: LatencyTable) -> bool:
 
 #: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block,
 #: a chain of dense blocks
-WHOLE = ("model", "outside", "block", "chain", "chain_half", "chain_quarter")
+WHOLE = WHOLE_KINDS
 
 
 def _entries(grid: Grid) -> list[tuple[str, tuple[int, ...]]]:
@@ -250,7 +251,7 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
         return attn_subblock(anatomy.blocks[0], D, *dims), (batch, T, D)
     if kind == "block":
         return copy.deepcopy(anatomy.blocks[0].block).eval(), (batch, T, D)
-    if kind == "chain" or kind in selfcheck.FIT_FRACTIONS:
+    if kind in CHAIN_KINDS:
         return selfcheck.model_blocks(anatomy, selfcheck.chain_dims(t, kind)), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image

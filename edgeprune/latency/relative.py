@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from edgeprune.latency.measure import (Sample, TimingSettings, Timer, attn_subblock, groups, mlp_subblock, spread,
                                        time_once, timed_runs)
+from edgeprune.latency.schema import WHOLE_KINDS
 from edgeprune.latency.table import LatencyTable
 from runners.base import summarize_latencies
 
@@ -142,7 +143,7 @@ def record(t: LatencyTable, kind: str, dims: tuple[int, ...], ratio: float, ref_
     """Store one entry's ratio (and its reference time) in ``t.meta["relative"]``."""
     rel = t.meta.setdefault("relative", {"mlp": {}, "attn": {}, "model": None,
                                          "reference_ms": {"mlp": [], "attn": []}})
-    if kind in ("model", "outside", "block", "chain", "chain_half", "chain_quarter"):
+    if kind in WHOLE_KINDS:
         rel[kind] = ratio
     else:
         rel[kind][",".join(map(str, dims))] = ratio
@@ -166,7 +167,7 @@ def apply(t: LatencyTable) -> None:
         both = ref["attn"] + ref["mlp"]
         if rel.get("model") is not None:
             t.dense_model_ms = rel["model"] * both
-        for kind in ("outside", "block", "chain", "chain_half", "chain_quarter"):
+        for kind in WHOLE_KINDS[1:]:
             if rel.get(kind) is not None:
                 t.meta.setdefault("parts", {})[f"{kind}_ms"] = rel[kind] * both
     t.meta["reference_ms"] = ref

@@ -25,9 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 from edgeprune.errors import UserError
+from edgeprune.latency import surface
+from edgeprune.latency.surface import MIXED
 from edgeprune.schema import Bool, Int, ListOf, MapOf, Num, Obj, Req, SchemaError, Str, check
 
-__all__ = ["ADD_UP_TOLERANCE", "TABLE_SCHEMA", "check_adds_up", "check_table", "DAMAGED_HINT"]
+__all__ = ["ADD_UP_TOLERANCE", "CHAIN_KINDS", "WHOLE_KINDS", "TABLE_SCHEMA", "check_adds_up", "check_table",
+           "DAMAGED_HINT"]
 
 #: how far (relative) a table's parts may be from the whole dense model, and a self-check's
 #: prediction from its measurement
@@ -36,6 +39,13 @@ ADD_UP_TOLERANCE = 0.05
 #: what to do about a damaged table (the message's parentheses)
 DAMAGED_HINT = ("a damaged or hand-edited table: rebuild it with edgeprune latency-table --model M --device PROFILE "
                 "-o FILE --force")
+
+#: the block chains a table times (:mod:`edgeprune.latency.selfcheck`): the dense one, the uniformly cut ones
+#: (half and quarter dims) and the mixed ones of the in-model cost surface (:mod:`edgeprune.latency.surface`)
+CHAIN_KINDS = ("chain", "chain_half", "chain_quarter", *MIXED)
+
+#: the entries a table times whole besides its grid: the dense model, the model without blocks, one block, the chains
+WHOLE_KINDS = ("model", "outside", "block", *CHAIN_KINDS)
 
 _POS = Int(min=1)
 _MS = Num(gt=0, nullable=True, want="a positive finite time in ms")
@@ -59,8 +69,7 @@ _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, n
 
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
                  "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
-                 "chain": Num(gt=0, nullable=True), "chain_half": Num(gt=0, nullable=True),
-                 "chain_quarter": Num(gt=0, nullable=True),
+                 **{k: Num(gt=0, nullable=True) for k in CHAIN_KINDS},
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
 _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
@@ -69,7 +78,8 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
               "per_block_ms": Num(gt=0), "per_block_half_ms": Num(gt=0), "half_dims": MapOf(Int(min=1)),
               "chain_quarter_ms": Num(gt=0, nullable=True), "sub_blocks_quarter_ms": Num(gt=0),
               "per_block_quarter_ms": Num(), "quarter_dims": MapOf(Int(min=1)),
-              "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True))})
+              "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True)),
+              **{f"{k}_ms": Num(gt=0, nullable=True) for k in MIXED}, "surface": Str()})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1)),
@@ -89,8 +99,7 @@ _META = Obj({"complete": Bool(), "settings": _SETTINGS, "relative": _RELATIVE, "
              "load": Obj({"start": _LOAD})})
 
 _MEASURED = Obj({"mlp": ListOf(Int(min=0)), "attn": ListOf(ListOf(Int(min=0), min_len=3, max_len=3)),
-                 "model": Bool(), "outside": Bool(), "block": Bool(), "chain": Bool(),
-                 "chain_half": Bool(), "chain_quarter": Bool(), "tokens_mlp": ListOf(Int(min=1)),
+                 **{k: Bool() for k in WHOLE_KINDS}, "tokens_mlp": ListOf(Int(min=1)),
                  "tokens_attn": ListOf(Int(min=1)), "tokens_merge": ListOf(Int(min=1))})
 
 #: the token axis (``latency-table --tokens``): counts ascending, ending at key.tokens; a time ratio per count
@@ -179,7 +188,7 @@ def _times_present(d: dict, complete: bool) -> None:
         if name in d and d[name] is None:
             raise _fail(name, "is null in a complete table")
     parts = d.get("meta", {}).get("parts") or {}
-    for kind in ("outside", "block", "chain", "chain_half", "chain_quarter"):
+    for kind in WHOLE_KINDS[1:]:
         if measured.get(kind) and parts.get(f"{kind}_ms") is None:
             raise _fail(f"meta.parts.{kind}_ms", f"is missing or null, but measured.{kind} says it was measured")
 
@@ -196,6 +205,9 @@ TABLE_SCHEMA = Obj({
     "block_overhead_ms": Num(nullable=True, want="a finite time in ms (negative: a call the block saves)"),
     "block_scale": Num(gt=0, nullable=True),
     "block_points": ListOf(ListOf(Num(gt=0), min_len=2, max_len=2), min_len=2, nullable=True),
+    "block_surface": Obj({"mlp_ms": Req(ListOf(Num(gt=0), min_len=2, increasing=True)),
+                          "attn_ms": Req(ListOf(Num(gt=0), min_len=2, increasing=True)),
+                          "ms": Req(ListOf(ListOf(Num(gt=0), min_len=2), min_len=2))}, nullable=True),
     "tokens": _TOKENS,
     "measured": _MEASURED,
     "meta": _META,
@@ -248,13 +260,16 @@ def check_adds_up(t: Any) -> None:
         if block is None or not dims:
             continue
         line = scale * t.block_ms(dims) + over
-        for field, got in (("block_points", t.block_total(dims)), ("block_overhead_ms", line)):
+        points = surface.through(t.block_points, t.block_ms(dims)) if t.block_points else line
+        for field, got in (("block_points", points), ("block_overhead_ms", line)):
             if pb == "per_block_quarter_ms" and field == "block_overhead_ms":
                 continue  # the line runs through the dense and the half point only
             if abs(block - got) > tol * block:
                 raise _fail(field, f"is {over:.4g} ms with block_scale {scale:.4g} and block_points "
                             f"{t.block_points}: they give {got:.4g} ms per block at {dims}, but meta.parts.{pb} is "
                             f"{block:.4g} ms")
+    if t.block_surface and parts:
+        _check_surface(t, parts, tol)
     if parts is not None and parts.get("outside_ms") is not None and (
             abs(float(t.fixed_ms) - parts["outside_ms"]) > tol * parts["outside_ms"]):
         raise _fail("fixed_ms", f"is {t.fixed_ms:.4g} ms, but the model without its blocks was timed at "
@@ -279,3 +294,39 @@ def check_adds_up(t: Any) -> None:
             raise _fail(field, f"({m['name']}) is predicted {pred:.4g} ms, measured {m['measured_ms']:.4g} ms "
                         f"({_pct(miss)}), beyond the tolerance {100 * chk['tolerance']:.0f}%, but "
                         "meta.self_check.passed is true")
+
+
+def _check_surface(t: Any, parts: dict, tol: float) -> None:
+    """The surface's knots are the grid's times at the levels' dims (``meta.parts.<level>_dims``) and its cells the
+    chains' per-block costs (``(meta.parts.<chain>_ms - call) / chain_blocks``, the call ``block_ms -
+    per_block_ms``), each within ``tol``.
+
+    Raises:
+        SchemaError: ``block_surface``, naming the knot or the cell that does not follow.
+    """
+    sf = t.block_surface
+    if len(sf["ms"]) != len(sf["mlp_ms"]) or any(len(row) != len(sf["attn_ms"]) for row in sf["ms"]):
+        raise _fail("block_surface", "ms must hold one row per mlp_ms knot and one cell per attn_ms knot")
+    dims = {name: parts.get(f"{name}_dims") or t.dense_dims() for name, _f in surface.LEVELS}
+    at = {"mlp_ms": {n: t.mlp_ms(d["mlp"]) for n, d in dims.items()},
+          "attn_ms": {n: t.attn_ms(d["heads"], d["qk"], d["v"]) for n, d in dims.items()}}
+    names: dict[str, list[str]] = {}
+    for axis, times in at.items():
+        names[axis] = []
+        for k in sf[axis]:
+            level = next((n for n, x in times.items() if abs(x - k) <= tol * x), None)
+            if level is None:
+                raise _fail("block_surface", f"{axis} knot {k:.4g} ms is none of the grid's times at the quarter, "
+                            f"half and dense dims ({', '.join(f'{x:.4g}' for x in times.values())} ms)")
+            names[axis].append(level)
+    n, block, per = parts.get("chain_blocks"), parts.get("block_ms"), parts.get("per_block_ms")
+    if not n or block is None or per is None:
+        return
+    call = float(block) - float(per)
+    for i, nm in enumerate(names["mlp_ms"]):
+        for j, na in enumerate(names["attn_ms"]):
+            ms = parts.get(f"{surface.chain_kind(nm, na)}_ms")
+            want = None if ms is None else (float(ms) - call) / n
+            if want is not None and abs(sf["ms"][i][j] - want) > tol * abs(want):
+                raise _fail("block_surface", f"cell [{i}][{j}] (MLP {nm}, attention {na}) is {sf['ms'][i][j]:.4g} ms, "
+                            f"but the chain {surface.chain_kind(nm, na)} gives {want:.4g} ms per block")

@@ -12,7 +12,11 @@ block_overhead_ms)``. Its parts are timed directly, not by subtraction:
   pays it once; inside the model the blocks do not) cancels in the difference;
 * ``chain_half`` and ``chain_quarter``: the blocks of models of about half and a quarter of the dense dims
   (:func:`fraction_dims`), in sequence: a block of those dims inside a model costs ``(chain_x - call) /
-  chain_blocks``, with the call ``block - per_block_ms``.
+  chain_blocks``, with the call ``block - per_block_ms``;
+* the six mixed chains (:data:`edgeprune.latency.surface.MIXED`: the MLP of one of those levels beside the attention
+  of another): with the three above, the nine points of the in-model cost surface over the two sub-blocks apart
+  (``block_surface``, :mod:`edgeprune.latency.surface`; issue 52: a block cut in a mix of its own -- full MLP,
+  narrow heads -- costs what such blocks cost in a model, not what the sum's map of uniform blocks says).
 
 A block inside a model does not cost what its two sub-blocks cost timed apart (each paid a call;
 measured on a shared 2-core CPU it was also cheaper in proportion to its size): the three per-block
@@ -42,8 +46,8 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault
-from edgeprune.latency import load
-from edgeprune.latency.schema import ADD_UP_TOLERANCE
+from edgeprune.latency import load, surface
+from edgeprune.latency.schema import ADD_UP_TOLERANCE, CHAIN_KINDS
 from edgeprune.surgery import apply_structure, backbone_vit
 from edgeprune.tokens.apply import apply_token_merge
 from edgeprune.tokens.merge import split_sizes
@@ -91,8 +95,14 @@ def half_dims(t: Any) -> dict[str, int]:
 
 def chain_dims(t: Any, kind: str) -> dict[str, int] | None:
     """The block dims of a chain entry: None (dense) for ``chain``, :func:`fraction_dims` of
-    :data:`FIT_FRACTIONS` for the others."""
-    return None if kind == "chain" else fraction_dims(t, FIT_FRACTIONS[kind])
+    :data:`FIT_FRACTIONS` for the uniform ones, and for a mixed one (:data:`edgeprune.latency.surface.MIXED`) the
+    attention of one fraction beside the MLP width of the other."""
+    if kind == "chain":
+        return None
+    if kind in surface.MIXED:
+        fm, fa = surface.MIXED[kind]
+        return {**fraction_dims(t, fa), "mlp": fraction_dims(t, fm)["mlp"]}
+    return fraction_dims(t, FIT_FRACTIONS[kind])
 
 
 def model_blocks(anatomy: Any, dims: dict[str, int] | None = None) -> nn.Module:
@@ -281,7 +291,7 @@ class SelfCheckFailed(RuntimeFault):
 def _retime(t: Any, problem: str) -> RuntimeFault:
     """Mark the block entries unmeasured (a rerun or :func:`~edgeprune.latency.build` times them again) and say
     why."""
-    for kind in ("block", "chain", *FIT_FRACTIONS):
+    for kind in ("block", *CHAIN_KINDS):
         t.measured[kind] = False
     return RuntimeFault(f"latency table: {problem}: the machine's load changed too much between them (rerun the "
                         "command: it times them again)")
@@ -336,9 +346,33 @@ def finish(t: Any, keep_disordered: bool = False) -> Any:
     t.block_scale = (y1 - y0) / (x1 - x0) if x1 > x0 else 1.0  # the line through the dense and the half point
     t.block_overhead_ms = y1 - t.block_scale * x1
     t.block_points = [[float(x), float(y)] for x, y in sorted(points)] if len(points) > 1 else None
+    t.block_surface = _surface(t, parts, call, n)
     t.fixed_ms = float(parts["outside_ms"])
     t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
     return t
+
+
+def _surface(t: Any, parts: dict[str, Any], call: float, n: int) -> dict[str, Any] | None:
+    """The in-model cost surface (:func:`edgeprune.latency.surface.fit`) of the nine chains, a block of them
+    costing ``(chain - call) / n``; None (``parts["surface"]`` says why) where a chain is not measured (a table
+    built before the surface) or the fit refuses."""
+    cells, knots_m, knots_a = {}, [], []
+    if parts.get("left_out"):
+        parts["surface"] = "not fitted: chains left out (--force)"
+        return None
+    for i, (level_m, fm) in enumerate(surface.LEVELS):
+        d = fraction_dims(t, fm)
+        knots_m.append(t.mlp_ms(d["mlp"]))
+        knots_a.append(t.attn_ms(d["heads"], d["qk"], d["v"]))
+        for j, (level_a, _fa) in enumerate(surface.LEVELS):
+            ms = parts.get(f"{surface.chain_kind(level_m, level_a)}_ms")
+            if ms is None:
+                parts["surface"] = "not fitted: the mixed chains were not timed"
+                return None
+            cells[(i, j)] = (float(ms) - call) / n
+    fitted, why = surface.fit(knots_m, knots_a, cells)
+    parts["surface"] = "fitted" if fitted else f"not fitted: {why}"
+    return fitted
 
 
 def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
@@ -362,6 +396,6 @@ def conclude(t: Any, check: dict, force: bool, out: Path) -> Any:
     return t
 
 
-__all__ = ["SelfCheckFailed", "conclude", "finish", "FRACTIONS", "FIT_FRACTIONS", "allocations", "chain_dims",
-           "chain_length", "fraction_dims", "half_dims", "model_blocks", "outside_model", "pruned_model", "run_check",
-           "verdict"]
+__all__ = ["CHAIN_KINDS", "SelfCheckFailed", "conclude", "finish", "FRACTIONS", "FIT_FRACTIONS", "allocations",
+           "chain_dims", "chain_length", "fraction_dims", "half_dims", "model_blocks", "outside_model", "pruned_model",
+           "run_check", "verdict"]

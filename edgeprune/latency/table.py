@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
+from edgeprune.latency import surface
 from edgeprune.latency.schema import DAMAGED_HINT, check_adds_up, check_table
 from edgeprune.schema import SchemaError
 
@@ -109,6 +110,9 @@ class LatencyTable:
             a quarter, half and all of the dense dims (:mod:`edgeprune.latency.selfcheck`); where
             present, :meth:`block_total` is piecewise-linear through them (extended by the end
             segments) instead of the one line of ``block_scale`` / ``block_overhead_ms``.
+        block_surface: the in-model block cost over the MLP's and the attention's sub-block times apart
+            (:mod:`edgeprune.latency.surface`: nine chains, the uniform ones and six mixed); where present,
+            :meth:`block_total` reads it instead of ``block_points`` (None: a table built before it).
         tokens: the token axis (``latency-table --tokens``; None: none, the blocks timed at ``key["tokens"]`` only):
             ``{"counts": [N_1 < ... < key.tokens], "mlp": [f], "attn": [f], "merge": [g]}``, f the time of the
             dense MLP (attention) sub-block at that count over its time at ``key["tokens"]`` (1 at the last count);
@@ -129,6 +133,7 @@ class LatencyTable:
     block_scale: float = 1.0
     block_points: list | None = None
     tokens: dict | None = None
+    block_surface: dict | None = None
 
     # -- prediction -------------------------------------------------------------------------
     def mlp_ms(self, width: int) -> float:
@@ -175,18 +180,21 @@ class LatencyTable:
             UserError: a dim outside the grid's range (or qk != v where only qk == v was measured), a token count
                 outside the token axis (or no axis).
         """
+        mlp, attn, extra = self._parts(dims, tokens, mlp_tokens)
+        return mlp + attn + extra
+
+    def _parts(self, dims: dict[str, int], tokens: int | None, mlp_tokens: int | None) -> tuple[float, float, float]:
+        """(MLP ms, attention ms, merge extra ms) of one block as :meth:`block_ms` adds them."""
         k = self.key
-        mlp = dims.get("mlp", k["mlp_hidden"])
-        heads = dims.get("heads", k["num_heads"])
-        qk = dims.get("qk", k["head_dim"])
-        v = dims.get("v", k["head_dim"])
+        mlp = self.mlp_ms(dims.get("mlp", k["mlp_hidden"]))
+        attn = self.attn_ms(dims.get("heads", k["num_heads"]), dims.get("qk", k["head_dim"]),
+                            dims.get("v", k["head_dim"]))
         if tokens is None and mlp_tokens is None:
-            return self.mlp_ms(mlp) + self.attn_ms(heads, qk, v)
+            return mlp, attn, 0.0
         n = k["tokens"] if tokens is None else tokens
         nm = n if mlp_tokens is None else mlp_tokens
-        ms = self.mlp_ms(mlp) * self.token_factor("mlp", nm) + self.attn_ms(heads, qk, v) * self.token_factor(
-            "attn", n)
-        return ms + self.merge_extra_ms(n) if nm < n else ms
+        return (mlp * self.token_factor("mlp", nm), attn * self.token_factor("attn", n),
+                self.merge_extra_ms(n) if nm < n else 0.0)
 
     def merge_extra_ms(self, n: int) -> float:
         """What a block that merges tokens at ``n`` tokens costs beyond a plain one (proportional attention and the
@@ -230,10 +238,14 @@ class LatencyTable:
         """Predicted ms of one block of ``dims`` inside a model: piecewise-linear in ``block_ms(dims)`` through
         ``block_points`` where the table has them, else ``block_scale x block_ms(dims) + block_overhead_ms``
         (``block_ms`` itself for a table without those terms); ``tokens`` / ``mlp_tokens`` as :meth:`block_ms`
-        (the in-model terms are applied to the sub-blocks' sum at those counts)."""
+        (the in-model terms are applied to the sub-blocks' sum at those counts); ``block_surface`` first where the
+        table has it (:func:`edgeprune.latency.surface.cost_at` of the MLP and the attention with its merge extra)."""
+        if self.block_surface:
+            mlp, attn, extra = self._parts(dims, tokens, mlp_tokens)
+            return surface.cost_at(self.block_surface, mlp, attn + extra)
         ms = self.block_ms(dims, tokens, mlp_tokens)
         if self.block_points:
-            return _through(self.block_points, ms)
+            return surface.through(self.block_points, ms)
         scale, over = float(self.block_scale), float(self.block_overhead_ms)
         return ms if scale == 1.0 and over == 0.0 else scale * ms + over
 
@@ -292,6 +304,8 @@ class LatencyTable:
         d["fixed_ms"], d["dense_model_ms"] = _num_out(self.fixed_ms), _num_out(self.dense_model_ms)
         d["block_overhead_ms"] = _num_out(self.block_overhead_ms)  # None: not measured yet (a build in progress)
         d["block_scale"] = _num_out(self.block_scale)
+        if self.block_surface is None:
+            del d["block_surface"]  # a table without the surface is written as before
         if self.tokens is None:
             del d["tokens"]  # a table without the token axis is written as before
         else:
@@ -361,23 +375,6 @@ class LatencyTable:
             raise UserError(f"{label} is incomplete: its build was interrupted (rerun the same "
                             "edgeprune latency-table command to resume it)")
         return table
-
-
-#: below the smallest point, a block costs at least this share of the smallest point's per-block cost scaled by
-#: its sub-block sum (:func:`_through`)
-FLOOR_SHARE = 0.1
-
-
-def _through(points: Sequence[Sequence[float]], x: float) -> float:
-    """``y(x)`` piecewise-linear through ``points`` (``[[x, y], ...]`` ascending in x, at least 2), extended by the
-    first and the last segment; below the first point never under ``FLOOR_SHARE x y_first x / x_first`` (a steep
-    first segment -- chains timed under a load that moved -- would otherwise price small blocks at 0 or less: a
-    self-check model of a tiny table was predicted at -1.4 ms, and the table then refused to load)."""
-    i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    y = float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-    first_x, first_y = points[0]
-    return max(y, FLOOR_SHARE * first_y * x / first_x) if x < first_x and first_x > 0 else y
 
 
 def _num_out(x: Any) -> float | None:
