@@ -23,7 +23,11 @@ _install_torchvision_hook()
 _LAZY = {"PruneResult": "edgeprune.api", "prune": "edgeprune.api", "structure_summary": "edgeprune.api",
          "load_run": "edgeprune.artifact", "save_run": "edgeprune.artifact", "CorpConfig": "edgeprune.corp",
          "UserError": "edgeprune.errors", "RuntimeFault": "edgeprune.errors",
-         "ModelSpec": "edgeprune.zoo.registry", "get_model_spec": "edgeprune.zoo.registry"}
+         "ModelSpec": "edgeprune.zoo.registry", "get_model_spec": "edgeprune.zoo.registry",
+         "deploy": "edgeprune.deploy", "DeployResult": "edgeprune.deploy", "export": "edgeprune.jobs.export",
+         "verify": "edgeprune.jobs.verify", "quantize": "edgeprune.jobs.quantize", "build": "edgeprune.jobs.build",
+         "bench": "edgeprune.jobs.bench", "prune_run": "edgeprune.jobs.prune_run",
+         "heal_run": "edgeprune.jobs.heal_run"}
 
 
 def __getattr__(name: str) -> object:
@@ -44,4 +48,5 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["CorpConfig", "PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
-           "RuntimeFault", "ModelSpec", "get_model_spec", "__version__"]
+           "RuntimeFault", "ModelSpec", "get_model_spec", "deploy", "DeployResult", "export", "verify", "quantize",
+           "build", "bench", "prune_run", "heal_run", "__version__"]

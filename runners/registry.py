@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.registry import Registry
 from exporters.tensorrt_settings import onnx_precision, require_quantized
 from runners.base import Runner
 
@@ -151,7 +152,8 @@ class Backend:
                            random_init=cfg.random_init, cuda_graphs=cfg.cuda_graphs)
 
 
-BACKENDS: dict[str, Backend] = {}
+#: backend name -> the registered instance (a name registers once: a duplicate is a ValueError)
+BACKENDS: Registry[Backend] = Registry("backend")
 B = TypeVar("B", bound=type[Backend])
 
 
@@ -163,11 +165,8 @@ def register_backend(name: str) -> Callable[[B], B]:
     """
 
     def deco(cls: B) -> B:
-        if name in BACKENDS:
-            raise ValueError(f"backend {name!r} is already registered")
-        backend = cls()
+        backend = BACKENDS.register(name, cls())
         backend.name = name
-        BACKENDS[name] = backend
         return cls
 
     return deco
@@ -182,12 +181,9 @@ def get_backend(name: str) -> Backend:
     """The registered backend ``name``.
 
     Raises:
-        UserError: unknown name (lists the known ones).
+        UserError: unknown name; one line listing the known ones.
     """
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        raise UserError(f"unknown backend {name!r} (known: {', '.join(backend_names())})") from None
+    return BACKENDS.get(name)
 
 
 def runner_class(name: str) -> type[Runner]:

@@ -152,11 +152,12 @@ def test_params_cost_of_a_block_counts_its_weights(tiny_anatomy):
 def test_cost_model_registry(tiny_anatomy):
     assert isinstance(Budget("flops", 0.5).cost_model(tiny_anatomy), FlopsCost)
     assert isinstance(Budget("params", 0.5).cost_model(tiny_anatomy), ParamsCost)
-    latency = C.COST_MODELS.pop("latency")  # registered by edgeprune.budget.latency (issue 30)
+    latency = C.get_cost_model("latency")  # registered by edgeprune.budget.latency (issue 30)
+    C.unregister_cost_model("latency")
     try:
         _registry_without_latency(tiny_anatomy)
     finally:
-        C.COST_MODELS["latency"] = latency
+        C.register_cost_model("latency", latency)
 
 
 def _registry_without_latency(tiny_anatomy):
@@ -174,7 +175,7 @@ def _registry_without_latency(tiny_anatomy):
         assert isinstance(b.cost_model(tiny_anatomy), Toy) and made == [tiny_anatomy] and Toy.name == "latency"
         assert b.cost_model(tiny_anatomy) is b.cost_model(tiny_anatomy) and made == [tiny_anatomy]  # built once
     finally:
-        del C.COST_MODELS["latency"]
+        C.unregister_cost_model("latency")
 
 
 # ---- error curves ------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_a_backend_registered_in_the_test_is_benched_and_reported(work, monkeypa
     the registry, not a chain of backend names, for the runner and for what the backend refuses."""
     from runners import registry
 
-    monkeypatch.setattr(registry, "BACKENDS", dict(registry.BACKENDS))
+    monkeypatch.setattr(registry, "BACKENDS", registry.BACKENDS.copy())
 
     @registry.register_backend("toy")
     class ToyBackend(registry.Backend):

@@ -256,12 +256,12 @@ def test_oserror_of_a_command_is_one_line(tmp_path, capsys, monkeypatch):
     """Any write failure that reaches the handler: ``cannot write <path>: <reason>``, exit 1."""
     import errno
 
-    import edgeprune.cli.options
+    import edgeprune.jobs.models
 
     def boom(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x")
 
-    monkeypatch.setattr(edgeprune.cli.options, "load_run_or_model", boom)
+    monkeypatch.setattr(edgeprune.jobs.models, "load_run_or_model", boom)
     code, _, err = run(["info", str(tmp_path)], capsys)
     assert code == 1
     assert_one_line_error(code, err, "cannot write /mnt/ro/x: Read-only file system (free space")
@@ -269,12 +269,12 @@ def test_oserror_of_a_command_is_one_line(tmp_path, capsys, monkeypatch):
 
 def test_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
     """An unexpected exception is a bug, not a user error: the handler does not hide it."""
-    import edgeprune.cli.options
+    import edgeprune.jobs.models
 
     def bug(*a, **k):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(edgeprune.cli.options, "load_run_or_model", bug)
+    monkeypatch.setattr(edgeprune.jobs.models, "load_run_or_model", bug)
     with pytest.raises(ZeroDivisionError):
         main(["info", str(tmp_path)])
 
@@ -433,12 +433,12 @@ def test_v_and_head_options_reach_the_config(tmp_path, capsys):
 def test_safetensors_io_error_is_one_line(tmp_path, capsys, monkeypatch):
     import safetensors
 
-    import edgeprune.cli.options
+    import edgeprune.jobs.models
 
     def full(*a, **k):
         raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
-    monkeypatch.setattr(edgeprune.cli.options, "load_run_or_model", full)
+    monkeypatch.setattr(edgeprune.jobs.models, "load_run_or_model", full)
     code, _, err = run(["info", str(tmp_path)], capsys)
     assert code == 1
     assert_one_line_error(code, err, "safetensors file I/O failed: Error while serializing")

@@ -13,7 +13,6 @@ import os
 import shutil
 from pathlib import Path
 
-import click
 import pytest
 
 from edgeprune.artifact import read_record
@@ -111,21 +110,21 @@ def test_changed_precision_redoes_quantize_and_after_only(deployed, tmp_path):
 @needs_fmnist
 def test_interrupted_deploy_resumes(deployed, tmp_path, monkeypatch):
     """Ctrl-C in the bench stage (after a redone quantize): exit 130; the rerun reuses quantize."""
-    import edgeprune.cli.deploy_cmd as deploy_mod
+    import edgeprune.deploy.plan as deploy_mod
 
     out = _copy(deployed, tmp_path)
     args = [a if a != "int8" else "fp16" for a in CPU_INT8]
-    real = deploy_mod.bench_cmd
+    real = deploy_mod.bench
 
-    def interrupt(**kwargs):
+    def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(deploy_mod, "bench_cmd", click.Command("bench", params=real.params, callback=interrupt))
+    monkeypatch.setattr(deploy_mod, "bench", interrupt)
     r = run_cli(["deploy", *args, "-o", out])
     assert r.exit_code == 130 and "interrupted" in r.stderr
     quantized = _stages(out)["quantize"]
     assert quantized["status"] == "done" and (out / "model-fp16.onnx").is_file()
-    monkeypatch.setattr(deploy_mod, "bench_cmd", real)
+    monkeypatch.setattr(deploy_mod, "bench", real)
     r = run_cli(["deploy", *args, "-o", out])
     assert r.exit_code == 0, r.output
     assert "== quantize: unchanged, reused" in r.stdout and "== bench: bench" in r.stdout

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgeprune.cli.deploy_report import report_data, report_markdown
-from edgeprune.cli.deploy_state import DeployState, hash_paths, hash_settings
+from edgeprune.deploy.report import report_data, report_markdown
+from edgeprune.deploy.state import DeployState, hash_paths, hash_settings
 from edgeprune.errors import UserError
 from runners.memory import memory_markdown, probe_memory
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
@@ -112,7 +112,7 @@ def test_following_the_advice_for_a_damaged_stages_json_gives_a_deploy_that_runs
 
 
 def test_a_folder_without_stages_json_is_a_deploys_only_by_its_files(tmp_path):
-    from edgeprune.cli.deploy_state import is_deploy_folder
+    from edgeprune.deploy.state import is_deploy_folder
 
     d = tmp_path / "d"
     (d / "run").mkdir(parents=True)
@@ -134,7 +134,7 @@ def test_a_folder_without_stages_json_is_a_deploys_only_by_its_files(tmp_path):
 
 @needs_fmnist
 def test_a_deploy_stopped_before_build_has_the_build_and_bench_lines_in_its_report(deployed, tmp_path, monkeypatch):
-    import edgeprune.cli.deploy_cmd as deploy_mod
+    import edgeprune.deploy.plan as deploy_mod
 
     monkeypatch.setattr(deploy_mod, "backend_available", lambda name: "tensorrt is not installed")
     out = _copy(deployed, tmp_path)
@@ -214,7 +214,7 @@ def test_a_redone_stage_says_why(deployed, tmp_path):
 
 
 def test_the_reason_names_the_changed_settings_and_inputs(tmp_path):
-    from edgeprune.cli.deploy_state import settings_change
+    from edgeprune.deploy.state import settings_change
 
     assert settings_change({"sparsity": 0.3, "calib_size": 32}, {"sparsity": 0.5, "calib_size": 32}) == (
         "settings changed: sparsity 0.3 -> 0.5")

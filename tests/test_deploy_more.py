@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeprune.cli.deploy_plot import write_plot
+from edgeprune.deploy.plot import write_plot
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
 from tests.test_deploy import _copy, _mtimes, _stages
 
@@ -70,7 +70,7 @@ def test_recipe_heal_section_replays_the_healed_deploy(healed, tmp_path):
 def test_changed_heal_setting_redoes_heal_and_after_and_an_interrupted_heal_resumes(healed, tmp_path, monkeypatch):
     """--heal-epochs 2: Ctrl-C inside the heal (exit 130, prune kept); the rerun reuses the prune and
     redoes heal, export, verify and bench."""
-    import edgeprune.cli.heal as heal_mod
+    import edgeprune.jobs.heal_run as heal_mod
 
     out = _copy(healed, tmp_path)
     old = _stages(out)
@@ -168,7 +168,8 @@ def test_bench_vs_reports_each_models_weights_and_own_peak(tmp_path):
 def test_ctrl_c_during_the_prune_stage_then_a_rerun_finishes(where, tmp_path, monkeypatch):
     """KeyboardInterrupt inside the prune stage (while it computes, or after it wrote run/ but before
     it finished): exit 130, no finished stage recorded, no temporary left; the rerun finishes."""
-    import edgeprune.cli.prune as prune_mod
+    import edgeprune.cli.deploy_cmd as deploy_cmd_mod
+    import edgeprune.jobs.prune_run as prune_mod
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
@@ -176,7 +177,7 @@ def test_ctrl_c_during_the_prune_stage_then_a_rerun_finishes(where, tmp_path, mo
     if where == "computing":
         monkeypatch.setattr(prune_mod.api, "prune", interrupt)
     else:
-        monkeypatch.setattr(prune_mod, "write_recipe", interrupt)
+        monkeypatch.setattr(deploy_cmd_mod, "write_recipe", interrupt)
     out = tmp_path / "out"
     args = FAST + ["--sparsity", "0.5", "--precision", "fp32", "--device", "cpu", "--no-bench"]
     r = run_cli(["deploy", *args, "-o", out])

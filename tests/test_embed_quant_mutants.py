@@ -767,13 +767,13 @@ class TestGPTQ:
             assert register_weight_rounding("mine-43")(mine) is mine
             assert WEIGHT_ROUNDING["mine-43"] is mine and get_weight_rounding("mine-43") is mine
         finally:
-            WEIGHT_ROUNDING.pop("mine-43", None)
+            WEIGHT_ROUNDING.unregister("mine-43", missing_ok=True)
 
     def test_gptq_registry_and_round_weights_layouts(self):
         from exporters.quantization.qdq import GemmNode, find_gemms
         from exporters.quantization.weight_rounding import get_weight_rounding, round_gptq, round_weights
 
-        with pytest.raises(UserError, match="gptq or nearest"):
+        with pytest.raises(UserError, match="known: nearest, gptq$"):
             get_weight_rounding("fancy")
         assert get_weight_rounding("gptq") is round_gptq
         rng = np.random.default_rng(2)

@@ -236,7 +236,8 @@ def test_the_gpu_commands_pass_the_clis_checks(tmp_path, monkeypatch):
     """The latency-table and bench command lines the GPU run gives get through the real CLIs' option checks
     (with a GPU faked present) to the timing, with the settings meant: torch on CUDA, fp16, batch 256,
     interleaved table, CUDA graphs."""
-    import edgeprune.cli.device as device_cli
+    import edgeprune.cli.device as device_cli  # noqa: F401
+    import edgeprune.jobs.bench as bench_job
     import edgeprune.cli.latency_table as table_cli
     from runners.bench import check_available
 
@@ -255,7 +256,7 @@ def test_the_gpu_commands_pass_the_clis_checks(tmp_path, monkeypatch):
         raise _Reached
 
     monkeypatch.setattr(table_cli, "build_table", build_table)
-    monkeypatch.setattr(device_cli, "run_bench", run_bench)
+    monkeypatch.setattr(bench_job, "run_bench", run_bench)
     for argv in (gpu_check.table_argv(ctx, tmp_path / "t.json"), gpu_check.bench_argv(ctx, tmp_path / "b.json")):
         with pytest.raises(_Reached):
             gpu_check.run_cli(argv)

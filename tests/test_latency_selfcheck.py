@@ -545,3 +545,4 @@ def test_the_surface_interpolates_bilinearly_and_keeps_its_floor() -> None:
     fitted, why = surface.fit([1.0, 1.0, 2.0], [1.0, 2.0, 3.0], {(i, j): 1.0 + i + j for i in range(3) for j in range(3)})
     assert why is None and fitted["mlp_ms"] == [1.0, 2.0] and len(fitted["ms"]) == 2  # a repeated knot left out
     assert surface.fit([1.0, 1.0, 1.0], [1.0, 2.0, 3.0], {})[0] is None
+

@@ -334,7 +334,7 @@ def test_registry_maps_backend_names_to_runner_classes():
 def test_register_backend_refuses_a_duplicate(monkeypatch):
     from runners import registry
 
-    monkeypatch.setattr(registry, "BACKENDS", dict(registry.BACKENDS))
+    monkeypatch.setattr(registry, "BACKENDS", registry.BACKENDS.copy())
 
     @registry.register_backend("fake")
     class _Fake(registry.Backend):
@@ -343,7 +343,7 @@ def test_register_backend_refuses_a_duplicate(monkeypatch):
     assert "fake" in registry.backend_names() and registry.get_backend("fake").name == "fake"
     with pytest.raises(ValueError, match="already registered"):
         registry.register_backend("fake")(_Fake)
-    with pytest.raises(UserError, match=r"unknown backend 'nope' \(known: fake, onnxruntime"):
+    with pytest.raises(UserError, match=r"^unknown backend 'nope', known: onnxruntime, torch, tensorrt, fake$"):
         registry.get_backend("nope")
 
 

@@ -193,9 +193,18 @@ class LatencyCost(CostModel):
         Raises:
             UserError: a missing / malformed table, or one without a token axis (one line naming it).
         """
-        table = load_table(budget.table)
+        cls.check_table_tokens_merge(budget.table)
+
+    @staticmethod
+    def check_table_tokens_merge(path: Any) -> None:
+        """:meth:`check_tokens_merge` of the latency table at ``path`` (before a budget is built: ``deploy``).
+
+        Raises:
+            UserError: a missing / malformed table, or one without a token axis (one line naming it).
+        """
+        table = load_table(path)
         if table.tokens is None:
-            raise UserError(f"--tokens-merge with a --latency budget: latency table {budget.table} has no token axis "
+            raise UserError(f"--tokens-merge with a --latency budget: latency table {path} has no token axis "
                             f"(it timed blocks at {table.key['tokens']} tokens only), so it cannot price the merged "
                             "blocks: rebuild it with edgeprune latency-table ... --tokens N1,N2,... (docs/tokens.md)")
 

@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
 from edgeprune.budget.base import CostModel
-from edgeprune.errors import UserError
+from edgeprune.registry import Registry
 
 #: name -> cost-model class (or factory ``f(anatomy, query_tokens=None, *, budget=None)`` with the class attributes)
-COST_MODELS: dict[str, Callable[..., CostModel]] = {}
+COST_MODELS: Registry[Callable[..., CostModel]] = Registry("budget kind")
 
 
 def register_cost_model(name: str, factory: Callable[..., CostModel] | None = None):
@@ -40,8 +40,7 @@ def register_cost_model(name: str, factory: Callable[..., CostModel] | None = No
             f.name = name  # type: ignore[attr-defined]
         except (AttributeError, TypeError):
             pass
-        COST_MODELS[name] = f
-        return f
+        return COST_MODELS.register(name, f, replace=True)
 
     if factory is None:
         return put
@@ -50,30 +49,28 @@ def register_cost_model(name: str, factory: Callable[..., CostModel] | None = No
 
 
 def unregister_cost_model(name: str) -> None:
-    """Remove a registered kind (tests that register a toy kind clean up with this)."""
-    COST_MODELS.pop(name, None)
+    """Remove a registered kind (tests that register a toy kind clean up with this; no error if there is none)."""
+    COST_MODELS.unregister(name, missing_ok=True)
 
 
 def list_cost_models() -> list[str]:
     """The registered budget kinds, in registration order (``flops``, ``params``, ``latency`` first)."""
-    return list(COST_MODELS)
+    return list(COST_MODELS.names())
 
 
 def get_cost_model(kind: str) -> Callable[..., CostModel]:
     """The class registered for ``kind``.
 
     Raises:
-        UserError: unknown kind (the message lists the registered ones).
+        UserError: unknown kind; one line listing the registered ones.
     """
-    if kind not in COST_MODELS:
-        raise UserError(f"unknown budget kind {kind!r} (choose from {', '.join(COST_MODELS)})")
-    return COST_MODELS[kind]
+    return COST_MODELS.get(kind)
 
 
 def kind_attr(kind: str, attr: str, default: Any = None) -> Any:
     """A class attribute of ``kind``'s cost model (``unit``, ``needs_table`` ...), ``default`` for a factory
     that is not a :class:`CostModel` subclass and lacks it; ``default`` for an unknown kind."""
-    return getattr(COST_MODELS.get(kind), attr, default)
+    return getattr(COST_MODELS.find(kind), attr, default)
 
 
 def dense_dims(b: BlockAnatomy) -> dict[str, int]:

@@ -12,21 +12,10 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 
-from edgeprune.artifact import check_writable
-from edgeprune.calibration.collect import exact_fp32
-from edgeprune.cli.options import FINITE, device_option, load_model, model_options, torch_device_of
-from edgeprune.errors import UserError
-from exporters.onnx import build_metadata, export_onnx, read_metadata
-from exporters.verify import format_quantized_report, format_report, verify_onnx, verify_quantized
-from runners.report import to_json
-
-
-def _quick_check(path: Path, model, input_shape) -> dict:
-    """ONNX Runtime vs PyTorch on 2 seeded noise images (also exercises the dynamic batch)."""
-    x = torch.randn(2, *input_shape, generator=torch.Generator().manual_seed(1))
-    return verify_onnx(path, model, x, atol=1e-3)
+from edgeprune.cli.options import FINITE, device_option, model_options, torch_device_of
+from edgeprune.jobs.export import export, quick_check as _quick_check  # noqa: F401 (handed on)
+from edgeprune.jobs.verify import verify
 
 
 @click.command("export")
@@ -49,31 +38,9 @@ def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | 
     The file holds everything a deployer needs as metadata (base model, method, sparsities,
     per-block dims, input name/shape, preprocessing); read it with onnx or `edgeprune verify`.
     """
-    if output.exists() and not force:
-        raise UserError(f"{output} exists (use --force to overwrite)")
-    if output.suffix != ".onnx":
-        raise UserError(f"output must be a .onnx file, got {output}")
-    if static_batch is not None and static_batch < 1:
-        raise UserError(f"--static-batch must be >= 1, got {static_batch}")
-    model, record, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
-                                     model_kwargs)
-    check_writable(output.parent)
-    metadata = build_metadata(record=record, spec=spec, model=model,
-                              model_name=spec.name, checkpoint=str(checkpoint) if checkpoint else None)
-    if record is None and hasattr(spec, "to_record"):
-        metadata["base_model"] = spec.to_record()
-    path = export_onnx(model, output, tuple(spec.input_size), metadata, opset=opset,
-                       dynamic_batch=static_batch is None, batch_size=static_batch or 1,
-                       overwrite=force)
-    size_mb = path.stat().st_size / 2**20
-    click.echo(f"wrote {path} ({size_mb:.1f} MiB, opset {opset}, "
-               f"{'dynamic batch' if static_batch is None else f'batch {static_batch}'}, "
-               f"input {spec.input_size})")
-    if not no_check and static_batch in (None, 2):
-        rep = _quick_check(path, model, spec.input_size)
-        click.echo(f"check: ONNX Runtime vs PyTorch on 2 noise images: max abs diff "
-                   f"{rep['max_abs_diff']:.2e} ({'ok' if rep['passed'] else 'LARGE'}); "
-                   f"run `edgeprune verify` for real inputs")
+    export(output, run_dir=run_dir, model_name=model_name, checkpoint=checkpoint, random_init=random_init,
+           num_classes=num_classes, img_size=img_size, model_kwargs=model_kwargs, opset=opset,
+           static_batch=static_batch, force=force, check=not no_check, echo=click.echo)
 
 
 @click.command("verify")
@@ -110,34 +77,9 @@ def verify_cmd(onnx_file: Path, run_dir: Path | None, model_name: str | None, ch
     Exits 1 when the check fails.
     """
     device = torch_device_of(device, torch_device, default="cpu")  # --device is the deployment profile
-    meta = read_metadata(onnx_file)  # missing / corrupt file -> one-line error first
-    model, _record, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
-                                      model_kwargs)
-    if json_out is not None:
-        check_writable(json_out.parent)
-    base = meta.get("base_model")
-    onnx_base = base.get("name") if isinstance(base, dict) else None
-    if onnx_base and onnx_base != spec.name:
-        click.echo(f"warning: {onnx_file} was exported from {onnx_base}, comparing against {spec.name}", err=True)
-    model.to(device)
-    click.get_current_context().with_resource(exact_fp32(torch.device(device)))  # TF32 off until exit
-    if meta.get("precision") in ("int8", "fp16"):
-        report = verify_quantized(onnx_file, model, spec.eval_source(str(data) if data else None, n=n),
-                                  max_drop=max_drop, batch_size=batch_size,
-                                  output_kind=getattr(spec, "output_kind", None))
-        click.echo(format_quantized_report(report))
-    else:
-        if max_drop is not None:
-            raise UserError(f"--max-drop applies to quantized files; {onnx_file} is float "
-                            "(use --atol/--rtol, or quantize it with 'edgeprune quantize')")
-        inputs = spec.eval_inputs(n, str(data) if data else None)
-        report = verify_onnx(onnx_file, model, inputs, atol=atol, rtol=rtol,
-                             output_kind=getattr(spec, "output_kind", None), batch_size=batch_size)
-        click.echo(format_report(report))
-    report["torch_device"] = device
-    if device != "cpu":
-        click.echo(f"PyTorch side on {device}")
-    if json_out is not None:
-        to_json(report, json_out)
-    if not report["passed"]:
+    result = verify(onnx_file, run_dir=run_dir, model_name=model_name, checkpoint=checkpoint,
+                    random_init=random_init, num_classes=num_classes, img_size=img_size,
+                    model_kwargs=model_kwargs, n=n, data=data, atol=atol, rtol=rtol, batch_size=batch_size,
+                    max_drop=max_drop, json_out=json_out, torch_device=device, echo=click.echo)
+    if not result.passed:
         sys.exit(1)

@@ -11,23 +11,15 @@ the handler in ``edgeprune.cli.main``. ``edgeprune.cli.main`` registers them::
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import click
 
 from devices import list_profiles, load_profile
-from edgeprune.atomic import atomic_write_text
-from edgeprune.errors import UserError
-from exporters.tensorrt import build_engine, read_sidecar
-from exporters.tensorrt_settings import builder_settings, onnx_input, onnx_precision
-from exporters.trtexec import trtexec_args
-from runners.bench import resolve_config, run_bench
+from edgeprune.jobs.bench import bench
+from edgeprune.jobs.build import build, default_engine_path  # noqa: F401 (handed on)
 from runners.registry import backend_names
-from runners.report import plot_latency, to_json
-from runners.tensorrt.inspect import attention_fusion_report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,10 +81,6 @@ def devices_cmd(device: str | None, as_json: bool) -> None:
 # build
 
 
-def default_engine_path(onnx_path: Path, device_name: str) -> Path:
-    """``model.onnx`` + ``orin-nx`` -> ``model.orin-nx.engine`` next to the ONNX file."""
-    return onnx_path.with_name(f"{onnx_path.stem}.{device_name}.engine")
-
 
 @click.command("build")
 @click.argument("onnx_path", metavar="MODEL.onnx", type=click.Path(path_type=Path))
@@ -120,34 +108,8 @@ def build_cmd(onnx_path: Path, profile_name: str, output: Path | None, precision
     TensorRT version). The equivalent trtexec command is printed first. An explicitly quantized
     (Q/DQ) model is built with INT8 + FP16 (TensorRT's explicit quantization).
     """
-    profile = load_profile(profile_name)
-    if not profile.uses_tensorrt:
-        raise UserError(f"device profile {profile.name!r} runs {profile.backend}, not TensorRT: "
-                        "nothing to build (benchmark the .onnx file directly)")
-    out = output if output is not None else default_engine_path(onnx_path, profile.name)
-    name, shape = onnx_input(onnx_path)
-    settings = builder_settings(profile, shape, input_name=name, timing_cache=timing_cache,
-                                precision=precision, model_precision=onnx_precision(onnx_path))
-    cmd = shlex.join(trtexec_args(onnx_path, settings, out))
-    if print_trtexec:
-        click.echo(cmd)
-        return
-    click.echo(f"trtexec equivalent:\n  {cmd}")
-
-    click.echo(f"building {out} for {profile.name} ({settings['precision']}, batch "
-               f"{settings['shapes']['min'][0]}..{settings['shapes']['max'][0]}) ...")
-    engine = build_engine(onnx_path, profile, out, force_device=force_device, timing_cache=timing_cache,
-                          precision=precision)
-    meta = read_sidecar(engine) or {}
-    size_mb = engine.stat().st_size / 2**20
-    gpu = meta.get("gpu", {})
-    click.echo(f"wrote {engine} ({size_mb:.1f} MiB) in {meta.get('build_time_s', float('nan')):.1f} s "
-               f"on {gpu.get('name', '?')} (compute capability {gpu.get('compute_capability', '?')}), "
-               f"TensorRT {meta.get('tensorrt_version', '?')}; sidecar {engine.name}.json")
-    try:
-        click.echo(attention_fusion_report(engine).summary())
-    except Exception as err:  # the build succeeded; the report is a bonus
-        click.echo(f"(attention fusion report unavailable: {err})", err=True)
+    build(onnx_path, device=profile_name, output=output, precision=precision, force_device=force_device,
+          timing_cache=timing_cache, print_trtexec=print_trtexec, echo=click.echo)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,30 +180,10 @@ def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, pro
     both; --memory (on with --vs) adds per model its weights (MiB) and its own peak RSS, each
     model loaded and run on the bench's batch sizes in a fresh process of its own.
     """
-    targets = (a,) if b is None else (a, b)
-    cfg, profile = resolve_config(profile_name, targets=targets, backend=backend, provider=provider,
-                                  threads=threads, batch_sizes=batch_sizes, warmup=warmup,
-                                  iterations=iterations, cuda_graphs=cuda_graphs, precision=precision,
-                                  random_init=random_init)
-    if plot_out is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
-    report = run_bench(a, b, cfg, profile, memory=(b is not None) if memory is None else memory)
-    text = report.markdown()
-    click.echo(text.replace("  \n", "\n"))
-    if md_out is not None:
-        atomic_write_text(md_out, text + "\n")
-        click.echo(f"wrote {md_out}")
-    if json_out is not None:
-        to_json(report.results, json_out, extra={"command": "edgeprune bench", "argv": sys.argv[1:],
-                                                 "a": a, "b": b, **report.json_extra()})
-        click.echo(f"wrote {json_out}")
-    if plot_out is not None:
-        plot_latency(report.results, plot_out, title=f"{a}" + (f" vs {b}" if b else "")
-                     + f" ({profile.name})")
-        click.echo(f"wrote {plot_out}")
+    bench(a, b, device=profile_name, backend=backend, provider=provider, batch_sizes=batch_sizes,
+          iterations=iterations, warmup=warmup, threads=threads, cuda_graphs=cuda_graphs, precision=precision,
+          random_init=random_init, memory=memory, json_out=json_out, md_out=md_out, plot_out=plot_out,
+          echo=click.echo)
 
 
 __all__ = ["bench_cmd", "build_cmd", "default_engine_path", "devices_cmd", "format_profiles_table"]

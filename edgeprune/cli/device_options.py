@@ -11,16 +11,14 @@ whose torch device is the CPU.
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 from typing import Callable
 
 import click
 
 from devices import list_profiles, load_profile
 from edgeprune.errors import UserError
-from edgeprune.torch_device import resolve_device
+from edgeprune.jobs.models import is_profile, torch_device_of  # noqa: F401 (handed on)
 
 
 def _apply(f: Callable, *decorators: Callable) -> Callable:
@@ -32,10 +30,7 @@ def _apply(f: Callable, *decorators: Callable) -> Callable:
 _TORCH = re.compile(r"auto|cuda(:\d+)?")
 
 
-def _is_profile(value: str) -> bool:
-    """A shipped profile's name, or a path of a profile file (.toml, or an existing file)."""
-    return (value in list_profiles() or value.endswith(".toml") or "/" in value or os.sep in value
-            or Path(value).is_file())
+_is_profile = is_profile
 
 
 def _device_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -84,27 +79,6 @@ def device_option(f: Callable | None = None, *, default: str = "cpu") -> Callabl
     return deco if f is None else deco(f)
 
 
-def torch_device_of(device: str | None, torch_device: str | None, default: str = "auto") -> str:
-    """The torch device of a command from ``--device`` / ``--torch-device`` (resolved: never "auto").
-
-    ``--torch-device`` when given; else the old ``--device cuda`` spelling; else ``cpu`` for a
-    profile whose backend is the CPU (onnxruntime), else ``default``.
-
-    Raises:
-        UserError: both the old spelling and --torch-device, an unknown device, CUDA not available.
-    """
-    legacy = device is not None and not _is_profile(device.strip())
-    if legacy and torch_device is not None:
-        raise UserError(f"--device {device} (the old spelling of --torch-device) and --torch-device {torch_device}: "
-                        "give --torch-device only")
-    if torch_device is None:
-        if legacy:
-            torch_device = device
-        elif device is not None and load_profile(device.strip()).backend == "onnxruntime":
-            torch_device = "cpu"
-        else:
-            torch_device = default
-    return resolve_device(torch_device)
 
 
 __all__ = ["device_option", "torch_device_of"]

@@ -9,20 +9,13 @@ raised as :class:`~edgeprune.errors.UserError` and printed by the one error hand
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-from edgeprune.artifact import read_record
-from edgeprune.atomic import atomic_write_text
-from edgeprune.cli.calib_reuse import heldout_source, recorded_eval_folder, recorded_folder
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import FINITE, eval_options
-from edgeprune.cli.recipe import follow_output, output_recipe_path, write_recipe
-from edgeprune.errors import UserError
-from edgeprune.zoo.registry import spec_from_record
-from exporters.onnx import read_metadata
+from edgeprune.cli.recipe import follow_output, write_recipe
 
 
 @click.command("quantize", cls=RecipeCommand)
@@ -91,100 +84,19 @@ def quantize_cmd(model: Path, precision: str, mode: str, recipe: str, weight_rou
     The output keeps the exported metadata and adds precision, calibration hash, excluded nodes
     and the measured agreement.
     """
-    from exporters.quantization import QuantizeConfig, quantize_onnx
+    from edgeprune.jobs.quantize import quantize  # onnxruntime: imported when quantizing
 
-    for option, path in (("--calib", calib_dir), ("--eval-data", eval_data)):  # issue 41: before the calibration
-        if path is not None and not Path(path).exists():
-            raise UserError(f"{option} {path}: no such file or folder (the Fashion-MNIST folder or an ImageFolder)")
-    def config(calib: str | None, evaluation: str | None = eval_data):
-        return QuantizeConfig(
-            precision=precision, mode=mode, calib_method=calib_method, calib_size=calib_size, calib_seed=seed,
-            calib_data=str(calib) if calib else None, per_channel=not per_tensor,
-            activation_symmetric=not asymmetric_activations, exclude=tuple(exclude), auto_exclude=auto_exclude,
-            quantize_attention=quantize_attention, smooth_alpha=smooth_alpha,
-            eval_size=eval_size or 1000, eval_data=str(evaluation) if evaluation else None, max_drop=max_drop,
-            threads=threads, recipe=recipe, weight_rounding=weight_rounding or "gptq",
-        ).validate()
-
-    cfg = config(calib_dir)
-    if weight_rounding is not None and cfg.resolved_recipe() != "tensorrt":
-        raise UserError("--weight-rounding applies to static int8 with the tensorrt recipe (ONNX Runtime's "
-                        "quantizer rounds to nearest)")
     ctx = click.get_current_context()
     moved = follow_output(ctx, "json_out", "output", ".json")  # issue 52: a replay's -o moves its report too
     if moved is not None:
         click.echo(f"--json {moved} (the recipe's {json_out} follows -o {output})")
         json_out = moved
-    if json_out is not None and json_out.exists() and not force:
-        raise UserError(f"{json_out} exists (use --force to overwrite)")
-    calib_dir, eval_data, eval_source = _run_data(model, calib_dir, calib_size, seed, eval_data, eval_size)
-    cfg = config(calib_dir, eval_data)
-    result = quantize_onnx(model, output, cfg, overwrite=force, eval_source=eval_source, log=click.echo)
-    write_recipe(ctx, output_recipe_path(result.path), {"calib": calib_dir, "eval-data": eval_data,
-                                                        "json": json_out})
-    rep = result.report
-    if rep.get("n"):
-        if rep.get("top1") is not None:
-            click.echo(f"top-1 on {rep['n']} held-out images: {rep['top1'] * 100:.2f}% "
-                       f"(float {rep['top1_float'] * 100:.2f}%, drop {rep['drop_points']:+.2f} points)")
-        where = "" if rep.get("top1") is not None else f" on {rep['n']} held-out images ({rep.get('eval_source')})"
-        click.echo(f"{rep['agreement_metric']} with the float model{where}: {rep['agreement'] * 100:.2f}%")
-    else:
-        click.echo("no evaluation data for this model: accuracy not measured")
-    plan = rep.get("int8_plan")
-    if plan:
-        floats = [g["node"] for g in plan["gemms"] if g["precision"] != "int8"]
-        click.echo(f"precision per GEMM: {len(plan['gemms']) - len(floats)} of {len(plan['gemms'])} int8, "
-                   f"{plan['int8_flops_share'] * 100:.1f}% of GEMM FLOPs in int8"
-                   + (f"; float (fp16 on TensorRT): {', '.join(floats)}" if floats else ""))
-    if rep.get("float_size_bytes"):
-        ratio = rep["size_bytes"] / rep["float_size_bytes"]
-        click.echo(f"size: {rep['size_bytes'] / 2**20:.2f} MiB ({ratio:.2f}x fp32)")
-    if json_out is not None:
-        atomic_write_text(json_out, json.dumps({"output": str(result.path), "config": cfg.to_record(), **rep},
-                                               indent=2, default=str) + "\n")
-        click.echo(f"wrote {json_out}")
-
-
-def _recorded(model: Path) -> tuple[dict | None, object | None]:
-    """``(calibration entry, model spec)`` recorded by a run directory or an edgeprune ONNX export
-    (``(None, None)`` when there is none: the quantizer says what is missing)."""
-    if model.is_dir():
-        rec = read_record(model)
-        return rec.get("calibration"), spec_from_record(rec["base_model"])
-    if model.is_file() and model.suffix == ".onnx":
-        meta = read_metadata(model)
-        base = meta.get("base_model")
-        return meta.get("calibration"), (spec_from_record(dict(base)) if isinstance(base, dict) and base.get("name")
-                                         else None)
-    return None, None
-
-
-def _run_data(model: Path, calib_dir: str | None, calib_size: int | None, seed: int | None, eval_data: str | None,
-              eval_size: int | None) -> tuple[str | None, str | None, object | None]:
-    """``(calibration folder, evaluation folder, held-out source)`` of a run or an edgeprune export
-    (issue 42): ``--calib``, else the run's recorded calibration folder (gone: refused,
-    :func:`~edgeprune.cli.calib_reuse.recorded_folder`); ``--eval-data``, else the run's recorded
-    evaluation folder while it is there (issue 52: its calibration was checked disjoint from it);
-    else, for a timm model, the held-out unlabeled images of the calibration folder.
-
-    Raises:
-        UserError: the recorded calibration folder is gone; no held-out image left (the calibration
-            used the whole folder and no evaluation folder was recorded).
-    """
-    cal, spec = _recorded(model)
-    if spec is None:
-        return calib_dir, eval_data, None
-    if calib_dir is None:
-        calib_dir = recorded_folder(cal, spec)
-    if eval_data is None:
-        eval_data = recorded_eval_folder(cal)
-    if eval_data is not None or spec.is_zoo or calib_dir is None:
-        return calib_dir, eval_data, None
-    cal = cal or {}
-    n = calib_size or cal.get("num_images") or cal.get("size_requested") or spec.default_calib_size
-    seed = seed if seed is not None else (cal.get("seed") or 0)
-    return calib_dir, None, heldout_source(spec, str(calib_dir), int(n), int(seed), eval_size or 1000)
+    quantize(model, output, precision=precision, mode=mode, recipe=recipe, weight_rounding=weight_rounding,
+             calib_dir=calib_dir, calib_size=calib_size, seed=seed, calib_method=calib_method, per_tensor=per_tensor,
+             asymmetric_activations=asymmetric_activations, exclude=tuple(exclude),
+             quantize_attention=quantize_attention, smooth_alpha=smooth_alpha, auto_exclude=auto_exclude,
+             eval_data=eval_data, eval_size=eval_size, max_drop=max_drop, threads=threads, force=force,
+             json_out=json_out, echo=click.echo, write_recipe=lambda path, values: write_recipe(ctx, path, values))
 
 
 __all__ = ["quantize_cmd"]

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from edgeprune.errors import UserError
 from edgeprune.plan import BlockPlan, pruned_indices
+from edgeprune.registry import Registry
 from edgeprune.solve import qk_logit, qk_logit_cg
 from edgeprune.solve.qk_choice import cg_is_cheaper
 
@@ -52,15 +52,17 @@ class QKSolverEntry:
     needs_ridge: bool = False
 
 
-_SOLVERS: dict[str, QKSolverEntry] = {}
+#: solver name -> its entry (registering a name again replaces it)
+SOLVERS: Registry[QKSolverEntry] = Registry("Q/K solver")
 
 
 def register_qk_solver(name: str, needs_ridge: bool = False) -> Callable:
     """Function decorator: register ``fn(system: QKHeadSystem, alpha) -> (M, lam, info)`` as the
-    Q/K solver ``name`` (``needs_ridge``: the config check refuses it with ``qk_ridge_alpha = 0``)."""
+    Q/K solver ``name`` (``needs_ridge``: the config check refuses it with ``qk_ridge_alpha = 0``);
+    registering a name again replaces it."""
 
     def wrap(fn: Callable) -> Callable:
-        _SOLVERS[name] = QKSolverEntry(name, fn, needs_ridge)
+        SOLVERS.register(name, QKSolverEntry(name, fn, needs_ridge), replace=True)
         return fn
 
     return wrap
@@ -68,23 +70,21 @@ def register_qk_solver(name: str, needs_ridge: bool = False) -> Callable:
 
 def unregister_qk_solver(name: str) -> None:
     """Remove the Q/K solver registered as ``name`` (no error if there is none)."""
-    _SOLVERS.pop(name, None)
+    SOLVERS.unregister(name, missing_ok=True)
 
 
 def list_qk_solvers() -> tuple[str, ...]:
     """Registered Q/K solver names, in registration order."""
-    return tuple(_SOLVERS)
+    return SOLVERS.names()
 
 
 def get_qk_solver(name: str) -> QKSolverEntry:
     """The solver registered as ``name``.
 
     Raises:
-        UserError: unknown name; the message lists the known ones.
+        UserError: unknown name; one line listing the known ones.
     """
-    if name not in _SOLVERS:
-        raise UserError(f"unknown Q/K solver {name!r} (choose from {', '.join(_SOLVERS)})")
-    return _SOLVERS[name]
+    return SOLVERS.get(name)
 
 
 @register_qk_solver("auto")

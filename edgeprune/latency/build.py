@@ -252,7 +252,7 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
     if kind == "block":
         return copy.deepcopy(anatomy.blocks[0].block).eval(), (batch, T, D)
     if kind in CHAIN_KINDS:
-        return selfcheck.model_blocks(anatomy, selfcheck.chain_dims(t, kind)), (batch, T, D)
+        return selfcheck.chain_module(t, anatomy, kind), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 

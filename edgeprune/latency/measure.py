@@ -37,6 +37,7 @@ import torch.nn as nn
 from devices.gpu import local_gpu
 from edgeprune.errors import UserError
 from edgeprune.layers.pruned_attention import PrunedAttention
+from edgeprune.registry import Registry
 from exporters.onnx import export_onnx
 from exporters.ort_session import import_onnxruntime
 from exporters.tensorrt import build_engine, tensorrt_version
@@ -255,37 +256,36 @@ def timed_runs(run: Callable[[], float], s: TimingSettings) -> list[float]:
     return lat
 
 
-_TIMERS: dict[str, Timer] = {}
+#: timing backend name -> its Timer (registering a name again replaces it)
+TIMERS: Registry[Timer] = Registry("latency backend")
 
 
 def register_timer(name: str) -> Callable[[type[Timer]], type[Timer]]:
-    """Class decorator: register a :class:`Timer` under ``name``."""
+    """Class decorator: register a :class:`Timer` under ``name`` (replacing one of that name)."""
     def deco(cls: type[Timer]) -> type[Timer]:
         cls.name = name
-        _TIMERS[name] = cls()
+        TIMERS.register(name, cls(), replace=True)
         return cls
     return deco
 
 
 def unregister_timer(name: str) -> None:
     """Remove a registered timing backend (tests); an unknown name is ignored."""
-    _TIMERS.pop(name, None)
+    TIMERS.unregister(name, missing_ok=True)
 
 
 def list_timers() -> list[str]:
-    """Names of the registered timing backends."""
-    return sorted(_TIMERS)
+    """Names of the registered timing backends, sorted."""
+    return sorted(TIMERS)
 
 
 def get_timer(name: str) -> Timer:
     """The timing backend ``name``.
 
     Raises:
-        UserError: unknown name (the message lists the known ones).
+        UserError: unknown name; one line listing the known ones.
     """
-    if name not in _TIMERS:
-        raise UserError(f"unknown latency backend {name!r} (one of {', '.join(list_timers())})")
-    return _TIMERS[name]
+    return TIMERS.get(name)
 
 
 def cpu_name() -> str:

@@ -79,7 +79,7 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
               "chain_quarter_ms": Num(gt=0, nullable=True), "sub_blocks_quarter_ms": Num(gt=0),
               "per_block_quarter_ms": Num(), "quarter_dims": MapOf(Int(min=1)),
               "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True)),
-              **{f"{k}_ms": Num(gt=0, nullable=True) for k in MIXED}, "surface": Str()})
+              **{f"{k}_ms": Num(gt=0, nullable=True) for k in MIXED}, "surface": Str(), "call_ms": Num()})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1)),

@@ -37,18 +37,18 @@ part that is off.
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault
 from edgeprune.latency import load, surface
+from edgeprune.latency.chains import (FIT_FRACTIONS, _snap, chain_dims, chain_length, chain_module,  # noqa: F401
+                                      fraction_dims, half_dims, model_blocks, outside_model, pruned_model)
 from edgeprune.latency.schema import ADD_UP_TOLERANCE, CHAIN_KINDS
-from edgeprune.surgery import apply_structure, backbone_vit
+from edgeprune.surgery import backbone_vit
 from edgeprune.tokens.apply import apply_token_merge
 from edgeprune.tokens.merge import split_sizes
 from edgeprune.tokens.schedule import plan_merges
@@ -58,87 +58,6 @@ FRACTIONS = (0.7, 0.5, 0.3)
 
 #: per block, the exponents (heads, head dims, MLP width) of the fraction: the mix of cuts rotates over the blocks
 _MIXES = ((1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (0.5, 0.5, 1.0), (0.0, 0.0, 2.0), (1.0, 1.0, 0.0))
-
-
-def outside_model(anatomy: Any) -> nn.Module:
-    """A copy of the model with no blocks: (B, C, H, W) -> the model's output; patch and position embedding, final
-    norm and head only (eval mode)."""
-    m = copy.deepcopy(anatomy.model).eval()
-    backbone_vit(m).blocks = nn.Sequential()
-    return m
-
-
-def chain_length(depth: int) -> int:
-    """How many blocks the ``chain`` entries run in sequence: the model's depth, at least 2."""
-    return max(2, int(depth))
-
-
-#: the fractions of the dense dims whose block chains, beside the dense one, fit the in-model block line
-#: (``chain_half``, ``chain_quarter``; :func:`finish`)
-FIT_FRACTIONS = {"chain_half": 0.5, "chain_quarter": 0.25}
-
-
-def fraction_dims(t: Any, f: float) -> dict[str, int]:
-    """Block dims at about the fraction ``f`` of the dense heads, head dims and MLP width, on the table's rules and
-    within its grid (``{"heads", "qk", "v", "mlp"}``)."""
-    k, r = t.key, t.rules
-    d = _snap(k["head_dim"] * f, r["head_dim_round_to"], max(t.attn["qk"][0], t.attn["v"][0]), k["head_dim"])
-    return {"heads": int(max(t.attn["heads"][0], round(k["num_heads"] * f))), "qk": d, "v": d,
-            "mlp": _snap(k["mlp_hidden"] * f, r["mlp_round_to"], t.mlp["widths"][0], k["mlp_hidden"])}
-
-
-def half_dims(t: Any) -> dict[str, int]:
-    """The ``chain_half`` entry's block dims: about half the dense heads, head dims and MLP width, on the table's
-    rules and within its grid."""
-    return fraction_dims(t, 0.5)
-
-
-def chain_dims(t: Any, kind: str) -> dict[str, int] | None:
-    """The block dims of a chain entry: None (dense) for ``chain``, :func:`fraction_dims` of
-    :data:`FIT_FRACTIONS` for the uniform ones, and for a mixed one (:data:`edgeprune.latency.surface.MIXED`) the
-    attention of one fraction beside the MLP width of the other."""
-    if kind == "chain":
-        return None
-    if kind in surface.MIXED:
-        fm, fa = surface.MIXED[kind]
-        return {**fraction_dims(t, fa), "mlp": fraction_dims(t, fm)["mlp"]}
-    return fraction_dims(t, FIT_FRACTIONS[kind])
-
-
-def model_blocks(anatomy: Any, dims: dict[str, int] | None = None) -> nn.Module:
-    """The blocks of a copy of the model -- dense, or rebuilt with every block at ``dims`` -- as one module in
-    sequence, (B, N, D) -> (B, N, D); a one-block model's block twice (the second copy perturbed by a seeded 0.1%:
-    distinct weights, which a runtime does not share)."""
-    depth = len(anatomy.blocks)
-    if dims is None:
-        m = copy.deepcopy(anatomy.model)
-    else:
-        m = pruned_model(anatomy, [dims] * depth)
-    blocks = list(backbone_vit(m).blocks)
-    if len(blocks) == 1:
-        extra = copy.deepcopy(blocks[0])
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in extra.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 1e-3 * (float(p.abs().mean()) + 1e-3))
-        blocks.append(extra)
-    return nn.Sequential(*blocks).eval()
-
-
-def pruned_model(anatomy: Any, blocks: list[dict[str, int]], seed: int = 0) -> nn.Module:
-    """A copy of the (dense) model rebuilt with per-block kept dims ``blocks`` (``{"mlp", "heads", "qk", "v"}``;
-    :func:`edgeprune.surgery.apply_structure`, seeded random weights in the resized modules), eval mode."""
-    torch.manual_seed(seed)
-    m = copy.deepcopy(anatomy.model)
-    hd = anatomy.blocks[0].head_dim
-    apply_structure(m, [{"num_heads": d["heads"], "head_dim": hd, "qk_dim": d["qk"], "v_dim": d["v"],
-                         "mlp_hidden": d["mlp"]} for d in blocks])
-    return m.eval()
-
-
-def _snap(x: float, step: int, lo: int, hi: int) -> int:
-    """``x`` rounded to a multiple of ``step``, within ``[lo, hi]``."""
-    return int(min(hi, max(lo, step * round(x / step))))
 
 
 def allocations(t: Any) -> list[tuple[str, list[dict[str, int]]]]:
@@ -322,7 +241,7 @@ def finish(t: Any, keep_disordered: bool = False) -> Any:
     if keep_disordered and per_block <= 0:  # the dense chain itself is off: the sub-blocks' sum, no call term
         left_out.append(f"chain ({n} blocks {parts['chain_ms']:.4g} ms, one {parts['block_ms']:.4g} ms)")
         per_block, call = sub, float(parts["block_ms"]) - sub
-    parts.update(sub_blocks_ms=sub, chain_blocks=n, per_block_ms=per_block)
+    parts.update(sub_blocks_ms=sub, chain_blocks=n, per_block_ms=per_block, call_ms=call)
     points, seen = [(sub, per_block)], [t.dense_dims()]
     for kind in FIT_FRACTIONS:  # largest first
         dims = chain_dims(t, kind)
@@ -356,21 +275,16 @@ def _surface(t: Any, parts: dict[str, Any], call: float, n: int) -> dict[str, An
     """The in-model cost surface (:func:`edgeprune.latency.surface.fit`) of the nine chains, a block of them
     costing ``(chain - call) / n``; None (``parts["surface"]`` says why) where a chain is not measured (a table
     built before the surface) or the fit refuses."""
-    cells, knots_m, knots_a = {}, [], []
-    if parts.get("left_out"):
-        parts["surface"] = "not fitted: chains left out (--force)"
+    levels = [(name, fraction_dims(t, f)) for name, f in surface.LEVELS]
+    chains = {(i, j): parts.get(f"{surface.chain_kind(a, b)}_ms") for i, (a, _) in enumerate(levels)
+              for j, (b, _) in enumerate(levels)}
+    if parts.get("left_out") or None in chains.values():
+        parts["surface"] = "not fitted: " + ("chains left out (--force)" if parts.get("left_out") else
+                                             "the mixed chains were not timed")
         return None
-    for i, (level_m, fm) in enumerate(surface.LEVELS):
-        d = fraction_dims(t, fm)
-        knots_m.append(t.mlp_ms(d["mlp"]))
-        knots_a.append(t.attn_ms(d["heads"], d["qk"], d["v"]))
-        for j, (level_a, _fa) in enumerate(surface.LEVELS):
-            ms = parts.get(f"{surface.chain_kind(level_m, level_a)}_ms")
-            if ms is None:
-                parts["surface"] = "not fitted: the mixed chains were not timed"
-                return None
-            cells[(i, j)] = (float(ms) - call) / n
-    fitted, why = surface.fit(knots_m, knots_a, cells)
+    fitted, why = surface.fit([t.mlp_ms(d["mlp"]) for _, d in levels],
+                              [t.attn_ms(d["heads"], d["qk"], d["v"]) for _, d in levels],
+                              {ij: (float(ms) - call) / n for ij, ms in chains.items()})
     parts["surface"] = "fitted" if fitted else f"not fitted: {why}"
     return fitted
 

@@ -11,7 +11,9 @@ earlier one dropped), the whole prune -- slice, budgeted widths, output correcti
 the model, and the relative squared error of its final output against the dense model's on the first
 ``CorpConfig.allocation_check_images`` calibration images (the images and the measure of
 ``edgeprune.allocation.select``; the dense outputs computed once) decides. The candidate with the
-smallest error is the result, so auto is never worse than widths alone (S = 0) on that measured error.
+smallest error is the result (ties: the smaller sparsity), so auto is never worse than widths alone (S = 0) on
+that measured error. The search is :func:`edgeprune.pruning.search.search`; this module is its axis
+(:data:`EMBED_AXIS`).
 
 Cost: K candidates = K whole prunes, each with its own calibration pass (a sliced model needs its own
 statistics), plus one dense forward pass over the check images.
@@ -21,23 +23,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 from edgeprune.allocation.greedy import cheapest
-from edgeprune.allocation.select import output_tensor, check_images, output_error
 from edgeprune.anatomy import find_anatomy
 from edgeprune.embed.settings import is_auto
 from edgeprune.embed.slice import apply_embed_structure, embed_kept_dim
 from edgeprune.embed.step import embed_budget, refuse_distributed
 from edgeprune.errors import UserError
+from edgeprune.pruning import search
 from edgeprune.pruning.corp import check_prunable
 from edgeprune.pruning.run import run_prune
+from edgeprune.pruning.search import Axis, Found
 
-__all__ = ["EMBED_CANDIDATES", "candidate_sparsities", "choose_embed", "is_auto"]
+__all__ = ["EMBED_AXIS", "EMBED_CANDIDATES", "candidate_sparsities", "choose_embed", "is_auto"]
 
 #: embed sparsities tried by ``embed_sparsity="auto"`` (``CorpConfig.embed_candidates`` overrides them)
 EMBED_CANDIDATES = (0.0, 0.125, 0.25)
@@ -95,36 +97,48 @@ def _achieved(rec: dict, kind: str) -> float:
     return rec[kind] / rec[f"dense_{kind}"]
 
 
-@torch.no_grad()
-def _dense_reference(model: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], n: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the first ``n`` calibration images (n', C, H, W) on the CPU, the dense model's output on them)."""
-    x = check_images(batches, n)
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        out = output_tensor(model(x.to(device))) if x is not None else None
-    finally:
-        model.train(was_training)
-    if out is None:
-        raise UserError("--embed-sparsity auto needs calibration images and a model whose output is a tensor")
-    return x, out.detach().cpu()
+def _check(model: nn.Module, config) -> None:
+    """The refusals before any pass: torch.distributed, the budget against the dense model (as a fixed sparsity)."""
+    refuse_distributed()
+    check_prunable(find_anatomy(model), config)
+
+
+def _runner(model: nn.Module, calibration: Any, config, **kwargs: Any) -> Callable[[tuple[float, int]], Any]:
+    """``run((sparsity, D'))``: the whole prune of one candidate (its own calibration pass: a sliced model needs its
+    own statistics), :func:`~edgeprune.pruning.run.run_prune` with the other keywords of ``prune``."""
+    return lambda candidate: run_prune(model, calibration, _fixed(config, candidate[0]), **kwargs)
+
+
+def _row(candidate: tuple[float, int], rec: dict, config, err: float, seconds: float) -> dict:
+    """One candidate's record entry (``budget_fraction``: the cost achieved, of the unsliced dense model's)."""
+    s, dim = candidate
+    return {"embed_sparsity": s, "embed_dim": dim, "budget_fraction": _achieved(rec, config.budget.kind),
+            "check_error": err, "seconds": seconds}
+
+
+def _section(found: Found) -> dict:
+    """The record's ``embed_auto``."""
+    s, dim = found.chosen
+    return {"asked": "auto", "chosen": s, "embed_dim": dim, "images": found.images, "candidates": found.rows,
+            "skipped": found.skipped, "seconds": found.seconds,
+            "rule": "lowest relative squared error of the final output vs the dense model on the check images "
+                    "(edgeprune.pruning.embed_auto, measure of edgeprune.allocation.select)"}
+
+
+#: ``embed_sparsity="auto"`` as an axis of :func:`edgeprune.pruning.search.search`
+EMBED_AXIS = Axis(name="embed", flag="--embed-sparsity", setting="embed_sparsity", is_asked=is_auto, check=_check,
+                  candidates=candidate_sparsities, skip_label=lambda s: f"{s['embed_sparsity']:g}", runner=_runner,
+                  row=_row, section=_section)
 
 
 def choose_embed(model: nn.Module, calibration: Any, config, batches: Callable[[], Iterable[torch.Tensor]], *,
                  inplace: bool = False, **kwargs: Any) -> tuple[nn.Module, dict]:
     """``edgeprune.prune`` with ``embed_sparsity="auto"``: one whole prune (:func:`~edgeprune.pruning.run.run_prune`)
-    per candidate (module doc), the one with the smallest check error returned.
+    per candidate (module doc), the one with the smallest check error returned (:func:`edgeprune.pruning.search.search`
+    on :data:`EMBED_AXIS`).
 
-    Args:
-        model: the dense model (not modified).
-        calibration: as for ``prune``.
-        config: a valid :class:`~edgeprune.corp.CorpConfig` with ``embed_sparsity="auto"``.
-        batches: callable returning fresh (B, C, H, W) calibration batches (the check images are its first
-            ``config.allocation_check_images``).
-        inplace: refused (every candidate prunes a copy).
-        **kwargs: the other keywords of ``prune`` (spec, progress, batch_size, device, calibration_info).
+    Args: as :func:`~edgeprune.pruning.search.search` (``config`` with ``embed_sparsity="auto"``; ``**kwargs``: the
+        other keywords of ``prune``: spec, progress, batch_size, device, calibration_info, measurer).
 
     Returns:
         the chosen candidate's ``PruneResult``; its record has ``embed_auto``: ``candidates`` (per
@@ -138,32 +152,4 @@ def choose_embed(model: nn.Module, calibration: Any, config, batches: Callable[[
     """
     if not is_auto(config):
         raise UserError(f"choose_embed needs embed_sparsity='auto', got {config.embed_sparsity!r}")
-    if inplace:
-        raise UserError("--embed-sparsity auto prunes one copy per candidate; inplace=True is not supported")
-    refuse_distributed()
-    check_prunable(find_anatomy(model), config)  # the budget against the dense model, as a fixed sparsity
-    kept, skipped = candidate_sparsities(model, config)
-    t0 = time.perf_counter()
-    x, dense_out = _dense_reference(model, batches, config.allocation_check_images)
-    rows: list[dict] = []
-    best = None
-    for s, dim in kept:
-        t = time.perf_counter()
-        result = run_prune(model, calibration, _fixed(config, s), **kwargs)
-        with torch.no_grad():
-            err = output_error(output_tensor(result[0](x)), dense_out)
-        rows.append({"embed_sparsity": s, "embed_dim": dim,
-                     "budget_fraction": _achieved(result[1], config.budget.kind),
-                     "check_error": err, "seconds": time.perf_counter() - t})
-        if best is None or err < best[0]:  # ties: the smaller sparsity (candidates ascend)
-            best = (err, s, dim, result)
-    if best is None:
-        raise UserError("--embed-sparsity auto: no candidate left (" + "; ".join(
-            f"{r['embed_sparsity']:g}: {r['reason']}" for r in skipped) + ")")
-    _err, s, dim, result = best
-    result[1]["embed_auto"] = {
-        "asked": "auto", "chosen": s, "embed_dim": dim, "images": int(x.shape[0]), "candidates": rows,
-        "skipped": skipped, "seconds": time.perf_counter() - t0,
-        "rule": "lowest relative squared error of the final output vs the dense model on the check images "
-                "(edgeprune.pruning.embed_auto, measure of edgeprune.allocation.select)"}
-    return result
+    return search.search(EMBED_AXIS, model, calibration, config, batches, inplace=inplace, **kwargs)

@@ -25,6 +25,7 @@ from edgeprune.calibration.collect import calibration_device
 from edgeprune.corp.config import CorpConfig
 from edgeprune.errors import UserError
 from edgeprune.phases import reached
+from edgeprune.registry import Registry
 
 
 @dataclasses.dataclass
@@ -82,8 +83,9 @@ class Stage:
         """The stage's work on ``state`` (the model in place)."""
 
 
-#: the stages in the order they run: (name, class)
-STAGES: list[tuple[str, type[Stage]]] = []
+#: stage name -> class (the one lookup); :data:`_ORDER` holds the order they run in
+STAGES: Registry[type[Stage]] = Registry("stage")
+_ORDER: list[str] = []
 
 
 def register_stage(name: str, *, after: str | None = None, before: str | None = None):
@@ -91,33 +93,34 @@ def register_stage(name: str, *, after: str | None = None, before: str | None = 
     stage ``before`` (at the end when neither). Registering a name again replaces it in place.
 
     Raises:
-        UserError: ``after`` / ``before`` not registered, or both given.
+        UserError: ``after`` / ``before`` not registered (one line listing the stages), or both given.
     """
     def deco(cls: type[Stage]) -> type[Stage]:
         cls.name = name
-        names = [n for n, _ in STAGES]
-        if name in names:
-            STAGES[names.index(name)] = (name, cls)
+        if name in STAGES:
+            STAGES.register(name, cls, replace=True)
             return cls
         if after is not None and before is not None:
             raise UserError("register a stage either after or before another one, not both")
         anchor = after if after is not None else before
-        if anchor is not None and anchor not in names:
-            raise UserError(f"unknown stage {anchor!r} (registered: {', '.join(names)})")
-        pos = len(STAGES) if anchor is None else names.index(anchor) + (1 if after is not None else 0)
-        STAGES.insert(pos, (name, cls))
+        if anchor is not None and anchor not in STAGES:
+            raise STAGES.unknown(anchor, _ORDER)
+        pos = len(_ORDER) if anchor is None else _ORDER.index(anchor) + (1 if after is not None else 0)
+        STAGES.register(name, cls)
+        _ORDER.insert(pos, name)
         return cls
     return deco
 
 
 def unregister_stage(name: str) -> None:
-    """Remove a registered stage (tests that register a toy stage clean up with this)."""
-    STAGES[:] = [(n, c) for n, c in STAGES if n != name]
+    """Remove a registered stage (tests that register a toy stage clean up with this; no error if there is none)."""
+    STAGES.unregister(name, missing_ok=True)
+    _ORDER[:] = [n for n in _ORDER if n != name]
 
 
 def stage_names() -> list[str]:
     """The registered stages, in the order they run."""
-    return [n for n, _ in STAGES]
+    return list(_ORDER)
 
 
 def run_stages(state: PruneState, after_checks: Callable[[PruneState], None] | None = None) -> PruneState:
@@ -127,7 +130,8 @@ def run_stages(state: PruneState, after_checks: Callable[[PruneState], None] | N
     Raises:
         UserError: a stage's check.
     """
-    stages = [cls() for _, cls in STAGES]
+    names = stage_names()
+    stages = [STAGES.get(n)() for n in names]
     for s in stages:
         s.check(state)
     reached("checked")
@@ -135,7 +139,7 @@ def run_stages(state: PruneState, after_checks: Callable[[PruneState], None] | N
         after_checks(state)
     for s in stages:
         s.prepare(state)
-    for (name, _), s in zip(STAGES, stages):
+    for name, s in zip(names, stages):
         reached(f"stage {name}")
         with calibration_device(state.device) if s.calibration_device else contextlib.nullcontext():
             s.run(state)

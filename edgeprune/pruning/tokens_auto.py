@@ -13,7 +13,7 @@ final output against
 the dense model's on the first ``CorpConfig.allocation_check_images`` calibration images (the images and the
 measure of ``edgeprune.allocation.select``; the dense outputs computed once) decides. The candidate with the
 smallest error is the result (ties: the lighter schedule), so auto is never worse than widths alone on that
-measured error.
+measured error. The search is :func:`edgeprune.pruning.search.search`; this module is its axis (:data:`TOKENS_AXIS`).
 
 Why every candidate is measured and corrected, not only the chosen one: a table built before its token axis timed
 the merge step (``tokens.merge``) prices the merged blocks but not the merge itself, and any table's prediction of a
@@ -32,26 +32,26 @@ candidate a forward pass over the check images, plus one dense forward pass over
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
 
-from edgeprune.allocation.select import check_images, output_error, output_tensor
 from edgeprune.anatomy import find_anatomy
 from edgeprune.distributed import is_distributed
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import class_token_plan
+from edgeprune.pruning import search
 from edgeprune.pruning.config import check_config
 from edgeprune.pruning.corp import check_prunable
 from edgeprune.pruning.run import measure_and_correct, round_runner
+from edgeprune.pruning.search import Axis, Found
 from edgeprune.tokens.apply import check_mergeable, num_tokens
 from edgeprune.tokens.schedule import DECREASING, is_tokens_auto, plan_merges
 from edgeprune.torch_device import resolve_device
 
 __all__ = ["CONSTANT_FRACTIONS", "DECREASING_FRACTIONS", "default_candidates", "candidate_schedules",
-           "choose_tokens", "is_tokens_auto"]
+           "choose_tokens", "is_tokens_auto", "TOKENS_AXIS"]
 
 #: the default candidates (:func:`default_candidates`): constant schedules that merge away about these fractions of
 #: the mergeable tokens by the last block, light to heavy ...
@@ -126,18 +126,6 @@ def candidate_schedules(model: nn.Module, config) -> tuple[list[tuple[Any, list[
     return kept, skipped
 
 
-@torch.no_grad()
-def _dense_reference(model: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], n: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the first ``n`` calibration images (n', C, H, W) on the CPU, the dense model's output on them)."""
-    x = check_images(batches, n)
-    device = next(model.parameters()).device
-    out = output_tensor(model.eval()(x.to(device))) if x is not None else None
-    if out is None:
-        raise UserError("--tokens-merge auto needs calibration images and a model whose output is a tensor")
-    return x, out.detach().cpu()
-
-
 def _pruner(model: nn.Module, calibration: Any, spec: Any, progress: bool, batch_size: int, device: str,
             calibration_info: dict | None) -> Callable[..., tuple[nn.Module, dict]]:
     """``prune_one(cfg, asked=None) -> (pruned model, run record)``: the stages of ``run_prune`` on a copy of
@@ -159,18 +147,37 @@ def _pruner(model: nn.Module, calibration: Any, spec: Any, progress: bool, batch
     return prune_one
 
 
-def _measure_and_correct(prune_one: Callable[..., tuple[nn.Module, dict]], dense: nn.Module,
-                         first: tuple[nn.Module, dict], cfg, measurer: Any) -> tuple[nn.Module, dict]:
-    """The measure-and-correct loop of ``run_prune`` (:func:`~edgeprune.pruning.run.measure_and_correct`) on one
-    candidate's prune ``first`` (its config ``cfg``), its rounds re-allocating from the same statistics."""
-    return measure_and_correct(lambda c: prune_one(c, cfg), dense, first, cfg, measurer)
+def _check(model: nn.Module, config) -> None:
+    """The refusals before any pass: torch.distributed, the config (a model the merge does not fit: the candidates)."""
+    if is_distributed():
+        raise UserError("--tokens-merge auto runs in one process for now (each rank would judge its candidates on "
+                        "its own images); run without torchrun")
+    check_config(config)
 
 
-def _row(schedule: Any, r: list[int], rec: dict, kind: str, err: float, seconds: float) -> dict:
+def _runner(model: nn.Module, calibration: Any, config, *, spec: Any = None, progress: bool = False,
+            batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
+            measurer: Any = None) -> Callable[[tuple[Any, list[int]]], tuple[nn.Module, dict]]:
+    """``run((schedule, r))``: one candidate's prune (:func:`_pruner`: the first candidate's calibration statistics
+    reused), then the measure-and-correct loop of ``run_prune`` (:func:`~edgeprune.pruning.run.measure_and_correct`)
+    on it, its rounds re-allocating from the same statistics; ``run.reused`` as ``prune_one.reused``."""
+    model.eval()  # the dense model: the reference of every candidate's measurement
+    prune_one = _pruner(model, calibration, spec, progress, batch_size, resolve_device(device), calibration_info)
+
+    def run(candidate: tuple[Any, list[int]]) -> tuple[nn.Module, dict]:
+        cfg = _fixed(config, candidate[0])
+        return measure_and_correct(lambda c: prune_one(c, cfg), model, prune_one(cfg), cfg, measurer)
+
+    run.reused = prune_one.reused  # type: ignore[attr-defined]
+    return run
+
+
+def _row(candidate: tuple[Any, list[int]], rec: dict, config, err: float, seconds: float) -> dict:
     """One candidate's record entry (``predicted``: the allocation's predicted cost in the budget's unit -- ms per
     batch for a latency table -- and ``predicted_fraction`` of the dense model's; ``measured``: the pruned / dense
     latency ratio its measured correction kept, None where not measured; ``rounds``: its correction's rounds)."""
-    lat = rec["allocation"][kind]
+    schedule, r = candidate
+    lat = rec["allocation"][config.budget.kind]
     check = rec.get("latency_check") or {}
     measured = (check.get("measured") or {}).get("ratio")
     return {"schedule": _plain(schedule), "r": list(r), "predicted": float(lat["predicted"]),
@@ -179,21 +186,34 @@ def _row(schedule: Any, r: list[int], rec: dict, kind: str, err: float, seconds:
             "check_error": err, "seconds": seconds}
 
 
+def _section(found: Found) -> dict:
+    """The record's ``tokens_auto``."""
+    s, r = found.chosen
+    return {"asked": "auto", "chosen": _plain(s), "r": list(r), "images": found.images, "candidates": found.rows,
+            "skipped": found.skipped, "check_error": found.check_error, "seconds": found.seconds,
+            "statistics_reused": sum(found.run.reused),  # type: ignore[attr-defined]
+            "latency_loop": "every candidate",
+            "rule": "lowest relative squared error of the final output vs the dense model on the check images, "
+                    "each candidate after its measured correction (edgeprune.pruning.tokens_auto, measure of "
+                    "edgeprune.allocation.select)"}
+
+
+#: ``tokens_merge="auto"`` as an axis of :func:`edgeprune.pruning.search.search`
+TOKENS_AXIS = Axis(name="tokens", flag="--tokens-merge", setting="tokens_merge", is_asked=is_tokens_auto,
+                   check=_check, candidates=candidate_schedules, skip_label=lambda s: f"{s['schedule']}",
+                   runner=_runner, row=_row, section=_section)
+
+
 def choose_tokens(model: nn.Module, calibration: Any, config, batches: Callable[[], Iterable[torch.Tensor]], *,
                   inplace: bool = False, spec: Any = None, progress: bool = False, batch_size: int = 32,
                   device: str = "cpu", calibration_info: dict | None = None,
                   measurer: Any = None) -> tuple[nn.Module, dict]:
     """``edgeprune.prune`` with ``tokens_merge="auto"``: one prune per candidate schedule, each measured and corrected
-    (module doc), the one with the smallest check error returned.
+    (module doc), the one with the smallest check error returned (:func:`edgeprune.pruning.search.search` on
+    :data:`TOKENS_AXIS`).
 
-    Args:
-        model: the dense model (not modified).
-        calibration: as for ``prune``.
-        config: a valid :class:`~edgeprune.corp.CorpConfig` with ``tokens_merge="auto"`` (a latency budget).
-        batches: callable returning fresh (B, C, H, W) calibration batches (the check images are its first
-            ``config.allocation_check_images``).
-        inplace: refused (every candidate prunes a copy).
-        spec, progress, batch_size, device, calibration_info, measurer: as for ``prune``.
+    Args: as :func:`~edgeprune.pruning.search.search` (``config`` with ``tokens_merge="auto"``, a latency budget;
+        spec, progress, batch_size, device, calibration_info, measurer: as for ``prune``).
 
     Returns:
         (the chosen candidate's pruned model, its run record). The record has ``tokens_auto``: ``candidates`` (per
@@ -209,37 +229,6 @@ def choose_tokens(model: nn.Module, calibration: Any, config, batches: Callable[
     """
     if not is_tokens_auto(config):
         raise UserError(f"choose_tokens needs tokens_merge='auto', got {config.tokens_merge!r}")
-    if inplace:
-        raise UserError("--tokens-merge auto prunes one copy per candidate; inplace=True is not supported")
-    if is_distributed():
-        raise UserError("--tokens-merge auto runs in one process for now (each rank would judge its candidates on "
-                        "its own images); run without torchrun")
-    check_config(config)
-    kept, skipped = candidate_schedules(model, config)
-    if not kept:
-        raise UserError("--tokens-merge auto: no candidate left (" + "; ".join(
-            f"{s['schedule']}: {s['reason']}" for s in skipped) + ")")
-    t0 = time.perf_counter()
-    x, dense_out = _dense_reference(model, batches, config.allocation_check_images)
-    prune_one = _pruner(model, calibration, spec, progress, batch_size, resolve_device(device), calibration_info)
-    rows: list[dict] = []
-    best = None
-    for s, r in kept:
-        t = time.perf_counter()
-        cfg = _fixed(config, s)
-        pruned, rec = _measure_and_correct(prune_one, model, prune_one(cfg), cfg, measurer)
-        with torch.no_grad():
-            err = output_error(output_tensor(pruned(x)), dense_out)
-        rows.append(_row(s, r, rec, config.budget.kind, err, time.perf_counter() - t))
-        if best is None or err < best[0]:  # ties: the lighter schedule (candidates ascend)
-            best = (err, s, r, pruned, rec)
-    _err, s, r, pruned, rec = best
-    rec["tokens_auto"] = {
-        "asked": "auto", "chosen": _plain(s), "r": list(r), "images": int(x.shape[0]), "candidates": rows,
-        "skipped": skipped, "check_error": _err, "seconds": time.perf_counter() - t0,
-        "statistics_reused": sum(prune_one.reused),  # type: ignore[attr-defined]
-        "latency_loop": "every candidate",
-        "rule": "lowest relative squared error of the final output vs the dense model on the check images, "
-                "each candidate after its measured correction (edgeprune.pruning.tokens_auto, measure of "
-                "edgeprune.allocation.select)"}
-    return pruned, rec
+    return search.search(TOKENS_AXIS, model, calibration, config, batches, inplace=inplace, spec=spec,
+                         progress=progress, batch_size=batch_size, device=device, calibration_info=calibration_info,
+                         measurer=measurer)

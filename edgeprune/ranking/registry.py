@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from edgeprune.calibration.mlp_stats import MLPStatistics
-from edgeprune.errors import UserError
+from edgeprune.registry import Registry
 
 #: what a criterion may declare in ``needs``: "energy" = the per-channel second moments of the
 #: layer's input (an :class:`MLPStatistics` pass), "positive" = also the fraction of positive
@@ -59,7 +59,8 @@ class Criterion:
         raise NotImplementedError
 
 
-_CRITERIA: dict[str, Criterion] = {}
+#: criterion name -> the registered instance (registering a name again replaces it)
+CRITERIA: Registry[Criterion] = Registry("criterion")
 
 
 def register_criterion(name: str) -> Callable[[type], type]:
@@ -69,7 +70,7 @@ def register_criterion(name: str) -> Callable[[type], type]:
     def wrap(cls: type) -> type:
         obj = cls()
         obj.name = name
-        _CRITERIA[name] = obj
+        CRITERIA.register(name, obj, replace=True)
         return cls
 
     return wrap
@@ -78,22 +79,22 @@ def register_criterion(name: str) -> Callable[[type], type]:
 def unregister_criterion(name: str) -> None:
     """Remove the criterion registered as ``name`` (no error if there is none): for criteria that
     live only as long as a test or an experiment."""
-    _CRITERIA.pop(name, None)
+    CRITERIA.unregister(name, missing_ok=True)
 
 
 def list_criteria(kind: str | None = None) -> tuple[str, ...]:
     """Registered criterion names, in registration order (those ranking ``kind`` when given)."""
-    return tuple(n for n, c in _CRITERIA.items() if kind is None or kind in c.applies_to)
+    return tuple(n for n, c in CRITERIA.items() if kind is None or kind in c.applies_to)
 
 
 def get_criterion(name: str, kind: str = "mlp") -> Criterion:
     """The criterion registered as ``name`` for channels of ``kind`` ("mlp" or "vo").
 
     Raises:
-        UserError: no criterion of that name ranks ``kind``; the message lists the known ones.
+        UserError: no criterion of that name ranks ``kind``; one line listing the ones that do.
     """
-    crit = _CRITERIA.get(name)
+    crit = CRITERIA.find(name)
     if crit is None or kind not in crit.applies_to:
         what = {"mlp": "MLP", "vo": "V/O"}.get(kind, kind)
-        raise UserError(f"unknown {what} criterion {name!r} (choose from {', '.join(list_criteria(kind))})")
+        raise CRITERIA.unknown(name, list_criteria(kind), f"{what} criterion")
     return crit

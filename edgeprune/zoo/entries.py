@@ -17,19 +17,25 @@ from edgeprune.data import fashion_mnist
 from edgeprune.data.photos import calibration_photos, eval_photos
 from edgeprune.data.sources import TensorSource
 from edgeprune.errors import UserError
+from edgeprune.registry import Registry
 from edgeprune.zoo import dinov2
 from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size, create_dinov2_s14_fmnist, fmnist_source
 from edgeprune.zoo.fmnist_vit import create_fmnist_vit
 
-#: zoo name -> entry (filled by :func:`register`)
-ZOO: dict[str, "ZooEntry"] = {}
+#: zoo name -> entry (filled by :func:`register`; registering a name again replaces it)
+ZOO: Registry["ZooEntry"] = Registry("zoo model")
 #: default calibration images of a timm model (ImageFolder data)
 TIMM_CALIB_SIZE = 256
 
 
 def register(cls: type) -> type:
-    """Class decorator: add an entry (instantiated once) to :data:`ZOO` under ``cls.name``."""
-    ZOO[cls.name] = cls()
+    """Class decorator: add an entry (instantiated once) to :data:`ZOO` under ``cls.name`` (replacing one
+    of that name).
+
+    Raises:
+        ValueError: ``cls.name`` is empty.
+    """
+    ZOO.register(cls.name, cls(), replace=True)
     return cls
 
 
@@ -195,5 +201,5 @@ class Dinov2S14Fmnist(ZooEntry):
 
 def zoo_entry(name: str) -> ZooEntry | None:
     """The zoo entry of ``name``, or None for a timm name."""
-    return ZOO.get(name)
+    return ZOO.find(name)
 

@@ -263,7 +263,7 @@ class QuantizeConfig:
         for static int8 ``ort`` when an ONNX-Runtime-only option is set
         (:meth:`ort_only_options`), else ``tensorrt``."""
         c = self.common
-        chosen = RECIPES.get(c.recipe) if c.recipe != "auto" else None
+        chosen = RECIPES.find(c.recipe) if c.recipe != "auto" else None
         if chosen is not None and chosen.serves(c.precision, c.mode):
             return c.recipe
         if c.precision != "int8":

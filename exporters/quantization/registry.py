@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import numpy as np
 
-from edgeprune.errors import UserError
+from edgeprune.registry import Registry
 
 if TYPE_CHECKING:
     from exporters.quantization.config import QuantizeConfig
@@ -113,8 +113,8 @@ class Recipe:
         raise NotImplementedError
 
 
-#: name -> the registered recipe
-RECIPES: dict[str, Recipe] = {}
+#: name -> the registered recipe (registering a name again replaces it)
+RECIPES: Registry[Recipe] = Registry("int8 recipe")
 
 
 def register_recipe(recipe: Recipe) -> Recipe:
@@ -125,24 +125,23 @@ def register_recipe(recipe: Recipe) -> Recipe:
     """
     if not recipe.name or recipe.name == "auto":
         raise ValueError(f"a recipe needs a name other than 'auto', got {recipe.name!r}")
-    RECIPES[recipe.name] = recipe
-    return recipe
+    return RECIPES.register(recipe.name, recipe, replace=True)
 
 
 def unregister_recipe(name: str) -> None:
-    """Remove a registered recipe (tests register toys and take them away again)."""
-    RECIPES.pop(name, None)
+    """Remove a registered recipe (tests register toys and take them away again; no error if there is none)."""
+    RECIPES.unregister(name, missing_ok=True)
 
 
 def get_recipe(name: str) -> Recipe:
     """The recipe registered as ``name``.
 
     Raises:
-        UserError: an unknown name (the message lists the known ones).
+        UserError: an unknown name; one line listing ``auto`` and the registered ones.
     """
     if name not in RECIPES:
-        raise UserError(f"unknown int8 recipe {name!r} (use {', '.join(('auto', *RECIPES))})")
-    return RECIPES[name]
+        raise RECIPES.unknown(name, ("auto", *RECIPES))
+    return RECIPES.get(name)
 
 
 __all__ = ["Converted", "RECIPES", "Recipe", "RecipeJob", "get_recipe", "register_recipe", "unregister_recipe"]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from edgeprune.errors import UserError
+from edgeprune.registry import Registry
 from exporters.quantization.stats import ActStats
 from exporters.quantization.qdq import GemmNode, quantize_weight
 
@@ -39,27 +39,25 @@ QMAX = 127
 #: GPTQ's dampening: this share of the mean diagonal of H added to the diagonal (Frantar et al.: 1%)
 DAMP = 0.01
 
-#: name -> fn(w (K, O) float, gram (K, K) float64 or None) -> (q int8 (K, O), scale float32 (O,))
-WEIGHT_ROUNDING: dict[str, Callable[[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray]]] = {}
+#: name -> fn(w (K, O) float, gram (K, K) float64 or None) -> (q int8 (K, O), scale float32 (O,));
+#: registering a name again replaces it
+WEIGHT_ROUNDING: Registry[Callable[[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray]]] = Registry(
+    "weight rounding")
 
 
 def register_weight_rounding(name: str):
-    """Decorator: register ``fn(w, gram) -> (q, scale)`` under ``name`` (``--weight-rounding``)."""
-    def deco(fn):
-        WEIGHT_ROUNDING[name] = fn
-        return fn
-    return deco
+    """Decorator: register ``fn(w, gram) -> (q, scale)`` under ``name`` (``--weight-rounding``; replacing one
+    of that name)."""
+    return WEIGHT_ROUNDING.decorator(name, replace=True)
 
 
 def get_weight_rounding(name: str) -> Callable[[np.ndarray, np.ndarray | None], tuple[np.ndarray, np.ndarray]]:
     """The registered rounding ``name``.
 
     Raises:
-        UserError: an unknown name (the message lists the known ones).
+        UserError: an unknown name; one line listing the known ones.
     """
-    if name not in WEIGHT_ROUNDING:
-        raise UserError(f"unknown weight rounding {name!r} (use {' or '.join(sorted(WEIGHT_ROUNDING))})")
-    return WEIGHT_ROUNDING[name]
+    return WEIGHT_ROUNDING.get(name)
 
 
 def round_nearest(w: np.ndarray, gram: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """The optional heal stage of ``edgeprune deploy`` (issue 42): ``edgeprune heal`` of the pruned run.
 
 Between prune and export, ``--heal`` (or ``heal = true`` in the recipe's ``[heal]`` section) runs
-the callback of ``edgeprune heal`` in-process on ``OUT/run`` with the deploy's calibration and
+``edgeprune heal``'s job (:func:`edgeprune.jobs.heal_run.heal_run`) on ``OUT/run`` with the deploy's calibration and
 evaluation settings (the same images as the prune) and ``--heal-epochs`` / ``--heal-lr``, writing
 ``OUT/healed`` (a normal run directory whose record holds the ``healing`` entry). The export, the
 verify and the report then use the healed run. An interrupted heal leaves its per-epoch checkpoint
@@ -17,12 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-import click
-
 from edgeprune.atomic import atomic_write_text
-from edgeprune.cli.deploy_state import hash_settings
-from edgeprune.cli.heal import heal_cmd
+from edgeprune.deploy.state import hash_settings
 from edgeprune.errors import UserError
+from edgeprune.jobs.heal_run import heal_run
 
 #: heal's own defaults (``edgeprune heal --epochs/--lr``), for the stage's description
 HEAL_DEFAULTS = {"epochs": 10, "lr": 1e-4}
@@ -42,11 +40,12 @@ def check_heal(o: dict[str, Any]) -> None:
 
 
 def heal_step(o: dict[str, Any], run: Path, healed: Path, listing: Callable[[Any], str | None],
-              call: Callable[..., Any]) -> dict[str, Any]:
-    """The plan entry of the heal stage (see :func:`edgeprune.cli.deploy_cmd._plan`): ``skip`` without
+              recipe: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """The plan entry of the heal stage (see :func:`edgeprune.deploy.plan.plan`): ``skip`` without
     ``--heal``, else settings / inputs / outputs / run / what.
 
-    ``listing`` hashes a data folder's listing; ``call`` is ``deploy_cmd.call_command``.
+    ``listing`` hashes a data folder's listing; ``recipe(command, given, path, values)`` writes the healed
+    run's recipe (the CLI's; None: no recipe file).
     """
     if not o.get("heal"):
         return {"skip": "not asked (--heal heals the pruned run with STARFISH before the export)"}
@@ -59,9 +58,11 @@ def heal_step(o: dict[str, Any], run: Path, healed: Path, listing: Callable[[Any
     epochs = given.get("epochs", HEAL_DEFAULTS["epochs"])
     lr = given.get("lr", HEAL_DEFAULTS["lr"])
 
-    def run_heal(ctx: click.Context) -> None:
+    def run_heal() -> None:
         _drop_stale_checkpoint(healed, hash_settings(settings))
-        call(ctx, heal_cmd, quiet=o["quiet"], **given)
+        writer = None if recipe is None else (lambda path, values: recipe("heal", {"quiet": o["quiet"], **given},
+                                                                          path, values))
+        heal_run(quiet=o["quiet"], echo=o["echo"], write_recipe=writer, **given)
         healed.with_name(healed.name + ".partial.json").unlink(missing_ok=True)
 
     return {"settings": settings,

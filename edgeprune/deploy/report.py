@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from edgeprune.artifact import read_record
-from edgeprune.cli.deploy_heal import heal_markdown, heal_summary
-from edgeprune.cli.deploy_plot import write_plot
-from edgeprune.cli.deploy_state import STAGES, DeployState, write_if_changed
+from edgeprune.deploy.heal import heal_markdown, heal_summary
+from edgeprune.deploy.plot import write_plot
+from edgeprune.deploy.state import STAGES, DeployState, write_if_changed
 
 
 def _json(path: Path) -> dict[str, Any] | None:
