@@ -72,7 +72,7 @@ _BLOCK = Obj({**{k: Req(Int(min=0)) for k in BLOCK_INT_KEYS}, "index": Int(min=0
 _CALIBRATION = Obj({"source": Str(nullable=True), "num_images": Int(min=0, nullable=True),
                     "size_requested": Int(min=1, nullable=True), "seed": Int(nullable=True),
                     "batch_size": Int(min=1, nullable=True), "passes": Int(min=0, nullable=True),
-                    # the --calib folder (absolute) and its content hash (edgeprune.cli.calib_reuse), issue 42
+                    # the --calib folder (absolute) and its content hash (edgeprune.jobs.calib_reuse), issue 42
                     "folder": Str(nullable=True), "folder_sha256": Str(nullable=True),
                     "eval_folder": Str(nullable=True)})  # the --eval-data folder (absolute), issue 52
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from edgeprune.artifact import read_record
-from edgeprune.cli.calib_reuse import folder_sha256, heldout_source
+from edgeprune.jobs.calib_reuse import folder_sha256, heldout_source
 from edgeprune.errors import UserError
 from tests.conftest import assert_one_line_error, run_cli
 from tests.test_bad_input import _checkpoint

@@ -14,7 +14,7 @@ from edgeprune.artifact import check_writable
 from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.options import (check_readable_dir, device_option, eval_options, fmt_metric, load_model,
                                    make_spec, model_options, quiet_option, torch_device_of)
-from edgeprune.cli.calib_reuse import heldout_source, recorded_eval_folder, recorded_folder
+from edgeprune.jobs.calib_reuse import heldout_source, recorded_eval_folder, recorded_folder
 from edgeprune.evaluate import evaluate, evaluate_target_classes
 from edgeprune.flops import block_tokens, count_params, model_flops
 from edgeprune.loading import load_base_model

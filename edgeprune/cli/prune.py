@@ -13,7 +13,7 @@ from edgeprune.cli.options import (FINITE, calibration_options, check_budget_opt
                                    check_readable_dir, device_option, eval_options, latency_table_option,
                                    latency_correction_options, make_spec, model_options, out_option, quiet_option,
                                    torch_device_of)
-from edgeprune.cli.calib_reuse import calibration_fields
+from edgeprune.jobs.calib_reuse import calibration_fields
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, tokens_choice, write_recipe
 from edgeprune.corp import LAYOUTS, list_qk_solvers
 from edgeprune.distributed import is_main_process, process_group
