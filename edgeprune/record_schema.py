@@ -179,6 +179,7 @@ RECORD_SCHEMA = Obj({
     "bias_correction": _BIAS,
     "settings": _SETTINGS,
     "config": _CONFIG,
+    "sections": MapOf(Obj({}, want="an object"), nullable=True),  # issue 53: the declared settings (informational)
     "timing": Obj({"total_s": Num(ge=0), "calibration_s": Num(ge=0), "solve_s": Num(ge=0),
                    "split": MapOf(Num(ge=0))}, nullable=True),  # issue 40: the budgeted prune's cost split
     "healing": _OBJ_OR_NULL, "derivation": _OBJ_OR_NULL,

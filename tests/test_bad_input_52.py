@@ -217,7 +217,7 @@ def test_replay_rounds_and_the_tokens_choice_of_a_measured_run():
     assert values == {"tokens-merge": "2,1,0"} and "chose 2,1,0" in notes["tokens-merge"]
     text = recipe_text(ctx, values, notes, rounds)
     data = tomllib.loads(text)
-    assert data["method"]["tokens-merge"] == "2,1,0" and data["replay"]["latency"][1]["budget-value"] == 0.41
+    assert data["tokens"]["tokens-merge"] == "2,1,0" and data["replay"]["latency"][1]["budget-value"] == 0.41
     assert tokens_choice(cli.commands["prune"].make_context("prune", ["--flops", "0.5"]), rec) == ({}, {})
 
 

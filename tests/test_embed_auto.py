@@ -13,7 +13,7 @@ import edgeprune
 from edgeprune.allocation.select import output_error
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import load_run, save_run
-from edgeprune.cli.prune import _report_embed_auto
+from edgeprune.jobs.prune_report import report_embed_auto as _report_embed_auto
 from edgeprune.corp import CorpConfig
 from edgeprune.pruning.embed_auto import candidate_sparsities
 from edgeprune.embed.fold import fold_layerscale, map_writers, stream_parts

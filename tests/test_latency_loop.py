@@ -355,13 +355,14 @@ def test_next_value_steps():
         next_value([], 0.5)
 
 
-@pytest.mark.parametrize("kw, msg", [({"correction_tolerance": 0.0}, "latency-tolerance"),
-                                     ({"correction_tolerance": float("nan")}, "latency-tolerance"),
-                                     ({"correction_tolerance": 1.5}, "latency-tolerance"),
-                                     ({"correction_rounds": -1}, "latency-rounds"),
-                                     ({"correction_rounds": 2.5}, "latency-rounds"),
-                                     ({"correction_rounds": True}, "latency-rounds"),
-                                     ({"verify_budget": "yes"}, "verify budget")])
+# a Python caller is told the setting by its keyword (issue 53; the command line: tests/test_bad_input_41.py)
+@pytest.mark.parametrize("kw, msg", [({"correction_tolerance": 0.0}, "^correction_tolerance must"),
+                                     ({"correction_tolerance": float("nan")}, "^correction_tolerance must"),
+                                     ({"correction_tolerance": 1.5}, "^correction_tolerance must"),
+                                     ({"correction_rounds": -1}, "^correction_rounds must"),
+                                     ({"correction_rounds": 2.5}, "^correction_rounds must"),
+                                     ({"correction_rounds": True}, "^correction_rounds must"),
+                                     ({"verify_budget": "yes"}, "^verify_budget must")])
 def test_bad_correction_settings_are_refused_before_any_pass(table, kw, msg):
     calls = []
 

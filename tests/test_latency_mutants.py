@@ -488,12 +488,12 @@ def test_next_value_factor_secant_and_fallbacks():
 
 
 def test_check_correction_bounds():
-    from edgeprune.pruning.latency_loop import check_correction
+    from edgeprune.budget.correction import check_correction
 
     check_correction(True, 0.5, 0)
     check_correction(False, 0.999, 10)
     check_correction(True, 1e-6, 5)
-    for args, msg in [((1, 0.5, 1), "verify budget"), ((True, 0, 1), "tolerance"), ((True, 1, 1), "tolerance"),
+    for args, msg in [((1, 0.5, 1), "verify_budget"), ((True, 0, 1), "tolerance"), ((True, 1, 1), "tolerance"),
                       ((True, 1.0, 1), "tolerance"), ((True, True, 1), "tolerance"), ((True, "0.1", 1), "tolerance"),
                       ((True, 0.1, -1), "rounds"), ((True, 0.1, 11), "rounds"), ((True, 0.1, True), "rounds"),
                       ((True, 0.1, 1.0), "rounds")]:

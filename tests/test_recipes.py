@@ -15,7 +15,7 @@ import pytest
 from click.core import ParameterSource
 
 from edgeprune.cli.main import cli
-from edgeprune.cli.recipe import SECTIONS, recipe_params, recipe_text, section_of
+from edgeprune.cli.recipe import command_tables, recipe_params, recipe_text, section_of
 from edgeprune.cli.recipe_toml import toml_value as _toml_value
 from edgeprune.errors import UserError
 from tests.conftest import assert_one_line_error, needs_fmnist, run_cli
@@ -39,7 +39,7 @@ def _recipe(tmp_path: Path, text: str, name: str = "r.toml") -> Path:
 def test_every_option_has_one_section_and_the_table_names_only_options(command):
     cmd = cli.commands[command]
     keys = set(recipe_params(cmd))
-    table = [k for ks in SECTIONS[command].values() for k in ks]
+    table = [k for ks in command_tables(cmd).values() for k in ks]  # the job's table + the declared sections'
     assert len(table) == len(set(table)), f"a key in two sections: {sorted(k for k in table if table.count(k) > 1)}"
     assert set(table) == keys, (f"options without a section: {sorted(keys - set(table))}; "
                                 f"keys that are no option: {sorted(set(table) - keys)}")

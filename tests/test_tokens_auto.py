@@ -13,7 +13,7 @@ import edgeprune
 from edgeprune.allocation.select import output_error
 from edgeprune.anatomy import find_anatomy
 from edgeprune.api import corp_config
-from edgeprune.cli.prune import _report_tokens_auto
+from edgeprune.jobs.prune_report import report_tokens_auto as _report_tokens_auto
 from edgeprune.errors import UserError
 from edgeprune.record_schema import check_record
 from edgeprune.pruning.tokens_auto import candidate_schedules, default_candidates

@@ -25,9 +25,11 @@ import torch
 
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.cli.help import RecipeCommand
+from edgeprune.budget.correction import Correction
+from edgeprune.cli import generate
 from edgeprune.cli.options import (FINITE, check_ignored_options, check_readable_dir, device_option, eval_options,
-                                   latency_correction_options, latency_table_option, make_spec, model_options,
-                                   out_option, quiet_option, torch_device_of)
+                                   latency_table_option, make_spec, model_options, out_option, quiet_option,
+                                   torch_device_of)
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, write_recipe
 from edgeprune.errors import UserError
 from edgeprune.nuwa.config import DeriveConfig
@@ -39,7 +41,11 @@ from edgeprune.pruning.latency_check import latency_report
 from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 
 
-@click.command("derive", cls=RecipeCommand)
+#: the verbs of the correction options' help (``edgeprune.budget.correction``)
+CORRECTION_WORDS = {"redo": "re-plan", "made": "derived", "reference": "base"}
+
+
+@click.command("derive", cls=RecipeCommand, settings_sections=(Correction,))
 @model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
 @click.option("--classes", required=True,
               help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag').")
@@ -52,7 +58,7 @@ from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
                    "milliseconds per batch of the table's batch size (12ms); head dims and MLP widths on the "
                    "table's grid, every head kept.")
 @latency_table_option
-@latency_correction_options("re-plan", "derived", "base")
+@generate.options((Correction,), CORRECTION_WORDS)
 @click.option("--slice-head", is_flag=True,
               help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
 @click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
@@ -88,8 +94,8 @@ from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, classes, flops, params,
                latency, latency_table, slice_head, data, train_data, train_per_class, calib_dir, calib_size, val_size,
                skp_steps, skp_batch_size, skp_eval_every, lr_beta, lr_mask, weight_decay, rho, key_bias, ridge_alpha,
-               eval_data, eval_size, no_eval, no_cache, seed, threads, device, out, quiet, latency_tolerance=None,
-               latency_rounds=None, verify_latency=True, torch_device=None):
+               eval_data, eval_size, no_eval, no_cache, seed, threads, device, out, quiet, correction_tolerance=0.03,
+               correction_rounds=3, verify_budget=True, torch_device=None):
     """Derive a class-specific model with NuWa.
 
     SKP masks, SVD attention truncation and least-squares MLP pruning, under a FLOPs, params or
@@ -108,8 +114,7 @@ def derive_cmd(model_name, checkpoint, random_init, num_classes, img_size, model
                       weight_decay=weight_decay, eval_every=skp_eval_every, seed=seed),
         head="slice" if slice_head else "suppress", val_size=val_size, calib_size=calib_size, rho=rho,
         key_bias=key_bias, ridge_alpha=ridge_alpha, cache=not no_cache, seed=seed, device=device,
-        **{k: v for k, v in (("correction_tolerance", latency_tolerance), ("correction_rounds", latency_rounds),
-                             ("verify_budget", verify_latency)) if v is not None})
+        **Correction(verify_budget, correction_tolerance, correction_rounds).validate().to_dict())
     cfg.validate()
     if out is not None:
         check_new_dir(out)

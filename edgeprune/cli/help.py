@@ -13,26 +13,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import click
 from rich.text import Text
 from rich_click import RichCommand
 from rich_click.rich_panel import RichOptionPanel
 
-from edgeprune.cli.recipe import (ORDER, budget_from_command_line, config_option, name_recipe_keys, param_key,
-                                  recipe_params, section_of)
+from edgeprune.cli.generate import essential_keys, section_titles, spelling
+from edgeprune.cli.recipe import (budget_from_command_line, config_option, name_recipe_keys, param_key, recipe_params,
+                                  section_of, section_order)
 from edgeprune.errors import UserError
+from edgeprune.settings import Section, SettingError
 
 #: the ctx.meta key set by --help-all
 META_HELP_ALL = "edgeprune.help_all"
 
 _HELP = ["config", "help-all", "help"]
 
+#: where a command's declared settings marked ``essential`` go among its own essentials (``edgeprune.settings``)
+SETTINGS_MARK = "*settings*"
+
 #: command -> the options its --help shows (the rest: --help-all)
 ESSENTIALS: dict[str, list[str]] = {
-    "prune": ["model", "checkpoint", "calib", "target", "sparsity", "flops", "params", "latency", "latency-table",
-              "eval-data", "device", "out"],
+    "prune": ["model", "checkpoint", "calib", "*settings*", "eval-data", "device", "out"],
     "heal": ["calib", "calib-size", "epochs", "lr", "eval-data", "holdout", "device", "out"],
     "derive": ["model", "checkpoint", "classes", "flops", "params", "latency", "latency-table", "train-data",
                "calib", "eval-data", "device", "out"],
@@ -54,8 +58,10 @@ def _help_all_callback(ctx: click.Context, param: click.Parameter, value: bool) 
 class RecipeCommand(RichCommand):
     """A command with grouped help (essentials / --help-all) and ``--config FILE.toml``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, settings_sections: Sequence[type[Section]] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: the declared settings sections whose options the command has (``edgeprune.cli.generate``)
+        self.settings_sections = tuple(settings_sections)
         self.params.append(config_option())
         self.params.append(click.Option(["--help-all"], is_flag=True, is_eager=True, expose_value=False,
                                         callback=_help_all_callback, help="Show every option, by group."))
@@ -69,6 +75,8 @@ class RecipeCommand(RichCommand):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except SettingError as err:  # named by its option (the command line's and the recipe's spelling)
+            raise name_recipe_keys(ctx, err.spelled(spelling(self.settings_sections))) from None
         except UserError as err:
             raise name_recipe_keys(ctx, err) from None
 
@@ -76,17 +84,22 @@ class RecipeCommand(RichCommand):
     def essentials(self) -> list[str]:
         """The keys --help shows (the command's essentials, then --config, --help-all, --help)."""
         keys = recipe_params(self)
-        return [k for k in ESSENTIALS.get(str(self.name), []) if k in keys] + _HELP
+        own = ESSENTIALS.get(str(self.name), [])
+        if SETTINGS_MARK in own:
+            i = own.index(SETTINGS_MARK)
+            own = own[:i] + essential_keys(self.settings_sections) + own[i + 1:]
+        return [k for k in own if k in keys] + _HELP
 
     def groups(self) -> dict[str, list[str]]:
         """``{group title: keys}`` of the options --help leaves out (recipe sections, in order)."""
         shown, sections = set(self.essentials()), section_of(self)
         options = {param_key(p) for p in self.params if isinstance(p, click.Option)}
+        titles = section_titles(self.settings_sections)
         out: dict[str, list[str]] = {}
-        for section in ORDER:
+        for section in section_order(self):
             keys = [k for k, s in sections.items() if s == section and k not in shown and k in options]
             if keys:
-                out[section.capitalize()] = keys
+                out[titles.get(section, section.capitalize())] = keys
         return out
 
     def _opt(self, key: str) -> str:
@@ -118,4 +131,4 @@ class RecipeCommand(RichCommand):
                                  "--help-all\n"))  # type: ignore[arg-type]
 
 
-__all__ = ["ESSENTIALS", "RecipeCommand", "META_HELP_ALL"]
+__all__ = ["ESSENTIALS", "SETTINGS_MARK", "RecipeCommand", "META_HELP_ALL"]

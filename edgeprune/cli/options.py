@@ -177,10 +177,16 @@ def quiet_option(f: Callable) -> Callable:
 
 
 def latency_table_option(f: Callable) -> Callable:
-    """``--latency-table FILE``: the table a ``--latency`` budget is priced on (prune, derive)."""
+    """``--latency-table FILE``: the table a ``--latency`` budget is priced on (derive, deploy; prune declares it in
+    ``edgeprune.budget.settings``)."""
     return click.option("--latency-table", "latency_table", default=None, metavar="FILE",
                         help="The latency table of --latency (made by `edgeprune latency-table --model M "
                              "--device PROFILE`).")(f)
+
+
+def no_eval_option(help_text: str) -> Callable:
+    """``--no-eval``: skip the evaluation (``help_text`` says which)."""
+    return click.option("--no-eval", is_flag=True, help=help_text)
 
 
 def out_option(default_help: str) -> Callable:
@@ -195,29 +201,6 @@ def out_option(default_help: str) -> Callable:
 
 
 
-
-
-def latency_correction_options(redo: str, made: str, reference: str) -> Callable[[Callable], Callable]:
-    """``--latency-tolerance``, ``--latency-rounds``, ``--verify-latency/--no-verify-latency`` of a command with
-    ``--latency`` (prune: ``redo`` "re-allocate" the ``made`` "pruned" model against the ``reference`` "dense" one;
-    derive: re-plan, derived, base); ``edgeprune.pruning.latency_loop``."""
-    options = [
-        click.option("--latency-tolerance", type=FINITE, default=None, metavar="F",
-                     help=f"With --latency: {redo} while the measured latency misses the budget by more than this "
-                          "fraction [0.03]."),
-        click.option("--latency-rounds", type=int, default=None, metavar="N",
-                     help=f"With --latency: at most N times {redo} with the corrected budget, 0-10 [3]."),
-        click.option("--verify-latency/--no-verify-latency", "verify_latency", default=True,
-                     help=f"With --latency: bench the {made} model against the {reference} one (interleaved) on "
-                          "the table's backend when it is present here, and record predicted vs measured latency."),
-    ]
-
-    def deco(f: Callable) -> Callable:
-        for opt in reversed(options):
-            f = opt(f)
-        return f
-
-    return deco
 
 
 def check_budget_options(ctx: click.Context) -> None:
@@ -236,9 +219,10 @@ def check_budget_options(ctx: click.Context) -> None:
     given.update({f"--{k.replace('_', '-')}": p.get(k)
                   for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
     refuse_sparsities_with_budget(budget, given)
-    for name in ("check_images", "sensitivity_images"):
-        if budget is None and p.get(name) is not None:
-            raise UserError(f"--{name.replace('_', '-')} goes with --flops/--params/--latency (it measures the "
+    for name, flag in (("allocation_check_images", "--check-images"),
+                       ("allocation_sensitivity_images", "--sensitivity-images")):
+        if budget is None and _given(ctx, name):
+            raise UserError(f"{flag} goes with --flops/--params/--latency (it measures the "
                             "budget's candidate allocations); without a budget there is nothing to measure")
 
 
@@ -267,19 +251,19 @@ def check_ignored_options(ctx: click.Context) -> None:
         UserError: one line naming the option and the one it goes with.
     """
     p = ctx.params
-    if p.get("latency") is None and _given(ctx, "verify_latency"):
-        flag = "--verify-latency" if p.get("verify_latency") else "--no-verify-latency"
+    if p.get("latency") is None and _given(ctx, "verify_budget"):
+        flag = "--verify-latency" if p.get("verify_budget") else "--no-verify-latency"
         raise UserError(f"{flag} goes with --latency (it benches the pruned model against the dense one on the "
                         "latency table's backend); without a latency budget there is nothing to verify")
-    for name in ("latency_tolerance", "latency_rounds"):
-        if p.get(name) is not None and p.get("latency") is None:
-            raise UserError(f"--{name.replace('_', '-')} goes with --latency (the measure-and-correct loop of a "
+    for name, flag in (("correction_tolerance", "--latency-tolerance"), ("correction_rounds", "--latency-rounds")):
+        if _given(ctx, name) and p.get("latency") is None:
+            raise UserError(f"{flag} goes with --latency (the measure-and-correct loop of a "
                             "latency budget); without one there is nothing to correct")
-        if p.get(name) is not None and p.get("verify_latency") is False:
-            raise UserError(f"--{name.replace('_', '-')} needs the measurement that --no-verify-latency turns off")
+        if _given(ctx, name) and p.get("verify_budget") is False:
+            raise UserError(f"{flag} needs the measurement that --no-verify-latency turns off")
     if _no_embed_slice(p.get("embed_sparsity")):
         for name in ("embed_order", "embed_refit"):
-            if p.get(name) is not None and _given(ctx, name):
+            if name in p and _given(ctx, name):
                 raise UserError(f"--{name.replace('_', '-')} goes with --embed-sparsity S (S > 0 or auto: the "
                                 "residual-stream slicing it configures); without it nothing is sliced")
 

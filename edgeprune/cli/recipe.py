@@ -31,7 +31,6 @@ are :mod:`edgeprune.cli.recipe_replay`'s; TOML values are :mod:`edgeprune.cli.re
 from __future__ import annotations
 
 import difflib
-import json
 import re
 import tomllib
 from pathlib import Path
@@ -41,11 +40,13 @@ import click
 from click.core import ParameterSource
 
 from edgeprune.atomic import atomic_write_text
+from edgeprune.cli.generate import section_table
 from edgeprune.cli.recipe_replay import (REPLAY, REPLAYS, ReplayMeasurer, follow_output, read_replay, replay_lines,
                                          replay_measurer, replay_rounds, tokens_choice)
-from edgeprune.cli.recipe_toml import META_FILE, META_KEYS, META_REPLAY, non_finite, shown, toml_value
+from edgeprune.cli.recipe_toml import META_FILE, META_KEYS, META_REPLAY, convert_value, shown, toml_value
 from edgeprune.errors import UserError
 
+#: the order of a command's own tables; its declared settings' sections go after ``data``, in their order
 ORDER = ("model", "data", "budget", "method", "heal", "output", "runtime")
 
 _MODEL = ["model", "checkpoint", "random-init", "num-classes", "img-size", "model-kwargs"]
@@ -55,14 +56,9 @@ _DEVICE = ["device", "torch-device", "quiet"]
 
 #: command -> section -> option keys (every option of the command, in one section)
 SECTIONS: dict[str, dict[str, list[str]]] = {
-    "prune": {
+    "prune": {  # the job's own options; the settings' tables are their sections (edgeprune.pruning.settings)
         "model": _MODEL,
         "data": _CALIB + _EVAL,
-        "budget": ["target", "sparsity", "mlp-sparsity", "attn-sparsity", "v-sparsity", "head-sparsity", "flops",
-                   "params", "latency", "latency-table", "latency-tolerance", "latency-rounds", "verify-latency"],
-        "method": ["layout", "criterion", "no-compensation", "ridge-alpha", "qk-ridge-alpha", "qk-solver", "round-to",
-                   "gram-tokens", "check-images", "sensitivity-images", "bias-correction", "head-refit", "last-block",
-                   "embed-sparsity", "embed-order", "embed-refit", "sequential", "tokens-merge"],
         "output": ["out"],
         "runtime": _DEVICE,
     },
@@ -76,8 +72,7 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
     "derive": {
         "model": _MODEL + ["classes"],
         "data": ["data", "train-data", "train-per-class", "calib", "calib-size", "val-size", "seed"] + _EVAL,
-        "budget": ["flops", "params", "latency", "latency-table", "latency-tolerance", "latency-rounds",
-                   "verify-latency"],
+        "budget": ["flops", "params", "latency", "latency-table"],
         "method": ["slice-head", "skp-steps", "skp-batch-size", "skp-eval-every", "lr-beta", "lr-mask",
                    "weight-decay", "rho", "key-bias", "ridge-alpha"],
         "output": ["out"],
@@ -110,6 +105,18 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
     },
 }
 
+#: where a key stood in the recipes of 9c01182 (before the settings had their sections, issue 53): still read there
+LEGACY_SECTIONS: dict[str, dict[str, list[str]]] = {
+    "prune": {
+        "budget": ["target", "sparsity", "mlp-sparsity", "attn-sparsity", "v-sparsity", "head-sparsity", "flops",
+                   "params", "latency", "latency-table", "latency-tolerance", "latency-rounds", "verify-latency"],
+        "method": ["layout", "criterion", "no-compensation", "ridge-alpha", "qk-ridge-alpha", "qk-solver", "round-to",
+                   "gram-tokens", "check-images", "sensitivity-images", "bias-correction", "head-refit", "last-block",
+                   "embed-sparsity", "embed-order", "embed-refit", "sequential", "tokens-merge"],
+    },
+    "derive": {"budget": ["latency-tolerance", "latency-rounds", "verify-latency"]},
+}
+
 #: the budget keys: at most one per recipe (a sparsity key is the fourth kind, "sparsity")
 BUDGET_KEYS = ("flops", "params", "latency")
 SPARSITY_KEYS = ("sparsity", "mlp-sparsity", "attn-sparsity", "v-sparsity", "head-sparsity")
@@ -138,63 +145,36 @@ def recipe_params(command: click.Command) -> dict[str, click.Parameter]:
     return {param_key(p): p for p in command.params if p.name not in NOT_RECIPE}
 
 
+def command_tables(command: click.Command) -> dict[str, list[str]]:
+    """``{section: keys}`` of a command: its job options (:data:`SECTIONS`), then the tables of its declared
+    settings (``settings_sections``: one table per section, ``edgeprune.cli.generate.section_table``)."""
+    table = dict(SECTIONS.get(str(command.name), {}))
+    table.update(section_table(getattr(command, "settings_sections", ())))
+    return table
+
+
+def section_order(command: click.Command) -> list[str]:
+    """The command's tables in file / help order: ``model``, ``data``, its declared settings' sections (in their
+    order), then the rest of :data:`ORDER`."""
+    declared = [s.name for s in getattr(command, "settings_sections", ())]
+    order = [s for s in ORDER[:2] if s not in declared] + declared + [s for s in ORDER[2:] if s not in declared]
+    tables = set(command_tables(command))
+    return [s for s in order if s in tables] + sorted(tables - set(order))
+
+
 def section_of(command: click.Command) -> dict[str, str]:
-    """``{key: section}`` of a command's options (:data:`SECTIONS`); an option the table does not
+    """``{key: section}`` of a command's options (:func:`command_tables`); an option the table does not
     name yet goes to ``method`` (tests/test_recipes.py asks for every option in the table)."""
-    table = {k: s for s, keys in SECTIONS.get(str(command.name), {}).items() for k in keys}
+    table = {k: s for s, keys in command_tables(command).items() for k in keys}
     return {k: table.get(k, "method") for k in recipe_params(command)}
 
 
+def legacy_section_of(command: click.Command) -> dict[str, str]:
+    """``{key: section}`` of the keys a recipe of 9c01182 placed elsewhere (:data:`LEGACY_SECTIONS`)."""
+    return {k: s for s, keys in LEGACY_SECTIONS.get(str(command.name), {}).items() for k in keys}
+
+
 # ---- reading ------------------------------------------------------------------------------------
-def _kind_error(param: click.Parameter, value: Any) -> str | None:
-    """Why ``value`` (a TOML value) has the wrong type for ``param``, or None."""
-    t = param.type
-    if isinstance(param, click.Option) and param.is_flag:
-        return None if isinstance(value, bool) else "wants true or false"
-    if isinstance(value, bool):
-        number = isinstance(t, (click.types.IntParamType, click.types.FloatParamType))
-        return f"wants {'a number' if number else 'a string'}, not true/false"
-    if isinstance(t, click.types.IntParamType):
-        return None if isinstance(value, int) else "wants an integer"
-    if isinstance(t, click.types.FloatParamType):
-        return None if isinstance(value, (int, float)) else "wants a number"
-    if param.name == "model_kwargs":
-        return None if isinstance(value, (dict, str)) else "wants a table (inline: {depth = 6}) or a string"
-    if isinstance(t, click.types.StringParamType):  # budgets: "0.5" or 0.5, "2.3G", "12ms"
-        return None if isinstance(value, (str, int, float)) else "wants a string"
-    return None if isinstance(value, str) else "wants a string"
-
-
-def _convert(param: click.Parameter, key: str, value: Any, where: str, ctx: click.Context) -> Any:
-    """The value of one recipe key, checked by the option's own type (click's conversion).
-
-    Raises:
-        UserError: one line naming the key and the file.
-    """
-    if value is None:
-        return None
-    if non_finite(value):  # nan / inf / -inf anywhere (TOML has them), for any key: before the type check
-        raise UserError(f"{where} {key} = {shown(value)}: not a finite number")
-    items = value if param.multiple else None
-    if param.multiple and not isinstance(value, list):
-        raise UserError(f"{where} {key} = {shown(value)}: wants a list (--{key} is repeatable)")
-    for v in items if items is not None else [value]:
-        why = _kind_error(param, v)
-        if why:
-            raise UserError(f"{where} {key} = {shown(v)}: {why}")
-        if param.name == "model_kwargs" or (isinstance(param, click.Option) and param.is_flag):
-            continue
-        try:
-            param.type.convert(str(v) if isinstance(param.type, click.types.StringParamType) else v, param, ctx)
-        except click.BadParameter as err:
-            raise UserError(f"{where} {key} = {shown(v)}: {err.message}") from None
-    if isinstance(value, dict):  # model-kwargs: an inline table -> the option's K=V,... text (values as JSON)
-        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items())
-    if items is None and isinstance(param.type, click.types.StringParamType):
-        return str(value)
-    return value
-
-
 def plain_default(param: click.Parameter, ctx: click.Context) -> Any:
     """The option's own default (not a recipe's; None for click's "unset" sentinel)."""
     saved, ctx.default_map = ctx.default_map, None
@@ -235,19 +215,19 @@ def load_recipe(path: str | Path, command: click.Command, ctx: click.Context) ->
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"{p}: not valid TOML: {err}") from None
     name = str(command.name)
-    params, sections = recipe_params(command), section_of(command)
+    params, sections, legacy = recipe_params(command), section_of(command), legacy_section_of(command)
     out: dict[str, Any] = {}
     keys: dict[str, str] = {}  # key -> "[section]"
     for section, table in data.items():
         if section == REPLAY and name in REPLAYS:
             ctx.meta[META_REPLAY] = read_replay(p, table)
             continue
-        if section not in set(sections.values()):
+        if section not in set(sections.values()) | set(legacy.values()):
             if not isinstance(table, dict):
                 raise UserError(f"{p}: {section} = ...: keys go into a section "
                                 f"([{sections.get(section, 'model')}] ...), not at the top")
             raise UserError(f"{p}: unknown section [{section}] for {name} (sections: "
-                            f"{', '.join(s for s in ORDER if s in sections.values())})")
+                            f"{', '.join(section_order(command))})")
         if not isinstance(table, dict):
             raise UserError(f"{p}: {section} must be a section ([{section}]), not a value")
         for key, value in table.items():
@@ -256,10 +236,10 @@ def load_recipe(path: str | Path, command: click.Command, ctx: click.Context) ->
                 near = difflib.get_close_matches(key.replace("_", "-"), list(params), n=1)
                 hint = f" (did you mean {near[0]}?)" if near else ""
                 raise UserError(f"{where} {key}: unknown key for edgeprune {name}{hint}")
-            if sections.get(key) != section:
+            if sections.get(key) != section and legacy.get(key) != section:
                 raise UserError(f"{where} {key}: belongs in [{sections.get(key)}]")
             param = params[key]
-            value = _convert(param, key, value, where, ctx)
+            value = convert_value(param, key, value, where, ctx)
             if key in NEVER_RECORDED and value:
                 raise UserError(f"{where} {key} = {shown(value)}: a recipe never overwrites (type --{key} on the "
                                 "command line to overwrite)")
@@ -327,7 +307,7 @@ def name_recipe_keys(ctx: click.Context, err: UserError) -> UserError:
     set (so a conflict found by a command's own checks still names the file)."""
     keys = ctx.meta.get(META_KEYS) or {}
     named = [k for k in keys.values()
-             if re.search(rf"--(no-)?{re.escape(k)}\b|^{re.escape(k)} ", str(err))]
+             if re.search(rf"--(no-)?{re.escape(k)}(?![\w-])|^{re.escape(k)} ", str(err))]
     if named and ctx.meta.get(META_FILE) and ctx.meta[META_FILE] not in str(err):
         err.args = (f"{err} ({', '.join(named)} from {ctx.meta[META_FILE]})", *err.args[1:])
     return err
@@ -346,7 +326,7 @@ def recipe_text(ctx: click.Context, values: dict[str, Any] | None = None, notes:
     values, notes = values or {}, notes or {}
     lines = [f"# edgeprune {name} recipe (resolved: every option with its value).",
              f"# Replay: edgeprune {name} --config THIS_FILE [-o NEW]; options typed on the command line win."]
-    for section in ORDER:
+    for section in section_order(ctx.command):
         keys = [k for k in params if sections[k] == section]
         if not keys:
             continue
@@ -391,7 +371,7 @@ def output_recipe_path(output: str | Path) -> Path:
     return o.with_name(o.name + ".recipe.toml")
 
 
-__all__ = ["SECTIONS", "BUDGET_KEYS", "NEVER_RECORDED", "REPLAY", "ReplayMeasurer", "budget_from_command_line",
-           "config_option", "follow_output", "load_recipe", "name_recipe_keys", "output_recipe_path", "param_key",
-           "recipe_params", "recipe_text", "replay_measurer", "replay_rounds", "section_of", "tokens_choice",
-           "write_recipe"]
+__all__ = ["SECTIONS", "LEGACY_SECTIONS", "BUDGET_KEYS", "NEVER_RECORDED", "REPLAY", "ReplayMeasurer",
+           "budget_from_command_line", "command_tables", "config_option", "follow_output", "legacy_section_of",
+           "load_recipe", "name_recipe_keys", "output_recipe_path", "param_key", "recipe_params", "recipe_text",
+           "replay_measurer", "replay_rounds", "section_of", "section_order", "tokens_choice", "write_recipe"]

@@ -145,8 +145,8 @@ def replay_measurer(ctx: click.Context, say: Callable[[str], None] = click.echo)
     where = f"{ctx.meta.get(META_FILE)} [{REPLAY}]"
     typed = [f"--{n}" for n in ("latency", "flops", "params") if n in ctx.params
              and ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
-    if ctx.get_parameter_source("verify_latency") == ParameterSource.COMMANDLINE:
-        typed.append("--verify-latency" if ctx.params.get("verify_latency") else "--no-verify-latency")
+    if ctx.get_parameter_source("verify_budget") == ParameterSource.COMMANDLINE:
+        typed.append("--verify-latency" if ctx.params.get("verify_budget") else "--no-verify-latency")
     if typed or ctx.get_parameter_source("latency") != ParameterSource.DEFAULT_MAP:
         say(f"the recorded measurements of {where} are not used ({', '.join(typed) or 'no latency budget'} "
             "on the command line)")

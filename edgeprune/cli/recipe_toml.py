@@ -8,6 +8,10 @@ import math
 import re
 from typing import Any
 
+import click
+
+from edgeprune.errors import UserError
+
 #: ``ctx.meta`` keys: the recipe file given with --config, the keys it set, and its ``[replay]`` measurements
 META_FILE = "edgeprune.recipe_file"
 META_KEYS = "edgeprune.recipe_keys"
@@ -71,4 +75,55 @@ def shown(value: Any) -> str:
     return toml_value(value)
 
 
-__all__ = ["META_FILE", "META_KEYS", "META_REPLAY", "non_finite", "shown", "toml_key", "toml_plain", "toml_value"]
+def _kind_error(param: click.Parameter, value: Any) -> str | None:
+    """Why ``value`` (a TOML value) has the wrong type for ``param``, or None."""
+    t = param.type
+    if isinstance(param, click.Option) and param.is_flag:
+        return None if isinstance(value, bool) else "wants true or false"
+    if isinstance(value, bool):
+        number = isinstance(t, (click.types.IntParamType, click.types.FloatParamType))
+        return f"wants {'a number' if number else 'a string'}, not true/false"
+    if isinstance(t, click.types.IntParamType):
+        return None if isinstance(value, int) else "wants an integer"
+    if isinstance(t, click.types.FloatParamType):
+        return None if isinstance(value, (int, float)) else "wants a number"
+    if param.name == "model_kwargs":
+        return None if isinstance(value, (dict, str)) else "wants a table (inline: {depth = 6}) or a string"
+    if isinstance(t, click.types.StringParamType):  # budgets: "0.5" or 0.5, "2.3G", "12ms"
+        return None if isinstance(value, (str, int, float)) else "wants a string"
+    return None if isinstance(value, str) else "wants a string"
+
+
+def convert_value(param: click.Parameter, key: str, value: Any, where: str, ctx: click.Context) -> Any:
+    """The value of one recipe key (a TOML value), checked by the option's own type (click's conversion).
+
+    Raises:
+        UserError: one line naming the key and the file.
+    """
+    if value is None:
+        return None
+    if non_finite(value):  # nan / inf / -inf anywhere (TOML has them), for any key: before the type check
+        raise UserError(f"{where} {key} = {shown(value)}: not a finite number")
+    items = value if param.multiple else None
+    if param.multiple and not isinstance(value, list):
+        raise UserError(f"{where} {key} = {shown(value)}: wants a list (--{key} is repeatable)")
+    for v in items if items is not None else [value]:
+        why = _kind_error(param, v)
+        if why:
+            raise UserError(f"{where} {key} = {shown(v)}: {why}")
+        if param.name == "model_kwargs" or (isinstance(param, click.Option) and param.is_flag):
+            continue
+        try:
+            param.type.convert(str(v) if isinstance(param.type, click.types.StringParamType) else v, param, ctx)
+        except click.BadParameter as err:
+            raise UserError(f"{where} {key} = {shown(v)}: {err.message}") from None
+    if isinstance(value, dict):  # model-kwargs: an inline table -> the option's K=V,... text (values as JSON)
+        return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items())
+    if items is None and isinstance(param.type, click.types.StringParamType):
+        return str(value)
+    return value
+
+
+
+__all__ = ["META_FILE", "META_KEYS", "META_REPLAY", "convert_value", "non_finite", "shown", "toml_key", "toml_plain",
+           "toml_value"]

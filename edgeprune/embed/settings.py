@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 from edgeprune.errors import UserError
+from edgeprune.settings import Section, setting
 
 #: when the residual stream is sliced relative to the width pruning
 EMBED_ORDERS = ("first", "last")
@@ -71,3 +75,34 @@ def check_embed_settings(cfg) -> None:
                         "drop --embed-order last")
     if cfg.allocation_check_images < 1:
         raise UserError("--embed-sparsity auto judges its candidates on the check images; give --check-images >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedSection(Section):
+    """The residual-width slice (``edgeprune.embed``, docs/embed.md); checked with the rest of the prune's settings
+    by :func:`check_embed_settings`."""
+
+    name: ClassVar[str] = "embed"
+    title: ClassVar[str] = "Embed slice"
+
+    embed_sparsity: float | str = setting(
+        0.0, "Also slice the residual stream (embedding dim D) to D' = (1-S) D, rotated into its principal subspace "
+        "(docs/embed.md). auto (with --flops/--params): the budget chooses D' among S = 0, 0.125, 0.25 by the output "
+        "error on the check images; costs one whole prune (calibration pass included) per candidate.",
+        metavar="S|auto", kind="text", shown_default="0")
+    embed_order: str = setting("first", "Slice the stream before (first) or after (last) the width pruning.",
+                               choices=EMBED_ORDERS, shown_default="first")
+    embed_refit: bool = setting(False, "Ridge re-fit of the writers to the dense stream.", switch="flag")
+    embed_candidates: tuple | None = setting(None, "The sparsities embed auto tries (None: EMBED_CANDIDATES).",
+                                             cli=False)
+
+    def validate(self) -> "EmbedSection":
+        """The section with ``embed_sparsity`` as a number or ``"auto"`` (the command line's text parsed once; its
+        range and its fit with the budget: :func:`check_embed_settings`).
+
+        Raises:
+            UserError: text that is neither a number nor ``auto``.
+        """
+        parsed = parse_embed_sparsity(self.embed_sparsity)
+        return self if parsed == self.embed_sparsity and type(parsed) is type(self.embed_sparsity) else \
+            self.replace(embed_sparsity=parsed)

@@ -2,9 +2,10 @@
 (``model.safetensors`` + ``run.json``), its dense and pruned quality evaluated and printed as the command
 prints them (:mod:`edgeprune.jobs.prune_report`).
 
-The settings are those of ``edgeprune deploy``'s prune stage (the model, the data, one budget, the latency
-table, token merging, the torch device); every other prune setting takes the command's default. The run's
-``recipe.toml`` is the CLI's: ``write_recipe(path, values, record)`` is called when given.
+The prune's settings are a :class:`~edgeprune.pruning.settings.PruneSettings` (``edgeprune prune`` builds it from its
+options) or their keywords (``edgeprune deploy``'s prune stage: one budget, the latency table, token merging); the
+job's own arguments are the model, the data, the devices and the output. The run's ``recipe.toml`` is the CLI's:
+``write_recipe(path, values, record)`` is called when given.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from edgeprune import api
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.budget import budget_kinds
 from edgeprune.distributed import is_main_process, process_group
-from edgeprune.embed.settings import parse_embed_sparsity
 from edgeprune.errors import UserError
 from edgeprune.jobs.calib_reuse import calibration_fields
 from edgeprune.jobs.echo import Echo, echo as _echo
@@ -26,6 +26,7 @@ from edgeprune.jobs.models import check_readable_dir, make_spec, torch_device_of
 from edgeprune.jobs.prune_report import announce, evaluate_models, report
 from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.pruning.latency_check import latency_report
+from edgeprune.pruning.settings import PruneSettings
 
 
 @dataclasses.dataclass
@@ -36,34 +37,59 @@ class PruneRunResult:
     record: dict[str, Any] | None
 
 
-def prune_run(out: str | Path, *, model_name: str = "fmnist-vit", checkpoint: str | Path | None = None,
-              random_init: bool = False, num_classes: int | None = None, img_size: int | None = None,
-              model_kwargs: dict | None = None, sparsity: float | None = None, flops: str | None = None,
-              params: str | None = None, latency: str | None = None, latency_table: str | Path | None = None,
-              tokens_merge: str | None = None, calib_dir: str | None = None, calib_size: int | None = None,
-              seed: int = 0, batch_size: int = 32, eval_data: str | None = None, eval_size: int | None = None,
-              no_eval: bool = False, torch_device: str | None = None, quiet: bool = False, echo: Echo = _echo,
-              write_recipe: Callable[[Path, dict[str, Any], dict[str, Any]], Any] | None = None) -> PruneRunResult:
-    """Prune ``model_name`` with CORP into the new run directory ``out``, as ``edgeprune prune`` does with
-    these options (``sparsity`` [0.5] or one budget: ``flops``, ``params`` or ``latency`` with ``latency_table``).
+def _settings(settings: PruneSettings | None, keywords: dict[str, Any]) -> PruneSettings:
+    """``settings``, or the settings of ``keywords`` (None values = not given; a sparsity beside a budget refused).
+
+    Raises:
+        UserError: both given, a sparsity with a budget, an unknown keyword.
+    """
+    given = {k: v for k, v in keywords.items() if v is not None}
+    if settings is not None:
+        if given:
+            raise UserError(f"prune_run: give settings= or setting keywords, not both ({', '.join(given)})")
+        return settings
+    budget = next((f"{k}=" for k in budget_kinds() if given.get(k) is not None), None)
+    refuse_sparsities_with_budget(budget, {"sparsity=": given.get("sparsity")})
+    return PruneSettings.from_keywords(**given)
+
+
+def default_out(model_name: str, config: Any, sparsity: float) -> Path:
+    """``runs/<model>-<target>-<amount>[-nocomp]``: the run directory of a prune given none (the amount: the budget's
+    option value, or ``sparsity``)."""
+    amount = config.budget.option() if config.budget else f"{sparsity:g}"
+    return Path(f"runs/{model_name}-{config.target}-{amount}{'-nocomp' if not config.compensation else ''}")
+
+
+def prune_run(out: str | Path | None = None, settings: PruneSettings | None = None, *, model_name: str = "fmnist-vit",
+              checkpoint: str | Path | None = None, random_init: bool = False, num_classes: int | None = None,
+              img_size: int | None = None, model_kwargs: dict | None = None, calib_dir: str | None = None,
+              calib_size: int | None = None, seed: int = 0, batch_size: int = 32, eval_data: str | None = None,
+              eval_size: int | None = None, no_eval: bool = False, torch_device: str | None = None,
+              device: str | None = None, quiet: bool = False, echo: Echo = _echo, replay: Any = None,
+              write_recipe: Callable[[Path, dict[str, Any], dict[str, Any]], Any] | None = None,
+              **setting_keywords: Any) -> PruneRunResult:
+    """Prune ``model_name`` with CORP into the new run directory ``out`` (None: :func:`default_out`), as
+    ``edgeprune prune`` does.
+
+    Args:
+        settings: every prune setting (``PruneSettings.from_keywords(...)``), or instead ``**setting_keywords``
+            (``sparsity=0.5``, ``flops="0.5"``, ``latency=0.5, latency_table="t.json"``, ``tokens_merge=4`` ...;
+            None = not given).
+        device, torch_device: the deployment profile's (old) torch-device spelling and the torch device
+            (``edgeprune.jobs.models.torch_device_of``; default auto).
+        replay: a recipe's recorded measurements (``edgeprune.cli.recipe_replay.ReplayMeasurer``: a measurer with
+            ``check(record) -> line``) or None.
+        write_recipe: ``(path, values, record)`` writes the run's recipe (the CLI's) or None.
 
     Raises:
         UserError: bad settings, ``out`` exists, an unknown model, unreadable data.
     """
-    device = torch_device_of(None, torch_device, default="auto")
-    budget = next((f"--{k}" for k, v in (("flops", flops), ("params", params), ("latency", latency))
-                   if k in budget_kinds() and v is not None), None)
-    refuse_sparsities_with_budget(budget, {"--sparsity": sparsity})
+    settings = _settings(settings, setting_keywords)
+    device = torch_device_of(device, torch_device, default="auto")
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-    embed_sparsity = parse_embed_sparsity(None)
-    overrides = {k: v for k, v in (("embed_sparsity", embed_sparsity),
-                                   ("verify_budget", None if latency is None else True),
-                                   ("tokens_merge", tokens_merge)) if v is not None}
-    config = api.corp_config(None, 0.5 if sparsity is None else sparsity, compensation=True, criterion="combined",
-                             round_to=8, qk_solver="auto", flops=flops, params=params, sequential=None,
-                             latency=latency, latency_table=latency_table, **overrides)
-    out_path = check_new_dir(out)
+    config = settings.config()
+    out_path = check_new_dir(out if out is not None else default_out(model_name, config, settings.corp.sparsity))
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")
@@ -75,18 +101,21 @@ def prune_run(out: str | Path, *, model_name: str = "fmnist-vit", checkpoint: st
         ev = None
         if not no_eval and main:
             ev = spec.eval_source(eval_data or (calib_dir if spec.data_holds_both_splits else None), n=eval_size)
-        dense = spec.create(pretrained=True)
+        dense = spec.create(pretrained=True)  # random-init weights: seeded by the spec (recorded)
         announce(dense, config, device, spec, calib, echo=say)
         t0 = time.perf_counter()
         result = api.prune(dense, calib, config, spec=spec, progress=not (quiet or not main), batch_size=batch_size,
                            device=device, calibration_info={"seed": seed, "size_requested": n,
-                                                            **calibration_fields(calib_dir, calib, eval_data)})
+                                                            **calibration_fields(calib_dir, calib, eval_data)},
+                           measurer=replay)
         prune_s = time.perf_counter() - t0
         if not main:
             return PruneRunResult(out=out_path, record=None)
         rec = result.record
+        rec["sections"] = settings.to_dict()  # every declared setting by section, as given (issue 53)
+        replayed = [replay.check(rec)] if replay is not None else []  # a recipe's exact replay (issue 52)
         metrics = evaluate_models(spec, dense, result.model, ev, device, quiet, rec, echo=echo)
-        latency_lines = latency_report(rec.get("latency_check"))
+        latency_lines = latency_report(rec.get("latency_check")) + replayed  # measured and corrected (issue 40)
         save_run(out_path, result.model, rec)
         if write_recipe is not None:
             write_recipe(out_path / "recipe.toml", {"out": str(out_path)}, rec)
@@ -97,4 +126,4 @@ def prune_run(out: str | Path, *, model_name: str = "fmnist-vit", checkpoint: st
     return PruneRunResult(out=out_path, record=rec)
 
 
-__all__ = ["PruneRunResult", "prune_run"]
+__all__ = ["PruneRunResult", "default_out", "prune_run"]

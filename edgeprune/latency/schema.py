@@ -310,15 +310,16 @@ def _check_surface(t: Any, parts: dict, tol: float) -> None:
     dims = {name: parts.get(f"{name}_dims") or t.dense_dims() for name, _f in surface.LEVELS}
     at = {"mlp_ms": {n: t.mlp_ms(d["mlp"]) for n, d in dims.items()},
           "attn_ms": {n: t.attn_ms(d["heads"], d["qk"], d["v"]) for n, d in dims.items()}}
+    levels = [name for name, _f in surface.LEVELS]
     names: dict[str, list[str]] = {}
-    for axis, times in at.items():
-        names[axis] = []
-        for k in sf[axis]:
-            level = next((n for n, x in times.items() if abs(x - k) <= tol * x), None)
-            if level is None:
-                raise _fail("block_surface", f"{axis} knot {k:.4g} ms is none of the grid's times at the quarter, "
-                            f"half and dense dims ({', '.join(f'{x:.4g}' for x in times.values())} ms)")
-            names[axis].append(level)
+    for axis, times in at.items():  # the knots the fit kept (surface.growing), matched by position, not by value
+        values = [times[name] for name in levels]
+        keep = surface.growing(values)
+        want = [values[i] for i in keep]
+        if len(sf[axis]) != len(want) or any(abs(k - x) > tol * x for k, x in zip(sf[axis], want)):
+            raise _fail("block_surface", f"{axis} knots {', '.join(f'{k:.4g}' for k in sf[axis])} ms are not the "
+                        f"grid's times at the quarter, half and dense dims ({', '.join(f'{x:.4g}' for x in values)} ms)")
+        names[axis] = [levels[i] for i in keep]
     n, block, per = parts.get("chain_blocks"), parts.get("block_ms"), parts.get("per_block_ms")
     if not n or block is None or per is None:
         return

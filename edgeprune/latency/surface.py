@@ -89,8 +89,8 @@ def fit(mlp_knots: Sequence[float], attn_knots: Sequence[float],
         ``(surface, None)``, or ``(None, why)`` when fewer than 2 levels remain on an axis or a cost is not
         positive (chains timed under a load that moved: the table then keeps ``block_points``).
     """
-    keep_m = _growing(mlp_knots)
-    keep_a = _growing(attn_knots)
+    keep_m = growing(mlp_knots)
+    keep_a = growing(attn_knots)
     if len(keep_m) < 2 or len(keep_a) < 2:
         return None, "the quarter, half and dense dims give fewer than 2 distinct sub-block times"
     z = [[float(per_block[(i, j)]) for j in keep_a] for i in keep_m]
@@ -100,7 +100,7 @@ def fit(mlp_knots: Sequence[float], attn_knots: Sequence[float],
             "ms": z}, None
 
 
-def _growing(knots: Sequence[float]) -> list[int]:
+def growing(knots: Sequence[float]) -> list[int]:
     """The indices of ``knots`` that form a strictly increasing sequence ending at the last one, scanning down."""
     keep = [len(knots) - 1]
     for i in range(len(knots) - 2, -1, -1):
@@ -109,4 +109,4 @@ def _growing(knots: Sequence[float]) -> list[int]:
     return keep
 
 
-__all__ = ["FLOOR_SHARE", "LEVELS", "MIXED", "chain_kind", "cost_at", "fit", "through"]
+__all__ = ["FLOOR_SHARE", "LEVELS", "MIXED", "chain_kind", "cost_at", "fit", "growing", "through"]

@@ -17,7 +17,7 @@ from edgeprune.nuwa.head import HEAD_MODES
 from edgeprune.nuwa.ofp_mha import KEY_BIAS_MODES
 from edgeprune.nuwa.ofp_mlp import DEFAULT_RIDGE_ALPHA
 from edgeprune.nuwa.skp import SKPConfig
-from edgeprune.pruning.latency_loop import check_correction
+from edgeprune.budget.correction import check_correction
 from edgeprune.torch_device import resolve_device
 
 

@@ -30,7 +30,7 @@ from edgeprune.corp.config import CorpConfig
 from edgeprune.embed.settings import check_embed_settings, is_auto
 from edgeprune.errors import UserError
 from edgeprune.option_checks import refuse_sparsities_with_budget
-from edgeprune.pruning.latency_loop import check_correction
+from edgeprune.budget.correction import check_correction
 from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
 
 #: section -> the CorpConfig fields it holds (module doc); every field is in exactly one

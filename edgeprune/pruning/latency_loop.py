@@ -55,20 +55,6 @@ def allocation_view(kind: str) -> RecordView:
     return lambda rec: (rec["allocation"][kind], float(rec["timing"]["total_s"]))
 
 
-def check_correction(verify_budget: Any, tolerance: Any, rounds: Any) -> None:
-    """The three measure-and-correct settings, whoever holds them (``CorpConfig``, ``DeriveConfig``).
-
-    Raises:
-        UserError: one line naming the setting (by its CLI option).
-    """
-    if not isinstance(verify_budget, bool):
-        raise UserError(f"verify budget must be True or False, got {verify_budget!r}")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
-        raise UserError(f"--latency-tolerance must be a fraction in (0, 1) (0.03 = 3%), got {tolerance!r}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= 10:
-        raise UserError(f"--latency-rounds must be an integer in [0, 10], got {rounds!r}")
-
-
 #: the measure-and-correct loop times pairs until the median ratio's 95% interval is this narrow (a fraction
 #: of it; +-1%: a third of the default 3% tolerance), at most ``iterations`` pairs (issue 40 item 4)
 SETTLE = 0.02

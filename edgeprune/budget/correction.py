@@ -1,0 +1,60 @@
+"""The measure-and-correct settings of a measured budget (issue 40; issue 53 item 4: one declaration for prune and
+derive): :class:`Correction`, the section ``[correction]``.
+
+With a budget whose cost model is measured (a latency table) and whose backend runs here, the pruned (derived)
+model is benched against the dense (base) one; when it misses the budget by more than ``correction_tolerance``, it is
+re-allocated (re-planned) with a corrected budget from the same statistics, at most ``correction_rounds`` times
+(``edgeprune.pruning.latency_loop``, ``edgeprune.nuwa.measured``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from edgeprune.settings import Section, SettingError, setting
+
+
+def check_correction(verify_budget: Any, tolerance: Any, rounds: Any) -> None:
+    """The three measure-and-correct settings, whoever holds them (``CorpConfig``, ``DeriveConfig``,
+    :class:`Correction`).
+
+    Raises:
+        SettingError: one line naming the setting (in the caller's spelling: ``edgeprune.settings``).
+    """
+    if not isinstance(verify_budget, bool):
+        raise SettingError("verify_budget", f"{{name}} must be True or False, got {verify_budget!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+        raise SettingError("correction_tolerance",
+                           f"{{name}} must be a fraction in (0, 1) (0.03 = 3%), got {tolerance!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= 10:
+        raise SettingError("correction_rounds", f"{{name}} must be an integer in [0, 10], got {rounds!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction(Section):
+    """The measure-and-correct loop's settings (``Correction(verify, tolerance, rounds)``; module doc)."""
+
+    name: ClassVar[str] = "correction"
+    title: ClassVar[str] = "Latency correction"
+
+    verify_budget: bool = setting(True, "With --latency: bench the {made} model against the {reference} one "
+                                  "(interleaved) on the table's backend when it is present here, and record predicted "
+                                  "vs measured latency.", flag="verify-latency", switch="pair")
+    correction_tolerance: float = setting(0.03, "With --latency: {redo} while the measured latency misses the budget "
+                                          "by more than this fraction.", flag="latency-tolerance", metavar="F",
+                                          unit="fraction", shown_default="0.03")
+    correction_rounds: int = setting(3, "With --latency: at most N times {redo} with the corrected budget, 0-10.",
+                                     flag="latency-rounds", metavar="N", shown_default="3")
+
+    def validate(self) -> "Correction":
+        """The section, checked (:func:`check_correction`).
+
+        Raises:
+            SettingError: naming the setting.
+        """
+        check_correction(self.verify_budget, self.correction_tolerance, self.correction_rounds)
+        return self
+
+
+__all__ = ["Correction", "check_correction"]

@@ -1,0 +1,106 @@
+"""Click options generated from declared settings (issue 53: ``edgeprune.settings``): one option per setting with
+``cli=True``, spelled ``--<flag or name-with-dashes>``, its parameter named as the field (no rename maps), its
+type, default, metavar, choices and help from the declaration.
+
+A command's recipe tables and ``--help`` groups follow the sections (:func:`section_table`), its essentials the
+``essential`` marks (:func:`essential_keys`), and a :class:`~edgeprune.settings.SettingError` raised by the library
+names the setting by its option (:func:`spelling`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import click
+
+from edgeprune.cli.options import FiniteFloat
+from edgeprune.settings import Declared, Section, declared_of
+
+
+def option_for(d: Declared, words: Mapping[str, str] | None = None) -> click.Option:
+    """The click option of one declared setting; ``words`` fill ``{placeholders}`` of its help (a command's verbs).
+
+    Raises:
+        TypeError: a declaration the generator cannot express (a programming error).
+    """
+    m = d.meta
+    text = m.help.format(**words) if words and "{" in m.help else m.help
+    kw: dict[str, Any] = {"help": text}
+    if m.shown_default:
+        kw["help"] = f"{text} [{m.shown_default}]"
+    elif d.default is not None and m.switch is None:
+        kw["show_default"] = True
+    if m.metavar:
+        kw["metavar"] = m.metavar
+    long = f"--{d.spelling}"
+    if m.switch == "flag":
+        return click.Option([long, d.name], is_flag=True, default=bool(d.default), **kw)
+    if m.switch == "negated":
+        return click.Option([long, d.name], is_flag=True, flag_value=not d.default, default=d.default, **kw)
+    if m.switch == "pair":
+        return click.Option([f"{long}/--no-{d.spelling}", d.name], default=d.default, **kw)
+    kind = d.kind
+    if kind == "choice":
+        kw["type"] = click.Choice(m.choice_list() or [])
+    elif kind == "float":
+        kw["type"] = FiniteFloat(min=m.minimum)
+    elif kind == "int":
+        kw["type"] = click.IntRange(min=int(m.minimum)) if m.minimum is not None else int
+    elif kind == "text":
+        kw["type"] = click.STRING  # not inferred from the default (an embed sparsity's 0.0 is also "auto")
+    elif kind == "bool":
+        raise TypeError(f"setting {d.name!r} is a bool without a switch (flag, negated or pair)")
+    return click.Option([long, d.name], default=d.default, **kw)
+
+
+def options(sections: Sequence[type[Section]], words: Mapping[str, str] | None = None) -> Callable:
+    """A decorator adding the options of every command-line setting of ``sections``, in declaration order."""
+    declared = [d for d in declared_of(sections).values() if d.meta.cli]
+
+    def deco(f: Callable) -> Callable:
+        params = getattr(f, "__click_params__", [])
+        for d in reversed(declared):
+            params.append(option_for(d, words))
+        f.__click_params__ = params  # type: ignore[attr-defined]
+        return f
+
+    return deco
+
+
+def section_table(sections: Sequence[type[Section]]) -> dict[str, list[str]]:
+    """``{section name: option keys}`` of the command-line settings (the recipe tables and help groups)."""
+    out: dict[str, list[str]] = {}
+    for s in sections:
+        keys = [d.spelling for d in s.declared() if d.meta.cli]
+        if keys:
+            out[s.name] = keys
+    return out
+
+
+def section_titles(sections: Sequence[type[Section]]) -> dict[str, str]:
+    """``{section name: title}`` (the ``--help-all`` panel names)."""
+    return {s.name: s.title or s.name.capitalize() for s in sections}
+
+
+def essential_keys(sections: Sequence[type[Section]]) -> list[str]:
+    """The option keys of the settings marked ``essential``, in declaration order."""
+    return [d.spelling for s in sections for d in s.declared() if d.meta.cli and d.meta.essential]
+
+
+def spelling(sections: Sequence[type[Section]]) -> Callable[[str], str | None]:
+    """Field name -> ``--option`` of ``sections`` (None for a setting with no option)."""
+    declared = declared_of(sections)
+
+    def spell(name: str) -> str | None:
+        d = declared.get(name)
+        return f"--{d.spelling}" if d is not None and d.meta.cli else None
+
+    return spell
+
+
+def setting_names(sections: Sequence[type[Section]]) -> tuple[str, ...]:
+    """The parameter names of the generated options (the fields with ``cli=True``)."""
+    return tuple(d.name for d in declared_of(sections).values() if d.meta.cli)
+
+
+__all__ = ["essential_keys", "option_for", "options", "section_table", "section_titles", "setting_names", "spelling"]

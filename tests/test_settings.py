@@ -1,0 +1,189 @@
+"""Settings declared once (issue 53 items 1-2): the sections of ``edgeprune.pruning.settings`` are the schema; the
+prune command's options, its ``--help`` groups and essentials, its recipe tables, the Python keywords and the record
+are views of them; a library error names the setting in the caller's spelling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from typing import ClassVar
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from edgeprune.budget.correction import Correction
+from edgeprune.cli import generate
+from edgeprune.cli.main import cli
+from edgeprune.cli.prune import make_prune_command
+from edgeprune.cli.recipe import LEGACY_SECTIONS, command_tables, recipe_params
+from edgeprune.corp.config import CorpConfig
+from edgeprune.errors import UserError
+from edgeprune.pruning.settings import BUILT, INPUTS, PRUNE_SECTIONS, PruneSettings, prune_declared, prune_sections
+from edgeprune.settings import Section, SettingError, declared_of, setting
+from tests.conftest import assert_one_line_error, run_cli
+
+
+@dataclasses.dataclass(frozen=True)
+class ToySection(Section):
+    """A setting added by a test: one declaration, no other line anywhere."""
+
+    name: ClassVar[str] = "toy"
+    title: ClassVar[str] = "Toy"
+
+    toy_level: int = setting(3, "A toy setting of the test.", metavar="N")
+
+
+@pytest.fixture
+def toy():
+    PRUNE_SECTIONS.register(ToySection.name, ToySection)
+    try:
+        yield make_prune_command()
+    finally:
+        PRUNE_SECTIONS.unregister(ToySection.name)
+
+
+# ---- one declaration -----------------------------------------------------------------------------------------
+def test_the_flat_config_is_a_view_of_the_declarations():
+    """Every CorpConfig field is declared once in a prune section (or built from the budget section), with the same
+    default unless the declaration's default is None ("auto", resolved while the config is built); every declared
+    setting is a CorpConfig field or an input the config is built from."""
+    declared = prune_declared()
+    fields = {f.name: f for f in dataclasses.fields(CorpConfig)}
+    for name, f in fields.items():
+        if name in BUILT:
+            continue
+        assert name in declared, f"CorpConfig.{name} has no declaration in a prune section"
+        if declared[name].default is not None:
+            assert declared[name].default == f.default, name
+    assert set(declared) - set(fields) == set(INPUTS)
+
+
+def test_every_prune_option_is_one_declared_setting_or_a_job_option():
+    cmd = cli.commands["prune"]
+    declared = prune_declared()
+    settings = [p for p in cmd.params if p.name in declared]
+    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
+    for p in settings:  # the parameter is the field: no rename map between the option and the setting
+        assert f"--{declared[p.name].spelling}" in p.opts
+    job = {"model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs", "calib_dir",
+           "calib_size", "seed", "batch_size", "eval_data", "eval_size", "no_eval", "device", "torch_device", "out",
+           "quiet", "config", "help_all", "help"}
+    assert {p.name for p in cmd.params} - set(declared) <= job
+
+
+def test_a_setting_declared_twice_or_without_setting_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Twice(Section):
+        name: ClassVar[str] = "twice"
+        round_to: int = setting(8, "again")
+
+    with pytest.raises(TypeError, match="declared in"):
+        declared_of(prune_sections() + (Twice,))
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare(Section):
+        name: ClassVar[str] = "bare"
+        x: int = 1
+
+    with pytest.raises(TypeError, match="not declared with"):
+        Bare.declared()
+    with pytest.raises(ValueError, match="immutable"):
+        setting([1], "a list default")
+
+
+def test_a_toy_setting_is_one_declaration_and_appears_everywhere(toy, tmp_path):
+    """--help-all, the recipe (its own table), the Python keywords and the record show a setting added in one
+    place."""
+    res = CliRunner().invoke(toy, ["--help-all"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "--toy-level" in res.output and "Toy options" in res.output and "A toy setting of the test." in res.output
+    assert command_tables(toy)["toy"] == ["toy-level"] and "toy-level" in recipe_params(toy)
+
+    s = PruneSettings.from_keywords(toy_level=5)  # the Python keyword
+    assert s.toy.toy_level == 5 and s.to_dict()["toy"] == {"toy_level": 5}
+    assert s.config() == PruneSettings.from_keywords().config()  # not a CorpConfig field: no effect on the prune
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(toy, ["--toy-level", "7", "--calib-size", "16", "--no-eval", "--quiet",
+                                   "--torch-device", "cpu", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    recipe = tomllib.loads((out / "recipe.toml").read_text())
+    assert recipe["toy"] == {"toy-level": 7}
+    assert json.loads((out / "run.json").read_text())["sections"]["toy"] == {"toy_level": 7}
+
+
+def test_the_recipe_is_written_in_the_sections_and_old_layouts_still_load(tmp_path):
+    cmd = cli.commands["prune"]
+    tables = command_tables(cmd)
+    assert tables["correction"] == ["verify-latency", "latency-tolerance", "latency-rounds"]
+    assert "check-images" in tables["allocation"] and "tokens-merge" in tables["tokens"]
+    # every key of 9c01182's [budget] / [method] is still read there
+    for section, keys in LEGACY_SECTIONS["prune"].items():
+        for key in keys:
+            assert key in recipe_params(cmd), key
+    old = tmp_path / "old.toml"
+    old.write_text('[budget]\nsparsity = 0.3\nlatency-rounds = 11\n[method]\nround-to = 8\n')
+    assert_one_line_error(run_cli(["prune", "--config", old, "-o", tmp_path / "o"]),
+                          "--latency-rounds goes with --latency")
+
+
+# ---- validation and spelling ------------------------------------------------------------------------------------
+def test_validate_returns_a_new_section_and_never_mutates():
+    from edgeprune.embed.settings import EmbedSection
+    from edgeprune.tokens.settings import TokensSection
+
+    e = EmbedSection(embed_sparsity="0.25")
+    v = e.validate()
+    assert v.embed_sparsity == 0.25 and e.embed_sparsity == "0.25" and v is not e
+    assert v.validate() is v  # canonical: the same object
+    t = TokensSection(tokens_merge="2,1,0")
+    assert t.validate().tokens_merge == (2, 1, 0) and t.tokens_merge == "2,1,0"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.embed_order = "last"  # type: ignore[misc]
+
+
+def test_an_unknown_keyword_is_named_and_the_known_ones_listed():
+    with pytest.raises(SettingError, match="unknown prune setting round_two") as err:
+        PruneSettings.from_keywords(round_two=8)
+    assert "round_to" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(SettingError, match="unknown correction setting rounds"):
+        Correction.from_mapping({"rounds": 3})
+    assert PruneSettings.from_keywords(criterion="energy").corp.mlp_criterion == "energy"  # the old keyword
+
+
+def test_an_error_names_the_setting_in_the_callers_spelling(tmp_path):
+    with pytest.raises(UserError) as err:  # Python: the keyword
+        Correction(correction_rounds=11).validate()
+    assert str(err.value).startswith("correction_rounds must be an integer in [0, 10]")
+    assert isinstance(err.value, SettingError)
+    spelled = err.value.spelled(generate.spelling((Correction,)))
+    assert str(spelled).startswith("--latency-rounds must be")  # the command line: the option
+    res = run_cli(["prune", "--latency", "0.5", "--latency-table", tmp_path / "none.json", "--latency-rounds", "11",
+                   "-o", tmp_path / "o"])
+    assert_one_line_error(res, "--latency-rounds must be an integer in [0, 10]")
+    r = tmp_path / "r.toml"  # a recipe: the option and the file's key
+    r.write_text('[budget]\nlatency = "0.5"\nlatency-table = "none.json"\n[correction]\nlatency-rounds = 11\n')
+    res = run_cli(["prune", "--config", r, "-o", tmp_path / "o"])
+    assert_one_line_error(res, f"--latency-rounds must be an integer in [0, 10], got 11 (latency-rounds from {r})")
+
+
+def test_the_generator_expresses_each_kind():
+    declared = declared_of((Correction,))
+    pair = generate.option_for(declared["verify_budget"], {"redo": "r", "made": "m", "reference": "x"})
+    assert pair.opts == ["--verify-latency"] and pair.secondary_opts == ["--no-verify-latency"] and pair.default
+    assert "bench the m model against the x one" in pair.help
+    rounds = generate.option_for(declared["correction_rounds"], {"redo": "r"})
+    assert isinstance(rounds.type, click.types.IntParamType) and rounds.name == "correction_rounds"
+    neg = generate.option_for(prune_declared()["compensation"])
+    assert neg.opts == ["--no-compensation"] and neg.flag_value is False and neg.default is True
+
+    @dataclasses.dataclass(frozen=True)
+    class NoSwitch(Section):
+        name: ClassVar[str] = "noswitch"
+        on: bool = setting(True, "a bool with no switch")
+
+    with pytest.raises(TypeError, match="without a switch"):
+        generate.option_for(NoSwitch.declared()[0])
