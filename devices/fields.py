@@ -2,12 +2,16 @@
 
 :class:`Section` reads strings, integers, booleans and lists from a table, refuses unknown keys
 (with a did-you-mean hint) and raises :class:`~devices.profile.ProfileError` such as
-``orin-nx.toml: build.precision must be one of fp16, fp32, int8 (got 'fp8')``.
+``orin-nx.toml: build.precision must be one of fp16, fp32, int8 (got 'fp8')``;
+:func:`parse_compute_capability` and :func:`expand_path` read the two values that are more than a
+TOML type (a ``major.minor`` version, a path).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
 from edgeprune.errors import UserError
@@ -102,4 +106,31 @@ class Section:
         return v
 
 
-__all__ = ["ProfileError", "Section"]
+def parse_compute_capability(value: Any, label: str, field: str = "device.compute_capability"
+                             ) -> tuple[int, int]:
+    """``"8.6"`` (or ``8.6``, or ``[8, 6]``) -> ``(8, 6)``."""
+    text: str
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                           for x in value):
+        return (int(value[0]), int(value[1]))
+    if isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value.strip()
+    else:
+        raise ProfileError(f"{label}: {field} must be a string like \"8.6\" (got {value!r})")
+    parts = text.split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ProfileError(f"{label}: {field} must look like \"8.6\" (major.minor) (got {value!r})")
+    return (int(parts[0]), int(parts[1]))
+
+
+def expand_path(text: str, base_dir: Path | None) -> Path:
+    """Expand ``~`` and ``$VARS``; a relative path is taken relative to ``base_dir``."""
+    p = Path(os.path.expandvars(os.path.expanduser(text)))
+    if not p.is_absolute() and base_dir is not None:
+        p = base_dir / p
+    return p
+
+
+__all__ = ["ProfileError", "Section", "expand_path", "parse_compute_capability"]

@@ -58,7 +58,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from devices.fields import ProfileError, Section
+from devices.fields import ProfileError, Section, expand_path, parse_compute_capability
 from devices.kernels import TENSORRT_HEAD_DIMS, parse_head_dims
 
 BACKENDS = ("tensorrt", "onnxruntime")
@@ -205,33 +205,6 @@ class DeviceProfile:
         return d
 
 
-def parse_compute_capability(value: Any, label: str, field: str = "device.compute_capability"
-                             ) -> tuple[int, int]:
-    """``"8.6"`` (or ``8.6``, or ``[8, 6]``) -> ``(8, 6)``."""
-    text: str
-    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                           for x in value):
-        return (int(value[0]), int(value[1]))
-    if isinstance(value, float):
-        text = repr(value)
-    elif isinstance(value, str):
-        text = value.strip()
-    else:
-        raise ProfileError(f"{label}: {field} must be a string like \"8.6\" (got {value!r})")
-    parts = text.split(".")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ProfileError(f"{label}: {field} must look like \"8.6\" (major.minor) (got {value!r})")
-    return (int(parts[0]), int(parts[1]))
-
-
-def expand_path(text: str, base_dir: Path | None) -> Path:
-    """Expand ``~`` and ``$VARS``; a relative path is taken relative to ``base_dir``."""
-    p = Path(os.path.expandvars(os.path.expanduser(text)))
-    if not p.is_absolute() and base_dir is not None:
-        p = base_dir / p
-    return p
-
-
 def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
                       source: Path | None = None) -> DeviceProfile:
     """Validate a parsed TOML document and build a :class:`DeviceProfile`.
@@ -243,7 +216,8 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
         source: the file it came from (relative timing-cache paths are resolved against its folder).
 
     Raises:
-        ProfileError: a missing, unknown or invalid field.
+        ProfileError: a missing, unknown or invalid field (checked section by section: [device],
+            [build], [onnxruntime], [bench], [pruning]).
     """
     top = Section(label, "", data, ("device", "build", "bench", "onnxruntime", "pruning"))
     dev_t = top.table_("device", required=True)
@@ -251,8 +225,23 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
     bench_t = top.table_("bench", required=True)
     ort_t = top.table_("onnxruntime")
     assert dev_t is not None and bench_t is not None
+    device = _device_section(label, dev_t, default_name)
+    backend, name = device["backend"], device["name"]
+    build = _build_section(label, build_t, backend, name, source.parent if source is not None else None)
+    ort_threads, ort_precision = _onnxruntime_section(label, ort_t, backend)
+    bench = _bench_section(label, bench_t, backend, build)
+    return DeviceProfile(**device, build=build, bench=bench, ort_threads=ort_threads, ort_precision=ort_precision,
+                         source=source, pruning=_pruning_section(label, top.table_("pruning"),
+                                                                 DEFAULT_PRUNING[backend]))
 
-    dev = Section(label, "device", dev_t, (
+
+def _device_section(label: str, table: Mapping[str, Any], default_name: str) -> dict[str, Any]:
+    """The ``[device]`` table as :class:`DeviceProfile` keyword arguments (``name`` .. ``jetpack``).
+
+    Raises:
+        ProfileError: an unknown key, a bad value, or no ``compute_capability`` for TensorRT.
+    """
+    dev = Section(label, "device", table, (
         "name", "description", "backend", "architecture", "compute_capability", "memory_gb",
         "shared_memory", "gpu_names", "tensorrt", "jetpack"))
     name = dev.string("name", default_name)
@@ -261,62 +250,77 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
         raise dev.fail("name", f"must be a non-empty name without spaces or slashes (got {name!r})")
     description = dev.string("description", "") or ""
     backend = dev.string("backend", required=True, choices=BACKENDS)
-    assert backend is not None
     architecture = dev.string("architecture", "") or ""
     cc_raw = dev._get("compute_capability", None, False)
     cc = None if cc_raw is None else parse_compute_capability(cc_raw, label)
     memory_gb: tuple[int, ...] = ()
-    if backend == "tensorrt" or "memory_gb" in dev_t:
+    if backend == "tensorrt" or "memory_gb" in table:
         memory_gb = dev.int_list("memory_gb", required=True)
-    shared_memory = dev.boolean("shared_memory", False)
-    gpu_names = dev.str_list("gpu_names")
-    trt_version = dev.string("tensorrt")
-    jetpack = dev.string("jetpack")
+    out: dict[str, Any] = dict(name=name, description=description, backend=backend, architecture=architecture,
+               compute_capability=cc, memory_gb=memory_gb, shared_memory=dev.boolean("shared_memory", False),
+               gpu_names=dev.str_list("gpu_names"), tensorrt=dev.string("tensorrt"), jetpack=dev.string("jetpack"))
+    if backend == "tensorrt" and cc is None:
+        raise dev.fail("compute_capability", "is required for backend 'tensorrt'")
+    return out
 
-    base_dir = source.parent if source is not None else None
-    build: BuildSettings | None = None
-    if backend == "tensorrt":
-        if cc is None:
-            raise dev.fail("compute_capability", "is required for backend 'tensorrt'")
-        if build_t is None:
-            raise ProfileError(f"{label}: [build] section is required for backend 'tensorrt'")
-        b = Section(label, "build", build_t, ("precision", "workspace_mib", "builder_optimization_level",
-                                               "timing_cache", "batch"))
-        precision = b.string("precision", "fp16", choices=PRECISIONS)
-        assert precision is not None
-        workspace = b.integer("workspace_mib", required=True, lo=16)
-        opt_level = b.integer("builder_optimization_level", 3, lo=0, hi=MAX_OPT_LEVEL)
-        cache_text = b.string("timing_cache", f"{DEFAULT_TIMING_CACHE_DIR}/{name}.cache")
-        assert cache_text is not None
-        if not cache_text.strip():
-            raise b.fail("timing_cache", "must be a non-empty path")
-        batch_t = b.table_("batch", required=True)
-        assert batch_t is not None
-        bt = Section(label, "build.batch", batch_t, ("min", "opt", "max"))
-        bmin = bt.integer("min", required=True, lo=1)
-        bopt = bt.integer("opt", required=True, lo=1)
-        bmax = bt.integer("max", required=True, lo=1)
-        if not bmin <= bopt <= bmax:
-            raise ProfileError(f"{label}: build.batch must satisfy min <= opt <= max "
-                               f"(got min={bmin}, opt={bopt}, max={bmax})")
-        build = BuildSettings(precision=precision, workspace_mib=workspace,
-                              builder_optimization_level=opt_level,
-                              batch=BatchRange(bmin, bopt, bmax),
-                              timing_cache=expand_path(cache_text, base_dir))
-    elif build_t is not None:
-        raise ProfileError(f"{label}: [build] is only allowed for backend 'tensorrt' "
-                           f"(this profile's backend is {backend!r})")
 
-    ort_threads = 0
-    ort_precision = "fp32"
-    if ort_t is not None:
-        if backend != "onnxruntime":
-            raise ProfileError(f"{label}: [onnxruntime] is only allowed for backend 'onnxruntime'")
-        o = Section(label, "onnxruntime", ort_t, ("threads", "precision"))
-        ort_threads = o.integer("threads", 0, lo=0)
-        ort_precision = o.string("precision", "fp32", choices=ORT_PRECISIONS) or "fp32"
+def _build_section(label: str, table: Mapping[str, Any] | None, backend: str, name: str,
+                   base_dir: Path | None) -> BuildSettings | None:
+    """The ``[build]`` table: required for TensorRT, refused for any other backend (``None`` then).
 
-    be = Section(label, "bench", bench_t, ("batch_sizes", "warmup", "iterations", "cuda_graphs"))
+    Raises:
+        ProfileError: the table missing or misplaced, an unknown key or a bad value.
+    """
+    if backend != "tensorrt":
+        if table is not None:
+            raise ProfileError(f"{label}: [build] is only allowed for backend 'tensorrt' "
+                               f"(this profile's backend is {backend!r})")
+        return None
+    if table is None:
+        raise ProfileError(f"{label}: [build] section is required for backend 'tensorrt'")
+    b = Section(label, "build", table, ("precision", "workspace_mib", "builder_optimization_level",
+                                        "timing_cache", "batch"))
+    precision = b.string("precision", "fp16", choices=PRECISIONS)
+    assert precision is not None
+    workspace = b.integer("workspace_mib", required=True, lo=16)
+    opt_level = b.integer("builder_optimization_level", 3, lo=0, hi=MAX_OPT_LEVEL)
+    cache_text = b.string("timing_cache", f"{DEFAULT_TIMING_CACHE_DIR}/{name}.cache")
+    assert cache_text is not None
+    if not cache_text.strip():
+        raise b.fail("timing_cache", "must be a non-empty path")
+    batch_t = b.table_("batch", required=True)
+    assert batch_t is not None
+    return BuildSettings(precision=precision, workspace_mib=workspace, builder_optimization_level=opt_level,
+                         batch=_batch_range(label, batch_t), timing_cache=expand_path(cache_text, base_dir))
+
+
+def _batch_range(label: str, table: Mapping[str, Any]) -> BatchRange:
+    """The ``[build.batch]`` table (``min <= opt <= max``, each >= 1)."""
+    bt = Section(label, "build.batch", table, ("min", "opt", "max"))
+    bmin = bt.integer("min", required=True, lo=1)
+    bopt = bt.integer("opt", required=True, lo=1)
+    bmax = bt.integer("max", required=True, lo=1)
+    if not bmin <= bopt <= bmax:
+        raise ProfileError(f"{label}: build.batch must satisfy min <= opt <= max "
+                           f"(got min={bmin}, opt={bopt}, max={bmax})")
+    return BatchRange(bmin, bopt, bmax)
+
+
+def _onnxruntime_section(label: str, table: Mapping[str, Any] | None, backend: str) -> tuple[int, str]:
+    """``(threads, precision)`` of the optional ``[onnxruntime]`` table (``(0, "fp32")`` without it);
+    the table is refused for any other backend."""
+    if table is None:
+        return 0, "fp32"
+    if backend != "onnxruntime":
+        raise ProfileError(f"{label}: [onnxruntime] is only allowed for backend 'onnxruntime'")
+    o = Section(label, "onnxruntime", table, ("threads", "precision"))
+    return o.integer("threads", 0, lo=0), o.string("precision", "fp32", choices=ORT_PRECISIONS) or "fp32"
+
+
+def _bench_section(label: str, table: Mapping[str, Any], backend: str, build: BuildSettings | None
+                   ) -> BenchSettings:
+    """The ``[bench]`` table; CUDA graphs only with TensorRT, batch sizes within ``build.batch``."""
+    be = Section(label, "bench", table, ("batch_sizes", "warmup", "iterations", "cuda_graphs"))
     batch_sizes = be.int_list("batch_sizes", required=True)
     warmup = be.integer("warmup", 10, lo=0)
     iterations = be.integer("iterations", 100, lo=1)
@@ -328,17 +332,7 @@ def profile_from_dict(data: Mapping[str, Any], *, label: str, default_name: str,
         if outside:
             raise be.fail("batch_sizes", f"must lie within build.batch min..max "
                                          f"({build.batch.min}..{build.batch.max}) (got {outside[0]})")
-
-    return DeviceProfile(
-        name=name, description=description, backend=backend, architecture=architecture,
-        compute_capability=cc, memory_gb=memory_gb,
-        shared_memory=shared_memory, build=build,
-        bench=BenchSettings(batch_sizes=batch_sizes, warmup=warmup, iterations=iterations,
-                            cuda_graphs=cuda_graphs),
-        gpu_names=gpu_names, tensorrt=trt_version, jetpack=jetpack, ort_threads=ort_threads,
-        ort_precision=ort_precision, source=source,
-        pruning=_pruning_section(label, top.table_("pruning"), DEFAULT_PRUNING[backend]),
-    )
+    return BenchSettings(batch_sizes=batch_sizes, warmup=warmup, iterations=iterations, cuda_graphs=cuda_graphs)
 
 
 def _pruning_section(label: str, table: Mapping[str, Any] | None, default: PruningRules) -> PruningRules:

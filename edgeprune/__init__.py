@@ -27,7 +27,8 @@ _LAZY = {"PruneResult": "edgeprune.api", "prune": "edgeprune.api", "structure_su
          "deploy": "edgeprune.deploy", "DeployResult": "edgeprune.deploy", "export": "edgeprune.jobs.export",
          "verify": "edgeprune.jobs.verify", "quantize": "edgeprune.jobs.quantize", "build": "edgeprune.jobs.build",
          "bench": "edgeprune.jobs.bench", "prune_run": "edgeprune.jobs.prune_run",
-         "heal_run": "edgeprune.jobs.heal_run", "PruneSettings": "edgeprune.pruning.settings"}
+         "heal_run": "edgeprune.jobs.heal_run", "derive_run": "edgeprune.jobs.derive_run",
+         "latency_table_run": "edgeprune.jobs.latency_table_run", "PruneSettings": "edgeprune.pruning.settings"}
 
 
 def __getattr__(name: str) -> object:
@@ -49,4 +50,4 @@ def __dir__() -> list[str]:
 
 __all__ = ["CorpConfig", "PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
            "RuntimeFault", "ModelSpec", "get_model_spec", "deploy", "DeployResult", "export", "verify", "quantize",
-           "build", "bench", "prune_run", "heal_run", "PruneSettings", "__version__"]
+           "build", "bench", "prune_run", "heal_run", "derive_run", "latency_table_run", "PruneSettings", "__version__"]

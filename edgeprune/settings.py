@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence, TypeVar
 
@@ -129,22 +130,36 @@ class Declared:
         return "text"
 
 
+_PLACEHOLDER = re.compile(r"\{([a-z][a-z0-9_]*)\}")
+
+
 class SettingError(UserError):
     """A bad setting, named in the caller's spelling.
 
-    ``template`` holds ``{name}`` where the setting's name goes; ``str(err)`` uses the Python keyword (the field
-    name); :meth:`spelled` renders another spelling (the CLI's flag, a recipe's key).
+    ``template`` names each setting it speaks of as ``{field}`` (``"{round_to} must be >= 1, got 0"``,
+    ``"{embed_sparsity} auto judges its candidates on the check images; give {allocation_check_images} >= 1"``);
+    ``str(err)`` shows the Python keywords (the field names), :meth:`spelled` another spelling (the command line's
+    ``--round-to``). Other braces in the text are left alone (only ``{lower_case_name}`` is a placeholder).
     """
 
-    def __init__(self, setting: str, template: str) -> None:
-        self.setting = setting
+    def __init__(self, template: str) -> None:
         self.template = template
-        super().__init__(template.format(name=setting))
+        #: the fields the message names, in order
+        self.settings = tuple(dict.fromkeys(_PLACEHOLDER.findall(template)))
+        super().__init__(self.render(lambda name: name))
+
+    @property
+    def setting(self) -> str | None:
+        """The first setting the message names (None for none)."""
+        return self.settings[0] if self.settings else None
+
+    def render(self, spell: Callable[[str], str | None]) -> str:
+        """The message with each ``{field}`` spelled by ``spell`` (the field name where it gives None)."""
+        return _PLACEHOLDER.sub(lambda m: spell(m.group(1)) or m.group(1), self.template)
 
     def spelled(self, spell: Callable[[str], str | None]) -> UserError:
-        """The same error with the setting named by ``spell(field name)`` (itself where ``spell`` gives None)."""
-        name = spell(self.setting) or self.setting
-        return UserError(self.template.format(name=name))
+        """The same error as a :class:`~edgeprune.errors.UserError` with the settings spelled by ``spell``."""
+        return UserError(self.render(spell))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +205,7 @@ class Section:
         known = cls.field_names()
         for key in values:
             if key not in known:
-                raise SettingError(key, f"unknown {cls.name} setting {{name}} (known: {', '.join(known)})")
+                raise SettingError(f"unknown {cls.name} setting {key!r} (known: {', '.join(known)})")
         return cls(**dict(values))
 
     def validate(self: S) -> S:

@@ -37,6 +37,7 @@ import torch
 from edgeprune.anatomy import BlockAnatomy
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.plan import BlockPlan, dims_override, kept_dim, kept_heads, pruned_indices
 from edgeprune.ranking import qk_scores, top_k_indices, vo_scores
 from edgeprune.solve import mlp_ridge, qk_logit
@@ -54,7 +55,7 @@ def attention_sparsities(cfg) -> tuple[float, float]:
     s_qk, s_v = float(cfg.attn_sparsity), float(cfg.v_sparsity)
     if cfg.layout == "fused":
         if s_qk > 0 and s_v > 0 and s_qk != s_v:
-            raise UserError(f"--layout fused prunes Q/K and V to the same kept dim, but the Q/K sparsity "
+            raise SettingError(f"{{layout}} fused prunes Q/K and V to the same kept dim, but the Q/K sparsity "
                             f"is {s_qk:g} and the V sparsity {s_v:g} (give one of them, or equal values)")
         s_qk = s_v = max(s_qk, s_v)
     return s_qk, s_v
@@ -83,9 +84,9 @@ def attention_dims(b: BlockAnatomy, cfg) -> tuple[int, int, int]:
     qk = given["qk"] if given["qk"] is not None else qk
     v = given["v"] if given["v"] is not None else v
     if cfg.layout == "fused" and qk != v:
-        raise UserError(f"--layout fused: block {b.index} would end with qk_dim {qk} != v_dim {v} "
-                        f"(this model's Q/K and V dims differ already: give --attn-sparsity/--v-sparsity "
-                        f"that bring them to the same kept dim, or use --layout default)")
+        raise SettingError(f"{{layout}} fused: block {b.index} would end with qk_dim {qk} != v_dim {v} "
+                           f"(this model's Q/K and V dims differ already: give {{attn_sparsity}}/{{v_sparsity}} "
+                           f"that bring them to the same kept dim, or use {{layout}} default)")
     return heads, qk, v
 
 

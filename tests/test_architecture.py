@@ -3,8 +3,8 @@
 (a) no import loop among the modules of edgeprune/, exporters/, runners/, devices/ (function-level
     imports included); (b) nothing outside ``edgeprune.cli`` imports it; (c) exporters and runners
     depend one way; (d) function-level imports of internal modules only for optional dependencies
-    (count printed, ceiling below); (e) no file in edgeprune/, exporters/, runners/ over
-    MAX_FILE_LINES lines; (f) no function over MAX_FUNCTION_LINES lines except the allowlist;
+    (count printed, ceiling below); (e) no file in edgeprune/, exporters/, runners/, devices/ over
+    MAX_FILE_LINES lines; (f) no function there over MAX_FUNCTION_LINES lines except the allowlist;
     (g) no loop between packages; (h) no import from a lower layer to a higher one, the layer order
     being the ``layers`` block of docs/architecture.md, which places every package (issue 39); both
     except the allowlisted edges, which must still be needed.
@@ -112,6 +112,12 @@ def test_lazy_import_allowlist_names_modules(project):
     assert not unknown, f"LAZY_IMPORTS_ALLOWED names no module: {unknown}"
 
 
+def test_size_limits_cover_every_package():
+    """(e) and (f) hold for every package scanned, devices/ included (issue 53): none sits outside."""
+    assert set(arch.SIZE_CHECKED) == set(arch.PACKAGES)
+    assert "devices" in arch.SIZE_CHECKED
+
+
 def test_no_long_file(project):
     found = arch.long_files(project, MAX_FILE_LINES)
     assert not found, f"files over {MAX_FILE_LINES} lines: {found}"
@@ -187,13 +193,16 @@ def test_checker_finds_sizes(tmp_path):
     _write(tmp_path, {
         "edgeprune/__init__.py": "",
         "edgeprune/m.py": f"class K:\n    def meth(self):\n{body}\n\n\ndef short():\n    pass\n",
-        "devices/big.py": "\n" * 50,  # devices/ is not size-checked
+        "devices/big.py": "\n" * 50,  # devices/ is size-checked too (issue 53)
+        "devices/f.py": "def f():\n" + "    x = 1\n" * 11,
         "exporters/big.py": "x = 1\n" * 12,
     })
     p = arch.scan(tmp_path)
-    assert arch.long_functions(p, 10) == [("edgeprune.m.K.meth", "edgeprune/m.py:2", 11)]
-    assert arch.long_functions(p, 10, {"edgeprune.m.K.meth": "why"}) == []
-    assert arch.long_files(p, 11) == [("edgeprune/m.py", 16), ("exporters/big.py", 12)]
+    assert arch.long_functions(p, 10) == [("edgeprune.m.K.meth", "edgeprune/m.py:2", 11),
+                                          ("devices.f.f", "devices/f.py:1", 12)]
+    assert arch.long_functions(p, 10, {"edgeprune.m.K.meth": "why", "devices.f.f": "why"}) == []
+    assert arch.long_files(p, 11) == [("devices/big.py", 50), ("devices/f.py", 12), ("edgeprune/m.py", 16),
+                                      ("exporters/big.py", 12)]
 
 
 def test_injected_loop_and_cli_import_in_a_copy_are_found(tmp_path):

@@ -103,8 +103,8 @@ def test_auto_refusals_before_any_pass(tmp_path):
     model = _vit()
     x = _images(8)
     for kw, pattern in ((dict(sparsity=0.5), "needs a budget"),
-                        (dict(flops=0.5, embed_order="last"), "embed-order last"),
-                        (dict(flops=0.5, allocation_check_images=0), "check-images"),
+                        (dict(flops=0.5, embed_order="last"), "drop embed_order last"),  # the Python keyword
+                        (dict(flops=0.5, allocation_check_images=0), "give allocation_check_images >= 1"),
                         (dict(flops=0.5, embed_candidates=(0.5, 1.5)), "embed candidates")):
         with pytest.raises(UserError, match=pattern):
             edgeprune.prune(model, x, embed_sparsity="auto", **kw)

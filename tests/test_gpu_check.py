@@ -238,7 +238,7 @@ def test_the_gpu_commands_pass_the_clis_checks(tmp_path, monkeypatch):
     interleaved table, CUDA graphs."""
     import edgeprune.cli.device as device_cli  # noqa: F401
     import edgeprune.jobs.bench as bench_job
-    import edgeprune.cli.latency_table as table_cli
+    import edgeprune.jobs.latency_table_run as table_job
     from runners.bench import check_available
 
     _fake_h100(monkeypatch)
@@ -255,7 +255,7 @@ def test_the_gpu_commands_pass_the_clis_checks(tmp_path, monkeypatch):
         seen["bench"] = (cfg, profile)
         raise _Reached
 
-    monkeypatch.setattr(table_cli, "build_table", build_table)
+    monkeypatch.setattr(table_job, "build_table", build_table)
     monkeypatch.setattr(bench_job, "run_bench", run_bench)
     for argv in (gpu_check.table_argv(ctx, tmp_path / "t.json"), gpu_check.bench_argv(ctx, tmp_path / "b.json")):
         with pytest.raises(_Reached):

@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from pathlib import Path
 from typing import ClassVar
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from edgeprune.budget.correction import Correction
@@ -21,6 +23,7 @@ from edgeprune.cli.prune import make_prune_command
 from edgeprune.cli.recipe import LEGACY_SECTIONS, command_tables, recipe_params
 from edgeprune.corp.config import CorpConfig
 from edgeprune.errors import UserError
+from edgeprune.record_schema import check_record
 from edgeprune.pruning.settings import BUILT, INPUTS, PRUNE_SECTIONS, PruneSettings, prune_declared, prune_sections
 from edgeprune.settings import Section, SettingError, declared_of, setting
 from tests.conftest import assert_one_line_error, run_cli
@@ -146,10 +149,10 @@ def test_validate_returns_a_new_section_and_never_mutates():
 
 
 def test_an_unknown_keyword_is_named_and_the_known_ones_listed():
-    with pytest.raises(SettingError, match="unknown prune setting round_two") as err:
+    with pytest.raises(SettingError, match="unknown prune setting 'round_two'") as err:
         PruneSettings.from_keywords(round_two=8)
     assert "round_to" in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(SettingError, match="unknown correction setting rounds"):
+    with pytest.raises(SettingError, match="unknown correction setting 'rounds'"):
         Correction.from_mapping({"rounds": 3})
     assert PruneSettings.from_keywords(criterion="energy").corp.mlp_criterion == "energy"  # the old keyword
 
@@ -187,3 +190,41 @@ def test_the_generator_expresses_each_kind():
 
     with pytest.raises(TypeError, match="without a switch"):
         generate.option_for(NoSwitch.declared()[0])
+
+
+# ---- old files still load --------------------------------------------------------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures" / "recipes_9c01182"
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_a_recipe_and_a_record_of_9c01182_load_and_replay_to_the_same_weights(name, tmp_path):
+    """Recipes written before the settings had sections (every setting in ``[budget]`` / ``[method]``; written by
+    2086ddc, the layout of 9c01182, one torch thread) still load, and replay to the same weights (the sha256 the
+    record of then holds) and the same flat ``config``; the record of then passes the record schema."""
+    src = FIXTURES / name
+    old = json.loads((src / "run.json").read_text())
+    check_record(old, src / "run.json")
+    assert "[method]" in (src / "recipe.toml").read_text()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = run_cli(["prune", "--config", src / "recipe.toml", "-o", tmp_path / "new"])
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    new = json.loads((tmp_path / "new" / "run.json").read_text())
+    assert new["weights_sha256"] == old["weights_sha256"]
+    assert new["config"] == old["config"]
+    replayed = tomllib.loads((tmp_path / "new" / "recipe.toml").read_text())  # written in the sections now
+    assert "method" not in replayed and "budget" in replayed and "corp" in replayed
+
+
+#: the command modules whose options are generated from declared settings (issue 53: the rest still write theirs)
+GENERATED_COMMANDS = ("edgeprune/cli/prune.py",)
+
+
+@pytest.mark.parametrize("path", GENERATED_COMMANDS)
+def test_a_generated_command_writes_no_option_by_hand_and_is_short(path):
+    text = (Path(__file__).parents[1] / path).read_text()
+    assert "click.option(" not in text and "click.Option(" not in text
+    assert len(text.splitlines()) <= 80, "a command module is the job call (about 40 lines of code)"

@@ -143,7 +143,7 @@ def test_refusals_in_one_line_before_any_pass(tmp_path):
                         (dict(flops=0.5), "--flops budget: its cost model does not price merged tokens"),
                         (dict(flops=0.5, embed_sparsity="auto"), "cannot be combined"),
                         (dict(latency=0.6, latency_table=bare), "has no token axis"),
-                        (dict(latency=0.6, latency_table=table, allocation_check_images=0), "check-images"),
+                        (dict(latency=0.6, latency_table=table, allocation_check_images=0), "give allocation_check_images >= 1"),
                         (dict(latency=0.6, latency_table=table, tokens_candidates="2,4"), "non-empty list"),
                         (dict(latency=0.6, latency_table=table, tokens_candidates=()), "non-empty list"),
                         (dict(latency=0.6, latency_table=table, tokens_candidates=(2, "auto")), "not a schedule"),

@@ -23,12 +23,11 @@ def check_correction(verify_budget: Any, tolerance: Any, rounds: Any) -> None:
         SettingError: one line naming the setting (in the caller's spelling: ``edgeprune.settings``).
     """
     if not isinstance(verify_budget, bool):
-        raise SettingError("verify_budget", f"{{name}} must be True or False, got {verify_budget!r}")
+        raise SettingError(f"{{verify_budget}} must be True or False, got {verify_budget!r}")
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
-        raise SettingError("correction_tolerance",
-                           f"{{name}} must be a fraction in (0, 1) (0.03 = 3%), got {tolerance!r}")
+        raise SettingError(f"{{correction_tolerance}} must be a fraction in (0, 1) (0.03 = 3%), got {tolerance!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= 10:
-        raise SettingError("correction_rounds", f"{{name}} must be an integer in [0, 10], got {rounds!r}")
+        raise SettingError(f"{{correction_rounds}} must be an integer in [0, 10], got {rounds!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from edgeprune.cli.recipe import replay_rounds, tokens_choice, write_recipe
 from edgeprune.deploy.pipeline import deploy
 from edgeprune.deploy.state import STAGES
 from edgeprune.jobs.verify import VerifyFailed
+from edgeprune.pruning.settings import prune_sections
 
 _COMMANDS = {"prune": prune_cmd, "heal": heal_cmd, "quantize": quantize_cmd}
 
@@ -59,7 +60,7 @@ def stage_recipe(command: str, given: dict[str, Any], path: Path, values: dict[s
     write_recipe(ctx, path, values, notes, replay)
 
 
-@click.command("deploy", cls=RecipeCommand)
+@click.command("deploy", cls=RecipeCommand, spelled_by=prune_sections())
 @model_options(default="fmnist-vit")
 @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
 @eval_options

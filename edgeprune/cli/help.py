@@ -58,10 +58,14 @@ def _help_all_callback(ctx: click.Context, param: click.Parameter, value: bool) 
 class RecipeCommand(RichCommand):
     """A command with grouped help (essentials / --help-all) and ``--config FILE.toml``."""
 
-    def __init__(self, *args: Any, settings_sections: Sequence[type[Section]] = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, settings_sections: Sequence[type[Section]] = (),
+                 spelled_by: Sequence[type[Section]] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: the declared settings sections whose options the command has (``edgeprune.cli.generate``)
         self.settings_sections = tuple(settings_sections)
+        #: the sections whose option spelling names a library error's settings (default: ``settings_sections``;
+        #: deploy: the prune's, whose options it hands on)
+        self.spelled_by = tuple(spelled_by) or self.settings_sections
         self.params.append(config_option())
         self.params.append(click.Option(["--help-all"], is_flag=True, is_eager=True, expose_value=False,
                                         callback=_help_all_callback, help="Show every option, by group."))
@@ -76,7 +80,7 @@ class RecipeCommand(RichCommand):
         try:
             return super().invoke(ctx)
         except SettingError as err:  # named by its option (the command line's and the recipe's spelling)
-            raise name_recipe_keys(ctx, err.spelled(spelling(self.settings_sections))) from None
+            raise name_recipe_keys(ctx, err.spelled(spelling(self.spelled_by))) from None
         except UserError as err:
             raise name_recipe_keys(ctx, err) from None
 

@@ -4,25 +4,22 @@ Writes a :class:`~edgeprune.latency.table.LatencyTable` JSON (docs/latency.md). 
 checked before any timing: the profile, batch / threads, the backend being present here (a
 TensorRT profile off its device: one line naming the command to run there), the output folder,
 an existing output of another key (``--force`` replaces it; the same key resumes it).
+
+The command is a face over :func:`edgeprune.jobs.latency_table_run.latency_table_run` (the checks, the build, the
+report).
 """
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
+from typing import Any
 
 import click
 
-from devices import load_profile
-from edgeprune.anatomy import find_anatomy
-from edgeprune.artifact import check_writable
 from edgeprune.cli.help import RecipeCommand
-from edgeprune.cli.options import FiniteFloat, load_model, model_options, quiet_option
+from edgeprune.cli.options import FiniteFloat, model_options, quiet_option
 from edgeprune.cli.recipe import output_recipe_path, write_recipe
-from edgeprune.errors import UserError
-from edgeprune.zoo.registry import MissingWeightsError
-from edgeprune.latency.grid import parse_token_counts
-from edgeprune.latency.build import PRECISIONS, WHOLE, BuildOptions, build_table, settings_for
+from edgeprune.jobs.latency_table_run import latency_table_run
+from edgeprune.latency.build import PRECISIONS
 from edgeprune.latency.measure import list_timers
 
 
@@ -64,9 +61,7 @@ from edgeprune.latency.measure import list_timers
                    "misses (marked unverified), and one whose block chains still disagree after 3 timings (left out), "
                    "instead of failing.")
 @quiet_option
-def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs, device, batch,
-                      threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave, repeats,
-                      spread, retries, clock, tokens, out, force, quiet) -> None:
+def latency_table_cmd(out: str, **opts: Any) -> None:
     """Time one block of the model's shape for each kept structure on a grid (MLP widths, kept
     heads, Q/K and V head dims) on the profile's backend, plus the dense model whole; write the
     latency table for `prune --latency`.
@@ -77,44 +72,9 @@ def latency_table_cmd(model_name, checkpoint, random_init, num_classes, img_size
     prediction misses by more than 5% the command fails (exit 1) naming the part that is off, and the table
     is left incomplete, unless --force keeps it (marked unverified).
     """
-    if model_name is None:
-        raise UserError("--model is required (the dense model whose blocks are timed)")
-    if repeats == 1 and (spread is not None or retries is not None):
-        given = "--spread" if spread is not None else "--retries"
-        raise UserError(f"{given} goes with the spread check, which --repeats 1 turns off (drop one of them)")
-    check = {k: v for k, v in (("repeats", repeats), ("spread", spread), ("retries", retries)) if v is not None}
-    counts = parse_token_counts(tokens)  # non-integers: one line; the model's limits: build_table, before timing
-    profile = load_profile(device)
-    opts = BuildOptions(**check, batch=batch, threads=threads, precision=precision, backend=backend, warmup=warmup,
-                        iterations=iterations, max_seconds=max_seconds, statistic=statistic,
-                        interleave=interleave, clock=clock, force=force,
-                        grid={"tokens": counts} if counts else {})
-    settings_for(profile, opts, model_name)  # bad batch / threads / backend, or the backend absent: before any work
-    out_path = Path(out)
-    if out_path.is_dir():
-        raise UserError(f"-o {out} is a folder; give the table's file name (e.g. {out_path / 'table.json'})")
-    check_writable(out_path.parent)
-    try:
-        model, _rec, _spec = load_model(None, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
-    except MissingWeightsError:  # issue 41: not "--checkpoint": the timings do not depend on the weights
-        raise UserError(f"{model_name} has no weights here; a latency table times the model's shapes, not its "
-                        "weights: add --random-init (or --checkpoint PATH)") from None
-    anatomy = find_anatomy(model.eval())
-    t0 = time.perf_counter()
-    table = build_table(anatomy, profile, opts, out_path, show_progress=not quiet)
-    write_recipe(click.get_current_context(), output_recipe_path(out_path))
-    k = table.key
-    n = (len(table.measured["mlp"]) + len(table.measured["attn"]) + sum(bool(table.measured.get(w)) for w in WHOLE)
-         + sum(len(table.measured.get(w, [])) for w in ("tokens_mlp", "tokens_attn")))
-    click.echo(f"{out}: {n} entries on {k['device_name']} ({k['backend']} {k['backend_version']}, "
-               f"batch {k['batch']}, {k['precision']}, threads {k['threads'] or 'default'}) in "
-               f"{time.perf_counter() - t0:.0f} s; dense model {table.dense_model_ms:.2f} ms, "
-               f"blocks {k['depth']} x ({table.block_scale:.3f} x {table.block_ms(table.dense_dims()):.2f} + "
-               f"{table.block_overhead_ms:.2f}) ms, outside the blocks {table.fixed_ms:.2f} ms")
-    chk = table.meta.get("self_check") or {}
-    click.echo("self-check (predicted / measured whole): " + ", ".join(
-        f"{m['name']} {m['predicted_ms']:.2f}/{m['measured_ms']:.2f} ms ({100 * m['error']:+.1f}%)"
-        for m in chk.get("models", [])))
-    if table.unverified:
-        click.echo(f"warning: the self-check missed ({table.unverified}); kept unverified (--force): "
-                   "prune --latency will say its prediction is unverified", err=True)
+    ctx = click.get_current_context()
+    latency_table_run(out, echo=click.echo, write_recipe=lambda table: write_recipe(ctx, output_recipe_path(table)),
+                      **opts)
+
+
+__all__ = ["latency_table_cmd"]

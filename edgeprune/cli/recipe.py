@@ -2,15 +2,19 @@
 
 A recipe holds the same options as the command line, in sections::
 
-    [model]                      [budget]                 [runtime]
-    model = "fmnist-vit"         flops = "0.5"            torch-device = "cpu"
-    [data]                       [method]                 [output]
-    calib-size = 256             criterion = "combined"   out = "runs/fm-flops"
+    [model]                      [budget]                 [output]
+    model = "fmnist-vit"         flops = "0.5"            out = "runs/fm-flops"
+    [data]                       [corp]                   [runtime]
+    calib-size = 256             criterion = "combined"   torch-device = "cpu"
 
 A key is an option's long name without the dashes (``--calib-size`` -> ``calib-size``; a flag pair
 ``--verify-latency/--no-verify-latency`` -> ``verify-latency = true|false``; a positional
-argument by its name, ``run-dir``). :data:`SECTIONS` maps every option of every command to one
-section. The command line overrides the file (the file's values are click's ``default_map``;
+argument by its name, ``run-dir``). :data:`SECTIONS` maps a command's own options to its tables; a
+command whose settings are declared (``RecipeCommand(settings_sections=...)``, ``edgeprune.settings``: prune,
+derive's correction) has one table per section, named as the section (``[corp]``, ``[allocation]``,
+``[correction]`` ...; :func:`command_tables`). Recipes of 9c01182 put those keys in ``[budget]`` /
+``[method]``: still read there (:data:`LEGACY_SECTIONS`); a recipe is written in the sections.
+The command line overrides the file (the file's values are click's ``default_map``;
 click's ``ParameterSource`` tells the two apart); a budget typed on the command line replaces the
 file's budget. A key at its option's default is the same as no key.
 
@@ -43,7 +47,7 @@ from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.generate import section_table
 from edgeprune.cli.recipe_replay import (REPLAY, REPLAYS, ReplayMeasurer, follow_output, read_replay, replay_lines,
                                          replay_measurer, replay_rounds, tokens_choice)
-from edgeprune.cli.recipe_toml import META_FILE, META_KEYS, META_REPLAY, convert_value, shown, toml_value
+from edgeprune.cli.recipe_toml import META_FILE, META_KEYS, META_REPLAY, convert_value, negated, shown, toml_value
 from edgeprune.errors import UserError
 
 #: the order of a command's own tables; its declared settings' sections go after ``data``, in their order
@@ -345,6 +349,8 @@ def recipe_text(ctx: click.Context, values: dict[str, Any] | None = None, notes:
             if v is None or (p.multiple and not v):
                 lines.append(f"# {key} = (not set)")
                 continue
+            if negated(p) and isinstance(v, bool) and key not in values:
+                v = not v  # the key says whether the flag is on (--no-compensation), the setting is its opposite
             mark = "  # default" if src in (ParameterSource.DEFAULT, None) and key not in values else ""
             lines.append(f"{key} = {toml_value(list(v) if isinstance(v, tuple) else v)}{mark}")
     if replay:

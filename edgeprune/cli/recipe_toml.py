@@ -94,6 +94,12 @@ def _kind_error(param: click.Parameter, value: Any) -> str | None:
     return None if isinstance(value, str) else "wants a string"
 
 
+def negated(param: click.Parameter) -> bool:
+    """A flag that sets its setting False (``--no-compensation`` of ``compensation``): its recipe key says whether
+    the flag is on (``no-compensation = true`` = compensation off), so the value is the setting's, inverted."""
+    return isinstance(param, click.Option) and bool(param.is_flag) and param.flag_value is False
+
+
 def convert_value(param: click.Parameter, key: str, value: Any, where: str, ctx: click.Context) -> Any:
     """The value of one recipe key (a TOML value), checked by the option's own type (click's conversion).
 
@@ -121,9 +127,11 @@ def convert_value(param: click.Parameter, key: str, value: Any, where: str, ctx:
         return ",".join(f"{k}={json.dumps(v)}" for k, v in value.items())
     if items is None and isinstance(param.type, click.types.StringParamType):
         return str(value)
+    if negated(param):
+        return not value
     return value
 
 
 
-__all__ = ["META_FILE", "META_KEYS", "META_REPLAY", "convert_value", "non_finite", "shown", "toml_key", "toml_plain",
-           "toml_value"]
+__all__ = ["META_FILE", "META_KEYS", "META_REPLAY", "convert_value", "negated", "non_finite", "shown", "toml_key",
+           "toml_plain", "toml_value"]

@@ -17,6 +17,7 @@ from edgeprune.budget import Budget, validate_budget
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.layers.class_token_block import LAST_BLOCK_CHOICES
 from edgeprune.plan import check_dims, check_sparsity, resolve_sparsities
 from edgeprune.ranking import get_criterion
@@ -214,12 +215,12 @@ class CorpConfig:
         if self.ridge_alpha < 0 or self.qk_ridge_alpha < 0:
             raise UserError("ridge alpha must be >= 0")
         if self.round_to < 1:
-            raise UserError(f"--round-to must be >= 1, got {self.round_to}")
+            raise SettingError(f"{{round_to}} must be >= 1, got {self.round_to}")
         if self.gram_dtype not in ("float64", "float32"):
             raise UserError("gram dtype must be float64 or float32")
         self._check_counts()
         if get_qk_solver(self.qk_solver).needs_ridge and self.qk_ridge_alpha == 0:
-            raise UserError(f"the {self.qk_solver} Q/K solver needs a ridge alpha > 0 (use --qk-solver direct)")
+            raise SettingError(f"the {self.qk_solver} Q/K solver needs a ridge alpha > 0 (use {{qk_solver}} direct)")
         check_dims(self.dims)
         if self.last_block not in LAST_BLOCK_CHOICES:
             raise UserError(f"unknown last block {self.last_block!r} (choose from {', '.join(LAST_BLOCK_CHOICES)})")
@@ -236,7 +237,7 @@ class CorpConfig:
                                              or self.gram_tokens < 0):
             raise UserError(f"gram tokens must be an int >= 0 (0 = every token), got {self.gram_tokens!r}")
         if self.gram_tokens and self.sequential:
-            raise UserError("--gram-tokens does not apply to --sequential calibration (it uses every token)")
+            raise SettingError("{gram_tokens} does not apply to {sequential} calibration (it uses every token)")
         if self.allocation_anchors not in (1, 2) or isinstance(self.allocation_anchors, bool):
             raise UserError(f"allocation anchors must be 1 or 2, got {self.allocation_anchors!r}")
         if isinstance(self.allocation_check_images, bool) or not isinstance(self.allocation_check_images, int) \

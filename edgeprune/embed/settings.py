@@ -6,7 +6,7 @@ import dataclasses
 from typing import ClassVar
 
 from edgeprune.errors import UserError
-from edgeprune.settings import Section, setting
+from edgeprune.settings import Section, SettingError, setting
 
 #: when the residual stream is sliced relative to the width pruning
 EMBED_ORDERS = ("first", "last")
@@ -32,7 +32,7 @@ def parse_embed_sparsity(text):
     try:
         return float(text)
     except ValueError:
-        raise UserError(f"--embed-sparsity must be a number in [0, 1) or 'auto', got {text!r}") from None
+        raise SettingError(f"{{embed_sparsity}} must be a number in [0, 1) or 'auto', got {text!r}") from None
 
 
 def _is_sparsity(s) -> bool:
@@ -51,7 +51,7 @@ def check_embed_settings(cfg) -> None:
     """
     s = cfg.embed_sparsity
     if not (is_auto(cfg) or _is_sparsity(s)):
-        raise UserError(f"--embed-sparsity must be a number in [0, 1) or 'auto', got {s!r}")
+        raise SettingError(f"{{embed_sparsity}} must be a number in [0, 1) or 'auto', got {s!r}")
     if cfg.embed_order not in EMBED_ORDERS:
         raise UserError(f"unknown embed order {cfg.embed_order!r} (choose from {', '.join(EMBED_ORDERS)})")
     if not isinstance(cfg.embed_refit, bool):
@@ -61,20 +61,21 @@ def check_embed_settings(cfg) -> None:
                           or not all(_is_sparsity(v) for v in c)):
         raise UserError(f"embed candidates must be a non-empty list of numbers in [0, 1), got {c!r}")
     if (is_auto(cfg) or s) and cfg.budget is not None and not cfg.budget.model_class.prices_sliced_models:
-        raise UserError(f"--embed-sparsity {s} cannot be priced with --{cfg.budget.kind} (its table is measured at "
-                        "the dense embed dim); use --flops or --params")
+        raise SettingError(f"{{embed_sparsity}} {s} cannot be priced with --{cfg.budget.kind} (its table is measured "
+                           "at the dense embed dim); use {flops} or {params}")
     if not is_auto(cfg):
         if c is not None:
             raise UserError("embed candidates go with embed_sparsity='auto' (they would be ignored)")
         return
     if cfg.budget is None:
-        raise UserError("--embed-sparsity auto needs a budget (--flops/--params) to choose D' for; "
-                        "give a number without one")
+        raise SettingError("{embed_sparsity} auto needs a budget ({flops}/{params}) to choose D' for; "
+                           "give a number without one")
     if cfg.embed_order != "first":
-        raise UserError("--embed-sparsity auto slices first (the budget is spent on the sliced model); "
-                        "drop --embed-order last")
+        raise SettingError("{embed_sparsity} auto slices first (the budget is spent on the sliced model); "
+                           "drop {embed_order} last")
     if cfg.allocation_check_images < 1:
-        raise UserError("--embed-sparsity auto judges its candidates on the check images; give --check-images >= 1")
+        raise SettingError("{embed_sparsity} auto judges its candidates on the check images; give "
+                           "{allocation_check_images} >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from edgeprune.anatomy import ViTAnatomy
 from edgeprune.distributed import is_distributed
 from edgeprune.embed.fold import stream_parts
 from edgeprune.embed.slice import embed_kept_dim, slice_embed
-from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 
 
 def slices_first(config) -> bool:
@@ -28,8 +28,8 @@ def slices_first(config) -> bool:
 def refuse_distributed() -> None:
     """Raises UserError under torch.distributed: the slice's statistics are not all-reduced."""
     if is_distributed():
-        raise UserError("--embed-sparsity runs in one process for now (its statistics are not all-reduced); "
-                        "run without torchrun")
+        raise SettingError("{embed_sparsity} runs in one process for now (its statistics are not all-reduced); "
+                           "run without torchrun")
 
 
 def embed_budget(config, anatomy: ViTAnatomy):
@@ -50,8 +50,8 @@ def embed_budget(config, anatomy: ViTAnatomy):
     if config.budget is None:
         return config
     if config.embed_order != "first":
-        raise UserError("--embed-order last cannot be combined with --flops/--params (the slice would come on "
-                        "top of the budget); use the default order (first)")
+        raise SettingError("{embed_order} last cannot be combined with {flops}/{params} (the slice would come on "
+                           "top of the budget); use the default order (first)")
     if not config.budget.is_fraction:
         return config
     return dataclasses.replace(config, budget=config.budget.absolute(config.budget.dense_cost(anatomy))).validate()

@@ -4,7 +4,8 @@ does through ``echo(line, err=False)``, returns a small result (what it wrote, i
 them; :mod:`edgeprune.deploy` runs them in order.
 
     export (export.py), verify (verify.py), quantize (quantize.py), build (build.py), bench (bench.py),
-    prune_run (prune_run.py: prune with deploy's settings), heal_run (heal_run.py)
+    prune_run (prune_run.py: prune with deploy's settings), heal_run (heal_run.py), derive_run (derive_run.py:
+    NuWa), latency_table_run (latency_table_run.py)
 
 Imported on first use (``quantize`` needs onnxruntime, ``build`` TensorRT at build time).
 """
@@ -17,7 +18,9 @@ import importlib
 _NAMES = {"export": "export", "ExportResult": "export", "verify": "verify", "VerifyResult": "verify",
           "VerifyFailed": "verify", "quantize": "quantize", "QuantizeResult": "quantize", "build": "build",
           "BuildResult": "build", "bench": "bench", "BenchResult": "bench", "prune_run": "prune_run",
-          "PruneRunResult": "prune_run", "heal_run": "heal_run", "HealRunResult": "heal_run"}
+          "PruneRunResult": "prune_run", "heal_run": "heal_run", "HealRunResult": "heal_run",
+          "derive_run": "derive_run", "DeriveRunResult": "derive_run", "latency_table_run": "latency_table_run",
+          "LatencyTableRunResult": "latency_table_run"}
 
 
 def __getattr__(name: str) -> object:

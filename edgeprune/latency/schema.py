@@ -317,8 +317,9 @@ def _check_surface(t: Any, parts: dict, tol: float) -> None:
         keep = surface.growing(values)
         want = [values[i] for i in keep]
         if len(sf[axis]) != len(want) or any(abs(k - x) > tol * x for k, x in zip(sf[axis], want)):
+            shown = ", ".join(f"{x:.4g}" for x in values)
             raise _fail("block_surface", f"{axis} knots {', '.join(f'{k:.4g}' for k in sf[axis])} ms are not the "
-                        f"grid's times at the quarter, half and dense dims ({', '.join(f'{x:.4g}' for x in values)} ms)")
+                        f"grid's times at the quarter, half and dense dims ({shown} ms)")
         names[axis] = [levels[i] for i in keep]
     n, block, per = parts.get("chain_blocks"), parts.get("block_ms"), parts.get("per_block_ms")
     if not n or block is None or per is None:

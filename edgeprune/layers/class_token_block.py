@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.solve.output_bias import classifier_head
 
 __all__ = ["ClassTokenBlock", "output_query_tokens", "to_class_token_block", "to_full_block", "class_token_plan",
@@ -211,8 +211,8 @@ def class_token_plan(cfg, anatomy) -> dict[int, int]:
     t = output_query_tokens(model) if model is anatomy.vit else None
     if mode == "cls":
         if t is None:
-            raise UserError("--last-block cls needs a timm ViT whose output reads only the class token "
-                            "(global_pool='token', no attention pooling, no wrapper around the ViT)")
+            raise SettingError("{last_block} cls needs a timm ViT whose output reads only the class token "
+                               "(global_pool='token', no attention pooling, no wrapper around the ViT)")
         return {last.index: t}
     if t is None or cfg.budget is None or classifier_head(model) is None:
         return {}

@@ -29,6 +29,7 @@ from edgeprune.budget import budget_kinds, make_budget
 from edgeprune.corp.config import CorpConfig
 from edgeprune.embed.settings import check_embed_settings, is_auto
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.option_checks import refuse_sparsities_with_budget
 from edgeprune.budget.correction import check_correction
 from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
@@ -96,17 +97,18 @@ def check_tokens_auto(config: CorpConfig) -> None:
         UserError: one line naming the setting.
     """
     if is_auto(config):
-        raise UserError("--tokens-merge auto and --embed-sparsity auto cannot be combined (embed auto needs "
-                        "--flops/--params, tokens auto --latency); choose one of them")
+        raise SettingError("{tokens_merge} auto and {embed_sparsity} auto cannot be combined (embed auto needs "
+                           "{flops}/{params}, tokens auto {latency}); choose one of them")
     budget = config.budget
     if budget is None:
-        raise UserError("--tokens-merge auto needs a budget (--latency with a table that has a token axis) to "
-                        "choose r for; give a schedule (R, r0,r1,... or decreasing:R) without one")
+        raise SettingError("{tokens_merge} auto needs a budget ({latency} with a table that has a token axis) to "
+                           "choose r for; give a schedule (R, r0,r1,... or decreasing:R) without one")
     _check_merge_priced(budget, f"--tokens-merge auto with a --{budget.kind} budget: its cost model does not price "
                         "merged tokens (the widths get the whole budget, a merge only adds error); use --latency "
                         "with a table that has a token axis, or give a schedule")
     if config.allocation_check_images < 1:
-        raise UserError("--tokens-merge auto judges its candidates on the check images; give --check-images >= 1")
+        raise SettingError("{tokens_merge} auto judges its candidates on the check images; give "
+                           "{allocation_check_images} >= 1")
 
 
 def _check_merge_priced(budget: Any, refusal: str) -> None:

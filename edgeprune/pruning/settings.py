@@ -87,7 +87,7 @@ class PruneSettings:
         for key, value in keywords.items():
             name = LEGACY_KEYWORDS.get(key, key)
             if name not in declared:
-                raise SettingError(key, f"unknown prune setting {{name}} (the settings: {', '.join(declared)})")
+                raise SettingError(f"unknown prune setting {key!r} (the settings: {', '.join(declared)})")
             by_section[declared[name].section][name] = value
         return cls({s.name: s.from_mapping(by_section[s.name]) for s in prune_sections()})
 

@@ -40,6 +40,7 @@ import torch.nn as nn
 from edgeprune.anatomy import find_anatomy
 from edgeprune.distributed import is_distributed
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.layers.class_token_block import class_token_plan
 from edgeprune.pruning import search
 from edgeprune.pruning.config import check_config
@@ -150,8 +151,8 @@ def _pruner(model: nn.Module, calibration: Any, spec: Any, progress: bool, batch
 def _check(model: nn.Module, config) -> None:
     """The refusals before any pass: torch.distributed, the config (a model the merge does not fit: the candidates)."""
     if is_distributed():
-        raise UserError("--tokens-merge auto runs in one process for now (each rank would judge its candidates on "
-                        "its own images); run without torchrun")
+        raise SettingError("{tokens_merge} auto runs in one process for now (each rank would judge its candidates "
+                           "on its own images); run without torchrun")
     check_config(config)
 
 

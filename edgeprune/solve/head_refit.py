@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import torch
 
-from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 
 __all__ = ["ALPHAS", "FOLDS", "MIN_IMAGES", "RefitStatistics", "refit_statistics", "fit_head", "refit_note",
            "check_refit_request"]
@@ -71,11 +71,11 @@ def check_refit_request(head_refit: bool | None, images: int) -> None:
     if head_refit is not True:
         return
     if images == 0:
-        raise UserError("--head-refit needs the output correction on: add --bias-correction N "
-                        f"(N >= {MIN_IMAGES}; the correction is off without --flops/--params)")
+        raise SettingError("{head_refit} needs the output correction on: add {bias_correction_images} N "
+                           f"(N >= {MIN_IMAGES}; the correction is off without {{flops}}/{{params}})")
     if images < MIN_IMAGES:
-        raise UserError(f"--head-refit needs --bias-correction >= {MIN_IMAGES} (its cross-validation fits on "
-                        f"all images but one fold), got {images}")
+        raise SettingError(f"{{head_refit}} needs {{bias_correction_images}} >= {MIN_IMAGES} (its cross-validation "
+                           f"fits on all images but one fold), got {images}")
 
 
 class RefitStatistics:
