@@ -97,7 +97,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
             keyword settings given, an unknown device or CUDA not available.
     """
     if config is None:
-        config = corp_config(None if target is _UNSET else target, 0.5 if sparsity is _UNSET else sparsity,
+        config = corp_config(None if target is _UNSET else target, None if sparsity is _UNSET else sparsity,
                              **settings)
     elif target is not _UNSET or sparsity is not _UNSET or settings:
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")

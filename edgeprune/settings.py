@@ -130,7 +130,7 @@ class Declared:
         return "text"
 
 
-_PLACEHOLDER = re.compile(r"\{([a-z][a-z0-9_]*)\}")
+_PLACEHOLDER = re.compile(r"\{(not:)?([a-z][a-z0-9_]*)\}")
 
 
 class SettingError(UserError):
@@ -139,13 +139,14 @@ class SettingError(UserError):
     ``template`` names each setting it speaks of as ``{field}`` (``"{round_to} must be >= 1, got 0"``,
     ``"{embed_sparsity} auto judges its candidates on the check images; give {allocation_check_images} >= 1"``);
     ``str(err)`` shows the Python keywords (the field names), :meth:`spelled` another spelling (the command line's
-    ``--round-to``). Other braces in the text are left alone (only ``{lower_case_name}`` is a placeholder).
+    ``--round-to``). ``{not:field}`` names a boolean set False (``verify_budget=False``; the command line's
+    ``--no-verify-latency``). Other braces in the text are left alone (only ``{lower_case_name}`` is a placeholder).
     """
 
     def __init__(self, template: str) -> None:
         self.template = template
         #: the fields the message names, in order
-        self.settings = tuple(dict.fromkeys(_PLACEHOLDER.findall(template)))
+        self.settings = tuple(dict.fromkeys(m.group(2) for m in _PLACEHOLDER.finditer(template)))
         super().__init__(self.render(lambda name: name))
 
     @property
@@ -155,7 +156,13 @@ class SettingError(UserError):
 
     def render(self, spell: Callable[[str], str | None]) -> str:
         """The message with each ``{field}`` spelled by ``spell`` (the field name where it gives None)."""
-        return _PLACEHOLDER.sub(lambda m: spell(m.group(1)) or m.group(1), self.template)
+        def one(m: re.Match) -> str:
+            name = spell(m.group(2))
+            if m.group(1):  # {not:field}: the negation
+                return name.replace("--", "--no-", 1) if name and name.startswith("--") else f"{m.group(2)}=False"
+            return name or m.group(2)
+
+        return _PLACEHOLDER.sub(one, self.template)
 
     def spelled(self, spell: Callable[[str], str | None]) -> UserError:
         """The same error as a :class:`~edgeprune.errors.UserError` with the settings spelled by ``spell``."""

@@ -63,7 +63,7 @@ def test_a_budget_typed_on_the_command_line_replaces_the_files(tmp_path):
     assert p["flops"] is None and p["params"] == "0.4"
     r = _recipe(tmp_path, '[budget]\nsparsity = 0.3\nmlp-sparsity = 0.2\n')
     p = _ctx("prune", ["--config", r, "--flops", "0.6"]).params
-    assert (p["sparsity"], p["mlp_sparsity"], p["flops"]) == (0.5, None, "0.6")  # 0.5: the default
+    assert (p["sparsity"], p["mlp_sparsity"], p["flops"]) == (None, None, "0.6")  # None: not given (the default)
 
 
 def test_other_commands_read_their_recipes(tmp_path):
@@ -172,7 +172,7 @@ def test_resolved_recipe_names_every_option_and_replays_the_same_values(tmp_path
         if key in data.get(section, {}):
             assert data[section][key] is not None
     assert data["budget"]["flops"] == "0.5" and data["model"]["model-kwargs"] == {"depth": 1}
-    assert "sparsity = 0.5  # default" in text
+    assert "# sparsity = (not set)" in text  # not given: 0.5 without a budget (edgeprune.pruning.config)
     r = _recipe(tmp_path, text)
     again = _ctx("prune", ["--config", r]).params
     assert {k: v for k, v in again.items()} == {k: v for k, v in ctx.params.items()}

@@ -128,7 +128,7 @@ def test_the_recipe_is_written_in_the_sections_and_old_layouts_still_load(tmp_pa
         for key in keys:
             assert key in recipe_params(cmd), key
     old = tmp_path / "old.toml"
-    old.write_text('[budget]\nsparsity = 0.3\nlatency-rounds = 11\n[method]\nround-to = 8\n')
+    old.write_text('[budget]\nsparsity = 0.3\nlatency-rounds = 2\n[method]\nround-to = 8\n')
     assert_one_line_error(run_cli(["prune", "--config", old, "-o", tmp_path / "o"]),
                           "--latency-rounds goes with --latency")
 
@@ -176,7 +176,8 @@ def test_an_error_names_the_setting_in_the_callers_spelling(tmp_path):
 def test_the_generator_expresses_each_kind():
     declared = declared_of((Correction,))
     pair = generate.option_for(declared["verify_budget"], {"redo": "r", "made": "m", "reference": "x"})
-    assert pair.opts == ["--verify-latency"] and pair.secondary_opts == ["--no-verify-latency"] and pair.default
+    assert pair.opts == ["--verify-latency"] and pair.secondary_opts == ["--no-verify-latency"]
+    assert pair.default is None  # not given: a setting given where nothing reads it is refused
     assert "bench the m model against the x one" in pair.help
     rounds = generate.option_for(declared["correction_rounds"], {"redo": "r"})
     assert isinstance(rounds.type, click.types.IntParamType) and rounds.name == "correction_rounds"
@@ -228,3 +229,26 @@ def test_a_generated_command_writes_no_option_by_hand_and_is_short(path):
     text = (Path(__file__).parents[1] / path).read_text()
     assert "click.option(" not in text and "click.Option(" not in text
     assert len(text.splitlines()) <= 80, "a command module is the job call (about 40 lines of code)"
+
+
+@pytest.mark.parametrize("kw, python, cli", [
+    (dict(flops=0.5, sparsity=0.3), "flops replaces the sparsity: drop sparsity", "--flops replaces the sparsity: "
+     "drop --sparsity"),
+    (dict(allocation_check_images=8), "allocation_check_images goes with flops/params/latency",
+     "--check-images goes with --flops/--params/--latency"),
+    (dict(flops=0.5, verify_budget=False), "verify_budget=False goes with latency",
+     "--no-verify-latency goes with --latency"),
+    (dict(embed_order="last"), "embed_order goes with embed_sparsity S", "--embed-order goes with --embed-sparsity S"),
+])
+def test_a_setting_given_where_nothing_reads_it_is_refused_for_every_caller(kw, python, cli, tmp_path):
+    """One check in the library (``edgeprune.option_checks``), the caller's spelling: the Python keyword, the option."""
+    from edgeprune.pruning.config import corp_config
+
+    with pytest.raises(SettingError) as err:
+        corp_config(**kw)
+    assert str(err.value).startswith(python), str(err.value)
+    args = []
+    for k, v in kw.items():
+        opt = f"--{prune_declared()[k].spelling}"
+        args += [opt.replace("--", "--no-") if v is False else opt] if isinstance(v, bool) else [opt, str(v)]
+    assert_one_line_error(run_cli(["prune", *args, "-o", tmp_path / "o"]), cli)

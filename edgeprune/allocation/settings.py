@@ -16,17 +16,19 @@ from edgeprune.settings import Section, setting
 @dataclasses.dataclass(frozen=True)
 class AllocationSection(Section):
     """How a budget's allocation is chosen and checked (``edgeprune.allocation.select``; the effect of each field:
-    ``edgeprune.corp.config.CorpConfig``)."""
+    ``edgeprune.corp.config.CorpConfig``). None = not given (``CorpConfig``'s default; given without a budget:
+    refused, ``edgeprune.option_checks.refuse_ignored``)."""
 
     name: ClassVar[str] = "allocation"
     title: ClassVar[str] = "Allocation"
 
-    allocation_check_images: int = setting(
-        32, "With a budget: the candidate allocations and the per-unit sensitivities are measured on the first N "
-        "calibration images (0: the proxy alone).", flag="check-images", metavar="N", unit="images")
+    allocation_check_images: int | None = setting(
+        None, "With a budget: the candidate allocations and the per-unit sensitivities are measured on the first N "
+        "calibration images (0: the proxy alone).", flag="check-images", metavar="N", unit="images",
+        shown_default="32")
     allocation_sensitivity_images: int | None = setting(
-        8, "With a budget: measure each unit's sensitivity on the first N check images.", flag="sensitivity-images",
-        metavar="N", unit="images")
+        None, "With a budget: measure each unit's sensitivity on the first N check images.", flag="sensitivity-images",
+        metavar="N", unit="images", shown_default="8")
     allocation_sensitivity: bool = setting(True, "Also measure each unit's error alone (a greedy candidate).",
                                            cli=False)
     allocation_anchors: int = setting(1, "Measurements per unit curve (1 or 2).", cli=False)

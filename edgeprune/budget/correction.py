@@ -30,30 +30,43 @@ def check_correction(verify_budget: Any, tolerance: Any, rounds: Any) -> None:
         raise SettingError(f"{{correction_rounds}} must be an integer in [0, 10], got {rounds!r}")
 
 
+#: the values of the settings nobody gave (``Correction.resolved``; ``CorpConfig`` and ``DeriveConfig`` default to them)
+DEFAULTS = {"verify_budget": True, "correction_tolerance": 0.03, "correction_rounds": 3}
+
+
 @dataclasses.dataclass(frozen=True)
 class Correction(Section):
-    """The measure-and-correct loop's settings (``Correction(verify, tolerance, rounds)``; module doc)."""
+    """The measure-and-correct loop's settings (``Correction(verify, tolerance, rounds)``; module doc). None = not
+    given (:data:`DEFAULTS`, :meth:`resolved`): a setting given without a latency budget is refused
+    (``edgeprune.option_checks.refuse_ignored``)."""
 
     name: ClassVar[str] = "correction"
     title: ClassVar[str] = "Latency correction"
 
-    verify_budget: bool = setting(True, "With --latency: bench the {made} model against the {reference} one "
-                                  "(interleaved) on the table's backend when it is present here, and record predicted "
-                                  "vs measured latency.", flag="verify-latency", switch="pair")
-    correction_tolerance: float = setting(0.03, "With --latency: {redo} while the measured latency misses the budget "
-                                          "by more than this fraction.", flag="latency-tolerance", metavar="F",
-                                          unit="fraction", shown_default="0.03")
-    correction_rounds: int = setting(3, "With --latency: at most N times {redo} with the corrected budget, 0-10.",
-                                     flag="latency-rounds", metavar="N", shown_default="3")
+    verify_budget: bool | None = setting(
+        None, "With --latency: bench the {made} model against the {reference} one (interleaved) on the table's "
+        "backend when it is present here, and record predicted vs measured latency.", flag="verify-latency",
+        switch="pair", shown_default="on")
+    correction_tolerance: float | None = setting(
+        None, "With --latency: {redo} while the measured latency misses the budget by more than this fraction.",
+        flag="latency-tolerance", metavar="F", unit="fraction", shown_default="0.03")
+    correction_rounds: int | None = setting(
+        None, "With --latency: at most N times {redo} with the corrected budget, 0-10.", flag="latency-rounds",
+        metavar="N", shown_default="3")
 
     def validate(self) -> "Correction":
-        """The section, checked (:func:`check_correction`).
+        """The section, its given settings checked (:func:`check_correction`).
 
         Raises:
             SettingError: naming the setting.
         """
-        check_correction(self.verify_budget, self.correction_tolerance, self.correction_rounds)
+        r = self.resolved()
+        check_correction(r.verify_budget, r.correction_tolerance, r.correction_rounds)
         return self
 
+    def resolved(self) -> "Correction":
+        """The section with every setting nobody gave at its :data:`DEFAULTS` value."""
+        return self.replace(**{k: DEFAULTS[k] for k, v in self.items() if v is None})
 
-__all__ = ["Correction", "check_correction"]
+
+__all__ = ["Correction", "DEFAULTS", "check_correction"]

@@ -27,9 +27,10 @@ from typing import Any
 import click
 
 from edgeprune.budget.correction import Correction
+from edgeprune.budget.settings import BudgetSection
 from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
-from edgeprune.cli.options import (FINITE, check_ignored_options, device_option, eval_options, latency_table_option,
+from edgeprune.cli.options import (FINITE, device_option, eval_options, latency_table_option,
                                    model_options, out_option, quiet_option, torch_device_of)
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, write_recipe
 from edgeprune.jobs.derive_run import derive_run
@@ -39,7 +40,8 @@ from edgeprune.jobs.derive_run import derive_run
 CORRECTION_WORDS = {"redo": "re-plan", "made": "derived", "reference": "base"}
 
 
-@click.command("derive", cls=RecipeCommand, settings_sections=(Correction,))
+@click.command("derive", cls=RecipeCommand, settings_sections=(Correction,),
+                spelled_by=(Correction, BudgetSection))
 @model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
 @click.option("--classes", required=True,
               help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag').")
@@ -94,7 +96,6 @@ def derive_cmd(**opts: Any) -> None:
     ctx = click.get_current_context()
     # --device is the deployment profile; resolved before the options' own check, as it always was
     torch_device = torch_device_of(opts.pop("device"), opts.pop("torch_device", None), default="auto")
-    check_ignored_options(ctx)
 
     def recipe(path: Any, values: dict[str, Any], rec: dict[str, Any]) -> None:
         write_recipe(ctx, path, values, replay=replay_rounds(rec))  # issue 52: what the run measured, for a replay

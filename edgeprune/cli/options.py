@@ -21,11 +21,8 @@ import math
 from typing import Any, Callable
 
 import click
-from click.core import ParameterSource
 
-from edgeprune.budget import budget_kinds
 from edgeprune.errors import UserError
-from edgeprune.option_checks import refuse_sparsities_with_budget
 
 from edgeprune.cli.device_options import device_option, torch_device_of  # noqa: F401 (handed on)
 from edgeprune.jobs.models import check_readable_dir, fmt_metric, load_model, make_spec  # noqa: F401 (handed on)
@@ -193,79 +190,3 @@ def out_option(default_help: str) -> Callable:
     """``-o/--out DIR``: a new run directory (never overwritten)."""
     return click.option("-o", "--out", type=click.Path(), default=None, metavar="DIR",
                         help=f"New run directory (must not exist) [{default_help}].")
-
-
-
-
-
-
-
-
-
-
-def check_budget_options(ctx: click.Context) -> None:
-    """``prune``: a ``--flops`` / ``--params`` budget with a sparsity option typed beside it
-    (``--sparsity`` counts only when given, not its default) is refused before any work
-    (:func:`edgeprune.option_checks.refuse_sparsities_with_budget`), and so is ``--check-images``
-    without a budget (it would be ignored).
-
-    Raises:
-        UserError: naming the budget and the conflicting options.
-    """
-    p = ctx.params
-    budget = next((f"--{k}" for k in budget_kinds() if p.get(k) is not None), None)
-    given = {"--sparsity": p.get("sparsity") if ctx.get_parameter_source("sparsity") != ParameterSource.DEFAULT
-             else None}
-    given.update({f"--{k.replace('_', '-')}": p.get(k)
-                  for k in ("mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity")})
-    refuse_sparsities_with_budget(budget, given)
-    for name, flag in (("allocation_check_images", "--check-images"),
-                       ("allocation_sensitivity_images", "--sensitivity-images")):
-        if budget is None and _given(ctx, name):
-            raise UserError(f"{flag} goes with --flops/--params/--latency (it measures the "
-                            "budget's candidate allocations); without a budget there is nothing to measure")
-
-
-def _given(ctx: click.Context, name: str) -> bool:
-    """Whether the user set option ``name``: typed it, or a recipe file (``--config``) gave it."""
-    return ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
-
-
-def _no_embed_slice(value: Any) -> bool:
-    """``--embed-sparsity`` absent or zero (nothing sliced); its own parser checks the value later."""
-    if value is None:
-        return True
-    try:
-        return float(value) == 0.0
-    except (TypeError, ValueError):
-        return False  # "auto" or a bad value (refused by its parser)
-
-
-def check_ignored_options(ctx: click.Context) -> None:
-    """``prune``: options that would be silently ignored are refused before any work (issue 41):
-    ``--verify-latency`` / ``--no-verify-latency`` typed without ``--latency`` (only a latency budget is
-    verified; the flag's default does not count), ``--embed-order`` / ``--embed-refit`` without an
-    ``--embed-sparsity`` above 0 (nothing is sliced, but the record said order / refit).
-
-    Raises:
-        UserError: one line naming the option and the one it goes with.
-    """
-    p = ctx.params
-    if p.get("latency") is None and _given(ctx, "verify_budget"):
-        flag = "--verify-latency" if p.get("verify_budget") else "--no-verify-latency"
-        raise UserError(f"{flag} goes with --latency (it benches the pruned model against the dense one on the "
-                        "latency table's backend); without a latency budget there is nothing to verify")
-    for name, flag in (("correction_tolerance", "--latency-tolerance"), ("correction_rounds", "--latency-rounds")):
-        if _given(ctx, name) and p.get("latency") is None:
-            raise UserError(f"{flag} goes with --latency (the measure-and-correct loop of a "
-                            "latency budget); without one there is nothing to correct")
-        if _given(ctx, name) and p.get("verify_budget") is False:
-            raise UserError(f"{flag} needs the measurement that --no-verify-latency turns off")
-    if _no_embed_slice(p.get("embed_sparsity")):
-        for name in ("embed_order", "embed_refit"):
-            if name in p and _given(ctx, name):
-                raise UserError(f"--{name.replace('_', '-')} goes with --embed-sparsity S (S > 0 or auto: the "
-                                "residual-stream slicing it configures); without it nothing is sliced")
-
-
-

@@ -13,8 +13,8 @@ import click
 
 from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
-from edgeprune.cli.options import (calibration_options, check_budget_options, check_ignored_options, device_option,
-                                   eval_options, model_options, no_eval_option, out_option, quiet_option)
+from edgeprune.cli.options import (calibration_options, device_option, eval_options, model_options, no_eval_option,
+                                   out_option, quiet_option)
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, tokens_choice, write_recipe
 from edgeprune.distributed import is_main_process
 from edgeprune.jobs.prune_run import prune_run
@@ -47,8 +47,6 @@ def make_prune_command(sections: Sequence[type[Section]] | None = None) -> click
         params, FLOPs and quality of both.
         """
         ctx = click.get_current_context()
-        check_budget_options(ctx)  # what only the command line can tell: an option typed beside another
-        check_ignored_options(ctx)
         settings = PruneSettings.from_keywords(**{k: opts.pop(k) for k in names})
         replay = replay_measurer(ctx, click.echo if is_main_process() else (lambda _line: None))
 

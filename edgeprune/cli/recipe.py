@@ -189,8 +189,20 @@ def plain_default(param: click.Parameter, ctx: click.Context) -> Any:
     return None if type(d).__name__ == "Sentinel" else d
 
 
+#: option defaults of 9c01182 that its recipes wrote as ``# default`` lines and that are "not given" (None) now (issue
+#: 53: a setting not given is None, so that a setting given where nothing reads it is refused): a key at that value
+#: counts as no key, as it did
+LEGACY_DEFAULTS: dict[str, dict[str, Any]] = {"prune": {"sparsity": 0.5, "verify_budget": True},
+                                              "derive": {"verify_budget": True}}
+
+
 def _is_default(param: click.Parameter, value: Any, ctx: click.Context) -> bool:
-    """Whether a recipe value equals the option's default (then the key counts as not given)."""
+    """Whether a recipe value equals the option's default or its 9c01182 default (:data:`LEGACY_DEFAULTS`; then
+    the key counts as not given)."""
+    legacy = LEGACY_DEFAULTS.get(str(ctx.command.name), {})
+    if param.name in legacy and value == legacy[str(param.name)] \
+            and isinstance(value, bool) is isinstance(legacy[str(param.name)], bool):
+        return True
     d = plain_default(param, ctx)
     if callable(d):
         return False

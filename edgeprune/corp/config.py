@@ -14,6 +14,7 @@ import dataclasses
 
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.budget import Budget, validate_budget
+from edgeprune.budget.correction import DEFAULTS as CORRECTION
 from edgeprune.calibration.mlp_stats import auto_gram_tokens
 from edgeprune.corp.qk_solvers import get_qk_solver
 from edgeprune.errors import UserError
@@ -165,9 +166,9 @@ class CorpConfig:
     embed_order: str = "first"
     embed_refit: bool = False
     embed_candidates: tuple | None = None  # with embed_sparsity="auto" (edgeprune.pruning.embed_auto)
-    verify_budget: bool = True  # issue 40: measure a measured budget (latency) after the prune and correct it
-    correction_tolerance: float = 0.03
-    correction_rounds: int = 3
+    verify_budget: bool = CORRECTION["verify_budget"]  # issue 40: measure a latency budget after the prune, correct it
+    correction_tolerance: float = CORRECTION["correction_tolerance"]
+    correction_rounds: int = CORRECTION["correction_rounds"]
     tokens_merge: int | tuple | str | None = None  # issue 44: ToMe token merging (edgeprune.tokens.schedule)
     tokens_candidates: tuple | None = None  # with tokens_merge="auto" (edgeprune.pruning.tokens_auto)
 

@@ -33,9 +33,10 @@ def _mlp_criteria() -> list[str]:
 class CorpSection(Section):
     """What CORP prunes and how (``edgeprune.corp.config.CorpConfig`` documents each field's effect).
 
-    ``target`` None = "both" with sparsities, "all" with a budget (``edgeprune.pruning.config``); ``layout`` None =
-    "default" unless the budget implies one (a latency table's fused layout); a per-module sparsity None = ``sparsity``
-    where ``target`` selects the module, else 0 (``edgeprune.plan.resolve_sparsities``).
+    ``sparsity`` None = 0.5 without a budget (given with one: refused); ``target`` None = "both" with sparsities,
+    "all" with a budget (``edgeprune.pruning.config``); ``layout`` None = "default" unless the budget implies one (a
+    latency table's fused layout); a per-module sparsity None = ``sparsity`` where ``target`` selects the module,
+    else 0 (``edgeprune.plan.resolve_sparsities``).
     """
 
     name: ClassVar[str] = "corp"
@@ -43,8 +44,8 @@ class CorpSection(Section):
 
     target: str | None = setting(None, target_help(), choices=TARGETS, essential=True,
                                  shown_default="both; all with a budget")
-    sparsity: float = setting(0.5, "Fraction of each targeted module's dims removed, in [0, 1).", essential=True,
-                              unit="fraction")
+    sparsity: float | None = setting(None, "Fraction of each targeted module's dims removed, in [0, 1).",
+                                     essential=True, unit="fraction", shown_default="0.5")
     mlp_sparsity: float | None = setting(None, "Override the MLP sparsity (selects the MLP).", unit="fraction")
     attn_sparsity: float | None = setting(None, "Override the Q/K sparsity (selects Q/K).", unit="fraction")
     v_sparsity: float | None = setting(None, "Override the V/O sparsity (selects V/O).", unit="fraction")

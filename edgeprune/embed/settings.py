@@ -91,8 +91,8 @@ class EmbedSection(Section):
         "(docs/embed.md). auto (with --flops/--params): the budget chooses D' among S = 0, 0.125, 0.25 by the output "
         "error on the check images; costs one whole prune (calibration pass included) per candidate.",
         metavar="S|auto", kind="text", shown_default="0")
-    embed_order: str = setting("first", "Slice the stream before (first) or after (last) the width pruning.",
-                               choices=EMBED_ORDERS, shown_default="first")
+    embed_order: str | None = setting(None, "Slice the stream before (first) or after (last) the width pruning.",
+                                      choices=EMBED_ORDERS, shown_default="first")
     embed_refit: bool = setting(False, "Ridge re-fit of the writers to the dense stream.", switch="flag")
     embed_candidates: tuple | None = setting(None, "The sparsities embed auto tries (None: EMBED_CANDIDATES).",
                                              cli=False)

@@ -20,6 +20,7 @@ import torch
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.budget.correction import Correction
 from edgeprune.errors import UserError
+from edgeprune.option_checks import refuse_ignored
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import check_readable_dir, make_spec, torch_device_of
 from edgeprune.nuwa.config import DeriveConfig
@@ -49,8 +50,21 @@ def _correction(correction: Correction | None, keywords: dict[str, Any]) -> Corr
     if correction is not None:
         if given:
             raise UserError(f"derive_run: give correction= or its keywords, not both ({', '.join(given)})")
-        return correction.validate()
-    return Correction(**given).validate()
+        return correction.validate().resolved()
+    return Correction(**given).validate().resolved()
+
+
+def _refuse_unread(correction: Correction | None, keywords: dict[str, Any], latency: Any) -> None:
+    """The measure-and-correct settings given without a latency budget, refused as prune refuses them
+    (``edgeprune.option_checks.refuse_ignored``); ``correction`` and its keywords both given: refused first.
+
+    Raises:
+        UserError: one line.
+    """
+    if correction is not None and any(v is not None for v in keywords.values()):
+        _correction(correction, keywords)  # both: refused (one line)
+    given = keywords if correction is None else correction.to_dict()
+    refuse_ignored(given, "latency" if latency is not None else None)
 
 
 def _check_settings(budget: Any, train_per_class: int | None, correction: Correction | None,
@@ -109,10 +123,11 @@ def derive_run(out: str | Path | None = None, *, model_name: str = "fmnist-vit",
             that is not a classifier, unknown classes, a budget the model cannot meet.
     """
     device = torch_device_of(device, torch_device, default="auto")
-    budget = resolve_budget(flops, params, latency=latency, table=latency_table)
-    metric, amount, unit = budget.kind, budget.value, budget.unit or ""
     corrections = {"verify_budget": verify_budget, "correction_tolerance": correction_tolerance,
                    "correction_rounds": correction_rounds}
+    _refuse_unread(correction, corrections, latency)
+    budget = resolve_budget(flops, params, latency=latency, table=latency_table)
+    metric, amount, unit = budget.kind, budget.value, budget.unit or ""
     cfg = _check_settings(budget, train_per_class, correction, corrections, dict(
         head="slice" if slice_head else "suppress", val_size=val_size, calib_size=calib_size, rho=rho,
         key_bias=key_bias, ridge_alpha=ridge_alpha, cache=not no_cache, seed=seed, device=device), dict(

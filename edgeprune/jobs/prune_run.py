@@ -17,14 +17,13 @@ from typing import Any, Callable
 
 from edgeprune import api
 from edgeprune.artifact import check_new_dir, save_run
-from edgeprune.budget import budget_kinds
 from edgeprune.distributed import is_main_process, process_group
 from edgeprune.errors import UserError
 from edgeprune.jobs.calib_reuse import calibration_fields
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import check_readable_dir, make_spec, torch_device_of
 from edgeprune.jobs.prune_report import announce, evaluate_models, report
-from edgeprune.option_checks import refuse_sparsities_with_budget
+from edgeprune.pruning.config import DEFAULT_SPARSITY
 from edgeprune.pruning.latency_check import latency_report
 from edgeprune.pruning.settings import PruneSettings
 
@@ -38,18 +37,16 @@ class PruneRunResult:
 
 
 def _settings(settings: PruneSettings | None, keywords: dict[str, Any]) -> PruneSettings:
-    """``settings``, or the settings of ``keywords`` (None values = not given; a sparsity beside a budget refused).
+    """``settings``, or the settings of ``keywords`` (None values = not given).
 
     Raises:
-        UserError: both given, a sparsity with a budget, an unknown keyword.
+        UserError: both given, an unknown keyword.
     """
     given = {k: v for k, v in keywords.items() if v is not None}
     if settings is not None:
         if given:
             raise UserError(f"prune_run: give settings= or setting keywords, not both ({', '.join(given)})")
         return settings
-    budget = next((f"{k}=" for k in budget_kinds() if given.get(k) is not None), None)
-    refuse_sparsities_with_budget(budget, {"sparsity=": given.get("sparsity")})
     return PruneSettings.from_keywords(**given)
 
 
@@ -89,7 +86,8 @@ def prune_run(out: str | Path | None = None, settings: PruneSettings | None = No
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     config = settings.config()
-    out_path = check_new_dir(out if out is not None else default_out(model_name, config, settings.corp.sparsity))
+    sparsity = DEFAULT_SPARSITY if settings.corp.sparsity is None else settings.corp.sparsity
+    out_path = check_new_dir(out if out is not None else default_out(model_name, config, sparsity))
     spec = make_spec(model_name, checkpoint, random_init, num_classes, img_size, model_kwargs)
     check_readable_dir(calib_dir, "calibration data")
     check_readable_dir(eval_data, "evaluation data")

@@ -17,7 +17,7 @@ from edgeprune.nuwa.head import HEAD_MODES
 from edgeprune.nuwa.ofp_mha import KEY_BIAS_MODES
 from edgeprune.nuwa.ofp_mlp import DEFAULT_RIDGE_ALPHA
 from edgeprune.nuwa.skp import SKPConfig
-from edgeprune.budget.correction import check_correction
+from edgeprune.budget.correction import DEFAULTS as CORRECTION, check_correction
 from edgeprune.torch_device import resolve_device
 
 
@@ -65,9 +65,9 @@ class DeriveConfig:
     batch_size: int = 64
     seed: int = 0
     device: str = "cpu"
-    verify_budget: bool = True  # issue 40 item 5: measure a latency budget after the derivation and correct it
-    correction_tolerance: float = 0.03
-    correction_rounds: int = 3
+    verify_budget: bool = CORRECTION["verify_budget"]  # issue 40 item 5: measure a latency budget, correct it
+    correction_tolerance: float = CORRECTION["correction_tolerance"]
+    correction_rounds: int = CORRECTION["correction_rounds"]
 
     def validate(self) -> None:
         """Raises UserError for out-of-range settings, an unknown device or CUDA not available;

@@ -30,7 +30,7 @@ from edgeprune.corp.config import CorpConfig
 from edgeprune.embed.settings import check_embed_settings, is_auto
 from edgeprune.errors import UserError
 from edgeprune.settings import SettingError
-from edgeprune.option_checks import refuse_sparsities_with_budget
+from edgeprune.option_checks import refuse_ignored, refuse_sparsities_with_budget
 from edgeprune.budget.correction import check_correction
 from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
 
@@ -134,6 +134,8 @@ SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "
 #: budget also the V dims, so the allocator can spend it on every prunable dim (on the pretrained
 #: DINOv2 of ``dinov2-s14-fmnist``: +1.5 points top-1 at FLOPs x0.5, +6.1 at x0.4; docs/accuracy.md).
 DEFAULT_TARGET = "both"
+#: the sparsity of every targeted module when neither a sparsity nor a budget is given
+DEFAULT_SPARSITY = 0.5
 DEFAULT_BUDGET_TARGET = "all"
 
 
@@ -166,9 +168,11 @@ def check_config(config: CorpConfig) -> CorpConfig:
     return config
 
 
-def corp_config(target: str | None = None, sparsity: float | None = 0.5, **settings: Any) -> CorpConfig:
+def corp_config(target: str | None = None, sparsity: float | None = None, **settings: Any) -> CorpConfig:
     """A checked :class:`CorpConfig` from the Python API's keyword arguments (``target=``, ``sparsity=``,
-    ``mlp_sparsity=``, ``criterion=``, ``ridge_alpha=`` ...). ``None`` values mean "default".
+    ``mlp_sparsity=``, ``criterion=``, ``ridge_alpha=`` ...). ``None`` values mean "not given" (the default;
+    ``sparsity``: :data:`DEFAULT_SPARSITY` without a budget). A setting given where nothing reads it is refused
+    (``edgeprune.option_checks``: a sparsity beside a budget, the check images without one, ...).
 
     ``flops=`` / ``params=`` / ``<kind>=`` for any registered budget kind (``edgeprune.budget``: a fraction of
     the dense model in (0, 1], or an absolute count; a number or a string such as ``"2.3G"``; ``latency=0.5`` or
@@ -183,8 +187,11 @@ def corp_config(target: str | None = None, sparsity: float | None = 0.5, **setti
     """
     budget = make_budget(table=settings.pop("latency_table", None),
                          **{kind: settings.pop(kind) for kind in budget_kinds() if kind in settings})
-    refuse_sparsities_with_budget(budget and f"{budget.kind}=",
-                                  {f"{k}=": settings.get(k) for k in SPARSITY_KEYS})  # issue 32
+    refuse_sparsities_with_budget(budget and budget.kind,
+                                  {"sparsity": sparsity, **{k: settings.get(k) for k in SPARSITY_KEYS}})  # issue 32
+    refuse_ignored(settings, budget and budget.kind)  # issue 41, in the library since issue 53
+    if budget is None and sparsity is None:
+        sparsity = DEFAULT_SPARSITY
     if budget is not None:
         settings["budget"] = budget
         sparsity = None  # the budget replaces the sparsity
