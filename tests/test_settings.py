@@ -221,7 +221,7 @@ def test_a_recipe_and_a_record_of_9c01182_load_and_replay_to_the_same_weights(na
 
 
 #: the command modules whose options are generated from declared settings (issue 53: the rest still write theirs)
-GENERATED_COMMANDS = ("edgeprune/cli/prune.py",)
+GENERATED_COMMANDS = ("edgeprune/cli/prune.py", "edgeprune/cli/derive.py")
 
 
 @pytest.mark.parametrize("path", GENERATED_COMMANDS)
@@ -252,3 +252,51 @@ def test_a_setting_given_where_nothing_reads_it_is_refused_for_every_caller(kw, 
         opt = f"--{prune_declared()[k].spelling}"
         args += [opt.replace("--", "--no-") if v is False else opt] if isinstance(v, bool) else [opt, str(v)]
     assert_one_line_error(run_cli(["prune", *args, "-o", tmp_path / "o"]), cli)
+
+
+def test_checking_a_config_never_changes_it():
+    """Checks return the canonical config and leave the caller's object as it was (issue 53: the checks wrote what
+    they checked: a budget dict turned into a Budget in place, the token candidates rewritten)."""
+    from edgeprune.budget import Budget, make_budget
+    from edgeprune.pruning.config import check_config
+
+    given = CorpConfig(budget=make_budget(flops=0.5), target="all", tokens_merge="auto", tokens_candidates=[2, 0])
+    before = repr(given)
+    with pytest.raises(UserError, match="tokens_merge auto with a --flops budget"):
+        check_config(given)  # a flops budget cannot judge merges: refused, and nothing written meanwhile
+    assert repr(given) == before
+    ok = CorpConfig(budget={"kind": "flops", "value": 0.5}, target="all")
+    checked = check_config(ok)
+    assert isinstance(checked.budget, Budget) and isinstance(ok.budget, dict)
+    assert check_config(checked) is checked  # canonical: the same object
+
+
+def test_every_derive_option_is_one_declared_setting_or_a_job_option(tmp_path):
+    """derive's options are its declared settings (``edgeprune.nuwa.settings``: budget, correction, nuwa), each
+    parameter named as its field (a ``derive_run`` keyword), plus the job's own options; a recipe of 9c01182 (the
+    settings in ``[method]`` / ``[runtime]`` / ``[budget]``) still loads."""
+    from edgeprune.cli.recipe import section_of
+    from edgeprune.nuwa.settings import DERIVE_SECTIONS, derive_declared
+
+    cmd = cli.commands["derive"]
+    declared = derive_declared()
+    assert cmd.settings_sections == DERIVE_SECTIONS
+    settings = [p for p in cmd.params if p.name in declared]
+    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
+    for p in settings:  # the parameter is the field: no rename map between the option and the setting
+        assert f"--{declared[p.name].spelling}" in p.opts
+    job = {"model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs", "classes", "data",
+           "train_data", "train_per_class", "calib_dir", "calib_size", "val_size", "eval_data", "eval_size",
+           "no_eval", "seed", "threads", "device", "torch_device", "out", "quiet", "config", "help_all"}
+    assert {p.name for p in cmd.params} - set(declared) == job
+    where = section_of(cmd)
+    assert where["skp-steps"] == where["no-cache"] == "nuwa" and where["flops"] == "budget"
+    for section, keys in LEGACY_SECTIONS["derive"].items():  # every moved key is still read where it stood
+        for key in keys:
+            assert key in recipe_params(cmd) and where[key] != section, key
+    old = tmp_path / "old.toml"
+    old.write_text('[model]\nclasses = "0,1"\n[budget]\nflops = "0.5"\nlatency-rounds = 3\n'
+                   '[method]\nskp-steps = 5\nkey-bias = "augment"\n[runtime]\nno-cache = true\n')
+    params = cmd.make_context("derive", ["--config", str(old)]).params
+    assert (params["skp_steps"], params["key_bias"], params["no_cache"], params["flops"]) == (5, "augment", True,
+                                                                                             "0.5")

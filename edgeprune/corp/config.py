@@ -200,7 +200,9 @@ class CorpConfig:
         return cfg.validate()
 
     def validate(self) -> "CorpConfig":
-        """Check every setting; returns ``self`` (marked valid until a field changes).
+        """Check every setting; returns the checked config: ``self``, or a copy whose budget is a
+        :class:`~edgeprune.budget.Budget` where a dict was given (``self`` is never changed), marked valid until a
+        field changes.
 
         Raises:
             UserError: an out-of-range setting, or an unknown layout, criterion, Q/K solver or
@@ -227,10 +229,12 @@ class CorpConfig:
             raise UserError(f"unknown last block {self.last_block!r} (choose from {', '.join(LAST_BLOCK_CHOICES)})")
         if not self.sequential_memory_gb >= 0:
             raise UserError(f"the sequential stream memory limit must be >= 0 GiB, got {self.sequential_memory_gb!r}")
+        out = self
         if self.budget is not None:  # a Budget, or its dict form from Python (edgeprune.budget)
-            self.budget = validate_budget(self.budget)
-        self.__dict__["_valid_as"] = repr(self)
-        return self
+            budget = validate_budget(self.budget)
+            out = self if budget is self.budget else dataclasses.replace(self, budget=budget)
+        out.__dict__["_valid_as"] = repr(out)
+        return out
 
     def _check_counts(self) -> None:
         """The integer and boolean settings (gram tokens, allocation check, bias correction, refit)."""
@@ -263,7 +267,7 @@ class CorpConfig:
             UserError: as :meth:`validate`.
         """
         if self.__dict__.get("_valid_as") != repr(self):
-            self.validate()
+            return self.validate()
         return self
 
     def with_dims(self, dims: list) -> "CorpConfig":

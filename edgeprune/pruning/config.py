@@ -56,12 +56,16 @@ def check_correction_settings(config: CorpConfig) -> None:
     check_correction(config.verify_budget, config.correction_tolerance, config.correction_rounds)
 
 
-def check_tokens_settings(config: CorpConfig) -> None:
+def check_tokens_settings(config: CorpConfig) -> CorpConfig:
     """The token-merging schedule's form (``edgeprune.tokens.schedule.parse_tokens_merge``; the model's limits are
     checked by the ``tokens_merge`` stage) and its fit with a budget priced by a table: the table must have a token
     axis (``LatencyCost.check_tokens_merge``); the budget then carries the schedule, so the allocation prices the
     merged token counts (``edgeprune.budget.latency``). ``"auto"`` (:func:`check_tokens_auto`): the budget carries
     no schedule (each candidate's config carries its own).
+
+    Returns:
+        ``config``, or a copy with the candidates in their canonical form and the budget carrying the schedule
+        (``config`` is never changed).
 
     Raises:
         UserError: one line naming the setting (or the table).
@@ -71,19 +75,20 @@ def check_tokens_settings(config: CorpConfig) -> None:
     if candidates is not None and value != AUTO:
         raise UserError("tokens candidates go with tokens_merge='auto' (they would be ignored)")
     if candidates != config.tokens_candidates:
-        config.tokens_candidates = candidates
+        config = dataclasses.replace(config, tokens_candidates=candidates)
     if value == AUTO:
         check_tokens_auto(config)
         value = None
     budget = config.budget
     if budget is None or not budget.model_class.needs_table:
-        return
+        return config
     if value is not None:
-        _check_merge_priced(budget, f"--tokens-merge with a --{budget.kind} budget: its table does not price token "
-                            "counts, so the measured correction would undo the merge's saving; use --flops, "
-                            "--params or --sparsity")
+        _check_merge_priced(budget, f"{{tokens_merge}} with a --{budget.kind} budget: its table does not price "
+                            "token counts, so the measured correction would undo the merge's saving; use {flops}, "
+                            "{params} or {sparsity}")
     if budget.tokens_merge != value:
-        config.budget = dataclasses.replace(budget, tokens_merge=value)
+        config = dataclasses.replace(config, budget=dataclasses.replace(budget, tokens_merge=value))
+    return config
 
 
 def check_tokens_auto(config: CorpConfig) -> None:
@@ -103,8 +108,8 @@ def check_tokens_auto(config: CorpConfig) -> None:
     if budget is None:
         raise SettingError("{tokens_merge} auto needs a budget ({latency} with a table that has a token axis) to "
                            "choose r for; give a schedule (R, r0,r1,... or decreasing:R) without one")
-    _check_merge_priced(budget, f"--tokens-merge auto with a --{budget.kind} budget: its cost model does not price "
-                        "merged tokens (the widths get the whole budget, a merge only adds error); use --latency "
+    _check_merge_priced(budget, f"{{tokens_merge}} auto with a --{budget.kind} budget: its cost model does not "
+                        "price merged tokens (the widths get the whole budget, a merge only adds error); use {latency} "
                         "with a table that has a token axis, or give a schedule")
     if config.allocation_check_images < 1:
         raise SettingError("{tokens_merge} auto judges its candidates on the check images; give "
@@ -115,11 +120,12 @@ def _check_merge_priced(budget: Any, refusal: str) -> None:
     """The budget kind's own check of a merging budget (``check_tokens_merge``: e.g. the table's token axis).
 
     Raises:
-        UserError: ``refusal`` when the kind's cost model does not price merged tokens; the kind's own errors.
+        SettingError: ``refusal`` (a template naming settings as ``{field}``) when the kind's cost model does not
+            price merged tokens; UserError: the kind's own errors.
     """
     check = getattr(budget.model_class, "check_tokens_merge", None)
     if check is None:
-        raise UserError(refusal)
+        raise SettingError(refusal)
     check(budget)
 
 
@@ -154,17 +160,18 @@ def check_config(config: CorpConfig) -> CorpConfig:
     """Every section of ``config`` checked once (a config unchanged since its last check is not checked again).
 
     Returns:
-        ``config`` (its budget a :class:`~edgeprune.budget.Budget`).
+        the checked config: ``config``, or a copy in canonical form (its budget a :class:`~edgeprune.budget.Budget`,
+        the token schedule carried by a table's budget); ``config`` itself is never changed.
 
     Raises:
         UserError: one line naming the first bad setting.
     """
     if config.__dict__.get("_sections_valid_as") == repr(config):
         return config
-    config.ensure_valid()
-    for check in SECTION_CHECKS:
-        check(config)
-    config.__dict__["_sections_valid_as"] = repr(config)
+    config = config.ensure_valid()
+    for check in SECTION_CHECKS:  # a check returns the config in canonical form, or None (nothing to change)
+        config = check(config) or config
+    config.__dict__["_valid_as"] = config.__dict__["_sections_valid_as"] = repr(config)
     return config
 
 

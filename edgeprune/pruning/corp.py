@@ -49,12 +49,12 @@ def check_prunable(anatomy: ViTAnatomy, cfg: CorpConfig) -> CorpConfig:
     ``dims`` against the model, rounding and fused-layout errors, and a reachable budget.
 
     Returns:
-        ``cfg``.
+        the checked ``cfg`` (``check_config``'s: itself once it is in canonical form).
 
     Raises:
         UserError: as the checks.
     """
-    check_config(cfg)
+    cfg = check_config(cfg)
     if cfg.dims is not None and len(cfg.dims) != len(anatomy.blocks):
         raise UserError(f"dims has {len(cfg.dims)} entries, the model has {len(anatomy.blocks)} blocks")
     for b in anatomy.blocks:
@@ -149,7 +149,7 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
         UserError: invalid settings, empty or mis-shaped calibration data.
     """
     if not checked:
-        check_prunable(anatomy, cfg)
+        cfg = check_prunable(anatomy, cfg)
     if cfg.sequential:
         return sequential_prune(anatomy, batches, cfg, num_images=num_images, progress=progress, checked=True)
     prune_qk = "qk" in pruned_modules(cfg)

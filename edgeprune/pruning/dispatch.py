@@ -29,7 +29,7 @@ def prune_model(model: nn.Module, calibration: Any, config: CorpConfig, *, inpla
     Raises:
         UserError: as :func:`~edgeprune.pruning.run.run_prune` and :func:`~edgeprune.pruning.search.search`.
     """
-    check_config(config)
+    config = check_config(config)
     asked = [axis for axis in SEARCHED.values() if axis.is_asked(config)]
     if asked:
         return search.search(asked[0], model, calibration, config, calibration_batches(calibration, batch_size)[0],

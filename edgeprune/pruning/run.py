@@ -76,7 +76,7 @@ def run_prune(model: nn.Module, calibration: Any, config: CorpConfig, *, spec: A
         UserError: bad settings (``embed_sparsity="auto"`` included), unsupported model, empty or mis-shaped
             calibration data, an unknown device.
     """
-    check_config(config)
+    config = check_config(config)
     if is_auto(config):
         raise UserError("embed_sparsity='auto' runs one prune per candidate: use edgeprune.prune "
                         "(edgeprune.pruning.embed_auto.choose_embed)")

@@ -45,7 +45,7 @@ class Corp(Stage):
 
     def check(self, state: PruneState) -> None:
         state.extra["last_block"] = class_token_plan(state.config, state.anatomy)  # --last-block cls refusals
-        check_prunable(state.anatomy, state.config)  # rounding, dims and an unreachable budget
+        state.config = check_prunable(state.anatomy, state.config)  # rounding, dims and an unreachable budget
 
     def run(self, state: PruneState) -> None:
         embed = state.info.get("embed")

@@ -106,7 +106,7 @@ def sequential_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.T
         UserError: invalid settings, empty or mis-shaped calibration data, torchrun.
     """
     if not checked:
-        cfg.ensure_valid()
+        cfg = cfg.ensure_valid()
     if is_distributed():
         raise UserError("sequential calibration does not run under torchrun (each rank would need the "
                         "other ranks' token streams); run it in one process")
