@@ -21,15 +21,13 @@ import torch.nn as nn
 
 from edgeprune.corp.config import CorpConfig
 from edgeprune.errors import UserError
-from edgeprune.plan import achieved_sparsity  # noqa: F401  (re-exported: nuwa, tools)
-from edgeprune.pruning.config import (DEFAULT_BUDGET_TARGET, DEFAULT_TARGET, check_config,  # noqa: F401
-                                      corp_config)
+from edgeprune.pruning.config import corp_config
 from edgeprune.pruning.dispatch import prune_model
-from edgeprune.pruning.record import (base_model_record, record_settings, requested_sparsity,  # noqa: F401
-                                      structure_summary)
-from edgeprune.pruning.run import calibration_batches, work_device  # noqa: F401  (re-exported)
+from edgeprune.pruning.record import base_model_record, structure_summary
+from edgeprune.pruning.run import calibration_batches, work_device
 
-__all__ = ["PruneResult", "prune", "corp_config", "structure_summary", "base_model_record", "calibration_batches"]
+__all__ = ["PruneResult", "prune", "corp_config", "structure_summary", "base_model_record", "calibration_batches",
+           "work_device"]
 
 
 @dataclasses.dataclass
