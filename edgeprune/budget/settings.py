@@ -13,17 +13,18 @@ from edgeprune.settings import Section, setting
 
 @dataclasses.dataclass(frozen=True)
 class BudgetSection(Section):
-    """At most one of ``flops`` / ``params`` / ``latency`` (the latter with ``latency_table``)."""
+    """At most one of ``flops`` / ``params`` / ``latency`` (the latter with ``latency_table``). The help's
+    ``{instead}`` is the command's word (prune: " instead of --sparsity"; derive: none)."""
 
     name: ClassVar[str] = "budget"
     title: ClassVar[str] = "Budget"
 
-    flops: Any = setting(None, "FLOPs budget instead of --sparsity: a fraction of the dense model (0.5) or a count "
+    flops: Any = setting(None, "FLOPs budget{instead}: a fraction of the dense model (0.5) or a count "
                          "(2.3G); kept dims are allocated per block and module.", metavar="F", kind="text",
                          essential=True)
-    params: Any = setting(None, "Parameter budget instead of --sparsity: a fraction (0.5) or a count (20M).",
+    params: Any = setting(None, "Parameter budget{instead}: a fraction (0.5) or a count (20M).",
                           metavar="P", kind="text", essential=True)
-    latency: Any = setting(None, "Latency budget instead of --sparsity: a fraction of the dense model's latency on "
+    latency: Any = setting(None, "Latency budget{instead}: a fraction of the dense model's latency on "
                            "the --latency-table (0.5) or milliseconds per batch of the table's batch size (12ms).",
                            metavar="F", kind="text", essential=True)
     latency_table: Any = setting(None, "The latency table of --latency (made by `edgeprune latency-table --model M "

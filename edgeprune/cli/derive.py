@@ -17,7 +17,9 @@ CPU deployment profile) runs SKP, the calibration pass and
 the evaluations; the SVD and the least-squares re-fits run in float64 on the CPU, and the derived
 model is saved from the CPU. The device is printed and recorded (``device``, ``config.device``).
 
-The command is a face over :func:`edgeprune.jobs.derive_run.derive_run` (the checks, the work, the report).
+The command is a face over :func:`edgeprune.jobs.derive_run.derive_run` (the checks, the work, the report): its
+setting options are generated from the declared sections of ``edgeprune.nuwa.settings`` (``edgeprune.cli.generate``),
+the job's own options (model, classes, data, devices, output) are the shared ones of ``edgeprune.cli.options``.
 """
 
 from __future__ import annotations
@@ -26,64 +28,23 @@ from typing import Any
 
 import click
 
-from edgeprune.budget.correction import Correction
-from edgeprune.budget.settings import BudgetSection
 from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
-from edgeprune.cli.options import (FINITE, device_option, eval_options, latency_table_option,
-                                   model_options, out_option, quiet_option, torch_device_of)
+from edgeprune.cli.options import (device_option, labeled_data_options, model_options, out_option, quiet_option,
+                                   threads_option, torch_device_of)
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, write_recipe
 from edgeprune.jobs.derive_run import derive_run
-
+from edgeprune.nuwa.settings import DERIVE_SECTIONS
 
 #: the verbs of the correction options' help (``edgeprune.budget.correction``)
-CORRECTION_WORDS = {"redo": "re-plan", "made": "derived", "reference": "base"}
+CORRECTION_WORDS = {"redo": "re-plan", "made": "derived", "reference": "base", "instead": ""}
 
 
-@click.command("derive", cls=RecipeCommand, settings_sections=(Correction,),
-                spelled_by=(Correction, BudgetSection))
+@click.command("derive", cls=RecipeCommand, settings_sections=DERIVE_SECTIONS)
 @model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
-@click.option("--classes", required=True,
-              help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag').")
-@click.option("--flops", default=None, metavar="F",
-              help="FLOPs budget: a fraction of the base model to keep (0.6) or a count (2.3G), as for prune.")
-@click.option("--params", default=None, metavar="P",
-              help="Parameter budget: a fraction of the base model to keep (0.7) or a count (20M).")
-@click.option("--latency", default=None, metavar="F",
-              help="Latency budget: a fraction of the dense model's latency on the --latency-table (0.5) or "
-                   "milliseconds per batch of the table's batch size (12ms); head dims and MLP widths on the "
-                   "table's grid, every head kept.")
-@latency_table_option
-@generate.options((Correction,), CORRECTION_WORDS)
-@click.option("--slice-head", is_flag=True,
-              help="Slice the head to the target classes (default: suppress the others with a -100 bias).")
-@click.option("--data", type=click.Path(), default=None, metavar="DIR", help="Fashion-MNIST directory (fmnist-vit).")
-@click.option("--train-data", type=click.Path(), default=None, metavar="DIR",
-              help="Labeled training images, ImageFolder (timm models).")
-@click.option("--train-per-class", type=int, default=None,
-              help="At most this many labeled images per class [fmnist-vit: all; folders: 300].")
-@click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
-              help="Unlabeled calibration images (ImageFolder dir) [target-class training images].")
-@click.option("--calib-size", type=int, default=128, show_default=True, help="Calibration images for OFP-MLP.")
-@click.option("--val-size", type=int, default=300, show_default=True,
-              help="Held-out target-class training images scoring SKP checkpoints and rho.")
-@click.option("--skp-steps", type=int, default=400, show_default=True,
-              help="SKP optimiser steps (0 = no SKP; the paper uses 10000).")
-@click.option("--skp-batch-size", type=int, default=1, show_default=True, help="Images per SKP step.")
-@click.option("--skp-eval-every", type=int, default=50, show_default=True, help="Evaluate SKP masks every N steps.")
-@click.option("--lr-beta", type=FINITE, default=0.1, show_default=True, help="SKP learning rate of the mask scales.")
-@click.option("--lr-mask", type=FINITE, default=1e-3, show_default=True, help="SKP learning rate of the mask logits.")
-@click.option("--weight-decay", type=FINITE, default=0.05, show_default=True, help="SKP weight decay.")
-@click.option("--rho", type=FINITE, default=None, help="Fix the retained singular-value energy ratio [search].")
-@click.option("--key-bias", type=click.Choice(["drop", "augment"]), default="drop", show_default=True,
-              help="Leave the softmax-invariant key bias out of the QK SVD, or augment with it.")
-@click.option("--ridge-alpha", type=FINITE, default=1e-4, show_default=True,
-              help="Ridge of the fc2 least-squares re-fit.")
-@eval_options
-@click.option("--no-eval", is_flag=True, help="Skip the final evaluation.")
-@click.option("--no-cache", is_flag=True, help="Do not read or write the on-disk SVD cache.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Data split, sampling and SKP seed.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads [torch's default].")
+@generate.options(DERIVE_SECTIONS, CORRECTION_WORDS)
+@labeled_data_options
+@threads_option("torch CPU threads [torch's default].")
 @device_option(default="auto")
 @out_option("runs/<model>-nuwa-<classes>-<budget>")
 @quiet_option

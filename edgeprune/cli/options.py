@@ -7,7 +7,8 @@ them the same way.
 * :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
 * :func:`device_option` -- ``--device PROFILE`` and ``--torch-device cpu|cuda|cuda:N|auto`` (checked before
   any work; :func:`torch_device_of` resolves them);
-* :func:`quiet_option`, :func:`out_option`;
+* :func:`labeled_data_options` -- derive's ``--classes`` and labeled images (``--data``, ``--train-data`` ...);
+* :func:`quiet_option`, :func:`out_option`, :func:`threads_option`;
 * :class:`FiniteFloat` (:data:`FINITE`) -- THE type of every float option of every command: ``nan``
   and ``inf`` are refused while parsing (issue 41), with optional bounds as ``click.FloatRange``.
 
@@ -190,3 +191,33 @@ def out_option(default_help: str) -> Callable:
     """``-o/--out DIR``: a new run directory (never overwritten)."""
     return click.option("-o", "--out", type=click.Path(), default=None, metavar="DIR",
                         help=f"New run directory (must not exist) [{default_help}].")
+
+
+def labeled_data_options(f: Callable) -> Callable:
+    """derive's target classes and images: ``--classes``, ``--data``, ``--train-data``, ``--train-per-class``,
+    ``--calib``, ``--calib-size``, ``--val-size``, the evaluation (:func:`eval_options`, ``--no-eval``) and ``--seed``
+    (the job's inputs, not settings: ``edgeprune.nuwa.settings``)."""
+    return _apply(
+        f,
+        click.option("--classes", required=True,
+                     help="Target classes: indices or names, comma-separated (e.g. 0,3,7 or 'T-shirt/top,Bag')."),
+        click.option("--data", type=click.Path(), default=None, metavar="DIR",
+                     help="Fashion-MNIST directory (fmnist-vit)."),
+        click.option("--train-data", type=click.Path(), default=None, metavar="DIR",
+                     help="Labeled training images, ImageFolder (timm models)."),
+        click.option("--train-per-class", type=int, default=None,
+                     help="At most this many labeled images per class [fmnist-vit: all; folders: 300]."),
+        click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
+                     help="Unlabeled calibration images (ImageFolder dir) [target-class training images]."),
+        click.option("--calib-size", type=int, default=128, show_default=True, help="Calibration images for OFP-MLP."),
+        click.option("--val-size", type=int, default=300, show_default=True,
+                     help="Held-out target-class training images scoring SKP checkpoints and rho."),
+        eval_options,
+        no_eval_option("Skip the final evaluation."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Data split, sampling and SKP seed."),
+    )
+
+
+def threads_option(help_text: str) -> Callable:
+    """``--threads N`` (at least 1): torch's CPU threads (``help_text`` says the default)."""
+    return click.option("--threads", type=click.IntRange(min=1), default=None, help=help_text)

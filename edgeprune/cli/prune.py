@@ -21,8 +21,8 @@ from edgeprune.jobs.prune_run import prune_run
 from edgeprune.pruning.settings import PruneSettings, prune_sections
 from edgeprune.settings import Section
 
-#: the verbs of the correction options' help (``edgeprune.budget.correction``)
-CORRECTION_WORDS = {"redo": "re-allocate", "made": "pruned", "reference": "dense"}
+#: the words of the generated help (the correction's verbs, ``edgeprune.budget.correction``; the budget's)
+CORRECTION_WORDS = {"redo": "re-allocate", "made": "pruned", "reference": "dense", "instead": " instead of --sparsity"}
 
 
 def make_prune_command(sections: Sequence[type[Section]] | None = None) -> click.Command:

@@ -73,14 +73,11 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
         "output": ["out"],
         "runtime": ["cache-targets", "memory-budget-mb"] + _DEVICE,
     },
-    "derive": {
+    "derive": {  # the job's own options; the settings' tables are their sections (edgeprune.nuwa.settings)
         "model": _MODEL + ["classes"],
         "data": ["data", "train-data", "train-per-class", "calib", "calib-size", "val-size", "seed"] + _EVAL,
-        "budget": ["flops", "params", "latency", "latency-table"],
-        "method": ["slice-head", "skp-steps", "skp-batch-size", "skp-eval-every", "lr-beta", "lr-mask",
-                   "weight-decay", "rho", "key-bias", "ridge-alpha"],
         "output": ["out"],
-        "runtime": ["no-cache", "threads"] + _DEVICE,
+        "runtime": ["threads"] + _DEVICE,
     },
     "quantize": {
         "model": ["model"],
@@ -118,7 +115,12 @@ LEGACY_SECTIONS: dict[str, dict[str, list[str]]] = {
                    "gram-tokens", "check-images", "sensitivity-images", "bias-correction", "head-refit", "last-block",
                    "embed-sparsity", "embed-order", "embed-refit", "sequential", "tokens-merge"],
     },
-    "derive": {"budget": ["latency-tolerance", "latency-rounds", "verify-latency"]},
+    "derive": {
+        "budget": ["latency-tolerance", "latency-rounds", "verify-latency"],
+        "method": ["slice-head", "skp-steps", "skp-batch-size", "skp-eval-every", "lr-beta", "lr-mask",
+                   "weight-decay", "rho", "key-bias", "ridge-alpha"],
+        "runtime": ["no-cache"],
+    },
 }
 
 #: the budget keys: at most one per recipe (a sparsity key is the fourth kind, "sparsity")

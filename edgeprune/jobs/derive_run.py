@@ -4,9 +4,11 @@ params, MFLOPs and target-class top-1 of the base, anchor and derived models; th
 timing; a latency budget's measured rounds). See :mod:`edgeprune.nuwa` and ``edgeprune.cli.derive``.
 
 Every input is checked before any work (the budget and its table, the settings, the output, the data folders, the
-model, the classes). The job's settings are its keywords (the command's options, ``--skp-steps`` = ``skp_steps``);
-the measure-and-correct loop of a latency budget is a :class:`~edgeprune.budget.correction.Correction` or its three
-keywords. The run's ``recipe.toml`` is the CLI's: ``write_recipe(path, values, record)`` is called when given.
+model, the classes). The job's settings are its keywords (the command's options, ``--skp-steps`` = ``skp_steps``),
+declared in :mod:`edgeprune.nuwa.settings` (the budget, :class:`~edgeprune.nuwa.settings.NuwaSection`, the
+correction); the measure-and-correct loop of a latency budget is a :class:`~edgeprune.budget.correction.Correction`
+or its three keywords. The run's ``recipe.toml`` is the CLI's: ``write_recipe(path, values, record)`` is called when
+given.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from edgeprune.nuwa.config import DeriveConfig
 from edgeprune.nuwa.derive import check_budget, derive
 from edgeprune.nuwa.head import num_classes as head_classes
 from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
-from edgeprune.nuwa.skp import SKPConfig
+from edgeprune.nuwa.settings import NuwaSection
 from edgeprune.pruning.latency_check import latency_report
 from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 
@@ -68,9 +70,9 @@ def _refuse_unread(correction: Correction | None, keywords: dict[str, Any], late
 
 
 def _check_settings(budget: Any, train_per_class: int | None, correction: Correction | None,
-                    corrections: dict[str, Any], cfg: dict[str, Any], skp: dict[str, Any]) -> DeriveConfig:
-    """The derivation's config, checked with the budget's inputs (a missing / malformed table: one line, before the
-    model is built).
+                    corrections: dict[str, Any], nuwa: NuwaSection, inputs: dict[str, Any]) -> DeriveConfig:
+    """The derivation's config (``nuwa``'s settings, the correction's and the job's ``inputs`` that are config
+    fields), checked with the budget's inputs (a missing / malformed table: one line, before the model is built).
 
     Raises:
         UserError: a bad budget table, ``train_per_class`` < 1, a bad setting.
@@ -78,7 +80,7 @@ def _check_settings(budget: Any, train_per_class: int | None, correction: Correc
     budget.check_inputs()
     if train_per_class is not None and train_per_class < 1:
         raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
-    config = DeriveConfig(skp=SKPConfig(**skp), **cfg, **_correction(correction, corrections).to_dict())
+    config = nuwa.config(_correction(correction, corrections), **inputs)
     config.validate()
     return config
 
@@ -128,11 +130,11 @@ def derive_run(out: str | Path | None = None, *, model_name: str = "fmnist-vit",
     _refuse_unread(correction, corrections, latency)
     budget = resolve_budget(flops, params, latency=latency, table=latency_table)
     metric, amount, unit = budget.kind, budget.value, budget.unit or ""
-    cfg = _check_settings(budget, train_per_class, correction, corrections, dict(
-        head="slice" if slice_head else "suppress", val_size=val_size, calib_size=calib_size, rho=rho,
-        key_bias=key_bias, ridge_alpha=ridge_alpha, cache=not no_cache, seed=seed, device=device), dict(
-        steps=skp_steps, batch_size=skp_batch_size, lr_beta=lr_beta, lr_mask=lr_mask, weight_decay=weight_decay,
-        eval_every=skp_eval_every, seed=seed))
+    nuwa = NuwaSection(slice_head=slice_head, skp_steps=skp_steps, skp_batch_size=skp_batch_size,
+                       skp_eval_every=skp_eval_every, lr_beta=lr_beta, lr_mask=lr_mask, weight_decay=weight_decay,
+                       rho=rho, key_bias=key_bias, ridge_alpha=ridge_alpha, no_cache=no_cache)
+    cfg = _check_settings(budget, train_per_class, correction, corrections, nuwa,
+                          dict(val_size=val_size, calib_size=calib_size, seed=seed, device=device))
     if out is not None:
         check_new_dir(out)
     if threads is not None:
