@@ -1,22 +1,9 @@
-"""The one-shot prune's config: which stage reads which setting (the sections), the one check of all of them, and
-the builder of the Python API's keyword form.
+"""The one-shot prune's config: the one check of every section, and the builder of the Python API's keyword form.
 
-The settings are one flat :class:`~edgeprune.corp.CorpConfig` (it is the run record's ``config`` and the Python
-API's keywords); its fields fall into the sections below, each checked by the package that owns it:
-
-======================  =========================================================  ================================
-section                 fields                                                      checked by
-======================  =========================================================  ================================
-calibration             gram_dtype, gram_tokens, qk_memory_limit_gb, sequential,    ``edgeprune.corp.config``
-                        sequential_memory_gb
-budget                  budget, allocation_check_images, allocation_sensitivity,    ``edgeprune.budget`` and
-                        allocation_anchors, allocate_heads                          ``edgeprune.allocation.settings``
-corp                    target, the sparsities, layout, criteria, ridge alphas,     ``edgeprune.corp.config``
-                        round_to, qk_solver, compensation, dims
-embed                   embed_sparsity, embed_order, embed_refit, embed_candidates  ``edgeprune.embed.settings``
-output                  bias_correction_images, head_refit, last_block              ``edgeprune.corp.config``
-tokens                  tokens_merge, tokens_candidates                             ``edgeprune.tokens.schedule``
-======================  =========================================================  ================================
+The settings are declared once, by section, in the packages that read them (``edgeprune.pruning.settings``);
+the flat :class:`~edgeprune.corp.CorpConfig` built here is their view the pipeline reads and the run record stores
+(``edgeprune.pruning.settings.SECTIONS``: which section holds which of its fields). :func:`check_config` runs
+``CorpConfig.validate`` and the checks that need several sections (:data:`SECTION_CHECKS`) once per config.
 """
 
 from __future__ import annotations
@@ -33,19 +20,6 @@ from edgeprune.settings import SettingError
 from edgeprune.option_checks import refuse_ignored, refuse_sparsities_with_budget
 from edgeprune.budget.correction import check_correction
 from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
-
-#: section -> the CorpConfig fields it holds (module doc); every field is in exactly one
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "calibration": ("gram_dtype", "gram_tokens", "qk_memory_limit_gb", "sequential", "sequential_memory_gb"),
-    "budget": ("budget", "allocation_check_images", "allocation_sensitivity", "allocation_sensitivity_images",
-               "allocation_anchors",
-               "allocate_heads", "verify_budget", "correction_tolerance", "correction_rounds"),
-    "corp": ("target", "mlp_sparsity", "attn_sparsity", "v_sparsity", "head_sparsity", "layout", "mlp_criterion",
-             "vo_criterion", "ridge_alpha", "qk_ridge_alpha", "round_to", "qk_solver", "compensation", "dims"),
-    "embed": ("embed_sparsity", "embed_order", "embed_refit", "embed_candidates"),
-    "output": ("bias_correction_images", "head_refit", "last_block"),
-    "tokens": ("tokens_merge", "tokens_candidates"),
-}
 
 def check_correction_settings(config: CorpConfig) -> None:
     """The measure-and-correct settings (``edgeprune.pruning.latency_loop.check_correction``).
@@ -143,17 +117,6 @@ DEFAULT_TARGET = "both"
 #: the sparsity of every targeted module when neither a sparsity nor a budget is given
 DEFAULT_SPARSITY = 0.5
 DEFAULT_BUDGET_TARGET = "all"
-
-
-def section(config: CorpConfig, name: str) -> dict[str, Any]:
-    """The fields of one section of ``config`` (:data:`SECTIONS`) as a dict.
-
-    Raises:
-        UserError: an unknown section name.
-    """
-    if name not in SECTIONS:
-        raise UserError(f"unknown config section {name!r} (choose from {', '.join(SECTIONS)})")
-    return {f: getattr(config, f) for f in SECTIONS[name]}
 
 
 def check_config(config: CorpConfig) -> CorpConfig:

@@ -63,6 +63,19 @@ def prune_declared() -> dict[str, Declared]:
     return declared_of(prune_sections())
 
 
+def config_sections() -> dict[str, tuple[str, ...]]:
+    """section -> the :class:`CorpConfig` fields it holds (the declarations less :data:`INPUTS`; the budget
+    section also holds the :class:`~edgeprune.budget.Budget` built from its values)."""
+    fields = {f.name for f in dataclasses.fields(CorpConfig)}
+    out = {s.name: tuple(n for n in s.field_names() if n in fields) for s in prune_sections()}
+    out[BudgetSection.name] = out[BudgetSection.name] + BUILT
+    return out
+
+
+#: section -> the CorpConfig fields it holds (:func:`config_sections` of the built-in sections)
+SECTIONS: dict[str, tuple[str, ...]] = config_sections()
+
+
 @dataclasses.dataclass(frozen=True)
 class PruneSettings:
     """Every setting of a prune, by section (``sections``: section name -> :class:`~edgeprune.settings.Section`).
@@ -122,4 +135,5 @@ class PruneSettings:
         return corp_config(target, sparsity, **flat)
 
 
-__all__ = ["BUILT", "INPUTS", "LEGACY_KEYWORDS", "PRUNE_SECTIONS", "PruneSettings", "prune_declared", "prune_sections"]
+__all__ = ["BUILT", "INPUTS", "SECTIONS", "config_sections", "LEGACY_KEYWORDS", "PRUNE_SECTIONS", "PruneSettings",
+           "prune_declared", "prune_sections"]
