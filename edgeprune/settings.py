@@ -54,6 +54,7 @@ class Meta:
     cli: bool = True
     shown_default: str | None = None
     minimum: float | None = None
+    negation: str | None = None
 
     def choice_list(self) -> list[str] | None:
         """The allowed values (called when the registry behind them is asked: plugins registered late count)."""
@@ -65,7 +66,7 @@ class Meta:
 def setting(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None, unit: str | None = None,
             essential: bool = False, choices: Callable[[], Sequence[str]] | Sequence[str] | None = None,
             kind: str | None = None, switch: str | None = None, cli: bool = True, shown_default: str | None = None,
-            minimum: float | None = None) -> Any:
+            minimum: float | None = None, negation: str | None = None) -> Any:
     """Declare one setting: a dataclass field of a :class:`Section`.
 
     Args:
@@ -82,6 +83,8 @@ def setting(default: Any, help: str, *, flag: str | None = None, metavar: str | 
         switch: for a boolean: "flag", "negated" or "pair" (:data:`SWITCHES`).
         cli: False = a Python/record setting with no option (set from Python or by another stage).
         minimum: the smallest allowed value of a number (checked while the option is parsed).
+        negation: for ``switch="pair"``, the negative spelling without ``--`` where it is not ``no-<flag>``
+            (``"keep-last"`` of ``keep-best``).
 
     Raises:
         ValueError: an unknown ``switch`` or ``kind`` (a programming error of the declaration).
@@ -91,7 +94,7 @@ def setting(default: Any, help: str, *, flag: str | None = None, metavar: str | 
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r} (choose from {', '.join(KINDS)})")
     meta = Meta(help=help, flag=flag, metavar=metavar, unit=unit, essential=essential, choices=choices, kind=kind,
-                switch=switch, cli=cli, shown_default=shown_default, minimum=minimum)
+                switch=switch, cli=cli, shown_default=shown_default, minimum=minimum, negation=negation)
     if isinstance(default, (list, dict, set)):
         raise ValueError("a setting's default must be immutable (a tuple, not a list)")
     return dataclasses.field(default=default, metadata={META: meta})

@@ -221,7 +221,7 @@ def test_a_recipe_and_a_record_of_9c01182_load_and_replay_to_the_same_weights(na
 
 
 #: the command modules whose options are generated from declared settings (issue 53: the rest still write theirs)
-GENERATED_COMMANDS = ("edgeprune/cli/prune.py", "edgeprune/cli/derive.py")
+GENERATED_COMMANDS = ("edgeprune/cli/prune.py", "edgeprune/cli/derive.py", "edgeprune/cli/heal.py")
 
 
 @pytest.mark.parametrize("path", GENERATED_COMMANDS)
@@ -300,3 +300,34 @@ def test_every_derive_option_is_one_declared_setting_or_a_job_option(tmp_path):
     params = cmd.make_context("derive", ["--config", str(old)]).params
     assert (params["skp_steps"], params["key_bias"], params["no_cache"], params["flops"]) == (5, "augment", True,
                                                                                              "0.5")
+
+
+def test_every_heal_option_is_one_declared_setting_or_a_job_option(tmp_path):
+    """heal's options are its declared settings (``edgeprune.heal.settings``: heal), each parameter named as its
+    field (a ``heal_run`` keyword), plus the job's own options; a recipe of 9c01182 (the settings in ``[method]`` /
+    ``[data]`` / ``[runtime]``) still loads."""
+    from edgeprune.cli.recipe import section_of
+    from edgeprune.heal.settings import HEAL_SECTIONS, heal_declared
+
+    cmd = cli.commands["heal"]
+    declared = heal_declared()
+    assert cmd.settings_sections == HEAL_SECTIONS
+    settings = [p for p in cmd.params if p.name in declared]
+    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
+    for p in settings:  # the parameter is the field: no rename map between the option and the setting
+        assert f"--{declared[p.name].spelling}" in p.opts
+    job = {"run_dir", "calib_dir", "calib_size", "seed", "batch_size", "eval_data", "eval_size", "no_eval", "device",
+           "torch_device", "out", "quiet", "config", "help_all"}
+    assert {p.name for p in cmd.params} - set(declared) == job
+    where = section_of(cmd)
+    assert where["epochs"] == where["holdout"] == where["cache-targets"] == where["keep-best"] == "heal"
+    for section, keys in LEGACY_SECTIONS["heal"].items():  # every moved key is still read where it stood
+        for key in keys:
+            assert key in recipe_params(cmd) and where[key] != section, key
+    old = tmp_path / "old.toml"
+    old.write_text('[data]\nholdout = 0.25\n[method]\nepochs = 3\nloss = "mse"\nkeep-best = false\n'
+                   '[runtime]\nmemory-budget-mb = 64\n')
+    params = cmd.make_context("heal", ["run", "--config", str(old)]).params
+    assert (params["epochs"], params["loss"], params["keep_best"], params["holdout"],
+            params["memory_budget_mb"]) == (3, "mse", False, 0.25, 64)
+    assert cmd.make_context("heal", ["run", "--keep-last"]).params["keep_best"] is False

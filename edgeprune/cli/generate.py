@@ -37,8 +37,9 @@ def option_for(d: Declared, words: Mapping[str, str] | None = None) -> click.Opt
         return click.Option([long, d.name], is_flag=True, default=bool(d.default), **kw)
     if m.switch == "negated":
         return click.Option([long, d.name], is_flag=True, flag_value=not d.default, default=d.default, **kw)
-    if m.switch == "pair":
-        return click.Option([f"{long}/--no-{d.spelling}", d.name], default=d.default, **kw)
+    if m.switch == "pair":  # a bool default shows which side is on ([keep-best]); None = not given
+        return click.Option([f"{long}/--{m.negation or 'no-' + d.spelling}", d.name], default=d.default,
+                            show_default=isinstance(d.default, bool) and not m.shown_default, **kw)
     kind = d.kind
     if kind == "choice":
         kw["type"] = click.Choice(m.choice_list() or [])

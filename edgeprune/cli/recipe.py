@@ -66,12 +66,11 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
         "output": ["out"],
         "runtime": _DEVICE,
     },
-    "heal": {
+    "heal": {  # the job's own options; the settings' table is their section (edgeprune.heal.settings)
         "model": ["run-dir"],
-        "data": _CALIB + _EVAL + ["holdout"],
-        "method": ["epochs", "lr", "min-lr", "warmup-steps", "weight-decay", "loss", "keep-best"],
+        "data": _CALIB + _EVAL,
         "output": ["out"],
-        "runtime": ["cache-targets", "memory-budget-mb"] + _DEVICE,
+        "runtime": _DEVICE,
     },
     "derive": {  # the job's own options; the settings' tables are their sections (edgeprune.nuwa.settings)
         "model": _MODEL + ["classes"],
@@ -115,6 +114,8 @@ LEGACY_SECTIONS: dict[str, dict[str, list[str]]] = {
                    "gram-tokens", "check-images", "sensitivity-images", "bias-correction", "head-refit", "last-block",
                    "embed-sparsity", "embed-order", "embed-refit", "sequential", "tokens-merge"],
     },
+    "heal": {"data": ["holdout"], "runtime": ["cache-targets", "memory-budget-mb"],
+             "method": ["epochs", "lr", "min-lr", "warmup-steps", "weight-decay", "loss", "keep-best"]},
     "derive": {
         "budget": ["latency-tolerance", "latency-rounds", "verify-latency"],
         "method": ["slice-head", "skp-steps", "skp-batch-size", "skp-eval-every", "lr-beta", "lr-mask",
