@@ -64,13 +64,19 @@ def test_the_flat_config_is_a_view_of_the_declarations():
     assert set(declared) - set(fields) == set(INPUTS)
 
 
+def _assert_each_setting_is_its_option(cmd: click.Command, declared: dict) -> None:
+    """Every command-line setting of ``declared`` is one option of ``cmd`` whose parameter is the field (no rename
+    map between the option and the setting), spelled as declared."""
+    settings = [p for p in cmd.params if p.name in declared]
+    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
+    for p in settings:
+        assert f"--{declared[p.name].spelling}" in p.opts
+
+
 def test_every_prune_option_is_one_declared_setting_or_a_job_option():
     cmd = cli.commands["prune"]
     declared = prune_declared()
-    settings = [p for p in cmd.params if p.name in declared]
-    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
-    for p in settings:  # the parameter is the field: no rename map between the option and the setting
-        assert f"--{declared[p.name].spelling}" in p.opts
+    _assert_each_setting_is_its_option(cmd, declared)
     job = {"model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs", "calib_dir",
            "calib_size", "seed", "batch_size", "eval_data", "eval_size", "no_eval", "device", "torch_device", "out",
            "quiet", "config", "help_all", "help"}
@@ -281,10 +287,7 @@ def test_every_derive_option_is_one_declared_setting_or_a_job_option(tmp_path):
     cmd = cli.commands["derive"]
     declared = derive_declared()
     assert cmd.settings_sections == DERIVE_SECTIONS
-    settings = [p for p in cmd.params if p.name in declared]
-    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
-    for p in settings:  # the parameter is the field: no rename map between the option and the setting
-        assert f"--{declared[p.name].spelling}" in p.opts
+    _assert_each_setting_is_its_option(cmd, declared)
     job = {"model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs", "classes", "data",
            "train_data", "train_per_class", "calib_dir", "calib_size", "val_size", "eval_data", "eval_size",
            "no_eval", "seed", "threads", "device", "torch_device", "out", "quiet", "config", "help_all"}
@@ -312,10 +315,7 @@ def test_every_heal_option_is_one_declared_setting_or_a_job_option(tmp_path):
     cmd = cli.commands["heal"]
     declared = heal_declared()
     assert cmd.settings_sections == HEAL_SECTIONS
-    settings = [p for p in cmd.params if p.name in declared]
-    assert {p.name for p in settings} == {n for n, d in declared.items() if d.meta.cli}
-    for p in settings:  # the parameter is the field: no rename map between the option and the setting
-        assert f"--{declared[p.name].spelling}" in p.opts
+    _assert_each_setting_is_its_option(cmd, declared)
     job = {"run_dir", "calib_dir", "calib_size", "seed", "batch_size", "eval_data", "eval_size", "no_eval", "device",
            "torch_device", "out", "quiet", "config", "help_all"}
     assert {p.name for p in cmd.params} - set(declared) == job

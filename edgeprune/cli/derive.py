@@ -36,13 +36,13 @@ from edgeprune.cli.recipe import replay_measurer, replay_rounds, write_recipe
 from edgeprune.jobs.derive_run import derive_run
 from edgeprune.nuwa.settings import DERIVE_SECTIONS
 
-#: the verbs of the correction options' help (``edgeprune.budget.correction``)
-CORRECTION_WORDS = {"redo": "re-plan", "made": "derived", "reference": "base", "instead": ""}
+#: the words of the generated help (the correction's verbs, ``edgeprune.budget.correction``; the budget's)
+HELP_WORDS = {"redo": "re-plan", "made": "derived", "reference": "base", "instead": ""}
 
 
 @click.command("derive", cls=RecipeCommand, settings_sections=DERIVE_SECTIONS)
 @model_options(default="fmnist-vit", help="fmnist-vit or a timm ViT/DeiT classifier name (with --checkpoint).")
-@generate.options(DERIVE_SECTIONS, CORRECTION_WORDS)
+@generate.options(DERIVE_SECTIONS, HELP_WORDS)
 @labeled_data_options
 @threads_option("torch CPU threads [torch's default].")
 @device_option(default="auto")
@@ -65,4 +65,4 @@ def derive_cmd(**opts: Any) -> None:
                write_recipe=recipe, **opts)
 
 
-__all__ = ["CORRECTION_WORDS", "derive_cmd"]
+__all__ = ["HELP_WORDS", "derive_cmd"]

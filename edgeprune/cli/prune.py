@@ -22,7 +22,7 @@ from edgeprune.pruning.settings import PruneSettings, prune_sections
 from edgeprune.settings import Section
 
 #: the words of the generated help (the correction's verbs, ``edgeprune.budget.correction``; the budget's)
-CORRECTION_WORDS = {"redo": "re-allocate", "made": "pruned", "reference": "dense", "instead": " instead of --sparsity"}
+HELP_WORDS = {"redo": "re-allocate", "made": "pruned", "reference": "dense", "instead": " instead of --sparsity"}
 
 
 def make_prune_command(sections: Sequence[type[Section]] | None = None) -> click.Command:
@@ -33,7 +33,7 @@ def make_prune_command(sections: Sequence[type[Section]] | None = None) -> click
 
     @click.command("prune", cls=RecipeCommand, settings_sections=sections)
     @model_options(default="fmnist-vit")
-    @generate.options(sections, CORRECTION_WORDS)
+    @generate.options(sections, HELP_WORDS)
     @calibration_options("Calibration images [fmnist-vit 512, dinov2-s14 64, timm 256].")
     @eval_options
     @no_eval_option("Skip the dense/pruned evaluation.")
@@ -62,4 +62,4 @@ def make_prune_command(sections: Sequence[type[Section]] | None = None) -> click
 
 prune_cmd = make_prune_command()
 
-__all__ = ["CORRECTION_WORDS", "make_prune_command", "prune_cmd"]
+__all__ = ["HELP_WORDS", "make_prune_command", "prune_cmd"]
