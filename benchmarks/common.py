@@ -31,7 +31,7 @@ from edgeprune.latency.measure import cpu_name  # noqa: E402,F401  (re-exported:
 from edgeprune.zoo.registry import get_model_spec  # noqa: E402
 
 #: the models edgeprune ships weights and data for (anything else is a timm name)
-ZOO = ("fmnist-vit", "dinov2-s14", "dinov2-s14-fmnist")
+ZOO = ("fmnist-vit", "fmnist-dinov3", "dinov2-s14", "dinov2-s14-fmnist")
 
 
 # -- command-line lists -------------------------------------------------------------------------

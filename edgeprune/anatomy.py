@@ -9,11 +9,13 @@ model only through this record.
 
 Only what edgeprune reproduces *exactly* is accepted (issue 12, defect 1): the model class must be
 timm's ``VisionTransformer`` (or the distilled DeiT subclass), every block timm's pre-norm ``Block``
-with timm's standard ``Attention`` (or edgeprune's :class:`PrunedAttention`) and a plain ``Mlp``,
-the patch embedding timm's ``PatchEmbed``. Anything else -- relative-position bias, RoPE, separate
-q/v biases, q/k or scale norm, gated attention, post-norm or parallel blocks, GLU MLPs, hybrid CNN
-stems, unknown attention classes -- raises :class:`UnsupportedModelError` naming the feature, before
-any work. The supported and refused families are listed in :mod:`edgeprune.zoo.families`.
+with timm's standard ``Attention`` (or edgeprune's :class:`PrunedAttention`) and a plain ``Mlp`` or
+a split gated ``SwiGLU`` (``fc1_g``/``fc1_x``; a packed ``GluMlp`` is split first by
+:mod:`edgeprune.zoo.glu`), the patch embedding timm's ``PatchEmbed``. Anything else -- relative-position
+bias, RoPE, separate q/v biases, q/k or scale norm, gated attention, post-norm or parallel blocks, unconverted
+packed GLU MLPs, MLP hidden norms, hybrid CNN stems, unknown attention classes -- raises
+:class:`UnsupportedModelError` naming the feature, before any work. The supported and refused families
+are listed in :mod:`edgeprune.zoo.families`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import ClassTokenBlock
 from edgeprune.layers.pruned_attention import PrunedAttention
+from edgeprune.layers.rotary_attention import RotaryAttention
 from edgeprune.tokens.model import TokenMergeBlock
 
 
@@ -48,7 +51,8 @@ class BlockAnatomy:
         head_dim: the dense model's head dim d_h (its logit scale is ``d_h ** -0.5``).
         qk_dim: current per-head query/key dim (== head_dim unless pruned).
         v_dim: current per-head value dim (== head_dim unless pruned).
-        mlp: the MLP module; fc1: Linear(D, D_mlp); act: activation; fc2: Linear(D_mlp, D).
+        mlp: the MLP module; fc1: Linear(D, D_mlp); act: activation; fc2: Linear(D_mlp, D). For a gated
+            MLP (timm ``SwiGLU``, METHODS.md §6 "Gated MLPs") ``fc1`` is the up projection ``fc1_x``.
         mlp_hidden: current D_mlp.
         ls1, ls2: LayerScale modules or ``None`` (Identity).
         query_tokens: ``None`` for a full block; T for a block that computes only its first T
@@ -56,6 +60,10 @@ class BlockAnatomy:
             block of a class-token classifier).
         merge_r: tokens the block merges away between its attention and its MLP
             (:class:`~edgeprune.tokens.model.TokenMergeBlock`, ToMe); 0 for a block without a merge.
+        fc1_gate: the gate projection Linear(D, D_mlp) of a gated MLP (timm ``SwiGLU``'s ``fc1_g``):
+            hidden channel j is ``h_j = act(u w_g,j) * (u w_u,j)`` with ``w_g,j`` row j of ``fc1_gate`` and
+            ``w_u,j`` row j of ``fc1`` (u the ``norm2`` output, (B, N, D) -> h (B, N, D_mlp)), so pruning j
+            removes that row of both and column j of ``fc2``; ``None`` for a plain MLP ``act(fc1(u))``.
     """
 
     index: int
@@ -76,6 +84,16 @@ class BlockAnatomy:
     ls2: Optional[nn.Module]
     query_tokens: Optional[int] = None
     merge_r: int = 0
+    fc1_gate: Optional[nn.Linear] = None
+
+    @property
+    def mlp_inputs(self) -> list[tuple[str, nn.Linear]]:
+        """``(attribute on mlp, Linear)`` of every Linear that reads the MLP's input ``u`` (D wide) and has
+        one output row per hidden channel: ``[("fc1", fc1)]`` for a plain MLP, ``[("fc1_g", gate),
+        ("fc1_x", up)]`` for a gated one (what surgery slices by rows and the embed slice by columns)."""
+        if self.fc1_gate is None:
+            return [("fc1", self.fc1)]
+        return [("fc1_g", self.fc1_gate), ("fc1_x", self.fc1)]
 
 
 @dataclasses.dataclass
@@ -115,13 +133,13 @@ def _pair(v) -> tuple[int, int]:
 def _timm_classes() -> dict[str, tuple[type, ...]]:
     """The exact classes edgeprune reproduces (looked up in the installed timm)."""
     import_timm()
-    from timm.layers import Mlp, PatchEmbed
+    from timm.layers import Mlp, PatchEmbed, SwiGLU
     from timm.layers.attention import Attention
     from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import Block, VisionTransformer
 
     return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block, ClassTokenBlock, TokenMergeBlock),
-            "attn": (Attention, PrunedAttention), "mlp": (Mlp,), "patch_embed": (PatchEmbed,)}
+            "attn": (Attention, PrunedAttention, RotaryAttention), "mlp": (Mlp, SwiGLU), "patch_embed": (PatchEmbed,)}
 
 
 def _has(module: nn.Module, attr: str) -> bool:
@@ -155,11 +173,21 @@ def _module_features(kind: str, module: nn.Module) -> list[str]:
             out.append(f"post-norm blocks ({cls})")
         if "parallel" in low or (not _has(module, "attn") and _has(module, "attns")):
             out.append(f"parallel attention/MLP blocks ({cls})")
-    if kind == "mlp" and ("glu" in low or "swiglu" in low):
-        out.append(f"gated (GLU/SwiGLU) MLP ({cls})")
+    if kind == "mlp" and "glu" in low and not (_has(module, "fc1_g") and _has(module, "fc1_x")):
+        out.append(f"packed gated (GLU) MLP {cls} (not converted: edgeprune.zoo.canonical.canonical_model splits it)")
     if kind == "mlp" and not isinstance(getattr(module, "norm", nn.Identity()), nn.Identity):
-        out.append("MLP hidden norm")
+        out.append(f"MLP hidden norm (mlp.norm {type(module.norm).__name__}, e.g. EVA-02 B/L scale_mlp)")
     return out
+
+
+def is_eva(model: nn.Module) -> bool:
+    """True for a timm ``Eva`` (DINOv3, EVA/EVA-02, ``vit_*rope*``), which the pipeline reads once converted."""
+    import_timm()
+    try:
+        from timm.models.eva import Eva
+    except ImportError:  # a timm without Eva
+        return False
+    return isinstance(model, Eva)
 
 
 def unsupported_features(vit: nn.Module) -> list[str]:
@@ -169,6 +197,9 @@ def unsupported_features(vit: nn.Module) -> list[str]:
         Distinct feature descriptions in the order found; empty when the model is supported.
     """
     classes = _timm_classes()
+    if is_eva(vit):  # read once converted (edgeprune.zoo.eva names what its conversion refuses)
+        return ["a timm Eva not yet converted (edgeprune.prune and --model convert it; call "
+                "edgeprune.zoo.canonical.canonical_model first)"]
     found = _module_features("model", vit)
     pe = getattr(vit, "patch_embed", None)
     if pe is not None and not isinstance(pe, classes["patch_embed"]):
@@ -192,7 +223,7 @@ def unsupported_features(vit: nn.Module) -> list[str]:
             elif type(attn) not in classes["attn"]:
                 found.append(f"unknown attention class {type(attn).__module__}.{type(attn).__name__}")
             elif type(mlp) not in classes["mlp"]:
-                found.append(f"MLP class {type(mlp).__name__} (only timm's Mlp)")
+                found.append(f"MLP class {type(mlp).__name__} (only timm's Mlp or SwiGLU)")
     return list(dict.fromkeys(found))
 
 
@@ -216,7 +247,7 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
     Raises:
         UnsupportedModelError: the model lacks a piece edgeprune needs, or uses a feature edgeprune
             cannot reproduce exactly after pruning (relative-position bias, RoPE, q_bias/v_bias,
-            q/k or scale norm, post-norm/parallel blocks, GLU MLPs, hybrid stems, unknown
+            q/k or scale norm, post-norm/parallel blocks, packed GLU MLPs, MLP hidden norms, hybrid stems, unknown
             attention classes: :func:`unsupported_features`); the one-line message names it.
     """
     vit = model
@@ -278,13 +309,13 @@ def _block_anatomy(i: int, blk: nn.Module, num_blocks: int, name: str) -> BlockA
     if mlp is None:
         raise UnsupportedModelError(f"{where} has no mlp module")
     qkv, proj, num_heads, qk_dim, v_dim = _attention_parts(attn, where)
-    fc1, act, fc2 = _mlp_parts(mlp, where)
+    fc1, gate, act, fc2 = _mlp_parts(mlp, where)
     ls1 = getattr(blk, "ls1", None)
     ls2 = getattr(blk, "ls2", None)
     return BlockAnatomy(
         index=i, block=blk, attn=attn, qkv=qkv, proj=proj, num_heads=num_heads,
         head_dim=_dense_head_dim(attn), qk_dim=qk_dim, v_dim=v_dim, mlp=mlp,
-        fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features,
+        fc1=fc1, act=act, fc2=fc2, mlp_hidden=fc1.out_features, fc1_gate=gate,
         ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
         ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
         query_tokens=blk.query_tokens if isinstance(blk, (ClassTokenBlock, TokenMergeBlock)) else None,
@@ -324,23 +355,31 @@ def _attention_parts(attn: nn.Module, where: str) -> tuple[nn.Linear, nn.Linear,
     return qkv, proj, num_heads, qk_dim, v_dim
 
 
-def _mlp_parts(mlp: nn.Module, where: str) -> tuple[nn.Linear, nn.Module, nn.Linear]:
-    """``(fc1, act, fc2)`` of a block's plain MLP.
+def _mlp_parts(mlp: nn.Module, where: str) -> tuple[nn.Linear, Optional[nn.Linear], nn.Module, nn.Linear]:
+    """``(fc1, gate, act, fc2)`` of a block's MLP: a plain ``Mlp`` (``gate`` None) or a gated ``SwiGLU``
+    (``fc1`` = ``fc1_x`` the up projection, ``gate`` = ``fc1_g``; METHODS.md §6 "Gated MLPs").
 
     Raises:
-        UnsupportedModelError: a gated/GLU MLP, missing Linears or activation, mismatched hidden
-            dims, or a hidden norm.
+        UnsupportedModelError: a packed gated MLP (``GluMlp``, not converted), missing Linears or
+            activation, mismatched hidden dims, or a hidden norm.
     """
-    if "glu" in type(mlp).__name__.lower():
-        raise UnsupportedModelError(f"{where}: mlp is {type(mlp).__name__} (gated/GLU MLPs are not supported)")
-    fc1 = getattr(mlp, "fc1", None)
+    gated = isinstance(getattr(mlp, "fc1_g", None), nn.Linear) or isinstance(getattr(mlp, "fc1_x", None), nn.Linear)
+    if "glu" in type(mlp).__name__.lower() and not gated:
+        raise UnsupportedModelError(f"{where}: mlp is a packed gated (GLU) MLP {type(mlp).__name__} (not converted: "
+                                    "edgeprune.zoo.canonical.canonical_model splits it)")
+    gate = getattr(mlp, "fc1_g", None) if gated else None
+    fc1 = getattr(mlp, "fc1_x" if gated else "fc1", None)
     fc2 = getattr(mlp, "fc2", None)
     act = getattr(mlp, "act", None)
-    if not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear) or act is None:
+    if (not isinstance(fc1, nn.Linear) or not isinstance(fc2, nn.Linear) or act is None
+            or (gated and not isinstance(gate, nn.Linear))):
         raise UnsupportedModelError(
-            f"{where}: mlp is {type(mlp).__name__}, needs fc1/act/fc2 Linears (GLU MLPs are not supported)")
-    if fc1.out_features != fc2.in_features:
-        raise UnsupportedModelError(f"{where}: mlp.fc1 and mlp.fc2 disagree on the hidden dim")
+            f"{where}: mlp is {type(mlp).__name__}, needs fc1/act/fc2 Linears (or fc1_g/fc1_x/act/fc2 when gated)")
+    if fc1.out_features != fc2.in_features or (gate is not None and gate.out_features != fc1.out_features):
+        raise UnsupportedModelError(f"{where}: the MLP's input projections and fc2 disagree on the hidden dim")
+    if gate is not None and gate.in_features != fc1.in_features:
+        raise UnsupportedModelError(f"{where}: mlp.fc1_g and mlp.fc1_x read different widths")
     if not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity):
-        raise UnsupportedModelError(f"{where}: mlp has a hidden norm (not supported)")
-    return fc1, act, fc2
+        raise UnsupportedModelError(f"{where}: mlp has a hidden norm (mlp.norm {type(mlp.norm).__name__}, e.g. "
+                                    "EVA-02 B/L scale_mlp: it couples every hidden channel; not supported)")
+    return fc1, gate, act, fc2

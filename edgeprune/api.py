@@ -25,6 +25,7 @@ from edgeprune.pruning.config import corp_config
 from edgeprune.pruning.dispatch import prune_model
 from edgeprune.pruning.record import base_model_record, structure_summary
 from edgeprune.pruning.run import calibration_batches, work_device
+from edgeprune.zoo.canonical import canonical_model
 
 __all__ = ["PruneResult", "prune", "corp_config", "structure_summary", "base_model_record", "calibration_batches",
            "work_device"]
@@ -60,7 +61,9 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
     :func:`~edgeprune.pruning.config.corp_config`); not both.
 
     Args:
-        model: a timm ViT (or ``dinov2-s14``), eval mode. Copied unless ``inplace``.
+        model: a timm ViT (or ``dinov2-s14``), eval mode. Copied unless ``inplace``. A timm ``Eva`` (DINOv3, EVA-02,
+            ``vit_*rope*``) is first converted exactly into a ``VisionTransformer`` with fixed RoPE tables
+            (:mod:`edgeprune.zoo.eva`): the result is always a new model then, ``inplace`` or not.
         calibration: unlabeled images -- a tensor (N, C, H, W), a data source with ``batches(batch_size)``, or a
             callable returning an iterable of (B, C, H, W) batches.
         config: the CORP settings (sparsity per module, compensation, ridge alphas, budget, ...).
@@ -99,6 +102,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
                              **settings)
     elif target is not _UNSET or sparsity is not _UNSET or settings:
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
+    model = canonical_model(model)  # a timm Eva (RoPE) becomes its exact VisionTransformer form (zoo.canonical)
     pruned, record = prune_model(model, calibration, config, spec=spec, progress=progress, inplace=inplace,
                                  batch_size=batch_size, device=device, calibration_info=calibration_info,
                                  measurer=measurer)

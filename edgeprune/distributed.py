@@ -331,6 +331,7 @@ def _reduce_qk(st) -> None:
         st.rhs = all_reduce_sum(st.rhs)
     else:
         st._score = all_reduce_sum(st._score)
+        st._pair_score = all_reduce_sum(st._pair_score)  # the RoPE pair energy (METHODS.md §6)
         if st.keep_grams:
             h, d = st.num_heads, st.qk_dim
             local = (torch.stack([torch.cat(st._gq), torch.cat(st._gk)], 1) if st._gq

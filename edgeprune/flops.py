@@ -8,13 +8,17 @@ or V-only pruning) and MLP hidden D_mlp:
     qkv   2 n D H (2 d_qk + d_v)
     attn  2 n^2 H d_qk  (logits)  +  2 n^2 H d_v  (weights x values)
     proj  2 n H d_v D
-    mlp   2 n D D_mlp x 2
+    mlp   2 n D D_mlp x 2       (a gated MLP, METHODS.md §6: x 3 -- gate, up and fc2 are three matmuls)
+
+A rotary block (RoPE, METHODS.md §6) adds only elementwise work (3 operations per query and key element),
+ignored like the norms; its latency is measured, with the rotation, by the latency tables' chains.
 
 which is NuWa's suppl. eq. 13 (``(2 N d + N^2) h (d_qk + d_vo) + 2 N d d_mlp`` counts MACs with
 fc1+fc2 folded into one term). Patch embedding and the head are added once.
 
 Parameters of a block (:func:`block_params`): qkv ``(D + b) H (2 d_qk + d_v)``, proj ``H d_v D + b``,
-fc1 ``(D + b) D_mlp``, fc2 ``D_mlp D + b`` (``b`` = 1 where the layer has a bias). These two
+fc1 ``(D + b) D_mlp`` (a gated MLP: twice, gate ``fc1_g`` and up ``fc1_x``), fc2 ``D_mlp D + b``
+(``b`` = 1 where the layer has a bias). These two
 functions are the one place the formulas live: the budget cost models
 (``edgeprune.budget``, shared by prune and derive) evaluate them at candidate dims through
 :func:`with_dims`.
@@ -56,20 +60,22 @@ def block_flops(b: BlockAnatomy, n: int, prefix: int = 0) -> dict[str, int]:
     A block that computes only its first T tokens (``b.query_tokens``, the class-token last block,
     ``edgeprune.layers.class_token_block``) projects queries, attention rows, ``proj`` and the MLP
     for T tokens and keys/values for all n: ``qkv 2 n D H (d_qk + d_v) + 2 T D H d_qk``, ``attn
-    2 T n H (d_qk + d_v)``, ``proj 2 T H d_v D``, ``mlp 4 T D D_mlp`` (T = n: the formulas above).
+    2 T n H (d_qk + d_v)``, ``proj 2 T H d_v D``, ``mlp 4 T D D_mlp`` (T = n: the formulas above;
+    ``6 T D D_mlp`` for a gated MLP, ``b.fc1_gate`` set).
     """
     D, H = b.qkv.in_features, b.num_heads
+    mats = 3 if getattr(b, "fc1_gate", None) is not None else 2  # the MLP's matmuls: (gate,) up, fc2
     m = n if getattr(b, "query_tokens", None) is None else min(int(b.query_tokens), n)
     out = {
         "qkv": 2 * n * D * H * (b.qk_dim + b.v_dim) + 2 * m * D * H * b.qk_dim,
         "attn": 2 * m * n * H * (b.qk_dim + b.v_dim),
         "proj": 2 * m * H * b.v_dim * D,
-        "mlp": 2 * 2 * m * D * b.mlp_hidden,
+        "mlp": 2 * mats * m * D * b.mlp_hidden,
     }
     r = int(getattr(b, "merge_r", 0))
     if r:
         na, nb = split_sizes(n, prefix)
-        out["mlp"] = 2 * 2 * (m - r) * D * b.mlp_hidden
+        out["mlp"] = 2 * mats * (m - r) * D * b.mlp_hidden
         out["merge"] = 2 * na * nb * b.qk_dim + 2 * nb * r * (D + 1)
     out["total"] = sum(out.values())
     return out
@@ -84,10 +90,17 @@ def block_tokens(anatomy: ViTAnatomy) -> list[int]:
     return out
 
 
-def block_params(b: BlockAnatomy) -> dict[str, int]:
-    """Parameters of one block's linear layers: keys qkv, proj, mlp (fc1 + fc2), out_bias, total.
+def _mlp_inputs(b: BlockAnatomy) -> list[nn.Linear]:
+    """The Linears with one output row per hidden channel: fc1, and a gated MLP's gate."""
+    gate = getattr(b, "fc1_gate", None)
+    return [b.fc1] if gate is None else [gate, b.fc1]
 
-    ``qkv``, ``proj`` and ``mlp`` count weights and the biases of the pruned outputs (qkv, fc1);
+
+def block_params(b: BlockAnatomy) -> dict[str, int]:
+    """Parameters of one block's linear layers: keys qkv, proj, mlp (fc1 + fc2; a gated MLP's fc1_g too),
+    out_bias, total.
+
+    ``qkv``, ``proj`` and ``mlp`` count weights and the biases of the pruned outputs (qkv, fc1, fc1_g);
     ``out_bias`` counts the biases of the unpruned outputs (proj, fc2: D each where present),
     which no kept dim changes; ``total`` is the sum of all four (norm parameters and the layer
     scale are not counted: they sit outside the block's pruned linears).
@@ -97,7 +110,8 @@ def block_params(b: BlockAnatomy) -> dict[str, int]:
     out = {
         "qkv": (D + (b.qkv.bias is not None)) * qkv_out,
         "proj": H * b.v_dim * b.proj.out_features,
-        "mlp": (D + (b.fc1.bias is not None)) * b.mlp_hidden + b.mlp_hidden * b.fc2.out_features,
+        "mlp": sum(D + (lin.bias is not None) for lin in _mlp_inputs(b)) * b.mlp_hidden
+        + b.mlp_hidden * b.fc2.out_features,
         "out_bias": (b.proj.out_features if b.proj.bias is not None else 0)
         + (b.fc2.out_features if b.fc2.bias is not None else 0),
     }
@@ -109,8 +123,9 @@ def with_dims(b: BlockAnatomy, dims: dict[str, int], query_tokens: int | None = 
     """A view of block ``b`` with kept dims ``dims`` (keys heads, qk, v, mlp; all present) for
     :func:`block_flops` / :func:`block_params`: the same layers (in/out widths, biases), the given
     head count and dims, and ``query_tokens`` (None = every token)."""
-    return SimpleNamespace(qkv=b.qkv, proj=b.proj, fc1=b.fc1, fc2=b.fc2, num_heads=dims["heads"],
-                           qk_dim=dims["qk"], v_dim=dims["v"], mlp_hidden=dims["mlp"], query_tokens=query_tokens)
+    return SimpleNamespace(qkv=b.qkv, proj=b.proj, fc1=b.fc1, fc1_gate=getattr(b, "fc1_gate", None), fc2=b.fc2,
+                           num_heads=dims["heads"], qk_dim=dims["qk"], v_dim=dims["v"], mlp_hidden=dims["mlp"],
+                           query_tokens=query_tokens)
 
 
 def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:

@@ -147,15 +147,18 @@ def map_readers(anatomy: ViTAnatomy, parts: StreamParts, r: torch.Tensor) -> Non
     """Replace every stream reader's input ``u`` (a norm's output) by ``r @ u``: ``W <- W r``, in place.
 
     Args:
-        r: (D, D') float64; ``qkv``, ``fc1`` and the heads then read a D'-wide norm output.
+        r: (D, D') float64; ``qkv``, ``fc1`` (a gated MLP's ``fc1_g`` and ``fc1_x``) and the heads then
+            read a D'-wide norm output.
     """
     vit = anatomy.vit
     for b in anatomy.blocks:
-        for owner, attr in ((b.attn, "qkv"), (b.mlp, "fc1")):
+        for owner, attr in ((b.attn, "qkv"), *((b.mlp, a) for a, _ in b.mlp_inputs)):
             lin = getattr(owner, attr)
             bias = None if lin.bias is None else lin.bias.detach()
             setattr(owner, attr, _new_linear((lin.weight.detach().double() @ r).float(), bias))
-        b.qkv, b.fc1 = b.attn.qkv, b.mlp.fc1
+        b.qkv = b.attn.qkv
+        b.fc1 = b.mlp.fc1 if b.fc1_gate is None else b.mlp.fc1_x
+        b.fc1_gate = None if b.fc1_gate is None else b.mlp.fc1_g
     for h in parts.heads:
         lin = getattr(vit, h)
         setattr(vit, h, _new_linear((lin.weight.detach().double() @ r).float(),

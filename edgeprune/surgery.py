@@ -2,7 +2,8 @@
 
 Pure module plumbing -- the weights come from ``edgeprune.solve``. Two operations:
 
-* :func:`shrink_mlp` -- ``fc1`` keeps output rows S, ``fc2`` becomes Linear(|S|, D) with given weights.
+* :func:`shrink_mlp` -- ``fc1`` (and a gated MLP's gate ``fc1_g``) keeps output rows S, ``fc2`` becomes
+  Linear(|S|, D) with given weights.
 * :func:`replace_attention` -- the block's attention becomes a :class:`PrunedAttention` with the
   given fused qkv / proj weights, number of heads and per-head qk_dim / v_dim.
 
@@ -22,6 +23,7 @@ from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
 from edgeprune.layers.class_token_block import to_class_token_block
 from edgeprune.layers.pruned_attention import PrunedAttention
+from edgeprune.layers.rotary_attention import RotaryAttention, is_rotary
 
 _HEAD_NAMES = ("head", "head_dist")  # classifier heads: timm's, and the distilled DeiT's
 
@@ -40,17 +42,23 @@ def shrink_mlp(block: BlockAnatomy, keep: torch.Tensor, fc2_weight: torch.Tensor
                fc2_bias: torch.Tensor | None) -> None:
     """Keep hidden channels ``keep`` of the block's MLP, in place.
 
+    A gated MLP (``block.fc1_gate``, METHODS.md §6 "Gated MLPs"): hidden channel j is row j of the gate
+    ``fc1_g`` *and* of the up projection ``fc1_x`` (D_mlp, D) each; both keep rows ``keep``.
+
     Args:
-        block: the block's anatomy (its ``mlp.fc1`` / ``mlp.fc2`` are replaced).
+        block: the block's anatomy (its ``mlp.fc1`` -- or ``mlp.fc1_g`` / ``mlp.fc1_x`` -- and
+            ``mlp.fc2`` are replaced).
         keep: (D_mlp',) int64 kept channel indices.
         fc2_weight: new fc2 weight (D, D_mlp'); fc2_bias: (D,) or None.
     """
-    fc1 = block.fc1
-    w1 = fc1.weight.detach()[keep]
-    b1 = None if fc1.bias is None else fc1.bias.detach()[keep]
-    block.mlp.fc1 = _linear(w1, b1)
+    new = {}
+    for attr, lin in block.mlp_inputs:
+        new[attr] = _linear(lin.weight.detach()[keep], None if lin.bias is None else lin.bias.detach()[keep])
+        setattr(block.mlp, attr, new[attr])
     block.mlp.fc2 = _linear(fc2_weight, fc2_bias)
-    block.fc1, block.fc2, block.mlp_hidden = block.mlp.fc1, block.mlp.fc2, len(keep)
+    block.fc1 = new["fc1" if block.fc1_gate is None else "fc1_x"]
+    block.fc1_gate = new.get("fc1_g")
+    block.fc2, block.mlp_hidden = block.mlp.fc2, len(keep)
 
 
 def qkv_parts(block: BlockAnatomy) -> dict[str, torch.Tensor | None]:
@@ -77,7 +85,8 @@ def qkv_parts(block: BlockAnatomy) -> dict[str, torch.Tensor | None]:
 def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | None,
                       wk: torch.Tensor, bk: torch.Tensor | None, wv: torch.Tensor,
                       bv: torch.Tensor | None, proj_weight: torch.Tensor,
-                      proj_bias: torch.Tensor | None) -> PrunedAttention:
+                      proj_bias: torch.Tensor | None,
+                      rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> PrunedAttention:
     """Install a :class:`PrunedAttention` in the block, in place, and return it.
 
     Args:
@@ -86,11 +95,18 @@ def replace_attention(block: BlockAnatomy, wq: torch.Tensor, bq: torch.Tensor | 
         wv: (H', v_dim', D); bv: (H', v_dim') or None.
         proj_weight: (D, H'*v_dim'); proj_bias: (D,) or None.
         The query weights must already carry any logit-scale fold (the module uses 1/sqrt(qk_dim')).
+        rope: ``(cos, sin)`` (H', n, qk_dim') RoPE tables of the kept heads and pairs: the new module is a
+            :class:`RotaryAttention`; None: a :class:`PrunedAttention`.
     """
     H, dq, D = wq.shape
     dv = wv.shape[1]
-    attn = PrunedAttention(D, H, dq, dv, qkv_bias=bq is not None, proj_bias=proj_bias is not None,
-                           dense_head_dim=block.head_dim)
+    if rope is None:
+        attn = PrunedAttention(D, H, dq, dv, qkv_bias=bq is not None, proj_bias=proj_bias is not None,
+                               dense_head_dim=block.head_dim)
+    else:
+        attn = RotaryAttention(D, H, dq, dv, rope[0].shape[1], qkv_bias=bq is not None,
+                               proj_bias=proj_bias is not None, dense_head_dim=block.head_dim)
+        attn.set_tables(*rope)
     attn = attn.to(device=wq.device, dtype=wq.dtype)
     with torch.no_grad():
         attn.qkv.weight.copy_(torch.cat([wq.reshape(H * dq, D), wk.reshape(H * dq, D),
@@ -141,15 +157,18 @@ def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Modu
             raise ValueError(f"block {b.index}: record has {d['num_heads']} heads, model {b.num_heads}")
         if int(d["mlp_hidden"]) != b.mlp_hidden:
             D = b.fc1.in_features
-            b.mlp.fc1 = nn.Linear(D, int(d["mlp_hidden"]), bias=b.fc1.bias is not None)
+            for attr, lin in b.mlp_inputs:  # fc1, or a gated MLP's fc1_g and fc1_x
+                setattr(b.mlp, attr, nn.Linear(D, int(d["mlp_hidden"]), bias=lin.bias is not None))
             b.mlp.fc2 = nn.Linear(int(d["mlp_hidden"]), b.fc2.out_features, bias=b.fc2.bias is not None)
         if ((heads, int(d["qk_dim"]), int(d["v_dim"])) != (b.num_heads, b.qk_dim, b.v_dim)
                 or isinstance(b.attn, PrunedAttention)):
             D = b.qkv.in_features
-            b.block.attn = PrunedAttention(D, heads, int(d["qk_dim"]), int(d["v_dim"]),
-                                           qkv_bias=b.qkv.bias is not None,
-                                           proj_bias=b.proj.bias is not None,
-                                           dense_head_dim=int(d.get("head_dim", b.head_dim)))
+            shape = dict(qkv_bias=b.qkv.bias is not None, proj_bias=b.proj.bias is not None,
+                         dense_head_dim=int(d.get("head_dim", b.head_dim)))
+            if is_rotary(b.attn):  # the tables are buffers of the weights file: loaded with them
+                b.block.attn = RotaryAttention(D, heads, int(d["qk_dim"]), int(d["v_dim"]), b.attn.num_tokens, **shape)
+            else:
+                b.block.attn = PrunedAttention(D, heads, int(d["qk_dim"]), int(d["v_dim"]), **shape)
     t = dims[-1].get("query_tokens")
     if t is not None and anatomy.blocks[-1].query_tokens is None:
         to_class_token_block(anatomy.vit, int(t))

@@ -40,7 +40,8 @@ from edgeprune.errors import UserError
 from edgeprune.settings import SettingError
 from edgeprune.plan import BlockPlan, dims_override, kept_dim, kept_heads, pruned_indices
 from edgeprune.ranking import qk_scores, top_k_indices, vo_scores
-from edgeprune.solve import mlp_ridge, qk_logit
+from edgeprune.layers.rotary_attention import is_rotary
+from edgeprune.solve import mlp_ridge, qk_logit, qk_rope
 from edgeprune.surgery import qkv_parts, replace_attention
 
 LAYOUTS = ("default", "fused")
@@ -180,7 +181,10 @@ def plan_attention(b: BlockAnatomy, plan: BlockPlan, cfg, qk_stats, vo_stats: ML
     if v < b.v_dim:
         plan.v_keep = top_k_indices(vo_scores(vo_stats, w_o, b.num_heads, cfg.vo_criterion), v)
     if qk < b.qk_dim:
-        plan.qk_keep = top_k_indices(qk_scores(qk_stats), qk)
+        if is_rotary(b.attn):  # whole RoPE pairs (METHODS.md §6)
+            plan.qk_keep = qk_rope.kept_pairs_dims(qk_stats.pair_energy, qk)
+        else:
+            plan.qk_keep = top_k_indices(qk_scores(qk_stats), qk)
 
 
 def prune_attention(b: BlockAnatomy, plan: BlockPlan, cfg, vo_stats: MLPStatistics | None,
@@ -231,6 +235,7 @@ def prune_attention(b: BlockAnatomy, plan: BlockPlan, cfg, vo_stats: MLPStatisti
         if not (cfg.compensation and proj_fit is not None):
             w_o, b_o = mlp_ridge.fold_into_linear(w_o, b_o, keep, prune, bmat, cvec)
     wq, wk, bq, bk, lams, how = [], [], [], [], [], []
+    rotary = is_rotary(b.attn)
     for h in heads.tolist():
         kq = qk_keep[h]
         m = None
@@ -240,13 +245,24 @@ def prune_attention(b: BlockAnatomy, plan: BlockPlan, cfg, vo_stats: MLPStatisti
             lams.append(lam)
             how.append(solved["solver"])
         sel = lambda t: None if t is None else t[h][kq]  # noqa: E731
-        out = qk_logit.fold_logit_compensation(sel(parts["wq"]), sel(parts["bq"]),
-                                               sel(parts["wk"]), sel(parts["bk"]), m, scale_dim)
+        if rotary and m is not None and how and how[-1] == "rope-general":  # q' = (I + M) q before the rotation
+            out = (*qk_rope.fold_rope_general(sel(parts["wq"]), sel(parts["bq"]), m, scale_dim),
+                   sel(parts["wk"]), sel(parts["bk"]))
+        elif rotary:  # the pair-form M commutes with the rotation: folded into W_Q alone (qk_rope)
+            out = (*qk_rope.fold_rope_compensation(sel(parts["wq"]), sel(parts["bq"]), m, scale_dim),
+                   sel(parts["wk"]), sel(parts["bk"]))
+        else:
+            out = qk_logit.fold_logit_compensation(sel(parts["wq"]), sel(parts["bq"]),
+                                                   sel(parts["wk"]), sel(parts["bk"]), m, scale_dim)
         wq.append(out[0]); bq.append(out[1]); wk.append(out[2]); bk.append(out[3])
     stack = lambda ts: None if ts[0] is None else torch.stack(ts)  # noqa: E731
     wv = torch.stack([parts["wv"][h][v_keep[h]] for h in heads.tolist()])
     bv = None if parts["bv"] is None else torch.stack([parts["bv"][h][v_keep[h]] for h in heads.tolist()])
-    replace_attention(b, torch.stack(wq), stack(bq), torch.stack(wk), stack(bk), wv, bv, w_o, b_o)
+    rope = None
+    if rotary:  # the kept heads' tables, at their kept pairs
+        idx = heads.tolist()
+        rope = tuple(torch.stack([t[h][:, qk_keep[h]] for h in idx]) for t in (b.attn.rope_cos, b.attn.rope_sin))
+    replace_attention(b, torch.stack(wq), stack(bq), torch.stack(wk), stack(bk), wv, bv, w_o, b_o, rope=rope)
     if lams:
         rec["qk_lambda"] = lams
         rec["qk_solver"] = how

@@ -113,7 +113,8 @@ def block_dims(model: nn.Module) -> list[dict[str, int]]:
         return out
     for i, blk in enumerate(blocks):
         entry: dict[str, int] = {"index": i}
-        fc1 = getattr(getattr(blk, "mlp", None), "fc1", None)
+        mlp = getattr(blk, "mlp", None)
+        fc1 = getattr(mlp, "fc1", None) or getattr(mlp, "fc1_x", None)  # plain MLP, or a gated one's up projection
         if isinstance(fc1, nn.Linear):
             entry["mlp_hidden"] = fc1.out_features
         attn = getattr(blk, "attn", None)

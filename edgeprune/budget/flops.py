@@ -1,7 +1,7 @@
 """The ``flops`` budget kind: FLOPs per image (= 2 x MACs) of the matrix products, exact for edgeprune's surgery
 (tests/test_allocation.py checks it against ``edgeprune.flops.model_flops`` of the pruned model). Per block
 (:func:`edgeprune.flops.block_flops`):
-``2 n D H (2 d_qk + d_v) + 2 n^2 H (d_qk + d_v) + 2 n H d_v D + 4 n D D_mlp``.
+``2 n D H (2 d_qk + d_v) + 2 n^2 H (d_qk + d_v) + 2 n H d_v D + 4 n D D_mlp`` (``6 n D D_mlp`` for a gated MLP).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The ``params`` budget kind: number of parameters (:func:`edgeprune.flops.block_params`), exact for edgeprune's
-surgery. Per block: qkv ``(D + bias) H (2 d_qk + d_v)``, proj ``H d_v D``, fc1 ``(D + bias) D_mlp``, fc2
-``D_mlp D``; the biases of the unpruned outputs and everything outside the blocks' linears are the fixed cost.
+surgery. Per block: qkv ``(D + bias) H (2 d_qk + d_v)``, proj ``H d_v D``, fc1 ``(D + bias) D_mlp`` (twice for a
+gated MLP: gate and up), fc2 ``D_mlp D``; the biases of the unpruned outputs and everything outside the blocks' linears
+are the fixed cost.
 """
 
 from __future__ import annotations

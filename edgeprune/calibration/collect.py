@@ -21,9 +21,11 @@ import torch
 from edgeprune.anatomy import ViTAnatomy
 from edgeprune.calibration.mlp_stats import MLPStatistics
 from edgeprune.calibration.qk_stats import QKStatistics, QKSystemStatistics
+from edgeprune.calibration.rope_stats import RopeSystemStatistics
 from edgeprune.calibration.stream import StreamRecorder
 from edgeprune.distributed import common_shift_fn, is_distributed, reduce_statistics
 from edgeprune.errors import UserError
+from edgeprune.layers.rotary_attention import is_rotary
 from edgeprune.progress import progress as show_progress
 from edgeprune.solve.output_bias import OutputSums, classifier_head
 from edgeprune.torch_device import CUDA_MISSING
@@ -58,12 +60,18 @@ class CalibrationStatistics:
     stream: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
-def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys from a fused qkv output (B, n, H*(2*qk_dim + v_dim)) -> 2 x (B, H, n, qk_dim)."""
+def split_qk(qkv_out: torch.Tensor, num_heads: int, qk_dim: int, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys from a fused qkv output (B, n, H*(2*qk_dim + v_dim)) -> 2 x (B, H, n, qk_dim).
+
+    With ``attn`` a rotary attention (:class:`~edgeprune.layers.rotary_attention.RotaryAttention`) they come out
+    rotated by its RoPE tables, as its softmax sees them (METHODS.md §6: CORP's statistics of a rotary head are
+    those of the rotated queries and keys)."""
     B, n, _ = qkv_out.shape
     hq = num_heads * qk_dim
     q = qkv_out[..., :hq].reshape(B, n, num_heads, qk_dim).transpose(1, 2)
     k = qkv_out[..., hq:2 * hq].reshape(B, n, num_heads, qk_dim).transpose(1, 2)
+    if is_rotary(attn):
+        q, k = attn.rotate(q), attn.rotate(k)
     return q, k
 
 
@@ -120,6 +128,8 @@ class StatisticsRequest:
         qk_grams: keep per-image Q/K Grams (needed for Q/K compensation).
         qk_keep: second-pass mode: per block the (H, d') kept Q/K dims (or None); the pass then
             accumulates :class:`QKSystemStatistics` into ``qk`` instead of per-image Grams.
+        rope_general: in the second-pass mode, rotary blocks accumulate the general-form RoPE system
+            (:class:`~edgeprune.calibration.rope_stats.RopeSystemStatistics`, METHODS.md §6) instead.
         vo: collect mean and covariance of every ``attn.proj`` input (V/O and head pruning).
         gram_dtype: dtype of the per-batch Gram products (see :class:`MLPStatistics`).
         first_image: index in the calibration set of the first image of the batches (under
@@ -140,6 +150,7 @@ class StatisticsRequest:
     mlp_second_order: bool = True
     gram_dtype: torch.dtype = torch.float32
     qk_keep: list | None = None
+    rope_general: bool = False
     vo: bool = False
     mlp_active: bool = True
     mlp_tokens: int = 0
@@ -166,9 +177,12 @@ def _accumulators(anatomy: ViTAnatomy, req: StatisticsRequest, dev: torch.device
                          device=dev, shift_fn=shift_fn, tokens=req.mlp_tokens, first_image=req.first_image)
            if req.mlp else None for b in anatomy.blocks]
     qk: list = [QKStatistics(b.num_heads, b.qk_dim, keep_grams=req.qk_grams, gram_dtype=req.gram_dtype, device=dev,
-                             grams_device=grams_dev) if req.qk else None for b in anatomy.blocks]
+                             grams_device=grams_dev, rotary=is_rotary(b.attn)) if req.qk else None
+                for b in anatomy.blocks]
     if req.qk_keep is not None:
-        qk = [None if keep is None else QKSystemStatistics(keep, b.qk_dim, device=dev)
+        qk = [None if keep is None else
+              RopeSystemStatistics(keep, b.qk_dim, b.attn.rope_cos, b.attn.rope_sin, device=dev)
+              if req.rope_general and is_rotary(b.attn) else QKSystemStatistics(keep, b.qk_dim, device=dev)
               for b, keep in zip(anatomy.blocks, req.qk_keep)]
     vo = [MLPStatistics(b.proj.in_features, req.gram_dtype, True, count_positive=False, device=dev, shift_fn=shift_fn)
           if req.vo else None for b in anatomy.blocks]
@@ -189,7 +203,8 @@ def _hooks(anatomy: ViTAnatomy, acc: _Accumulators, req: StatisticsRequest) -> l
             handles.append(b.fc2.register_forward_pre_hook(lambda _m, args, st=acc.mlp[b.index]: st.add_batch(args[0])))
         if acc.qk[b.index] is not None:
             handles.append(b.qkv.register_forward_hook(
-                lambda _m, _args, out, st=acc.qk[b.index], b=b: st.add_batch(*split_qk(out, b.num_heads, b.qk_dim))))
+                lambda _m, _args, out, st=acc.qk[b.index], b=b: st.add_batch(
+                    *split_qk(out, b.num_heads, b.qk_dim, b.attn))))
     if req.output_images > 0:
         head = classifier_head(anatomy.model)
         if head is None:

@@ -38,18 +38,24 @@ class QKStatistics:
             ``collect_statistics`` stores them in host memory during a GPU pass, so that GPU
             memory stays bounded by the model and one batch, whatever N (the Grams are the
             statistics that grow with N; ``CorpConfig.qk_memory_limit_gb`` bounds them in RAM).
+        rotary: the layer rotates its queries and keys (RoPE): the caller feeds *rotated* q and k,
+            the ranking reads :attr:`pair_energy` and the solve the pair form
+            (:mod:`edgeprune.solve.qk_rope`).
     """
 
     def __init__(self, num_heads: int, qk_dim: int, keep_grams: bool = True,
                  gram_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 grams_device: torch.device | str | None = None) -> None:
+                 grams_device: torch.device | str | None = None, rotary: bool = False) -> None:
         self.gram_dtype = gram_dtype
+        self.rotary = bool(rotary)
         self.num_heads = num_heads
         self.qk_dim = qk_dim
         self.keep_grams = keep_grams
         self.grams_device = grams_device
         self.num_images = 0
         self._score = torch.zeros(num_heads, qk_dim, dtype=torch.float64, device=device)
+        # RoPE pairs (j, j + d/2): E_i[(||q_j||^2 + ||q_j+d/2||^2) (||k_j||^2 + ||k_j+d/2||^2)]
+        self._pair_score = torch.zeros(num_heads, qk_dim // 2, dtype=torch.float64, device=device)
         self._gq: list[torch.Tensor] = []
         self._gk: list[torch.Tensor] = []
 
@@ -70,6 +76,10 @@ class QKStatistics:
         g = qk.transpose(-1, -2) @ qk  # (B, 2H, d, d)
         diag = torch.diagonal(g, dim1=-2, dim2=-1).double()  # (B, 2H, d)
         self._score += (diag[:, :h] * diag[:, h:]).sum(0)
+        if self.qk_dim % 2 == 0:
+            p = self.qk_dim // 2
+            pair = diag[..., :p] + diag[..., p:2 * p]  # (B, 2H, d/2)
+            self._pair_score += (pair[:, :h] * pair[:, h:]).sum(0)
         if self.keep_grams:
             dev = q.device if self.grams_device is None else self.grams_device
             g = g.to(device=dev, dtype=torch.float32)
@@ -83,6 +93,14 @@ class QKStatistics:
         if self.num_images == 0:
             raise RuntimeError("QKStatistics: no images were added")
         return self._score / self.num_images
+
+    @property
+    def pair_energy(self) -> torch.Tensor:
+        """(H, d/2) float64: the RoPE pair energy ``E_i[(||q_j||^2 + ||q_u||^2)(||k_j||^2 + ||k_u||^2)]``,
+        u = j + d/2 (METHODS.md §6; rotation-invariant, so the same on rotated or unrotated q, k)."""
+        if self.num_images == 0:
+            raise RuntimeError("QKStatistics: no images were added")
+        return self._pair_score / self.num_images
 
     def grams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-image Grams (Gq, Gk), each (N, H, d, d) float32.
@@ -110,6 +128,7 @@ class QKStatistics:
         """
         device = torch.device(device)
         self._score = self._score.to(device)
+        self._pair_score = self._pair_score.to(device)
         if any(t.device != device for t in self._gq + self._gk):
             gq, gk = (torch.cat(lst) if len(lst) > 1 else lst[0] for lst in (self._gq, self._gk))
             self._gq, self._gk = [gq.to(device)], [gk.to(device)]

@@ -132,6 +132,9 @@ class CorpConfig:
             converge) or "auto" (the cheaper by :func:`cg_is_cheaper`; direct if alpha = 0). The
             second-pass (memory-limited) route always solves directly. Same system, same answer
             to ~1e-8 relative either way.
+        rope_compensation: the Q/K compensation of a rotary head (METHODS.md §6, ``edgeprune.solve.qk_rope``):
+            "pair" (one complex scalar per kept pair, from the Grams) or "general" (a full d' x d' matrix applied
+            to q before the rotation; one more calibration pass, O(n d'^4) per image and head).
     """
 
     mlp_sparsity: float = 0.0
@@ -145,6 +148,7 @@ class CorpConfig:
     gram_tokens: int | None = None
     qk_memory_limit_gb: float = 4.0
     qk_solver: str = "auto"
+    rope_compensation: str = "pair"
     target: str = "custom"
     v_sparsity: float = 0.0
     head_sparsity: float = 0.0
@@ -225,6 +229,11 @@ class CorpConfig:
         if get_qk_solver(self.qk_solver).needs_ridge and self.qk_ridge_alpha == 0:
             raise SettingError(f"the {self.qk_solver} Q/K solver needs a ridge alpha > 0 (use {{qk_solver}} direct)")
         check_dims(self.dims)
+        if self.rope_compensation not in ("pair", "general"):
+            raise SettingError(f"{{rope_compensation}} must be pair or general, got {self.rope_compensation!r}")
+        if self.rope_compensation == "general" and self.sequential:
+            raise SettingError("{rope_compensation} general is not built for {sequential} calibration (its "
+                               "two-stream system); use pair there")
         if self.last_block not in LAST_BLOCK_CHOICES:
             raise UserError(f"unknown last block {self.last_block!r} (choose from {', '.join(LAST_BLOCK_CHOICES)})")
         if not self.sequential_memory_gb >= 0:

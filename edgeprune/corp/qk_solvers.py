@@ -18,7 +18,7 @@ import torch
 
 from edgeprune.plan import BlockPlan, pruned_indices
 from edgeprune.registry import Registry
-from edgeprune.solve import qk_logit, qk_logit_cg
+from edgeprune.solve import qk_logit, qk_logit_cg, qk_rope
 from edgeprune.solve.qk_choice import cg_is_cheaper
 
 # f(block, head) -> (M (d', d') float64, ridge lambda, solve info dict)
@@ -34,6 +34,8 @@ class QKHeadSystem:
         keep, prune: kept / removed Q/K dims (int64).
         rhs_fn: ``f(keep, prune) -> (d', d') float64`` replacing the system's right side (the
             two-stream system of ``edgeprune.solve.qk_logit_cross``); None = CORP's.
+        rotary: the head rotates q and k (RoPE; the Grams are of the rotated q, k): the system is
+            solved in the pair form (``edgeprune.solve.qk_rope``) whatever the registered solver.
     """
 
     gq: torch.Tensor
@@ -41,6 +43,19 @@ class QKHeadSystem:
     keep: torch.Tensor
     prune: torch.Tensor
     rhs_fn: Callable | None = None
+    rotary: bool = False
+
+
+def _kronecker(system: QKHeadSystem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's exact system (corp-v1 eq. 29) and its right side (``rhs_fn``'s where one is given)."""
+    k_sys, rhs = qk_logit.kronecker_system(system.gq, system.gk, system.keep, system.prune)
+    return k_sys, rhs if system.rhs_fn is None else system.rhs_fn(system.keep, system.prune)
+
+
+def solve_rope(system: QKHeadSystem, alpha: float) -> tuple[torch.Tensor, float, dict]:
+    """The pair-form solve of a rotary head (METHODS.md §6; ``qk_rope.solve_rope_pairs``)."""
+    m, lam = qk_rope.solve_rope_pairs(*_kronecker(system), alpha)
+    return m, lam, {"solver": "rope-pair"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +113,7 @@ def solve_auto(system: QKHeadSystem, alpha: float) -> tuple[torch.Tensor, float,
 @register_qk_solver("direct")
 def solve_direct(system: QKHeadSystem, alpha: float) -> tuple[torch.Tensor, float, dict]:
     """Float64 Cholesky of the d'^2 x d'^2 Kronecker system (``qk_logit``)."""
-    k_sys, rhs = qk_logit.kronecker_system(system.gq, system.gk, system.keep, system.prune)
-    if system.rhs_fn is not None:
-        rhs = system.rhs_fn(system.keep, system.prune)
-    m, lam = qk_logit.solve_logit_compensation(k_sys, rhs, alpha)
+    m, lam = qk_logit.solve_logit_compensation(*_kronecker(system), alpha)
     return m, lam, {"solver": "direct"}
 
 
@@ -165,7 +177,9 @@ def qk_solver_from_grams(qk_stats, plans, cfg, rhs_fn: Callable | None = None) -
         gq, gk = grams[i]
         prune = pruned_indices(keep, gq.shape[-1])
         rhs = None if rhs_fn is None else (lambda k, p: rhs_fn(i, h, k, p))
-        out = entry.fn(QKHeadSystem(gq[:, h], gk[:, h], keep, prune, rhs), cfg.qk_ridge_alpha)
+        rotary = bool(getattr(qk_stats[i], "rotary", False))
+        system = QKHeadSystem(gq[:, h], gk[:, h], keep, prune, rhs, rotary)
+        out = (solve_rope if rotary else entry.fn)(system, cfg.qk_ridge_alpha)
         if memo is not None:
             memo[key] = (out[0].clone(), out[1], dict(out[2]))
         return out

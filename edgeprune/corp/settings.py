@@ -63,6 +63,10 @@ class CorpSection(Section):
     qk_solver: str = setting("auto", "Exact Q/K system: Cholesky, matrix-free CG, or the cheaper of the two.",
                              choices=list_qk_solvers)
     round_to: int = setting(8, "Kept dims are multiples of this.")
+    rope_compensation: str = setting(
+        "pair", "Q/K compensation of a rotary (RoPE) head: one complex scalar per kept pair, or a full matrix "
+        "before the rotation (a second calibration pass, O(n d'^4) per image and head; docs/rope.md).",
+        choices=("pair", "general"))
     vo_criterion: str = setting("combined", "V-dim ranking (a criterion of edgeprune.ranking that ranks vo).",
                                 cli=False)
     dims: tuple | None = setting(None, "Per-block kept dims overriding the sparsities (set by the allocation).",

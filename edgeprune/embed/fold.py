@@ -54,7 +54,7 @@ def fold_norm_affine(anatomy: ViTAnatomy, parts: StreamParts) -> None:
     set them to 1 / 0, in place (exact)."""
     for b in anatomy.blocks:
         _fold_affine(b.block.norm1, [b.qkv])
-        _fold_affine(b.block.norm2, [b.fc1])
+        _fold_affine(b.block.norm2, [lin for _, lin in b.mlp_inputs])  # fc1 (a gated MLP: fc1_g, fc1_x)
     _fold_affine(parts.final_norm, [getattr(anatomy.vit, h) for h in parts.heads])
 
 

@@ -19,8 +19,9 @@ from edgeprune.errors import UserError
 def reduced_modules(pruned: nn.Module, dense: nn.Module) -> list[str]:
     """Names (in ``pruned.named_modules()``) of the layers whose shapes differ from the dense model.
 
-    For a block with fewer MLP hidden channels than the dense block: its ``mlp.fc1`` and
-    ``mlp.fc2``; with fewer heads or a smaller ``qk_dim`` or ``v_dim``: its ``attn.qkv`` and ``attn.proj``.
+    For a block with fewer MLP hidden channels than the dense block: its ``mlp.fc1`` (a gated MLP's
+    ``mlp.fc1_g`` and ``mlp.fc1_x``) and ``mlp.fc2``; with fewer heads or a smaller ``qk_dim`` or ``v_dim``: its
+    ``attn.qkv`` and ``attn.proj``.
     Empty for a model pruned at sparsity 0.
 
     Raises:
@@ -36,13 +37,15 @@ def reduced_modules(pruned: nn.Module, dense: nn.Module) -> list[str]:
         if (p.num_heads, p.qk_dim, p.v_dim) != (d.num_heads, d.qk_dim, d.v_dim):
             out += [names[id(p.qkv)], names[id(p.proj)]]
         if p.mlp_hidden != d.mlp_hidden:
-            out += [names[id(p.fc1)], names[id(p.fc2)]]
+            out += [names[id(lin)] for _, lin in p.mlp_inputs] + [names[id(p.fc2)]]  # fc1 (gated: fc1_g, fc1_x)
     return out
 
 
 def reduced_modules_from_record(record: dict[str, Any]) -> list[str]:
     """Like :func:`reduced_modules` but from a run record's ``blocks`` vs ``dense_blocks``; names
-    relative to the ViT (``blocks.<i>.attn.qkv`` ...). Empty when nothing is pruned.
+    relative to the ViT (``blocks.<i>.attn.qkv`` ...). Empty when nothing is pruned. The record does not say
+    whether an MLP is gated: its layers are named as a plain MLP's (``mlp.fc1``); callers use the list to
+    tell whether anything was reduced.
 
     Raises:
         UserError: the record lacks ``blocks`` / ``dense_blocks`` or they disagree in length.

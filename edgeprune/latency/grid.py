@@ -33,13 +33,29 @@ MAX_DIM_POINTS = 4
 MAX_DIAGONAL_POINTS = 8
 
 
+def check_plain_mlp(anatomy: Any) -> None:
+    """Refuse a model with a gated MLP (``fc1_gate``, SwiGLU): a table times the plain MLP sub-block
+    ``fc2(act(fc1(u)))`` (two matmuls) and its key does not say whether an MLP is gated, so a gated MLP
+    (three matmuls) would be priced as another model's MLP.
+
+    Raises:
+        UserError: one line naming the first gated block.
+    """
+    for b in anatomy.blocks:
+        if getattr(b, "fc1_gate", None) is not None:
+            raise UserError(f"latency tables time plain MLPs; block {b.index} has a gated (SwiGLU) MLP, which they "
+                            "do not price: use a flops or params budget for this model")
+
+
 def shape_of(anatomy: Any) -> dict[str, int]:
     """The dense block shape of a ViT: ``embed_dim, depth, num_heads, head_dim, mlp_hidden, tokens``.
 
     Raises:
-        UserError: the model is pruned (a block's dims differ from the dense ones) or its blocks
-            differ in shape (a table describes one block shape).
+        UserError: the model is pruned (a block's dims differ from the dense ones), its blocks
+            differ in shape (a table describes one block shape), or it has a gated MLP
+            (:func:`check_plain_mlp`).
     """
+    check_plain_mlp(anatomy)
     b0 = anatomy.blocks[0]
     for b in anatomy.blocks:
         dims = (b.num_heads, b.qk_dim, b.v_dim, b.mlp_hidden)
@@ -163,4 +179,5 @@ def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MA
                 full_tokens=int(shape.get("tokens", 0)))
 
 
-__all__ = ["Grid", "check_token_counts", "make_grid", "on_grid", "parse_token_counts", "shape_of", "thin"]
+__all__ = ["Grid", "check_plain_mlp", "check_token_counts", "make_grid", "on_grid", "parse_token_counts", "shape_of",
+           "thin"]

@@ -37,6 +37,7 @@ import torch.nn as nn
 from devices.gpu import local_gpu
 from edgeprune.errors import UserError
 from edgeprune.layers.pruned_attention import PrunedAttention
+from edgeprune.layers.rotary_attention import RotaryAttention, is_rotary
 from edgeprune.registry import Registry
 from exporters.onnx import export_onnx
 from exporters.ort_session import import_onnxruntime
@@ -82,8 +83,10 @@ def attn_subblock(template: Any, embed_dim: int, heads: int, qk: int, v: int, se
     its norm1, ls1 and bias flags) with ``heads`` heads of Q/K dim ``qk`` and V dim ``v``; random
     weights (seeded)."""
     torch.manual_seed(seed)
-    attn = PrunedAttention(embed_dim, heads, qk, v, qkv_bias=template.qkv.bias is not None,
-                           proj_bias=template.proj.bias is not None, dense_head_dim=template.head_dim)
+    shape = dict(qkv_bias=template.qkv.bias is not None, proj_bias=template.proj.bias is not None,
+                 dense_head_dim=template.head_dim)
+    attn = (RotaryAttention(embed_dim, heads, qk, v, template.attn.num_tokens, **shape)  # timed with its RoPE
+            if is_rotary(template.attn) else PrunedAttention(embed_dim, heads, qk, v, **shape))
     return AttnSubBlock(_or_identity(template.block.norm1), attn, _or_identity(template.ls1)).eval()
 
 

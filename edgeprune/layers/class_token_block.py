@@ -89,6 +89,9 @@ def query_attention(attn: nn.Module, x: torch.Tensor, query_tokens: int) -> torc
     q = q.reshape(B, T, H, dq).transpose(1, 2)
     k = k.reshape(B, n, H, dq).transpose(1, 2)
     v = v.reshape(B, n, H, dv).transpose(1, 2)
+    rotate = getattr(attn, "rotate", None)
+    if rotate is not None:  # RotaryAttention: the first T tokens' tables for q, all for k
+        q, k = rotate(q), rotate(k)
     drop = getattr(attn, "attn_drop", None)
     p = float(drop.p) if isinstance(drop, nn.Dropout) and attn.training else 0.0
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=float(attn.scale))

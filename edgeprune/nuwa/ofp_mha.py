@@ -43,6 +43,8 @@ import math
 import torch
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
+from edgeprune.errors import UserError
+from edgeprune.layers.rotary_attention import is_rotary
 from edgeprune.surgery import qkv_parts, replace_attention
 
 KEY_BIAS_MODES = ("drop", "augment")
@@ -116,6 +118,10 @@ def block_factors(block: BlockAnatomy, key_bias: str = "drop") -> BlockFactors:
     """
     if key_bias not in KEY_BIAS_MODES:
         raise ValueError(f"key_bias must be one of {KEY_BIAS_MODES}, got {key_bias!r}")
+    if is_rotary(block.attn):
+        raise UserError(f"block {block.index} rotates its queries and keys (RoPE): NuWa's QK truncation mixes "
+                        "Q/K dims across RoPE pairs, which the rotation does not allow; derive does not support "
+                        "rotary models (prune them: Q/K pairs, V/O, heads and MLP)")
     p = qkv_parts(block)
     H, dv = block.num_heads, block.v_dim
     wq, wk, wv = p["wq"].double(), p["wk"].double(), p["wv"].double()

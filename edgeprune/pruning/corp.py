@@ -34,7 +34,8 @@ from edgeprune.plan import pruned_modules
 from edgeprune.pruning.config import check_config
 from edgeprune.ranking import get_criterion
 from edgeprune.sequential import sequential_prune
-from edgeprune.solve import qk_logit
+from edgeprune.layers.rotary_attention import is_rotary
+from edgeprune.solve import qk_logit, qk_rope
 from edgeprune.solve.output_bias import classifier_head
 from edgeprune.vo import attention_dims
 
@@ -58,7 +59,9 @@ def check_prunable(anatomy: ViTAnatomy, cfg: CorpConfig) -> CorpConfig:
     if cfg.dims is not None and len(cfg.dims) != len(anatomy.blocks):
         raise UserError(f"dims has {len(cfg.dims)} entries, the model has {len(anatomy.blocks)} blocks")
     for b in anatomy.blocks:
-        attention_dims(b, cfg)
+        _, qk, _ = attention_dims(b, cfg)
+        if qk < b.qk_dim and is_rotary(b.attn):  # whole RoPE pairs, refused before the pass
+            qk_rope.check_pairs(qk)
         mlp_kept(b, cfg)
     if cfg.budget is not None:
         check_budget(anatomy, cfg)
@@ -103,8 +106,36 @@ def _second_pass_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, pr
 
     def qk_solve(i: int, h: int):
         st = second.qk[i]
+        if is_rotary(anatomy.blocks[i].attn):  # rotated q, k: the pair form (METHODS.md §6)
+            m, lam = qk_rope.solve_rope_pairs(st.k_sys[h], st.rhs[h], cfg.qk_ridge_alpha)
+            return m, lam, {"solver": "rope-pair"}
         m, lam = qk_logit.solve_logit_compensation(st.k_sys[h], st.rhs[h], cfg.qk_ridge_alpha)
         return m, lam, {"solver": "direct"}
+
+    return qk_solve, second.seconds
+
+
+def _rope_general_solver(anatomy: ViTAnatomy, batches, plans, cfg: CorpConfig, progress: bool, fallback):
+    """``rope_compensation="general"``: one more pass accumulating the general-form system of every rotary block
+    whose Q/K dims are pruned (METHODS.md §6); other blocks keep ``fallback``.
+
+    Returns:
+        (solver ``f(block, head) -> (M, lam, {"solver": "rope-general"})``, seconds of the pass; 0 when no
+        rotary block prunes Q/K).
+    """
+    keep = [p.qk_keep if p.qk_keep is not None and is_rotary(b.attn) else None
+            for b, p in zip(anatomy.blocks, plans)]
+    if all(k is None for k in keep):
+        return fallback, 0.0
+    request = StatisticsRequest(mlp=False, qk=True, qk_keep=keep, rope_general=True)
+    second = collect_statistics(anatomy, batches(), request, progress=progress)
+
+    def qk_solve(i: int, h: int):
+        if keep[i] is None:
+            return fallback(i, h)
+        st = second.qk[i]
+        m, lam = qk_rope.solve_rope_general(st.k_sys[h], st.rhs[h], cfg.qk_ridge_alpha)
+        return m, lam, {"solver": "rope-general"}
 
     return qk_solve, second.seconds
 
@@ -179,6 +210,10 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
             seconds += pass_seconds
             passes = 2
             t0 = time.perf_counter() - solve_time
+    if qk_solve is not None and cfg.rope_compensation == "general":
+        qk_solve, pass_seconds = _rope_general_solver(anatomy, batches, plans, cfg, progress, qk_solve)
+        seconds += pass_seconds
+        passes += pass_seconds > 0
     cache = refit_cache(stats, cfg)
     if stats.stream is not None:  # the pass kept the dense stream: the refit pass needs no dense forward
         cache = cache or RefitCache()

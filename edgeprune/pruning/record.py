@@ -8,6 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from edgeprune.anatomy import find_anatomy
@@ -69,7 +70,8 @@ def base_model_record(model: nn.Module, spec=None) -> dict[str, Any]:
     ``spec.to_record()`` when a spec is given. Without one, a timm model is recognised by its
     ``pretrained_cfg["architecture"]`` when rebuilding that name (with the model's number of
     classes) gives exactly the same parameter names and shapes -- so ``load_run`` can rebuild
-    it; anything else is recorded by its class name only (then pass ``spec=``).
+    it; anything else is recorded by its class name only (then pass ``spec=``). The guess is built on the
+    meta device (shapes only, no memory or init time: the default of a name can be a 1B-parameter model).
     """
     if spec is not None:
         return spec.to_record()
@@ -77,8 +79,9 @@ def base_model_record(model: nn.Module, spec=None) -> dict[str, Any]:
     if arch:
         try:
             guess = get_model_spec(arch, num_classes=getattr(model, "num_classes", None))
-            built = guess.create(pretrained=False)
-        except (UserError, RuntimeError, TypeError, ValueError):
+            with torch.device("meta"):
+                built = guess.create(pretrained=False)
+        except (UserError, RuntimeError, TypeError, ValueError, NotImplementedError):
             built = None
         if built is not None:
             mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -14,6 +14,7 @@ from edgeprune.calibration.qk_stats import QKStatistics
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import mlp_kept
 from edgeprune.head_compensation import refit_from_streams
+from edgeprune.layers.rotary_attention import is_rotary
 from edgeprune.plan import BlockPlan, pruned_indices
 from edgeprune.ranking import mlp_scores, top_k_indices
 from edgeprune.sequential.cross import CrossStatistics
@@ -76,7 +77,8 @@ def prune_block(b: BlockAnatomy, what: dict, cfg, dense: Stream, pruned: Stream,
     H, dq = b.num_heads, b.qk_dim
     mlp_st = MLPStatistics(b.mlp_hidden, gram_dtype, comp) if what["prune_mlp"] else None
     mlp_x = CrossStatistics(b.mlp_hidden, gram_dtype) if what["prune_mlp"] and two else None
-    qk_st = QKStatistics(H, dq, keep_grams=comp, gram_dtype=gram_dtype) if what["prune_qk"] else None
+    qk_st = (QKStatistics(H, dq, keep_grams=comp, gram_dtype=gram_dtype, rotary=is_rotary(b.attn))
+             if what["prune_qk"] else None)
     qk_x = QKCrossGrams(H, dq) if what["prune_qk"] and two else None
     vo_st = MLPStatistics(b.proj.in_features, gram_dtype, True) if what["prune_vo"] else None
     vo_x = CrossStatistics(b.proj.in_features, gram_dtype) if what["prune_vo"] and two else None
@@ -101,7 +103,7 @@ def prune_block(b: BlockAnatomy, what: dict, cfg, dense: Stream, pruned: Stream,
                 if vo_x is not None:
                     vo_x.add_batch(zd, zp)
             if qk_st is not None:
-                q, k = split_qk(cap.out["qkv"], H, dq)
+                q, k = split_qk(cap.out["qkv"], H, dq, b.attn)
                 (qd, qp), (kd, kp) = both(q), both(k)
                 qk_st.add_batch(qp, kp)
                 if qk_x is not None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from edgeprune.layers.rotary_attention import is_rotary
 from edgeprune.tokens.model import MergedBlocks, TokenMergeBlock
 from edgeprune.tokens.schedule import OPTION, plan_merges
 
@@ -32,6 +33,10 @@ def check_mergeable(model: nn.Module) -> tuple[nn.Module, int | None]:
                         "changes; merge a classifier ViT (global_pool 'token' or 'avg')")
     if isinstance(model.blocks, MergedBlocks):
         raise UserError(f"{OPTION}: the model is merged already (r per block {model.blocks.merges()})")
+    if any(is_rotary(getattr(b, "attn", None)) for b in model.blocks):
+        raise UserError(f"{OPTION}: {name} rotates its queries and keys by each patch's position (RoPE); a merged "
+                        "token stands for several positions, so its rotation is undefined: merging is not supported "
+                        "for rotary models (prune their widths instead)")
     if getattr(model, "attn_pool", None) is not None:
         raise UserError(f"{OPTION}: {name} pools with attention (global_pool='map'); merging needs a class-token "
                         "or an average pool")

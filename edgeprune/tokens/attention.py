@@ -52,6 +52,9 @@ def proportional_attention(attn: nn.Module, x: torch.Tensor, size: torch.Tensor 
     q = q.reshape(B, t, H, dq).transpose(1, 2)
     k = k.reshape(B, n, H, dq).transpose(1, 2)
     v = v.reshape(B, n, H, dv).transpose(1, 2)
+    rotate = getattr(attn, "rotate", None)
+    if rotate is not None:  # RotaryAttention, never merged (tokens.apply refuses): the first t / n tokens' tables
+        q, k = rotate(q), rotate(k)
     bias = None if size is None else size.log().transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
     drop = getattr(attn, "attn_drop", None)
     p = float(drop.p) if isinstance(drop, nn.Dropout) and attn.training else 0.0

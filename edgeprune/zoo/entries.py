@@ -20,6 +20,7 @@ from edgeprune.errors import UserError
 from edgeprune.registry import Registry
 from edgeprune.zoo import dinov2
 from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size, create_dinov2_s14_fmnist, fmnist_source
+from edgeprune.zoo.fmnist_dinov3 import create_fmnist_dinov3
 from edgeprune.zoo.fmnist_vit import create_fmnist_vit
 
 #: zoo name -> entry (filled by :func:`register`; registering a name again replaces it)
@@ -136,6 +137,18 @@ class FmnistViT(ZooEntry):
 
     def labeled_split(self, split, data):
         return _fmnist_subset(split, data, None, None)
+
+
+@register
+class FmnistDinov3(FmnistViT):
+    """``fmnist-dinov3``: a small DINOv3-shaped timm ``Eva`` (2D RoPE, class + 4 register tokens, LayerScale)
+    trained on Fashion-MNIST (``edgeprune.zoo.fmnist_dinov3``); input, normalisation and data as ``fmnist-vit``:
+    calibration = Fashion-MNIST train images, evaluation = the 10k test split, metric top-1."""
+
+    name = "fmnist-dinov3"
+
+    def build(self, spec, pretrained):
+        return create_fmnist_dinov3(pretrained=pretrained)
 
 
 @register

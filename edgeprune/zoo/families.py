@@ -3,8 +3,10 @@
 One list, used by the sparsity-0 equivalence guard (``tests/test_architectures.py``), by the
 model-name suggestions of :func:`edgeprune.zoo.registry.get_model_spec`, and by the README's table.
 Support means *exact*: a model whose blocks are timm's pre-norm ``Block`` with timm's standard
-``Attention`` (fused ``qkv``, no q/k norm, no relative-position bias, no rotary embedding) and a
-plain ``Mlp``; pruning nothing reproduces the dense logits (METHODS.md §4). Everything else is
+``Attention`` (fused ``qkv``, no q/k norm, no relative-position bias) and a plain ``Mlp``, or a model
+converted exactly into that form first (:mod:`edgeprune.zoo.canonical`: timm ``Eva`` -- DINOv3,
+``vit_*rope*`` -- with its RoPE tables held by the attention); pruning nothing reproduces the dense
+logits (METHODS.md §4). Everything else is
 refused by :func:`edgeprune.anatomy.find_anatomy` with a one-line
 :class:`~edgeprune.anatomy.UnsupportedModelError` naming the feature.
 """
@@ -58,11 +60,22 @@ SUPPORTED_ARCHITECTURES: tuple[Family, ...] = (
     Family("DeiT III (LayerScale, no pos-embed on class token)", "deit3_small_patch16_224", dict(_SMALL)),
     Family("DINOv2 (LayerScale)", "vit_small_patch14_dinov2", {"depth": 2, "img_size": 28}),
     Family("DINOv2 with register tokens", "vit_small_patch14_reg4_dinov2", {"depth": 2, "img_size": 28}),
+    Family("DINOv2 giant (SwiGLU MLP: packed GluMlp, split by edgeprune.zoo.glu)", "vit_giant_patch14_dinov2",
+           {"depth": 2, "img_size": 28, "embed_dim": 96, "num_heads": 2}),
     Family("ViT with register tokens, no class token, average pool", "vit_little_patch16_reg4_gap_256",
            dict(_SMALL)),
     Family("ViT, no class token, average pool", "vit_medium_patch16_gap_256", dict(_NARROW)),
     Family("CLIP ViT (pre-norm, QuickGELU)", "vit_base_patch16_clip_quickgelu_224", dict(_NARROW)),
     Family("SigLIP ViT (attention-pool head)", "vit_base_patch16_siglip_224", dict(_NARROW)),
+    # timm Eva models, converted exactly (edgeprune.zoo.eva): RoPE tables held by the attention
+    Family("DINOv3 (RoPE, 4 registers, LayerScale)", "vit_small_patch16_dinov3", dict(_SMALL)),
+    Family("DINOv3 with q/v biases", "vit_small_patch16_dinov3_qkvb", dict(_SMALL)),
+    Family("ViT with rotary position embedding (axial RoPE)", "vit_small_patch16_rope_224", dict(_SMALL)),
+    Family("ViT with mixed (learned per-head) RoPE", "vit_small_patch16_rope_mixed_224", dict(_SMALL)),
+    Family("ViT with RoPE, registers, average pool", "vit_medium_patch16_rope_reg1_gap_256", dict(_NARROW)),
+    Family("Perception Encoder spatial (RoPE)", "vit_pe_spatial_tiny_patch16_512", dict(_SMALL)),
+    Family("EVA-02 Ti/S (interleaved RoPE, SwiGLU, abs pos)", "eva02_tiny_patch14_224", {"depth": 2, "img_size": 28}),
+    Family("DINOv3 S+ (RoPE, SwiGLU)", "vit_small_plus_patch16_dinov3", dict(_SMALL)),
 )
 """Supported families; the zoo names (``fmnist-vit``, ``dinov2-s14``) are timm ViTs of these."""
 
@@ -72,20 +85,19 @@ REFUSED_ARCHITECTURES: tuple[RefusedFamily, ...] = (
     RefusedFamily("BEiT / BEiT v2", "beit_base_patch16_224", "relative-position bias",
                   ("beit_*", "beitv2_*")),
     RefusedFamily("BEiT3", "beit3_base_patch16_224", "attention scale norm", ("beit3_*",)),
-    RefusedFamily("ViT with rotary position embedding", "vit_base_patch16_rope_224", "RoPE",
-                  ("vit_*rope*", "vit_*_dinov3*", "vit_pe_*")),
-    RefusedFamily("EVA / EVA-02", "eva02_tiny_patch14_224", "RoPE", ("eva*",)),
+    RefusedFamily("Perception Encoder core / lang (attention pool)", "vit_pe_core_tiny_patch16_384",
+                  "attention pooling", ("vit_pe_core_*", "vit_pe_lang_*")),
+    RefusedFamily("EVA-02 B/L (normed SwiGLU hidden, scale_mlp)", "eva02_base_patch14_224", "hidden norm",
+                  ("eva02_base_*", "eva02_large_*")),
     RefusedFamily("ViT with post-norm blocks", "vit_base_patch16_rpn_224", "post-norm", ("vit_*_rpn_*",)),
     RefusedFamily("ViT with parallel attention/MLP blocks", "vit_small_patch16_18x2_224", "parallel",
                   ("vit_*_18x2_*", "vit_*_36x1_*", "vit_*_xp_*")),
     RefusedFamily("hybrid CNN-ViT", "vit_small_r26_s32_224", "hybrid CNN patch embedding",
                   ("vit_*_r26_*", "vit_*_r50_*", "vit_*_r_s16_*", "vit_*_resnet*")),
-    RefusedFamily("DINOv2 giant (SwiGLU MLP)", "vit_giant_patch14_dinov2", "GLU",
-                  ("vit_giant_patch14_*dinov2*",)),
 )
 
 #: fnmatch patterns of timm names in the supported families (refused patterns are subtracted).
-SUPPORTED_PATTERNS: tuple[str, ...] = ("vit_*", "deit_*", "deit3_*")
+SUPPORTED_PATTERNS: tuple[str, ...] = ("vit_*", "deit_*", "deit3_*", "eva02_*")
 
 
 def refused_family(name: str) -> RefusedFamily | None:

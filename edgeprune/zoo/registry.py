@@ -38,6 +38,7 @@ from edgeprune.anatomy import UnsupportedModelError
 from edgeprune.data.sources import (FolderSource, check_disjoint, list_image_folder,
                                     subset)
 from edgeprune.errors import UserError
+from edgeprune.zoo.canonical import canonical_model
 from edgeprune.zoo.checkpoint import load_checkpoint, sha256_file  # noqa: F401 (re-exported)
 
 from edgeprune.zoo.entries import TIMM_CALIB_SIZE, ZOO, zoo_entry  # noqa: E402
@@ -136,7 +137,7 @@ class ModelSpec:
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(self.seed))
-            model = self._build(pretrained)
+            model = canonical_model(self._build(pretrained))  # exact (edgeprune.zoo.canonical)
         return model.eval()
 
     def _build(self, pretrained: bool) -> nn.Module:

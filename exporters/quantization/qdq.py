@@ -37,6 +37,7 @@ KIND_PATTERNS: tuple[tuple[str, str], ...] = (
     ("qkv", "*/attn/qkv/*"), ("qkv", "*/attn/q/*"), ("qkv", "*/attn/k/*"), ("qkv", "*/attn/v/*"),
     ("qkv", "*/attn/qk/*"),
     ("proj", "*/attn/proj/*"), ("fc1", "*/mlp/fc1/*"), ("fc2", "*/mlp/fc2/*"),
+    ("fc1", "*/mlp/fc1_g/*"), ("fc1", "*/mlp/fc1_x/*"),  # a gated MLP's gate and up projections (SwiGLU)
     ("patch_embed", "*patch_embed*"), ("head", "*head*"),
     # a class-token block (edgeprune.layers.class_token_block): its q / kv projections and proj
     # hang off the block itself
