@@ -53,3 +53,23 @@ def test_top1_on_the_first_2000_test_images(model):
     with torch.no_grad():
         correct = sum(int((model(x[i:i + 250]).argmax(-1) == y[i:i + 250]).sum()) for i in range(0, 2000, 250))
     assert correct / 2000 >= 0.85
+
+
+@needs_fmnist
+def test_the_spec_converts_it_and_pruning_nothing_keeps_its_logits(model):
+    """Built by name, the trained model is the exact converted form; sparsity 0 reproduces its logits on real
+    images (train split for calibration, test split to compare: disjoint)."""
+    from edgeprune.layers.rotary_attention import RotaryAttention
+    from edgeprune.zoo.registry import get_model_spec
+
+    spec = get_model_spec("fmnist-dinov3")
+    vit = spec.create(pretrained=True)
+    assert all(isinstance(b.attn, RotaryAttention) for b in vit.blocks)
+    x = spec.eval_source(n=16).batches(16)
+    imgs = next(iter(x))[0]
+    with torch.no_grad():
+        dense = model(imgs)
+        assert torch.allclose(vit(imgs), dense, atol=1e-5)
+    res = edgeprune.prune(vit, spec.calibration_source(32), spec=spec, target="both", sparsity=0.0)
+    with torch.no_grad():
+        assert torch.allclose(res.model(imgs), dense, atol=1e-5)

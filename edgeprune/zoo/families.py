@@ -76,6 +76,8 @@ SUPPORTED_ARCHITECTURES: tuple[Family, ...] = (
     Family("Perception Encoder spatial (RoPE)", "vit_pe_spatial_tiny_patch16_512", dict(_SMALL)),
     Family("EVA-02 Ti/S (interleaved RoPE, SwiGLU, abs pos)", "eva02_tiny_patch14_224", {"depth": 2, "img_size": 28}),
     Family("DINOv3 S+ (RoPE, SwiGLU)", "vit_small_plus_patch16_dinov3", dict(_SMALL)),
+    Family("DINOv3 B (RoPE, registers)", "vit_base_patch16_dinov3", dict(_NARROW)),
+    Family("EVA-02 S (interleaved RoPE, SwiGLU)", "eva02_small_patch14_224", {"depth": 2, "img_size": 28}),
 )
 """Supported families; the zoo names (``fmnist-vit``, ``dinov2-s14``) are timm ViTs of these."""
 
