@@ -306,15 +306,20 @@ def test_every_derive_option_is_one_declared_setting_or_a_job_option(tmp_path):
     assert {p.name for p in cmd.params} - set(declared) == job
     where = section_of(cmd)
     assert where["skp-steps"] == where["no-cache"] == "nuwa" and where["flops"] == "budget"
-    for section, keys in LEGACY_SECTIONS["derive"].items():  # every moved key is still read where it stood
-        for key in keys:
-            assert key in recipe_params(cmd) and where[key] != section, key
+    _assert_moved_keys_still_read(cmd, "derive", where)
     old = tmp_path / "old.toml"
     old.write_text('[model]\nclasses = "0,1"\n[budget]\nflops = "0.5"\nlatency-rounds = 3\n'
                    '[method]\nskp-steps = 5\nkey-bias = "augment"\n[runtime]\nno-cache = true\n')
     params = cmd.make_context("derive", ["--config", str(old)]).params
     assert (params["skp_steps"], params["key_bias"], params["no_cache"], params["flops"]) == (5, "augment", True,
                                                                                              "0.5")
+
+
+def _assert_moved_keys_still_read(cmd, command: str, where: dict) -> None:
+    """Every key a command's 9c01182 recipe held in another section is still read there (LEGACY_SECTIONS)."""
+    for section, keys in LEGACY_SECTIONS[command].items():
+        for key in keys:
+            assert key in recipe_params(cmd) and where[key] != section, key
 
 
 def test_every_heal_option_is_one_declared_setting_or_a_job_option(tmp_path):
@@ -333,9 +338,7 @@ def test_every_heal_option_is_one_declared_setting_or_a_job_option(tmp_path):
     assert {p.name for p in cmd.params} - set(declared) == job
     where = section_of(cmd)
     assert where["epochs"] == where["holdout"] == where["cache-targets"] == where["keep-best"] == "heal"
-    for section, keys in LEGACY_SECTIONS["heal"].items():  # every moved key is still read where it stood
-        for key in keys:
-            assert key in recipe_params(cmd) and where[key] != section, key
+    _assert_moved_keys_still_read(cmd, "heal", where)
     old = tmp_path / "old.toml"
     old.write_text('[data]\nholdout = 0.25\n[method]\nepochs = 3\nloss = "mse"\nkeep-best = false\n'
                    '[runtime]\nmemory-budget-mb = 64\n')

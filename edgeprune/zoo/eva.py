@@ -43,7 +43,7 @@ def eva_features(eva: nn.Module) -> list[str]:
         out.append("patch dropout")
     if getattr(eva.patch_embed, "dynamic_img_pad", False):
         out.append("dynamic image padding")
-    for i, blk in enumerate(eva.blocks):
+    for blk in eva.blocks:
         name = type(blk).__name__
         if "PostNorm" in name:
             out.append(f"post-norm blocks ({name})")
@@ -114,7 +114,7 @@ def rope_tables(embed: torch.Tensor, num_heads: int, head_dim: int, num_prefix_t
     return cos_full, sin_full
 
 
-def _qkv(attn: nn.Module, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """timm Eva/AttentionRope q/k/v as one fused weight (3A, D) and bias (3A,) or None."""
     if getattr(attn, "qkv", None) is not None:
         w = attn.qkv.weight.detach()
@@ -135,7 +135,7 @@ def _attention(attn: nn.Module, dim: int, num_tokens: int, embed: torch.Tensor |
                num_prefix_tokens: int, where: str) -> PrunedAttention:
     """The edgeprune attention computing what timm's ``EvaAttention`` / ``AttentionRope`` computes."""
     H, d = int(attn.num_heads), int(attn.head_dim)
-    w, b = _qkv(attn, dim)
+    w, b = _qkv(attn)
     proj = attn.proj
     if embed is None:
         new: PrunedAttention = PrunedAttention(dim, H, d, d, qkv_bias=b is not None,
