@@ -1,7 +1,7 @@
 """Model anatomy: where a ViT's blocks, heads and MLPs are.
 
 :func:`find_anatomy` walks a timm ``VisionTransformer`` (DeiT, ViT, DeiT3, distilled DeiT,
-DINOv2-style) -- or a wrapper that holds one as ``.backbone`` (``dinov2-s14``) -- and returns, for
+DINOv2-style) -- or a network that holds one (``dinov2-s14``, :mod:`edgeprune.backbone`) -- and returns, for
 every block, the fused ``qkv`` and ``proj`` Linears, ``num_heads``, the dense ``head_dim``, the
 current ``qk_dim`` and ``v_dim``, ``fc1``/``act``/``fc2`` and the LayerScales, plus the number of
 prefix tokens. Everything downstream (calibration hooks, planning, surgery, FLOPs) reads the
@@ -24,6 +24,7 @@ import dataclasses
 from typing import Optional
 
 import torch.nn as nn
+from edgeprune.backbone import BackboneError, backbone_of
 
 from edgeprune._compat import import_timm
 from edgeprune.errors import UserError
@@ -31,6 +32,7 @@ from edgeprune.layers.class_token_block import ClassTokenBlock
 from edgeprune.layers.pruned_attention import PrunedAttention
 from edgeprune.layers.rotary_attention import RotaryAttention
 from edgeprune.tokens.model import TokenMergeBlock
+from edgeprune.tokens.unmerge import TokenUnmergeBlock
 
 
 class UnsupportedModelError(UserError):
@@ -59,7 +61,10 @@ class BlockAnatomy:
             tokens' outputs (:class:`~edgeprune.layers.class_token_block.ClassTokenBlock`, the last
             block of a class-token classifier).
         merge_r: tokens the block merges away between its attention and its MLP
-            (:class:`~edgeprune.tokens.model.TokenMergeBlock`, ToMe); 0 for a block without a merge.
+            (:class:`~edgeprune.tokens.model.TokenMergeBlock`, ToMe); 0 for a block without a merge. With
+            ``unmerge`` (:class:`~edgeprune.tokens.unmerge.TokenUnmergeBlock`, a network with a dense head): the
+            tokens merged inside each branch, which the block unmerges again (it returns all its tokens).
+        unmerge: the block merges inside its branches and unmerges (above).
         fc1_gate: the gate projection Linear(D, D_mlp) of a gated MLP (timm ``SwiGLU``'s ``fc1_g``):
             hidden channel j is ``h_j = act(u w_g,j) * (u w_u,j)`` with ``w_g,j`` row j of ``fc1_gate`` and
             ``w_u,j`` row j of ``fc1`` (u the ``norm2`` output, (B, N, D) -> h (B, N, D_mlp)), so pruning j
@@ -85,6 +90,7 @@ class BlockAnatomy:
     query_tokens: Optional[int] = None
     merge_r: int = 0
     fc1_gate: Optional[nn.Linear] = None
+    unmerge: bool = False
 
     @property
     def mlp_inputs(self) -> list[tuple[str, nn.Linear]]:
@@ -102,7 +108,7 @@ class ViTAnatomy:
 
     Attributes:
         model: the module passed to :func:`find_anatomy`.
-        vit: the timm ``VisionTransformer`` inside it (``model`` itself or ``model.backbone``).
+        vit: the timm ``VisionTransformer`` inside it (``model`` itself or its backbone, :mod:`edgeprune.backbone`).
         blocks: one :class:`BlockAnatomy` per block, in order.
         embed_dim: token width D.
         num_prefix_tokens: class (+ distillation / register) tokens before the patch tokens.
@@ -138,7 +144,8 @@ def _timm_classes() -> dict[str, tuple[type, ...]]:
     from timm.models.deit import VisionTransformerDistilled
     from timm.models.vision_transformer import Block, VisionTransformer
 
-    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block, ClassTokenBlock, TokenMergeBlock),
+    return {"vit": (VisionTransformer, VisionTransformerDistilled), "block": (Block, ClassTokenBlock, TokenMergeBlock,
+                                                                                   TokenUnmergeBlock),
             "attn": (Attention, PrunedAttention, RotaryAttention), "mlp": (Mlp, SwiGLU), "patch_embed": (PatchEmbed,)}
 
 
@@ -238,8 +245,8 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
 
     Args:
         model: a timm ``VisionTransformer`` (``deit_*``, ``vit_*``, ``deit3_*``, distilled DeiT,
-            ``vit_*_dinov2``), possibly already pruned by edgeprune, or a module whose
-            ``.backbone`` is one.
+            ``vit_*_dinov2``), possibly already pruned by edgeprune, or a network with one inside
+            (:mod:`edgeprune.backbone`: the named, or the only, ViT).
 
     Returns:
         :class:`ViTAnatomy`.
@@ -250,9 +257,12 @@ def find_anatomy(model: nn.Module) -> ViTAnatomy:
             q/k or scale norm, post-norm/parallel blocks, packed GLU MLPs, MLP hidden norms, hybrid stems, unknown
             attention classes: :func:`unsupported_features`); the one-line message names it.
     """
-    vit = model
-    if not hasattr(vit, "blocks") and hasattr(model, "backbone"):
-        vit = model.backbone
+    try:
+        vit = backbone_of(model)
+    except BackboneError as err:
+        if not hasattr(model, "blocks") and not hasattr(model, "patch_embed") and "holds no timm ViT" in str(err):
+            _check_vit(model, type(model).__name__)  # the classic "missing blocks, patch_embed" line
+        raise UnsupportedModelError(str(err)) from None
     name = type(model).__name__
     _check_vit(vit, name)
     pe = vit.patch_embed
@@ -319,7 +329,8 @@ def _block_anatomy(i: int, blk: nn.Module, num_blocks: int, name: str) -> BlockA
         ls1=None if isinstance(ls1, (nn.Identity, type(None))) else ls1,
         ls2=None if isinstance(ls2, (nn.Identity, type(None))) else ls2,
         query_tokens=blk.query_tokens if isinstance(blk, (ClassTokenBlock, TokenMergeBlock)) else None,
-        merge_r=blk.r if isinstance(blk, TokenMergeBlock) else 0,
+        merge_r=blk.r if isinstance(blk, (TokenMergeBlock, TokenUnmergeBlock)) else 0,
+        unmerge=isinstance(blk, TokenUnmergeBlock),
     )
 
 

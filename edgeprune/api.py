@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
+from edgeprune.backbone import set_backbone
 from edgeprune.corp.config import CorpConfig
 from edgeprune.errors import UserError
 from edgeprune.pruning.config import corp_config
@@ -51,7 +52,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
           config: CorpConfig | None = None, *, spec=None, progress: bool = False, inplace: bool = False,
           batch_size: int = 32, device: str = "cpu", calibration_info: dict | None = None,
           measurer: Callable[[nn.Module, nn.Module], dict] | None = None, target: str = _UNSET,
-          sparsity: float | None = _UNSET, **settings: Any) -> PruneResult:
+          sparsity: float | None = _UNSET, backbone: str | None = None, **settings: Any) -> PruneResult:
     """One-shot structured pruning with CORP (corp-v1 Alg. 1), through the stages of ``edgeprune.pruning``.
 
     Either pass a :class:`~edgeprune.corp.CorpConfig` (what the CLI builds), or the same settings as keywords
@@ -82,6 +83,11 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
             a round of the measure-and-correct loop (``edgeprune.pruning.latency_loop``); default: the table's
             backend where it runs here on the table's device, else the result is predicted only (said in the
             record's ``latency_check``).
+        backbone: the attribute path of the ViT inside a network (``"encoder"``, ``"pretrained.vit"``); default: the
+            model itself when it is a ViT, else the only ViT inside it (:mod:`edgeprune.backbone`). The path is
+            recorded on ``model`` (attribute ``edgeprune_backbone``). The network's output may be a tensor or a
+            tuple/dict of tensors; its checks compare the network's outputs (relative squared error per output,
+            averaged).
         target, sparsity, **settings: the keyword form of ``config`` (see above).
 
     Under an initialised torch.distributed group (torchrun) every rank calls this with the same arguments; each
@@ -95,13 +101,16 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
 
     Raises:
         UserError: bad settings, unsupported model, empty or mis-shaped calibration data, both ``config`` and
-            keyword settings given, an unknown device or CUDA not available.
+            keyword settings given, an unknown device or CUDA not available; no ViT in the network, several and no
+            ``backbone``, or a ``backbone`` path that is not a ViT.
     """
     if config is None:
         config = corp_config(None if target is _UNSET else target, None if sparsity is _UNSET else sparsity,
                              **settings)
     elif target is not _UNSET or sparsity is not _UNSET or settings:
         raise UserError("give either a CorpConfig or keyword settings (target=, sparsity=, ...), not both")
+    if backbone is not None:
+        set_backbone(model, backbone)
     model = canonical_model(model)  # a timm Eva (RoPE) becomes its exact VisionTransformer form (zoo.canonical)
     pruned, record = prune_model(model, calibration, config, spec=spec, progress=progress, inplace=inplace,
                                  batch_size=batch_size, device=device, calibration_info=calibration_info,

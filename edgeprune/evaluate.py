@@ -8,12 +8,14 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import math
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from edgeprune.metrics.dense import dense_fidelity
 from edgeprune.metrics.saliency import feature_cosine, saliency_fidelity
 from edgeprune.nuwa.inputs import evaluate_targets
 from edgeprune.progress import progress as progress_bar
@@ -89,17 +91,83 @@ def evaluate_saliency(model: nn.Module, dense: nn.Module, source, batch_size: in
     return out
 
 
-def evaluate(spec, model: nn.Module, source, dense: nn.Module | None = None,
-             batch_size: int | None = None, progress: bool = False, device: str = "cpu") -> dict[str, float]:
-    """Dispatch on ``spec.output_kind`` ("logits" or "saliency"), on ``device`` ("cpu", "cuda",
-    "cuda:N"); the models are moved there for the evaluation and back to where they were.
+def _outputs(y) -> tuple[list[str], list[torch.Tensor]]:
+    if isinstance(y, torch.Tensor):
+        return ["output"], [y]
+    if isinstance(y, dict):
+        return [str(k) for k in y], list(y.values())
+    return [f"output_{i}" for i in range(len(y))], list(y)
+
+
+@torch.no_grad()
+def evaluate_dense(model: nn.Module, dense: nn.Module, source, batch_size: int = 8, progress: bool = False,
+                   device: str = "cpu", metric: Callable[[Any, Any], dict] | None = None) -> dict:
+    """Fidelity of a dense-prediction network ``model`` to ``dense`` on held-out images
+    (:func:`edgeprune.metrics.dense.dense_fidelity`: relative squared error, PSNR, and IoU@0.5 / Pearson / MAE for
+    maps in [0, 1]).
+
+    Args:
+        model, dense: the pruned and the dense network (outputs: a tensor or a tuple/dict of tensors).
+        source: images (labels unused). batch_size: images per forward. device: torch device.
+        metric: your own ``metric(outputs, references) -> {name: number}`` over all images (each argument as the
+            network returns it, its tensors concatenated over the batches); its entries are added as
+            ``"metric.NAME"``.
+
+    Returns:
+        ``dense_fidelity``'s flat dict of numbers plus ``num_images`` (and the ``metric.*`` entries).
 
     Raises:
-        UserError: saliency fidelity without the dense model.
+        UserError: ``metric`` returns something that is not a dict of finite numbers.
     """
-    if spec.output_kind == "saliency" and dense is None:
+    model.eval().to(device)
+    dense.eval().to(device)
+    outs: list[list[torch.Tensor]] = []
+    refs: list[list[torch.Tensor]] = []
+    names: list[str] = []
+    for x, _ in progress_bar(source.batches(batch_size), "eval", enabled=progress,
+                             total=-(-len(source) // batch_size), unit="batch"):
+        x = x.to(device)
+        names, o = _outputs(model(x))
+        _, r = _outputs(dense(x))
+        outs.append([t.cpu() for t in o])
+        refs.append([t.cpu() for t in r])
+    cat_o = [torch.cat([b[i] for b in outs]) for i in range(len(names))]
+    cat_r = [torch.cat([b[i] for b in refs]) for i in range(len(names))]
+    res = dense_fidelity(cat_o, cat_r, names)
+    res["num_images"] = int(cat_r[0].shape[0])
+    if metric is not None:
+        got = metric(_regroup(cat_o, names), _regroup(cat_r, names))
+        try:
+            extra = {f"metric.{k}": float(v) for k, v in dict(got).items()}
+        except (TypeError, ValueError):
+            raise UserError(f"the metric function returned {type(got).__name__}; it must return a dict of "
+                            "numbers") from None
+        if not all(math.isfinite(v) for v in extra.values()):
+            raise UserError(f"the metric function returned a non-finite number: {extra}")
+        res.update(extra)
+    return res
+
+
+def _regroup(tensors: list[torch.Tensor], names: list[str]):
+    return tensors[0] if names == ["output"] else (
+        dict(zip(names, tensors)) if not names[0].startswith("output_") else tuple(tensors))
+
+
+def evaluate(spec, model: nn.Module, source, dense: nn.Module | None = None,
+             batch_size: int | None = None, progress: bool = False, device: str = "cpu",
+             metric: Callable[[Any, Any], dict] | None = None) -> dict[str, float]:
+    """Dispatch on ``spec.output_kind`` ("logits", "saliency" or "dense": a network of your own with a ViT
+    inside, :func:`evaluate_dense`, where ``metric`` is passed on), on ``device`` ("cpu", "cuda", "cuda:N"); the
+    models are moved there for the evaluation and back to where they were.
+
+    Raises:
+        UserError: saliency or dense fidelity without the dense model.
+    """
+    if spec.output_kind in ("saliency", "dense") and dense is None:
         raise UserError(f"{spec.name} quality is fidelity to the dense model: evaluate a run directory")
     with _on_device(model, dense):
+        if spec.output_kind == "dense":
+            return evaluate_dense(model, dense, source, batch_size or 8, progress, device, metric)
         if spec.output_kind == "saliency":
             return evaluate_saliency(model, dense, source, batch_size or 8, progress, device)
         return evaluate_classifier(model, source, batch_size or 256, dense, progress, device)

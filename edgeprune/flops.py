@@ -28,9 +28,13 @@ r_i of them between its attention and its MLP, so its qkv, attention and proj us
 (:func:`block_tokens`). The merge itself adds ``2 |A| |B| d_qk`` (the cosine similarities of the keys averaged over
 heads; |A|, |B| the two halves of the n_i - prefix tokens) and ``2 |B| r (D + 1)`` (the one-hot assignment MatMul of
 the weighted tokens and their sizes) -- the matrix products of the exported graph (``merge`` below).
+A block that merges inside its branches and unmerges (``edgeprune.tokens.unmerge``, networks with a dense head)
+keeps n tokens: its qkv, attention, proj and MLP run on n - r tokens, and its two merges (one per branch, the
+similarity on the D-dim normed tokens) cost ``2 (2 |A| |B| D + 2 |B| r (D + 1))``; the unmerge is a gather.
 
 A wrapper model with a head of its own outside the ViT (the dinov2-s14 saliency decoder) counts it
-by defining ``head_flops(img_size: tuple[int, int]) -> int``; :func:`model_flops` adds it, so the
+by defining ``head_flops(img_size: tuple[int, int]) -> int``; any other network with a ViT inside has its head
+counted by PyTorch's FLOP counter (:func:`network_head_flops`); :func:`model_flops` adds it, so the
 FLOPs ratio of a pruned wrapper compares whole models, not backbones.
 
 Checked against ``torch.utils.flop_counter.FlopCounterMode`` for dense models (tests/test_anatomy.py)
@@ -40,11 +44,16 @@ the counter does not see PyTorch's fused CPU attention kernel, so those tests ru
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from types import SimpleNamespace
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy
+from edgeprune.backbone import backbone_path
 from edgeprune.tokens.merge import split_sizes
 
 
@@ -73,7 +82,12 @@ def block_flops(b: BlockAnatomy, n: int, prefix: int = 0) -> dict[str, int]:
         "mlp": 2 * mats * m * D * b.mlp_hidden,
     }
     r = int(getattr(b, "merge_r", 0))
-    if r:
+    if r and getattr(b, "unmerge", False):  # merged inside both branches, unmerged: every product at n - r tokens
+        out = block_flops(dataclasses.replace(b, merge_r=0, unmerge=False), n - r, prefix)
+        out.pop("total")
+        na, nb = split_sizes(n, prefix)
+        out["merge"] = 2 * (2 * na * nb * b.qkv.in_features + 2 * nb * r * (b.qkv.in_features + 1))
+    elif r:
         na, nb = split_sizes(n, prefix)
         out["mlp"] = 2 * mats * (m - r) * D * b.mlp_hidden
         out["merge"] = 2 * na * nb * b.qk_dim + 2 * nb * r * (D + 1)
@@ -82,11 +96,12 @@ def block_flops(b: BlockAnatomy, n: int, prefix: int = 0) -> dict[str, int]:
 
 
 def block_tokens(anatomy: ViTAnatomy) -> list[int]:
-    """The tokens each block receives: n, less the tokens the earlier blocks merged away."""
+    """The tokens each block receives: n, less the tokens the earlier blocks merged away (a block that unmerges
+    returns all it received)."""
     out, n = [], anatomy.num_tokens
     for b in anatomy.blocks:
         out.append(n)
-        n -= b.merge_r
+        n -= 0 if b.unmerge else b.merge_r
     return out
 
 
@@ -128,6 +143,41 @@ def with_dims(b: BlockAnatomy, dims: dict[str, int], query_tokens: int | None = 
                            query_tokens=query_tokens)
 
 
+#: the attribute a network keeps its measured head FLOPs in (``{"C,H,W": flops}``; survives deepcopy)
+_HEAD_FLOPS_ATTR = "_edgeprune_head_flops"
+
+
+def network_head_flops(anatomy: ViTAnatomy) -> int:
+    """FLOPs of a network's own modules outside its ViT (issue 55: a DPT head, a decoder), for one image.
+
+    Counted by ``torch.utils.flop_counter.FlopCounterMode`` on one zero image: the network's total minus what the
+    modules inside the ViT count (the outermost ones under the backbone's path). Pruning edits only the ViT, so the
+    value is measured once per network and input size and kept on the network (``_edgeprune_head_flops``).
+    0 when the forward cannot be counted.
+    """
+    model = anatomy.model
+    size = (anatomy.in_chans, *anatomy.img_size)
+    key = ",".join(map(str, size))
+    known = getattr(model, _HEAD_FLOPS_ATTR, None) or {}
+    if key in known:
+        return int(known[key])
+    path = backbone_path(model)
+    prefix = type(model).__name__ + (f".{path}" if path else "")
+    param = next(model.parameters(), None)
+    x = torch.zeros(1, *size, device=param.device if param is not None else "cpu")
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            model(x)
+    except Exception:  # noqa: BLE001 -- a forward the counter cannot follow: no head FLOPs
+        return 0
+    counts = {k: int(sum(v.values())) for k, v in fc.get_flop_counts().items()}
+    inside = [k for k in counts if k == prefix or k.startswith(prefix + ".")]
+    outer = [k for k in inside if not any(k != o and k.startswith(o + ".") for o in inside)]
+    flops = max(0, counts.get("Global", 0) - sum(counts[k] for k in outer))
+    object.__setattr__(model, _HEAD_FLOPS_ATTR, {**known, key: flops})
+    return flops
+
+
 def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
     """FLOPs of the whole model for one image.
 
@@ -145,6 +195,8 @@ def model_flops(anatomy: ViTAnatomy) -> dict[str, object]:
     wrapper_head = getattr(anatomy.model, "head_flops", None)
     if anatomy.model is not anatomy.vit and callable(wrapper_head):
         head += int(wrapper_head(anatomy.img_size))
+    elif anatomy.model is not anatomy.vit:
+        head += network_head_flops(anatomy)
     blocks = [block_flops(b, t, anatomy.num_prefix_tokens) for b, t in zip(anatomy.blocks, block_tokens(anatomy))]
     total = pe + head + sum(b["total"] for b in blocks)
     return {"total": total, "blocks": blocks, "patch_embed": pe, "head": head}

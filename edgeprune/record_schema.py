@@ -117,7 +117,8 @@ _EMBED_AUTO = Obj({"chosen": Num(ge=0, le=1), "embed_dim": Int(min=2), "images":
 
 #: token merging (edgeprune.tokens): load_run re-applies ``r``
 _TOKENS_MERGE = Obj({"schedule": OneOf(Int(min=0), Str(), ListOf(Int(min=0))), "r": Req(ListOf(Int(min=0))),
-                     "tokens": ListOf(Int(min=1)), "output_tokens": Int(min=1)}, nullable=True)
+                     "tokens": ListOf(Int(min=1)), "output_tokens": Int(min=1),
+                     "unmerge": Bool(nullable=True)}, nullable=True)  # issue 55: merged inside blocks, unmerged
 
 _HEAD = Obj({"classes": ListOf(Int(min=0)), "num_classes": Int(min=1, nullable=True), "mode": Str()}, nullable=True)
 

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
+from edgeprune.backbone import BackboneError, backbone_of
 
 from edgeprune.anatomy import BlockAnatomy, ViTAnatomy, find_anatomy
 from edgeprune.errors import UserError
@@ -178,8 +179,12 @@ def apply_structure(model: nn.Module, dims: Sequence[dict[str, int]]) -> nn.Modu
 # -- the classifier head (NuWa slices it; load_run rebuilds the sliced shape) -----------------
 
 def backbone_vit(model: nn.Module) -> nn.Module:
-    """The timm ViT itself: ``model``, or its ``.backbone`` for a wrapper (``dinov2-s14``)."""
-    return model.backbone if not hasattr(model, "blocks") and hasattr(model, "backbone") else model
+    """The timm ViT itself: ``model``, or the ViT inside a network (:func:`edgeprune.backbone.backbone_of`; the
+    model itself when it holds none)."""
+    try:
+        return backbone_of(model)
+    except BackboneError:
+        return model
 
 
 def classifier_heads(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

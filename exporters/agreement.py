@@ -21,8 +21,9 @@ SALIENCY_THRESHOLD = 0.5
 
 
 def infer_output_kind(output: np.ndarray, declared: str | None = None) -> str:
-    """``"logits"`` for (N, K) outputs, ``"saliency"`` otherwise (unless ``declared``)."""
-    if declared in ("logits", "saliency"):
+    """``"logits"`` for (N, K) outputs, ``"saliency"`` otherwise (unless ``declared``: ``"dense"`` is a network's
+    several outputs side by side, compared element by element)."""
+    if declared in ("logits", "saliency", "dense"):
         return declared
     return "logits" if output.ndim == 2 else "saliency"
 
@@ -34,11 +35,11 @@ class OutputAgreement:
     Attributes:
         n: number of inputs (first axis).
         output_shape: per-input output shape, e.g. ``[10]`` for (N, 10) logits.
-        output_kind: ``logits`` or ``saliency``.
+        output_kind: ``logits``, ``saliency`` or ``dense`` (several outputs side by side).
         max_abs_diff, mean_abs_diff: of ``|out - reference|`` over all elements (float64).
         max_abs_reference: ``max |reference|`` (the scale the differences compare with).
         agreement: fraction in [0, 1] (see ``agreement_metric``).
-        agreement_metric: ``top1_agreement`` or ``mask_agreement@0.5``.
+        agreement_metric: ``top1_agreement``, ``mask_agreement@0.5`` or ``elements_within_tolerance``.
         atol, rtol: the tolerances of the verdict.
         passed: every element within tolerance and every value finite.
     """
@@ -103,10 +104,13 @@ def compare_outputs(out: np.ndarray, reference: np.ndarray, *, output_kind: str 
         flat_b = b.reshape(b.shape[0], -1)
         agreement = float(np.mean(flat_a.argmax(1) == flat_b.argmax(1)))
         agreement_name = "top1_agreement"
-    else:
+    within = diff <= atol + rtol * np.abs(b)
+    if kind == "dense":
+        agreement = float(within.mean()) if within.size else 1.0
+        agreement_name = "elements_within_tolerance"
+    elif kind != "logits":
         agreement = float(np.mean((a > SALIENCY_THRESHOLD) == (b > SALIENCY_THRESHOLD)))
         agreement_name = f"mask_agreement@{SALIENCY_THRESHOLD}"
-    within = diff <= atol + rtol * np.abs(b)
     nonfinite = bool(~np.isfinite(a).all() or ~np.isfinite(b).all())
     return OutputAgreement(
         n=int(a.shape[0]),

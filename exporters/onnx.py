@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from exporters.attention_pattern import check_attention_choice, fusible_copy
 from exporters.onnx_graph import (PROTOBUF_LIMIT, _clean_graph, _output_shape_of,  # noqa: F401
                                   _quiet_onnxruntime, _weights_bytes, graph_op_summary)
 from exporters.onnx_metadata import (JSON_KEYS_KEY, _edgeprune_version, _first_line,  # noqa: F401
@@ -53,16 +54,43 @@ __all__ = ["export_onnx", "build_metadata", "read_metadata", "encode_metadata", 
            "JSON_KEYS_KEY"]
 
 
-def _single_tensor_output(model: nn.Module, dummy: torch.Tensor) -> torch.Tensor:
+def _single_tensor_output(model: nn.Module, dummy: torch.Tensor):
+    """``model(dummy)``, checked to be a tensor or a tuple/list/dict of tensors (a network's several outputs).
+
+    Raises:
+        UserError: the model does not take ``dummy``, or returns something else (one line).
+    """
     try:
         with torch.no_grad():
             out = model(dummy)
     except Exception as err:
         raise UserError(f"the model does not take input of shape {tuple(dummy.shape)} "
                         f"({_first_line(err)})") from None
-    if not isinstance(out, torch.Tensor):
-        raise UserError(f"the model returns {type(out).__name__}; ONNX export needs one tensor output")
+    values = list(out.values()) if isinstance(out, dict) else out
+    if isinstance(values, torch.Tensor):
+        return out
+    if not (isinstance(values, (tuple, list)) and values and all(isinstance(t, torch.Tensor) for t in values)):
+        raise UserError(f"the model returns {type(out).__name__}; ONNX export needs a tensor or a tuple/dict of "
+                        "tensors")
     return out
+
+
+def output_names(model: nn.Module, dummy: torch.Tensor) -> list[str]:
+    """The graph's output names: ``["output"]`` for one tensor, a dict's keys (as text) for a dict, ``output_0``,
+    ``output_1``, ... for a tuple or list (issue 55: a network's several outputs, in the order it returns them).
+
+    Raises:
+        UserError: as :func:`_single_tensor_output`; two dict keys with the same text.
+    """
+    out = _single_tensor_output(model, dummy)
+    if isinstance(out, torch.Tensor):
+        return [OUTPUT_NAME]
+    if isinstance(out, dict):
+        names = [str(k) for k in out]
+        if len(set(names)) != len(names):
+            raise UserError(f"the model's output keys {names} are not distinct as text")
+        return names
+    return [f"{OUTPUT_NAME}_{i}" for i in range(len(out))]
 
 
 def _torchscript_export(model: nn.Module, dummy: torch.Tensor, path: Path, opset: int,
@@ -70,14 +98,15 @@ def _torchscript_export(model: nn.Module, dummy: torch.Tensor, path: Path, opset
     if opset not in _TORCHSCRIPT_OPSETS:
         raise UserError(f"opset {opset} is not supported (use {_TORCHSCRIPT_OPSETS.start}.."
                         f"{_TORCHSCRIPT_OPSETS.stop - 1}; 17 for TensorRT 10.x)")
-    axes = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}} if dynamic_batch else None
+    names = output_names(model, dummy)
+    axes = {n: {0: "batch"} for n in (INPUT_NAME, *names)} if dynamic_batch else None
     with warnings.catch_warnings():
         # TracerWarnings (timm's static input-size asserts) and the exporter's deprecation notice.
         warnings.simplefilter("ignore")
         with torch.no_grad():
             torch.onnx.export(
                 model, (dummy,), str(path),
-                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                input_names=[INPUT_NAME], output_names=names,
                 opset_version=opset, dynamic_axes=axes, do_constant_folding=True,
                 export_params=True, dynamo=False,
             )
@@ -98,7 +127,7 @@ def _dynamo_export(model: nn.Module, dummy: torch.Tensor, path: Path, opset: int
         with torch.no_grad():
             prog = torch.onnx.export(
                 model, (dummy,), dynamo=True, opset_version=opset,
-                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                input_names=[INPUT_NAME], output_names=output_names(model, dummy),
                 dynamic_shapes=dyn, optimize=True, verbose=False, report=False,
             )
             if prog is None:
@@ -110,8 +139,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
                 metadata: Mapping[str, Any] | None = None, opset: int = DEFAULT_OPSET,
                 dynamic_batch: bool = True, *, batch_size: int = 1,
                 exporter: str = "torchscript", fold_constants: bool = True,
-                overwrite: bool = True) -> Path:
-    """Export ``model`` to ``path`` as a clean ONNX graph with input ``"input"``, output ``"output"``.
+                overwrite: bool = True, attention: str = "fusible") -> Path:
+    """Export ``model`` to ``path`` as a clean ONNX graph with input ``"input"``, output ``"output"`` (a network
+    with several outputs: one graph output per tensor, named by :func:`output_names`).
 
     Args:
         model: the module; exported in eval mode (its mode is restored afterwards), on CPU in
@@ -126,6 +156,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
         exporter: ``"torchscript"`` (default) or ``"dynamo"`` (needs onnxscript).
         fold_constants: run onnx-graphsurgeon constant folding.
         overwrite: replace an existing ``path``; ``False`` raises :class:`UserError` instead.
+        attention: ``"fusible"`` (default): attention written as separate q/k/v MatMuls and
+            ``Softmax(QK^T / sqrt(d)) V``, the pattern ONNX Runtime's transformer optimizer fuses
+            (:mod:`exporters.attention_pattern`); ``"packed"``: the model's own packed ``qkv`` + SDPA.
 
     Returns:
         ``Path(path)``.
@@ -146,7 +179,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
         tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
             raw = tmpdir / "raw.onnx"
-            _export_raw(model, dummy, raw, opset, dynamic_batch, exporter)
+            _export_raw(model, dummy, raw, opset, dynamic_batch, exporter, attention)
             proto = _load_exported(raw, model, dummy, opset, exporter)
             if fold_constants:
                 proto = _clean_graph(proto)
@@ -197,13 +230,16 @@ def _tracing_input(model: nn.Module, input_shape: tuple[int, ...], batch_size: i
 
 
 def _export_raw(model: nn.Module, dummy: torch.Tensor, raw: Path, opset: int, dynamic_batch: bool,
-                exporter: str) -> None:
-    """Run the chosen torch exporter into ``raw``.
+                exporter: str, attention: str = "packed") -> None:
+    """Run the chosen torch exporter into ``raw`` (on :func:`~exporters.attention_pattern.fusible_copy`
+    of ``model`` for ``attention="fusible"``).
 
     Raises:
         UserError: the model does not take ``dummy`` or returns no single tensor (one line);
             any other export failure is re-raised as it is.
     """
+    if check_attention_choice(attention) == "fusible":
+        model = fusible_copy(model)
     try:
         if exporter == "torchscript":
             _torchscript_export(model, dummy, raw, opset, dynamic_batch)
@@ -219,18 +255,19 @@ def _export_raw(model: nn.Module, dummy: torch.Tensor, raw: Path, opset: int, dy
 
 
 def _load_exported(raw: Path, model: nn.Module, dummy: torch.Tensor, opset: int, exporter: str):
-    """The exported graph as an ``onnx.ModelProto``, checked: one output, the requested opset.
+    """The exported graph as an ``onnx.ModelProto``, checked: one output per tensor the model returns, the
+    requested opset.
 
     Raises:
-        UserError: more than one output, or the exporter produced another opset.
+        UserError: another number of outputs, or the exporter produced another opset.
     """
     import onnx
 
     proto = onnx.load(str(raw), load_external_data=True)
-    if len(proto.graph.output) != 1:
-        _single_tensor_output(model, dummy)
-        raise UserError(f"the model has {len(proto.graph.output)} outputs; "
-                        "ONNX export needs one tensor output")
+    want = output_names(model, dummy)
+    if len(proto.graph.output) != len(want):
+        raise UserError(f"the exported graph has {len(proto.graph.output)} outputs, the model returns "
+                        f"{len(want)} tensors ({', '.join(want)})")
     got_opset = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), None)
     if got_opset != opset:
         raise UserError(f"the {exporter} exporter produced opset {got_opset}, not {opset}; "

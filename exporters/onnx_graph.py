@@ -3,32 +3,16 @@ and inspection helpers for :func:`exporters.onnx.export_onnx`."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from typing import Any
 
-#: Serialized protobufs must stay below 2 GiB; above this many bytes of weights, use external data.
-PROTOBUF_LIMIT = 2_000_000_000
-
-
-@contextlib.contextmanager
-def _quiet_onnxruntime():
-    """Silence ORT's optimizer warnings while graphsurgeon folds constants with it."""
-    try:
-        import onnxruntime as ort
-    except ImportError:  # gs then folds with numpy only
-        yield
-        return
-    ort.set_default_logger_severity(3)
-    try:
-        yield
-    finally:
-        ort.set_default_logger_severity(2)  # ORT's default (warning)
+from exporters.onnx_fold import PROTOBUF_LIMIT, _quiet_onnxruntime, fold_shape_chains  # noqa: F401 (handed on)
 
 
 def _clean_graph(model_proto):
-    """onnx-graphsurgeon: fold constants (incl. static shape arithmetic), drop dead nodes, sort."""
+    """onnx-graphsurgeon: fold constants (incl. static shape arithmetic), drop dead nodes, sort;
+    then fold the dynamic-batch shape chains (:func:`exporters.onnx_fold.fold_shape_chains`)."""
     import onnx_graphsurgeon as gs
 
     import onnx
@@ -48,7 +32,9 @@ def _clean_graph(model_proto):
     cleaned = gs.export_onnx(graph, do_type_check=True)
     # gs keeps the opset; carry over model-level fields gs does not.
     cleaned.ir_version = model_proto.ir_version
-    return cleaned
+    # A dynamic batch keeps Shape->Gather->Unsqueeze->Concat chains that gs cannot fold (the batch
+    # is unknown); onnxslim rewrites them to constant shapes with -1 (exporters.onnx_fold).
+    return fold_shape_chains(cleaned)
 
 
 def _weights_bytes(model_proto) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from edgeprune.backbone import BackboneError, backbone_of
 from edgeprune.errors import UserError
 
 #: metadata key listing the JSON-encoded keys.
@@ -98,6 +99,13 @@ def decode_metadata(props: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _vit_inside(model: nn.Module) -> nn.Module | None:
+    try:
+        return backbone_of(model)
+    except BackboneError:
+        return None
+
+
 def block_dims(model: nn.Module) -> list[dict[str, int]]:
     """Per-block dims of a timm ViT (dense ``Attention`` or :class:`PrunedAttention`).
 
@@ -106,7 +114,7 @@ def block_dims(model: nn.Module) -> list[dict[str, int]]:
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        inner = getattr(model, "model", None) or getattr(model, "backbone", None)
+        inner = getattr(model, "model", None) or _vit_inside(model)
         blocks = getattr(inner, "blocks", None) if inner is not None else None
     out: list[dict[str, int]] = []
     if blocks is None:

@@ -69,8 +69,17 @@ def run_onnx(session: Any, x: np.ndarray, fixed_batch: int | None, chunk: int) -
         if fixed_batch and n < fixed_batch:  # pad the last chunk of a fixed-batch model
             pad = np.repeat(part[-1:], fixed_batch - n, axis=0)
             part = np.concatenate([part, pad], axis=0)
-        outs.append(session.run(None, {name: part})[0][:n])
+        outs.append(flat_outputs(session.run(None, {name: part}), n))
     return np.concatenate(outs, axis=0)
+
+
+def flat_outputs(outputs: Sequence[Any], n: int | None = None) -> np.ndarray:
+    """One output as it is (its first ``n`` rows); several (a network's tuple or dict, issue 55) flattened per input
+    and concatenated into one (n, F) array in the graph's output order."""
+    arrs = [np.asarray(o) for o in outputs]
+    if n is not None:
+        arrs = [a[:n] for a in arrs]
+    return arrs[0] if len(arrs) == 1 else np.concatenate([a.reshape(a.shape[0], -1) for a in arrs], axis=1)
 
 
 def _run_torch(model: nn.Module, x: np.ndarray, chunk: int) -> np.ndarray:
@@ -90,9 +99,14 @@ def _run_torch(model: nn.Module, x: np.ndarray, chunk: int) -> np.ndarray:
                     msg = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
                     raise UserError(f"the PyTorch model does not take input of shape "
                                     f"{tuple(t.shape)} ({msg})") from None
-                if not isinstance(out, torch.Tensor):
-                    raise UserError(f"the PyTorch model returns {type(out).__name__}, not a tensor")
-                outs.append(out.detach().float().cpu().numpy())
+                values = list(out.values()) if isinstance(out, dict) else out
+                if isinstance(values, torch.Tensor):
+                    values = [values]
+                if not (isinstance(values, (tuple, list)) and values
+                        and all(isinstance(v, torch.Tensor) for v in values)):
+                    raise UserError(f"the PyTorch model returns {type(out).__name__}, not a tensor or a tuple/dict "
+                                    "of tensors")
+                outs.append(flat_outputs([v.detach().float().cpu().numpy() for v in values]))
     finally:
         model.train(was_training)
     return np.concatenate(outs, axis=0)
@@ -144,6 +158,8 @@ def verify_onnx(onnx_path: str | os.PathLike, torch_model: nn.Module, inputs: An
     chunk = max(1, int(batch_size))
     onnx_out = run_onnx(session, x, fixed_batch, chunk)
     torch_out = _run_torch(torch_model, x, chunk)
+    if len(session.get_outputs()) > 1:
+        output_kind = "dense"  # several outputs, compared flattened side by side
     report = compare_outputs(onnx_out, torch_out, output_kind=output_kind, atol=atol, rtol=rtol)
     report["onnx_path"] = str(path)
     report["input_shape"] = list(x.shape[1:])

@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from runners import clock as _clock
+
 
 @dataclasses.dataclass
 class BenchResult:
@@ -34,6 +36,9 @@ class BenchResult:
         peak_memory_mb: peak process RSS (CPU) or device memory (GPU) in MiB; ``None`` if unknown.
         settings: backend settings (threads, providers, precision, CUDA graphs, ...).
         versions: library versions (torch, onnxruntime, tensorrt, ...).
+        block_runs: runs per timed block (issue 56 item 3): each timed iteration ran the model this many
+            times back to back and its latency is the block's time / ``block_runs``; 1: one run per iteration.
+        block_ms: median time of one timed block, ms (``block_runs`` x the per-run latency); ``None`` if unknown.
     """
 
     model: str
@@ -47,6 +52,8 @@ class BenchResult:
     peak_memory_mb: float | None = None
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    block_runs: int = 1
+    block_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,6 +130,26 @@ def make_batch(input_shape: Sequence[int], batch_size: int, inputs: Any = None,
     return rng.standard_normal(shape, dtype=np.float32)
 
 
+def with_blocks(result: BenchResult, k: int) -> BenchResult:
+    """``result`` with its block size recorded: ``block_runs = k`` and ``block_ms = k x`` its p50 (ms); returned
+    (a runner's own :meth:`Runner.result` override need not know about blocks)."""
+    result.block_runs = int(k)
+    result.block_ms = float(result.latency_ms["p50"]) * int(k)
+    return result
+
+
+def choose_block_runs(runner: Any, x: np.ndarray, warm_ms: Sequence[float], min_block_ms: float) -> int:
+    """Runs per timed block for ``runner`` on ``x``: :func:`runners.clock.block_runs` of the fastest of the
+    warm-up runs' latencies ``warm_ms`` (ms, read by the clock that times the blocks; load only adds time, so the
+    minimum is the estimate a busy machine disturbs least and a block lasts at least ``min_block_ms`` whenever a
+    run is no faster than its fastest warm-up). With ``min_block_ms > 0`` and no warm-up, one untimed run is timed
+    to estimate it. 0 ms: 1."""
+    if min_block_ms <= 0:
+        return _clock.block_runs(1.0, min_block_ms)
+    warm = [float(v) for v in warm_ms] or [float(runner.time_once(x))]
+    return _clock.block_runs(min(warm), min_block_ms)
+
+
 class Runner(abc.ABC):
     """One loaded model on one backend.
 
@@ -156,7 +183,7 @@ class Runner(abc.ABC):
         return "process peak RSS over the process lifetime"
 
     def result(self, batch_size: int, latencies_ms: Sequence[float], warmup: int) -> BenchResult:
-        """A :class:`BenchResult` for ``latencies_ms`` measured at ``batch_size``."""
+        """A :class:`BenchResult` for ``latencies_ms`` measured at ``batch_size`` (blocks: :func:`with_blocks`)."""
         lat = summarize_latencies(latencies_ms)
         settings = dict(self.settings())
         settings.setdefault("peak_memory_scope", self.memory_scope())
@@ -168,18 +195,23 @@ class Runner(abc.ABC):
         )
 
     def benchmark(self, batch_sizes: Sequence[int], iterations: int = 50, warmup: int = 10,
-                  inputs: Any = None, seed: int = 0) -> list[BenchResult]:
-        """Per batch size: ``warmup`` untimed inferences, then ``iterations`` timed ones.
+                  inputs: Any = None, seed: int = 0, min_block_ms: float = 0.0) -> list[BenchResult]:
+        """Per batch size: ``warmup`` untimed inferences, then ``iterations`` timed blocks.
 
         Args:
             batch_sizes: e.g. ``[1, 8]``.
             inputs: optional (N, C, H, W) real inputs (see :func:`make_batch`); default noise.
+            min_block_ms: each timed iteration is a block of ``k`` back-to-back runs, ``k`` chosen from the
+                warm-up so that a block lasts at least this long (ms; :func:`runners.clock.block_runs`); its
+                latency is the block's time / ``k``. 0: one run per iteration.
 
         Raises:
-            ValueError: ``iterations < 1``, ``warmup < 0``, or no ``input_shape`` and no inputs.
+            ValueError: ``iterations < 1``, ``warmup < 0``, ``min_block_ms < 0``, or no ``input_shape`` and no
+                inputs.
         """
         if iterations < 1 or warmup < 0:
             raise ValueError(f"need iterations >= 1 and warmup >= 0, got {iterations}, {warmup}")
+        _clock.block_runs(1.0, min_block_ms)  # validates
         if inputs is None and self.input_shape is None:
             raise ValueError(f"{self.label}: input shape unknown; pass inputs")
         out = []
@@ -187,11 +219,21 @@ class Runner(abc.ABC):
             x = make_batch(self.input_shape or (), int(bs), inputs, seed)
             self.prepare(x)
             self.reset_peak_memory()
-            for _ in range(warmup):
-                self.time_once(x)
-            lat = [self.time_once(x) for _ in range(iterations)]
-            out.append(self.result(int(bs), lat, warmup))
+            warm = [float(self.time_once(x)) for _ in range(warmup)]
+            k = choose_block_runs(self, x, warm, min_block_ms)
+            lat = [_clock.time_block(self, x, k) / k for _ in range(iterations)]
+            out.append(with_blocks(self.result(int(bs), lat, warmup), k))
         return out
+
+    def time_block(self, x: np.ndarray, k: int) -> float:
+        """``k`` back-to-back runs as one block, ms: :meth:`time_once` for ``k == 1``, else one wall-clock
+        (``perf_counter``) read before the block and one after (on a GPU this includes each run's sync)."""
+        if k == 1:
+            return float(self.time_once(x))
+        t0 = _clock.wall_seconds()
+        for _ in range(k):
+            self.time_once(x)
+        return (_clock.wall_seconds() - t0) * 1000.0
 
     def close(self) -> None:
         """Release the model (default: nothing)."""

@@ -21,6 +21,8 @@ a run directory or model name on ``torch`` (on CUDA for a GPU profile).
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 from devices import BenchSettings, ProfileError, load_profile, profile_from_record
 from edgeprune.errors import RuntimeFault, UserError
 from exporters.tensorrt import read_sidecar
-from runners.compare import bench_pair
+from runners.compare import bench_pair, block_note
 from runners.memory import memory_markdown, probe_memory
 from runners.registry import DEFAULT_BACKEND, backend_available, backend_names, get_backend, target_kind
 from runners.report import markdown_table, pair_markdown_table
@@ -39,6 +41,9 @@ from runners.report import markdown_table, pair_markdown_table
 PRECISIONS = ("fp32", "fp16", "int8", "tf32", "bf16")
 #: the settings a profile provides and an explicit option may override
 PROFILE_FIELDS = ("backend", "threads", "batch_sizes", "warmup", "iterations", "cuda_graphs", "precision")
+#: the default minimum block time, ms (issue 56 item 3): each timed turn runs a model back to back until it lasts this
+#: long (``runners.compare`` module doc); 0: one run per turn
+DEFAULT_MIN_BLOCK_MS = 25.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,8 @@ class BenchConfig:
             for the torch runner (CUDA only unless fp32) ``fp32``, ``tf32``, ``fp16``, ``bf16``.
         provider: ONNX Runtime execution provider (``cpu``, ``cuda``, ``tensorrt``).
         random_init: model names without weights (latency only).
+        min_block_ms: each timed turn is a block of back-to-back runs of one model lasting at least this long (ms;
+            runs per block chosen in warm-up; its latency is block time / runs); 0: one run per turn.
         sources: setting -> ``"profile"``, ``"option"`` (given explicitly) or ``"default"``.
 
     Raises:
@@ -75,6 +82,7 @@ class BenchConfig:
     provider: str = "cpu"
     random_init: bool = False
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    min_block_ms: float = DEFAULT_MIN_BLOCK_MS
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in backend_names():
@@ -87,7 +95,11 @@ class BenchConfig:
             raise UserError(f"need iterations >= 1 and warmup >= 0, got {self.iterations}, {self.warmup}")
         if self.precision not in PRECISIONS:
             raise UserError(f"unknown precision {self.precision!r} (one of {', '.join(PRECISIONS)})")
+        if (isinstance(self.min_block_ms, bool) or not isinstance(self.min_block_ms, (int, float))
+                or not math.isfinite(self.min_block_ms) or self.min_block_ms < 0):
+            raise UserError(f"--min-block-ms must be a number >= 0 (ms; 0: one run per turn), got {self.min_block_ms}")
         object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+        object.__setattr__(self, "min_block_ms", float(self.min_block_ms))
 
     def describe(self, profile_backend: str | None = None) -> str:
         """One line: each setting with where it came from, e.g. ``threads 1 [option]``.
@@ -105,7 +117,7 @@ class BenchConfig:
                  show("batch_sizes", ",".join(map(str, self.batch_sizes))),
                  show("warmup", self.warmup), show("iterations", self.iterations),
                  show("cuda_graphs", "on" if self.cuda_graphs else "off"),
-                 show("precision", self.precision)]
+                 show("precision", self.precision), show("min_block_ms", f"{self.min_block_ms:g}")]
         return ", ".join(parts)
 
 
@@ -147,10 +159,13 @@ class BenchReport:
         """The report as markdown: profile and settings, then the tables (pairs first)."""
         parts = [self.header().replace("\n", "  \n"), ""]
         if self.paired:
-            parts += [pair_markdown_table(self.results), "",
+            parts += [pair_markdown_table(self.results), "", *[block_note(p) + "  " for p in self.results], "",
                       markdown_table([r for p in self.results for r in (p.a, p.b)])]
         else:
-            parts.append(markdown_table(self.results))
+            parts += [markdown_table(self.results), "",
+                      *[f"batch {r.batch_size}: timed in " + (f"blocks of {r.block_runs} runs (~{r.block_ms:.1f} ms)"
+                        if r.block_runs > 1 and r.block_ms is not None else "single runs") + "  "
+                        for r in self.results]]
         if self.memory:
             labels = {k: f"{k.upper()} = {Path(str(t['target'])).name}" for k, t in self.targets.items()}
             parts += ["", memory_markdown(self.memory, labels)]
@@ -171,7 +186,7 @@ def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **opti
             for (its sidecar), else ``cpu``.
         targets: the bench targets (only used to find an engine's profile when ``profile`` is None).
         **options: ``backend``, ``threads``, ``batch_sizes``, ``warmup``, ``iterations``,
-            ``cuda_graphs``, ``precision``, ``provider``, ``random_init``; ``None`` (or
+            ``cuda_graphs``, ``precision``, ``provider``, ``random_init``, ``min_block_ms``; ``None`` (or
             ``backend="auto"``) means "not given": the profile's value is used.
 
     Returns:
@@ -180,7 +195,7 @@ def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **opti
     Raises:
         UserError: unknown option, unknown profile, invalid value.
     """
-    unknown = set(options) - set(PROFILE_FIELDS) - {"provider", "random_init"}
+    unknown = set(options) - set(PROFILE_FIELDS) - {"provider", "random_init", "min_block_ms"}
     if unknown:
         raise TypeError(f"unknown bench options: {sorted(unknown)}")
     if profile is None:
@@ -206,7 +221,10 @@ def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **opti
     sources["provider"] = "option" if provider is not None else "profile"
     if provider is None:  # ONNX Runtime on a GPU profile (--backend onnxruntime) runs on its GPU
         provider = "cuda" if prof.uses_tensorrt else "cpu"
+    min_block = options.get("min_block_ms")
+    sources["min_block_ms"] = "option" if min_block is not None else "default"
     cfg = BenchConfig(profile=prof.name, backend=backend, provider=provider,
+                      min_block_ms=DEFAULT_MIN_BLOCK_MS if min_block is None else min_block,
                       random_init=bool(options.get("random_init")), sources=sources,
                       **{**values, "batch_sizes": tuple(values["batch_sizes"])})
     return cfg, prof
@@ -314,11 +332,13 @@ def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: 
                 raise UserError(f"{a}: the ONNX input has symbolic image dims; re-export with a fixed size")
             if len(runners) == 2:
                 results: list[Any] = bench_pair(runners[0], runners[1], cfg.batch_sizes, cfg.iterations,
-                                                cfg.warmup, inputs=inputs)
+                                                cfg.warmup, inputs=inputs, min_block_ms=cfg.min_block_ms)
                 flat = [r for p in results for r in (p.a, p.b)]
             else:
+                blocks = ({"min_block_ms": cfg.min_block_ms}  # a runner overriding benchmark() may predate blocks
+                          if "min_block_ms" in inspect.signature(runners[0].benchmark).parameters else {})
                 results = list(runners[0].benchmark(cfg.batch_sizes, cfg.iterations, cfg.warmup,
-                                                    inputs=inputs))
+                                                    inputs=inputs, **blocks))
                 flat = results
         finally:
             for r in runners:
@@ -335,5 +355,5 @@ def run_bench(a: str, b: str | None, cfg: BenchConfig, profile: Any, *, inputs: 
                        results=results, memory=mem)
 
 
-__all__ = ["BenchConfig", "BenchReport", "PROFILE_FIELDS", "backend_for", "check_available", "open_runner",
-           "resolve_config", "run_bench"]
+__all__ = ["BenchConfig", "BenchReport", "DEFAULT_MIN_BLOCK_MS", "PROFILE_FIELDS", "backend_for", "check_available",
+           "open_runner", "resolve_config", "run_bench"]

@@ -6,6 +6,12 @@ instead alternates A and B on the same input (A B A B ...), both during warm-up 
 reports, besides both latency distributions, the distribution of the *per-pair* ratio
 ``latency_A_i / latency_B_i`` (its median and p10-p90): each pair ran under nearly the same
 conditions, so the ratio is far more stable than the ratio of two separately measured medians.
+
+Blocks (issue 56 item 3): with ``min_block_ms > 0`` each turn runs one model ``k`` times back to back (``k`` chosen
+per model in warm-up so that a block lasts at least ``min_block_ms``; :func:`runners.clock.block_runs`), timed by
+one clock read around the block (:func:`runners.clock.time_block`); a turn's latency is block time / ``k`` and the
+ratio is per pair of blocks. Single ~2 ms runs of a small model at batch 1 are about one scheduler slice long and
+their ratio spreads widely; ~25 ms blocks average that out.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from edgeprune.errors import UserError
-from runners.base import BenchResult, Runner, make_batch
+from runners.base import BenchResult, Runner, choose_block_runs, make_batch, with_blocks
+from runners.clock import block_runs, time_block
 
 
 @dataclasses.dataclass
@@ -31,7 +38,10 @@ class PairResult:
             (> 1: B is faster; with A = dense and B = pruned it is the pruned model's speedup).
         throughput_ratio: ``throughput_B / throughput_A`` (> 1: B is faster; the same direction as
             ``latency_ratio``).
-        latencies_a, latencies_b: the raw per-iteration latencies (ms), pair i = (a[i], b[i]).
+        latencies_a, latencies_b: the raw per-iteration latencies (ms), pair i = (a[i], b[i]); each is a block's
+            time / its runs (``a.block_runs``, ``b.block_runs``).
+        min_block_ms: the minimum block time asked for (ms; 0: one run per turn).
+        no_measurable_difference: the ratio's p10-p90 interval straddles 1 (``p10 < 1 < p90``).
     """
 
     batch_size: int
@@ -41,6 +51,8 @@ class PairResult:
     throughput_ratio: float
     latencies_a: list[float] = dataclasses.field(default_factory=list)
     latencies_b: list[float] = dataclasses.field(default_factory=list)
+    min_block_ms: float = 0.0
+    no_measurable_difference: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,6 +71,28 @@ def ratio_stats(latencies_a: Sequence[float], latencies_b: Sequence[float]) -> d
         "p90": float(np.percentile(r, 90)),
         "mean": float(r.mean()),
     }
+
+
+def straddles_one(latency_ratio: dict[str, float]) -> bool:
+    """The ratio's p10-p90 interval contains 1 strictly inside it (``p10 < 1 < p90``): no measurable difference."""
+    return bool(latency_ratio["p10"] < 1.0 < latency_ratio["p90"])
+
+
+def block_note(p: PairResult) -> str:
+    """One line for a report on pair ``p``: how its turns were timed (``blocks of k runs``, block ms) and, when
+    the ratio's p10-p90 straddles 1, that there is no measurable difference."""
+    def side(r: BenchResult) -> str:
+        if r.block_runs <= 1:
+            return "single runs"
+        return f"blocks of {r.block_runs} runs" + (f" (~{r.block_ms:.1f} ms)" if r.block_ms is not None else "")
+
+    lr = p.latency_ratio
+    text = f"batch {p.batch_size}: A timed in {side(p.a)}, B in {side(p.b)}"
+    text += f" (min block {p.min_block_ms:g} ms)" if p.min_block_ms > 0 else " (min block 0: one run per turn)"
+    if straddles_one(lr):
+        text += (f"; latency A/B p10-p90 {lr['p10']:.3f}-{lr['p90']:.3f} straddles 1: "
+                 "no measurable difference")
+    return text
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -139,8 +173,8 @@ def ratio_decided(band: tuple[float, float], confidence: float = DECIDED_CONFIDE
 
 def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
                iterations: int = 50, warmup: int = 10, *, inputs: Any = None,
-               seed: int = 0, stop: Callable[[Sequence[float], Sequence[float]], bool] | None = None
-               ) -> list[PairResult]:
+               seed: int = 0, stop: Callable[[Sequence[float], Sequence[float]], bool] | None = None,
+               min_block_ms: float = 0.0) -> list[PairResult]:
     """Benchmark A and B interleaved (A B A B ...) on the same input, per batch size.
 
     Args:
@@ -152,6 +186,8 @@ def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
         stop: optional rule called after each timed pair with the latencies so far (A's, B's; ms);
             true ends the batch size's timing early (``iterations`` is then the most pairs timed;
             e.g. :func:`ratio_settled`).
+        min_block_ms: time blocks (module doc): each turn runs a model ``k`` times back to back, ``k`` chosen per
+            model from its warm-up runs so a block lasts at least this long (ms); 0 (default): one run per turn.
 
     Returns:
         One :class:`PairResult` per batch size. The peak memory of both is the process peak over
@@ -159,10 +195,11 @@ def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
 
     Raises:
         UserError: the runners take different input shapes, or neither knows its input shape.
-        ValueError: ``iterations < 1`` or ``warmup < 0``.
+        ValueError: ``iterations < 1``, ``warmup < 0`` or ``min_block_ms < 0``.
     """
     if iterations < 1 or warmup < 0:
         raise ValueError(f"need iterations >= 1 and warmup >= 0, got {iterations}, {warmup}")
+    block_runs(1.0, min_block_ms)  # validates
     sa, sb = runner_a.input_shape, runner_b.input_shape
     if sa is not None and sb is not None and tuple(sa) != tuple(sb):
         raise UserError(f"A and B take different inputs: {runner_a.label} {tuple(sa)} vs "
@@ -177,23 +214,30 @@ def bench_pair(runner_a: Runner, runner_b: Runner, batch_sizes: Sequence[int],
         runner_b.prepare(x)
         runner_a.reset_peak_memory()
         runner_b.reset_peak_memory()
+        warm_a: list[float] = []
+        warm_b: list[float] = []
         for _ in range(warmup):
-            runner_a.time_once(x)
-            runner_b.time_once(x)
+            warm_a.append(float(runner_a.time_once(x)))
+            warm_b.append(float(runner_b.time_once(x)))
+        ka = choose_block_runs(runner_a, x, warm_a, min_block_ms)
+        kb = choose_block_runs(runner_b, x, warm_b, min_block_ms)
         lat_a: list[float] = []
         lat_b: list[float] = []
         for _ in range(iterations):
-            lat_a.append(float(runner_a.time_once(x)))
-            lat_b.append(float(runner_b.time_once(x)))
+            lat_a.append(time_block(runner_a, x, ka) / ka)
+            lat_b.append(time_block(runner_b, x, kb) / kb)
             if stop is not None and stop(lat_a, lat_b):
                 break
-        ra = runner_a.result(int(bs), lat_a, warmup)
-        rb = runner_b.result(int(bs), lat_b, warmup)
+        ra = with_blocks(runner_a.result(int(bs), lat_a, warmup), ka)
+        rb = with_blocks(runner_b.result(int(bs), lat_b, warmup), kb)
         for r in (ra, rb):
             r.settings["interleaved"] = True
+            r.settings["min_block_ms"] = float(min_block_ms)
+        ratio = ratio_stats(lat_a, lat_b)
         results.append(PairResult(
-            batch_size=int(bs), a=ra, b=rb, latency_ratio=ratio_stats(lat_a, lat_b),
+            batch_size=int(bs), a=ra, b=rb, latency_ratio=ratio,
             throughput_ratio=rb.throughput / ra.throughput if ra.throughput > 0 else float("nan"),
-            latencies_a=lat_a, latencies_b=lat_b,
+            latencies_a=lat_a, latencies_b=lat_b, min_block_ms=float(min_block_ms),
+            no_measurable_difference=straddles_one(ratio),
         ))
     return results

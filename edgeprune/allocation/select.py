@@ -40,6 +40,8 @@ import torch
 
 from edgeprune.allocation.curves import Curve
 from edgeprune.allocation.greedy import allocate, build_curves
+from edgeprune.allocation.outputs import (detached_cpu, output_error, output_tensor,  # noqa: F401 (handed on)
+                                          outputs_equal, take_rows)
 from edgeprune.allocation.suffix import BlockInputs
 from edgeprune.allocation.trial import PLAN_FIELD, touched_blocks, trial_copy
 from edgeprune.anatomy import find_anatomy
@@ -62,22 +64,6 @@ def check_images(batches: Callable[[], Iterable[torch.Tensor]], n: int) -> torch
         if count >= n:
             break
     return torch.cat(taken) if taken else None
-
-
-def output_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative squared error ``||out - ref||^2 / ||ref||^2`` (float64)."""
-    o, r = out.double().flatten(), ref.double().flatten()
-    return float((o - r).pow(2).sum() / r.pow(2).sum().clamp_min(1e-300))
-
-
-def output_tensor(y) -> torch.Tensor | None:
-    """A model's output as one (B, F) tensor: itself, the concatenation of a tuple/list of tensors
-    (flattened per image), or None for anything else."""
-    if isinstance(y, torch.Tensor):
-        return y
-    if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
-        return torch.cat([t.flatten(1) for t in y], 1)
-    return None
 
 
 def candidates(anatomy, stats, cfg, x: torch.Tensor | None = None, dense_out: torch.Tensor | None = None,
@@ -118,7 +104,8 @@ def _sensitivity_images(cfg, t: torch.Tensor) -> torch.Tensor:
     """The first ``cfg.allocation_sensitivity_images`` rows of ``t`` (the check images or their dense outputs): the
     per-unit measurements run on fewer images than the candidates' check (CorpConfig)."""
     n = cfg.allocation_sensitivity_images
-    return t[:n] if n is not None and n < t.shape[0] else t
+    rows = (t[0] if isinstance(t, tuple) else t).shape[0]
+    return take_rows(t, n) if n is not None and n < rows else t
 
 
 def _round_key(cfg) -> tuple[str, str]:

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from edgeprune.allocation.outputs import outputs_equal
+
 
 @contextlib.contextmanager
 def _start_at(blocks: list[nn.Module], b: int, cached: torch.Tensor):
@@ -79,7 +81,7 @@ class BlockInputs:
         self.inputs = [seen[j][0] for j in range(len(blocks))] if once else None
         self.exact = False
         if self.inputs is not None and len(blocks) > 1 and self.out is not None:
-            self.exact = bool(torch.equal(self.forward_from(model, blocks, len(blocks) - 1, force=True), self.out))
+            self.exact = outputs_equal(self.forward_from(model, blocks, len(blocks) - 1, force=True), self.out)
 
     @torch.no_grad()
     def forward_from(self, model: nn.Module, blocks: list[nn.Module], b: int, force: bool = False):

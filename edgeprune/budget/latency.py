@@ -48,6 +48,7 @@ from edgeprune.budget.registry import register_cost_model
 from edgeprune.errors import UserError
 from edgeprune.flops import block_flops, block_tokens, with_dims
 from edgeprune.latency.table import LatencyTable
+from edgeprune.backbone import is_vit
 from edgeprune.tokens.schedule import plan_merges
 
 #: the one-line error of a latency budget without a table
@@ -134,23 +135,26 @@ class LatencyCost(CostModel):
 
     def _merged_tokens(self, anatomy: ViTAnatomy, budget: Any) -> list[tuple[int, int]] | None:
         """Per block ``(tokens its attention sees, tokens its MLP sees)`` of a merging model (the anatomy's
-        ``merge_r``, else the budget's schedule); None without merging.
+        ``merge_r``, else the budget's schedule; a network with a ViT inside merges inside each block and unmerges:
+        both at n - r, the merges' own time not in the table); None without merging.
 
         Raises:
             UserError: merging, and the table has no token axis or one that does not cover the counts (one line
                 naming the table and the counts).
         """
+        unmerge = not is_vit(anatomy.model)  # a network: merged inside each block, unmerged (tokens.unmerge)
         if any(b.merge_r for b in anatomy.blocks):
             n, r = block_tokens(anatomy), [b.merge_r for b in anatomy.blocks]
         elif getattr(budget, "tokens_merge", None) is not None:
             prefix = int(getattr(anatomy.vit, "num_prefix_tokens", 0))
-            cls_last = anatomy.blocks[-1].index in self.query_tokens
-            r, n = plan_merges(budget.tokens_merge, len(anatomy.blocks), self.n, prefix, cls_last)
+            cls_last = anatomy.blocks[-1].index in self.query_tokens and not unmerge
+            r, n = plan_merges(budget.tokens_merge, len(anatomy.blocks), self.n, prefix, cls_last, unmerge)
         else:
             return None
         if not any(r):
             return None
-        pairs = [(int(a), int(a - b)) for a, b in zip(n, r)]
+        # attention and MLP tokens: a classifier merge between them; an unmerging block runs both on n - r
+        pairs = [(int(a - b) if unmerge else int(a), int(a - b)) for a, b in zip(n, r)]
         need = sorted({x for p in pairs for x in p} - {self.n})
         axis = self.table.tokens
         if axis is None or need[0] < axis["counts"][0]:

@@ -29,9 +29,12 @@ from edgeprune.jobs.verify import verify
               help="Fixed batch size B instead of a dynamic batch axis.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--no-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch check on 2 noise images.")
+@click.option("--attention", type=click.Choice(["fusible", "packed"]), default="fusible", show_default=True,
+              help="Attention in the graph: separate q/k/v MatMuls that ONNX Runtime's transformer optimizer fuses "
+                   "(fusible), or the model's packed qkv (packed).")
 def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, random_init: bool,
                num_classes: int | None, img_size: int | None, model_kwargs: dict | None, output: Path, opset: int,
-               static_batch: int | None, force: bool, no_check: bool) -> None:
+               static_batch: int | None, force: bool, no_check: bool, attention: str) -> None:
     """Export a run or a dense model to ONNX.
 
     RUN_DIR (a pruned, healed or derived run) or --model NAME (dense).
@@ -40,7 +43,7 @@ def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | 
     """
     export(output, run_dir=run_dir, model_name=model_name, checkpoint=checkpoint, random_init=random_init,
            num_classes=num_classes, img_size=img_size, model_kwargs=model_kwargs, opset=opset,
-           static_batch=static_batch, force=force, check=not no_check, echo=click.echo)
+           static_batch=static_batch, force=force, check=not no_check, echo=click.echo, attention=attention)
 
 
 @click.command("verify")

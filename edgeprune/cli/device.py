@@ -152,6 +152,9 @@ def _backend_choices() -> list[str]:
               help="TensorRT build precision for .onnx; for ONNX Runtime, int8 checks the file is "
                    "quantized (Q/DQ); torch on CUDA: fp32, tf32, fp16, bf16 [profile's]")
 @click.option("--random-init", is_flag=True, help="model names without weights (latency only)")
+@click.option("--min-block-ms", "min_block_ms", default=None, type=float, metavar="MS",
+              help="each timed turn runs one model back to back for at least MS ms (runs per block chosen in "
+                   "warm-up; latency = block time / runs); 0: one run per turn [25]")
 @click.option("--memory/--no-memory", "memory", default=None,
               help="per model its weights and its own peak memory, each model loaded and run in its own "
                    "process after the timing [on with --vs]")
@@ -161,7 +164,8 @@ def _backend_choices() -> list[str]:
 def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, provider: str | None,
               batch_sizes: tuple[int, ...] | None, iterations: int | None, warmup: int | None,
               threads: int | None, cuda_graphs: bool | None, precision: str | None, random_init: bool,
-              json_out: Path | None, md_out: Path | None, plot_out: Path | None, memory: bool | None = None) -> None:
+              json_out: Path | None, md_out: Path | None, plot_out: Path | None, memory: bool | None = None,
+              min_block_ms: float | None = None) -> None:
     """Latency and throughput of a model or engine, optionally against B.
 
     Here --device names a device profile (e.g. cpu, orin-nx), not the torch device that prune,
@@ -174,7 +178,9 @@ def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, pro
     precision; options given here override it, and the report says which came from where. A
     profile whose backend is missing here (TensorRT, CUDA) is an error, not a CPU fallback.
     With --vs, A and B run interleaved on the same input and the table reports the per-pair
-    latency ratio A/B (median, p10-p90): > 1 means B is faster.
+    latency ratio A/B (median, p10-p90): > 1 means B is faster. Each turn is a block of back-to-back
+    runs of one model lasting at least --min-block-ms (the report says "blocks of k runs"); a p10-p90
+    interval that straddles 1 is reported as no measurable difference.
 
     Both models of a --vs bench share one process, so its peak memory column is the same for
     both; --memory (on with --vs) adds per model its weights (MiB) and its own peak RSS, each
@@ -182,8 +188,8 @@ def bench_cmd(a: str, b: str | None, profile_name: str | None, backend: str, pro
     """
     bench(a, b, device=profile_name, backend=backend, provider=provider, batch_sizes=batch_sizes,
           iterations=iterations, warmup=warmup, threads=threads, cuda_graphs=cuda_graphs, precision=precision,
-          random_init=random_init, memory=memory, json_out=json_out, md_out=md_out, plot_out=plot_out,
-          echo=click.echo)
+          random_init=random_init, memory=memory, min_block_ms=min_block_ms, json_out=json_out, md_out=md_out,
+          plot_out=plot_out, echo=click.echo)
 
 
 __all__ = ["bench_cmd", "build_cmd", "default_engine_path", "devices_cmd", "format_profiles_table"]

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import click
 
 from edgeprune.errors import UserError
+from edgeprune.zoo.network_file import network_ref
 
 from edgeprune.cli.device_options import device_option, torch_device_of  # noqa: F401 (handed on)
 from edgeprune.jobs.models import check_readable_dir, fmt_metric, load_model, make_spec  # noqa: F401 (handed on)
@@ -57,6 +58,30 @@ def _apply(f: Callable, *decorators: Callable) -> Callable:
     return f
 
 
+def _remember(key: str) -> Callable:
+    """An eager option's callback that keeps its value for :func:`_model_callback` (``ctx.meta``)."""
+    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            ctx.meta[f"edgeprune.{key}"] = value
+    return callback
+
+
+def _model_callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+    """``--model``'s value, or the network reference of ``--model-file`` / ``--backbone``
+    (:func:`edgeprune.zoo.network_file.network_ref`, checked while parsing)."""
+    file, backbone = ctx.meta.get("edgeprune.model_file"), ctx.meta.get("edgeprune.backbone")
+    if file is None:
+        if backbone is not None:
+            raise click.UsageError("--backbone goes with --model-file")
+        return value
+    if ctx.get_parameter_source("model_name") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("give --model or --model-file, not both")
+    try:
+        return network_ref(file, backbone)
+    except UserError as err:
+        raise click.UsageError(str(err)) from None
+
+
 def model_options(default: str | None = None, help: str | None = None) -> Callable:
     """``--model NAME``, ``--checkpoint PATH``, ``--random-init``, ``--num-classes N``,
     ``--img-size N``, ``--model-kwargs K=V,...``; the command receives ``model_name, checkpoint,
@@ -67,7 +92,15 @@ def model_options(default: str | None = None, help: str | None = None) -> Callab
         return _apply(
             f,
             click.option("--model", "model_name", metavar="NAME", default=default, show_default=default is not None,
-                         help=model_help),
+                         help=model_help, callback=_model_callback),
+            click.option("--model-file", metavar="FILE.py:FUNC", is_eager=True, expose_value=False,
+                         callback=_remember("model_file"),
+                         help="Your network instead of --model: FUNC() in FILE.py returns it (weights loaded) with "
+                              "a timm ViT inside; --model-kwargs become FUNC's keywords."),
+            click.option("--backbone", metavar="PATH", is_eager=True, expose_value=False,
+                         callback=_remember("backbone"),
+                         help="With --model-file: the attribute path of the ViT to prune (e.g. encoder or "
+                              "pretrained.vit) [the only ViT inside]."),
             click.option("--checkpoint", type=click.Path(), default=None, metavar="PATH",
                          help="Weights of a timm model (safetensors or timm .pth, loaded without pickle)."),
             click.option("--random-init", is_flag=True,

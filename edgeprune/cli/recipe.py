@@ -53,7 +53,7 @@ from edgeprune.errors import UserError
 #: the order of a command's own tables; its declared settings' sections go after ``data``, in their order
 ORDER = ("model", "data", "budget", "method", "heal", "output", "runtime")
 
-_MODEL = ["model", "checkpoint", "random-init", "num-classes", "img-size", "model-kwargs"]
+_MODEL = ["model", "model-file", "backbone", "checkpoint", "random-init", "num-classes", "img-size", "model-kwargs"]
 _CALIB = ["calib", "calib-size", "seed", "batch-size"]
 _EVAL = ["eval-data", "eval-size", "no-eval"]
 _DEVICE = ["device", "torch-device", "quiet"]

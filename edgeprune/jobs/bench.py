@@ -31,13 +31,15 @@ def bench(a: str | Path, vs: str | Path | None = None, *, device: str | None = N
           provider: str | None = None, batch_sizes: Sequence[int] | None = None, iterations: int | None = None,
           warmup: int | None = None, threads: int | None = None, cuda_graphs: bool | None = None,
           precision: str | None = None, random_init: bool = False, memory: bool | None = None,
+          min_block_ms: float | None = None,
           json_out: str | Path | None = None, md_out: str | Path | None = None, plot_out: str | Path | None = None,
           argv: Sequence[str] | None = None, echo: Echo = _echo) -> BenchResult:
     """Bench ``a`` (an .onnx file, an engine, a run directory or a model name) on the device profile
     ``device`` [cpu], interleaved with ``vs`` when given; settings given here override the profile's.
 
     ``memory`` (default: on with ``vs``) measures each model's weights and own peak memory in a process of
-    its own. ``argv`` is recorded in the JSON file [``sys.argv[1:]``].
+    its own. ``min_block_ms`` (ms, default 25; 0: one run per turn) is the least time of one timed block of
+    back-to-back runs (:func:`runners.compare.bench_pair`). ``argv`` is recorded in the JSON file [``sys.argv[1:]``].
 
     Raises:
         UserError: a bad profile or setting, a missing backend, ``plot_out`` without matplotlib.
@@ -47,7 +49,7 @@ def bench(a: str | Path, vs: str | Path | None = None, *, device: str | None = N
     cfg, profile = resolve_config(device, targets=targets, backend=backend, provider=provider,
                                   threads=threads, batch_sizes=tuple(batch_sizes) if batch_sizes else None,
                                   warmup=warmup, iterations=iterations, cuda_graphs=cuda_graphs, precision=precision,
-                                  random_init=random_init)
+                                  random_init=random_init, min_block_ms=min_block_ms)
     if plot_out is not None:
         try:
             import matplotlib  # noqa: F401

@@ -39,11 +39,12 @@ def export(output: str | Path, *, run_dir: str | Path | None = None, model_name:
            checkpoint: str | Path | None = None, random_init: bool = False, num_classes: int | None = None,
            img_size: int | None = None, model_kwargs: dict | None = None, opset: int = 17,
            static_batch: int | None = None, force: bool = False, check: bool = True,
-           echo: Echo = _echo) -> ExportResult:
+           echo: Echo = _echo, attention: str = "fusible") -> ExportResult:
     """Export ``run_dir`` (a pruned, healed or derived run) or the dense ``model_name`` to ``output`` (.onnx).
 
     The file holds the deployer's metadata (base model, method, sparsities, per-block dims, input,
     preprocessing). ``check``: ONNX Runtime vs PyTorch on 2 noise images (with a dynamic batch or batch 2).
+    ``attention``: ``"fusible"`` or ``"packed"`` (:func:`exporters.onnx.export_onnx`).
 
     Raises:
         UserError: ``output`` exists (without ``force``) or is not .onnx, ``static_batch`` < 1, neither or both
@@ -65,7 +66,7 @@ def export(output: str | Path, *, run_dir: str | Path | None = None, model_name:
         metadata["base_model"] = spec.to_record()
     path = export_onnx(model, output, tuple(spec.input_size), metadata, opset=opset,
                        dynamic_batch=static_batch is None, batch_size=static_batch or 1,
-                       overwrite=force)
+                       overwrite=force, attention=attention)
     size_mb = path.stat().st_size / 2**20
     echo(f"wrote {path} ({size_mb:.1f} MiB, opset {opset}, "
          f"{'dynamic batch' if static_batch is None else f'batch {static_batch}'}, "

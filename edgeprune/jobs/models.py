@@ -115,6 +115,9 @@ def fmt_metric(m: dict | None, kind: str) -> str:
     one cell of the prune and heal tables: a ``|`` would split it into columns the header does not have)."""
     if not m:
         return "-"
+    if kind == "dense":
+        maps = (f", IoU@0.5 {m['iou@0.5']:.4f}, Pearson {m['pearson']:.4f}" if "iou@0.5" in m else "")
+        return f"rel. error {m['rel_error']:.3g}, PSNR {m['psnr_db']:.1f} dB{maps}"
     if kind == "saliency":
         return (f"MAE {m['mae']:.4f}, Pearson {m['pearson']:.4f}, IoU@0.5 {m['iou@0.5']:.4f}, "
                 f"feat cos {m['feature_cosine']:.4f}")

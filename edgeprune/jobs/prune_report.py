@@ -29,7 +29,7 @@ def evaluate_models(spec, dense, pruned, ev, device: str, quiet: bool, rec: dict
     if ev is not None:
         echo(f"evaluation: {ev.description}")
         with torch.no_grad():
-            if spec.output_kind != "saliency":
+            if spec.output_kind not in ("saliency", "dense"):  # fidelity to the dense model: itself is the reference
                 dense_m = evaluate(spec, dense, ev, progress=not quiet, device=device)
             pruned_m = evaluate(spec, pruned, ev, dense=dense, progress=not quiet, device=device)
         rec["evaluation"] = {"data": ev.description, "dense": dense_m, "pruned": pruned_m, "device": device}
@@ -42,7 +42,7 @@ def report(rec: dict, spec, dense_m, pruned_m, prune_s: float, echo: Echo = _ech
     echo("")
     echo(f"| {'':8} | {'params':>10} | {'GFLOPs':>8} | quality |")
     echo(f"|{'-' * 10}|{'-' * 12}|{'-' * 10}|---------|")
-    dense_q = fmt_metric(dense_m, spec.output_kind) if spec.output_kind != "saliency" else "reference"
+    dense_q = fmt_metric(dense_m, spec.output_kind) if spec.output_kind not in ("saliency", "dense") else "reference"
     echo(f"| {'dense':8} | {rec['dense_params']:>10,} | {rec['dense_flops'] / 1e9:>8.3f} | {dense_q} |")
     echo(f"| {'pruned':8} | {rec['params']:>10,} | {rec['flops'] / 1e9:>8.3f} | "
                f"{fmt_metric(pruned_m, spec.output_kind)} |")

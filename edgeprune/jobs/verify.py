@@ -18,6 +18,7 @@ from edgeprune.calibration.collect import exact_fp32
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import load_model
+from exporters.attention_pattern import fused_attention_line
 from exporters.onnx import read_metadata
 from exporters.verify import format_quantized_report, format_report, verify_onnx, verify_quantized
 from runners.report import to_json
@@ -65,6 +66,8 @@ def verify(onnx_file: str | Path, *, run_dir: str | Path | None = None, model_na
     model.to(torch_device)
     with exact_fp32(torch.device(torch_device)):  # TF32 off for the comparison
         report = _compare(onnx_file, meta, model, spec, n, data, atol, rtol, batch_size, max_drop, echo)
+    if meta.get("precision") not in ("int8", "fp16"):
+        echo(fused_attention_line(onnx_file))
     report["torch_device"] = torch_device
     if torch_device != "cpu":
         echo(f"PyTorch side on {torch_device}")

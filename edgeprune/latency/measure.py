@@ -19,11 +19,14 @@ Spread check (issue 40, :func:`spread`): the timed runs of an entry are cut into
 consecutive groups; when the groups' statistics disagree by more than ``spread`` (relative) the
 entry is timed again on the same runner, up to ``retries`` times, and the attempt whose groups agree
 best is kept (:meth:`Timer.measure`).
+
+Blocks (issue 56 item 3): with :attr:`TimingSettings.min_block_ms` > 0 each timed run is a block of ``k`` back-to-back
+runs (``k`` chosen from the warm-up so a block lasts at least that long, :func:`block_size`), read by one clock read
+around the block; its latency is block time / ``k`` (:func:`time_once`).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import platform
 import tempfile
@@ -36,69 +39,17 @@ import torch.nn as nn
 
 from devices.gpu import local_gpu
 from edgeprune.errors import UserError
-from edgeprune.layers.pruned_attention import PrunedAttention
-from edgeprune.layers.rotary_attention import RotaryAttention, is_rotary
 from edgeprune.registry import Registry
 from exporters.onnx import export_onnx
 from exporters.ort_session import import_onnxruntime
 from exporters.tensorrt import build_engine, tensorrt_version
 from runners.base import Runner, summarize_latencies
-from runners.clock import CPU, ThreadClock
+from runners.clock import CPU, ThreadClock, block_runs, time_block
 from runners.onnxruntime_runner import OrtRunner
 from runners.tensorrt.runner import TrtRunner
 from runners.torch_runner import TorchRunner
-
-# ---------------------------------------------------------------------------------------------
-# sub-blocks
-
-
-def _or_identity(m: nn.Module | None) -> nn.Module:
-    return nn.Identity() if m is None else copy.deepcopy(m)
-
-
-class AttnSubBlock(nn.Module):
-    """``x + ls1(proj(attn(norm1(x))))``: (B, N, D) -> (B, N, D)."""
-
-    def __init__(self, norm: nn.Module, attn: nn.Module, ls: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.attn, self.ls = norm, attn, ls
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ls(self.attn(self.norm(x)))
-
-
-class MlpSubBlock(nn.Module):
-    """``x + ls2(fc2(act(fc1(norm2(x)))))``: (B, N, D) -> (B, N, D)."""
-
-    def __init__(self, norm: nn.Module, fc1: nn.Linear, act: nn.Module, fc2: nn.Linear, ls: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.fc1, self.act, self.fc2, self.ls = norm, fc1, act, fc2, ls
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ls(self.fc2(self.act(self.fc1(self.norm(x)))))
-
-
-def attn_subblock(template: Any, embed_dim: int, heads: int, qk: int, v: int, seed: int = 0) -> AttnSubBlock:
-    """Attention sub-block shaped like ``template`` (a :class:`~edgeprune.anatomy.BlockAnatomy`:
-    its norm1, ls1 and bias flags) with ``heads`` heads of Q/K dim ``qk`` and V dim ``v``; random
-    weights (seeded)."""
-    torch.manual_seed(seed)
-    shape = dict(qkv_bias=template.qkv.bias is not None, proj_bias=template.proj.bias is not None,
-                 dense_head_dim=template.head_dim)
-    attn = (RotaryAttention(embed_dim, heads, qk, v, template.attn.num_tokens, **shape)  # timed with its RoPE
-            if is_rotary(template.attn) else PrunedAttention(embed_dim, heads, qk, v, **shape))
-    return AttnSubBlock(_or_identity(template.block.norm1), attn, _or_identity(template.ls1)).eval()
-
-
-def mlp_subblock(template: Any, embed_dim: int, width: int, seed: int = 0) -> MlpSubBlock:
-    """MLP sub-block shaped like ``template`` (its norm2, activation, ls2, bias flags) of hidden
-    width ``width``; random weights (seeded)."""
-    torch.manual_seed(seed)
-    fc1 = nn.Linear(embed_dim, width, bias=template.fc1.bias is not None)
-    fc2 = nn.Linear(width, embed_dim, bias=template.fc2.bias is not None)
-    return MlpSubBlock(_or_identity(template.block.norm2), fc1, copy.deepcopy(template.act), fc2,
-                       _or_identity(template.ls2)).eval()
-
+from edgeprune.latency.subblocks import (AttnSubBlock, MlpSubBlock, attn_subblock,  # noqa: F401 (handed on)
+                                         mlp_subblock)
 
 class _AsImage(nn.Module):
     """Presents a (B, N, D) module as one taking (B, 1, N, D), so that the image exporter
@@ -138,6 +89,8 @@ class TimingSettings:
         spread: the largest relative disagreement ``(max - min) / median`` of the groups'
             statistics an entry may show before it is timed again.
         retries: at most this many more attempts for an entry whose spread is too large.
+        min_block_ms: each timed run is a block of back-to-back runs lasting at least this long (ms; runs per
+            block from the warm-up, :func:`block_size`); 0 (default): one run per timed run, as before.
     """
 
     device: str = "cpu"
@@ -154,6 +107,7 @@ class TimingSettings:
     repeats: int = 3
     spread: float = 0.05
     retries: int = 2
+    min_block_ms: float = 0.0
 
 
 @dataclasses.dataclass
@@ -180,12 +134,30 @@ def spread(stats: Sequence[float]) -> float:
     return 0.0 if mid <= 0 else (max(stats) - min(stats)) / mid
 
 
-def time_once(r: Runner, x: np.ndarray, s: TimingSettings) -> float:
+def time_once(r: Runner, x: np.ndarray, s: TimingSettings, k: int = 1) -> float:
     """One timed run of ``r`` in ms: the runner's own (wall-clock) timing, or with
     ``s.clock == "cpu"`` the CPU time of this thread around it (``time.thread_time``: a
     single-threaded CPU backend computes on the calling thread, so this is its compute time
-    without the time other jobs held the core)."""
-    return (ThreadClock(r) if s.clock == CPU else r).time_once(x)
+    without the time other jobs held the core). With ``k > 1``: a block of ``k`` back-to-back runs read by that
+    clock once around the whole block (:func:`runners.clock.time_block`), divided by ``k`` (ms per run)."""
+    clocked = ThreadClock(r) if s.clock == CPU else r
+    if k == 1:
+        return clocked.time_once(x)
+    return time_block(clocked, x, k) / k
+
+
+def block_size(warm_ms: Sequence[float], s: TimingSettings) -> int:
+    """Runs per block for ``s.min_block_ms`` from the warm-up runs' latencies ``warm_ms`` (ms, their minimum, as
+    :func:`runners.base.choose_block_runs`): :func:`runners.clock.block_runs`; 1 with ``min_block_ms == 0`` or no
+    warm-up.
+
+    Raises:
+        ValueError: ``s.min_block_ms < 0``.
+    """
+    warm = [float(v) for v in warm_ms]
+    if s.min_block_ms <= 0 or not warm:
+        return block_runs(1.0, s.min_block_ms)
+    return block_runs(min(warm), s.min_block_ms)
 
 
 class Timer:
@@ -229,11 +201,11 @@ class Timer:
             r, x = self.open(module, x, s, Path(tmp))
             try:
                 r.prepare(x)
-                for _ in range(s.warmup):
-                    time_once(r, x, s)
+                warm = [time_once(r, x, s) for _ in range(max(s.warmup, 1 if s.min_block_ms > 0 else 0))]
+                k = block_size(warm, s)
                 best: Sample | None = None
                 for attempt in range(1, s.retries + 2):
-                    lat = timed_runs(lambda: time_once(r, x, s), s)
+                    lat = timed_runs(lambda: time_once(r, x, s, k), s, runs_per_call=k)
                     sp = spread([summarize_latencies(g)[s.statistic] for g in groups(lat, s.repeats)])
                     if best is None or sp < best.spread:
                         best = Sample(summarize_latencies(lat)[s.statistic], sp, attempt)
@@ -246,15 +218,16 @@ class Timer:
         return best
 
 
-def timed_runs(run: Callable[[], float], s: TimingSettings) -> list[float]:
-    """Up to ``s.iterations`` results of ``run()`` (ms), fewer once their sum reaches ``s.max_seconds``
-    (at least ``s.min_iterations`` and two per spread group, :attr:`TimingSettings.repeats`)."""
+def timed_runs(run: Callable[[], float], s: TimingSettings, runs_per_call: int = 1) -> list[float]:
+    """Up to ``s.iterations`` results of ``run()`` (ms), fewer once their time reaches ``s.max_seconds``
+    (at least ``s.min_iterations`` and two per spread group, :attr:`TimingSettings.repeats`). A ``run()`` that
+    times a block of ``runs_per_call`` runs and returns ms per run counts ``runs_per_call`` times its result."""
     lat: list[float] = []
     least = max(s.min_iterations, 2 * s.repeats if s.repeats > 1 else 1)
     for _ in range(s.iterations):
         lat.append(run())
         if (s.max_seconds is not None and len(lat) >= least
-                and sum(lat) >= 1000.0 * s.max_seconds):
+                and sum(lat) * runs_per_call >= 1000.0 * s.max_seconds):
             break
     return lat
 

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 
-from edgeprune.allocation.select import check_images, output_error, output_tensor
+from edgeprune.allocation.outputs import detached_cpu, output_error, output_tensor
+from edgeprune.allocation.select import check_images
 from edgeprune.errors import UserError
 
 __all__ = ["Axis", "Found", "search"]
@@ -89,8 +90,9 @@ def _dense_reference(axis: Axis, model: nn.Module, batches: Callable[[], Iterabl
     finally:
         model.train(was_training)
     if out is None:
-        raise UserError(f"{axis.flag} auto needs calibration images and a model whose output is a tensor")
-    return x, out.detach().cpu()
+        raise UserError(f"{axis.flag} auto needs calibration images and a model whose output is a tensor "
+                        "or a tuple/dict of tensors")
+    return x, detached_cpu(out)
 
 
 def search(axis: Axis, model: nn.Module, calibration: Any, config: Any, batches: Callable[[], Iterable[torch.Tensor]],

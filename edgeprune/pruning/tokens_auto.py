@@ -47,7 +47,7 @@ from edgeprune.pruning.config import check_config
 from edgeprune.pruning.corp import check_prunable
 from edgeprune.pruning.run import measure_and_correct, round_runner
 from edgeprune.pruning.search import Axis, Found
-from edgeprune.tokens.apply import check_mergeable, num_tokens
+from edgeprune.tokens.apply import check_mergeable, num_tokens, unmerges
 from edgeprune.tokens.schedule import DECREASING, is_tokens_auto, plan_merges
 from edgeprune.torch_device import resolve_device
 
@@ -72,6 +72,18 @@ def default_candidates(num_blocks: int, tokens: int, prefix: int, class_token_la
     merging = max(1, num_blocks - (1 if class_token_last else 0))
     return ([0] + [max(1, round(f * m / merging)) for f in CONSTANT_FRACTIONS]
             + [f"{DECREASING}:{max(1, round(f * m / num_blocks))}" for f in DECREASING_FRACTIONS])
+
+
+#: fractions of the most a block can merge ((N - prefix) // 2) of the default candidates of a network that unmerges
+UNMERGE_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def unmerge_candidates(tokens: int, prefix: int) -> list:
+    """The default candidates of a network that merges inside each block and unmerges (every block sees all
+    ``tokens``): 0 and the constant ``R = max(1, round(f (tokens - prefix) // 2))`` for f in
+    :data:`UNMERGE_FRACTIONS`."""
+    most = (tokens - prefix) // 2
+    return [0] + sorted({max(1, round(f * most)) for f in UNMERGE_FRACTIONS})
 
 
 def _fixed(config, schedule: Any):
@@ -100,14 +112,15 @@ def candidate_schedules(model: nn.Module, config) -> tuple[list[tuple[Any, list[
     vit, _ = check_mergeable(model)
     anatomy = find_anatomy(model)
     n, prefix, depth = num_tokens(vit), int(getattr(vit, "num_prefix_tokens", 0)), len(vit.blocks)
-    cls_last = bool(class_token_plan(config, anatomy))
+    unmerge = unmerges(model)  # a network: merged inside each block and unmerged (edgeprune.tokens.unmerge)
+    cls_last = bool(class_token_plan(config, anatomy)) and not unmerge
     asked = config.tokens_candidates
     if asked is None:
-        asked = default_candidates(depth, n, prefix, cls_last)
+        asked = unmerge_candidates(n, prefix) if unmerge else default_candidates(depth, n, prefix, cls_last)
     planned, skipped = [], []
     for s in [0] + [s for s in asked if s != 0]:
         try:
-            r, tokens = plan_merges(s, depth, n, prefix, cls_last)
+            r, tokens = plan_merges(s, depth, n, prefix, cls_last, unmerge)
             planned.append((s, r, sum(r), -sum(t - ri for t, ri in zip(tokens, r))))
         except UserError as err:
             skipped.append({"schedule": _plain(s), "reason": str(err)})

@@ -1,7 +1,8 @@
 """The ``tokens_merge`` stage (issue 44): training-free token merging (ToMe, ``edgeprune.tokens``) after the width
 stages, before the output correction (which then corrects the merge's output shift too).
 
-Checked before any pass: the model fits (a class-token or average-pooled classifier ViT) and every block can merge
+Checked before any pass: the model fits (a class-token or average-pooled classifier ViT, or a network with a ViT
+inside, which merges inside each block and unmerges: ``edgeprune.tokens.unmerge``) and every block can merge
 its r of the tokens it receives (``edgeprune.tokens.apply.merge_plan``; a class-token last block merges nothing).
 The run record's ``tokens_merge`` entry (the schedule asked, r per block, the tokens each block receives and the
 tokens after the last block) is what ``load_run`` re-applies. ``tokens_merge=0`` (or all zeros) leaves the model
@@ -13,7 +14,7 @@ from __future__ import annotations
 from edgeprune.anatomy import find_anatomy
 from edgeprune.pruning import stages as _stages  # noqa: F401  (the built-in stages first: this one goes after them)
 from edgeprune.pruning.stage import PruneState, Stage, register_stage
-from edgeprune.tokens.apply import apply_token_merge, merge_plan
+from edgeprune.tokens.apply import apply_token_merge, merge_plan, unmerges
 from edgeprune.tokens.schedule import parse_tokens_merge
 
 
@@ -35,6 +36,7 @@ class TokensMerge(Stage):
         apply_token_merge(state.anatomy.model, r)
         state.anatomy = find_anatomy(state.model)
         last = state.anatomy.blocks[-1]
-        out = last.query_tokens if last.query_tokens is not None else tokens[-1] - r[-1]
+        dense = unmerges(state.model)
+        out = last.query_tokens if last.query_tokens is not None else tokens[-1] - (0 if dense else r[-1])
         state.record["tokens_merge"] = {"schedule": list(value) if isinstance(value, tuple) else value, "r": r,
-                                        "tokens": tokens, "output_tokens": int(out)}
+                                        "tokens": tokens, "output_tokens": int(out), "unmerge": dense}

@@ -102,29 +102,31 @@ def schedule_r(value: Any, num_blocks: int) -> list[int]:
     return [int(value)] * num_blocks
 
 
-def token_counts(r: list[int], num_tokens: int, num_prefix: int) -> list[int]:
+def token_counts(r: list[int], num_tokens: int, num_prefix: int, unmerge: bool = False) -> list[int]:
     """The tokens each block receives under the per-block ``r`` (block i merges after its attention: block i + 1
-    receives ``tokens[i] - r[i]``).
+    receives ``tokens[i] - r[i]``; with ``unmerge``, :mod:`edgeprune.tokens.unmerge`, every block receives all
+    ``num_tokens``).
 
     Raises:
         UserError: a block asked to merge more than ``(N - prefix) // 2`` of its N tokens, named.
     """
     out, n = [], int(num_tokens)
+    after = "" if unmerge else " after the earlier blocks' merges"
     for i, ri in enumerate(r):
         most = split_sizes(n, num_prefix)[1]
         if ri > most:
             raise UserError(f"{OPTION}: block {i} would merge {ri} tokens but can merge at most {most} "
-                            f"((N - prefix) // 2 with N = {n} tokens after the earlier blocks' merges, "
-                            f"{num_prefix} prefix); lower r")
+                            f"((N - prefix) // 2 with N = {n} tokens{after}, {num_prefix} prefix); lower r")
         out.append(n)
-        n -= ri
+        n -= 0 if unmerge else ri
     return out
 
 
 def plan_merges(value: Any, num_blocks: int, num_tokens: int, num_prefix: int,
-                class_token_last: bool = False) -> tuple[list[int], list[int]]:
+                class_token_last: bool = False, unmerge: bool = False) -> tuple[list[int], list[int]]:
     """``(r per block, tokens each block receives)`` of a schedule on a model of ``num_blocks`` blocks and
-    ``num_tokens`` tokens (``num_prefix`` of them never merged); a class-token last block's r is 0 (module doc).
+    ``num_tokens`` tokens (``num_prefix`` of them never merged); a class-token last block's r is 0 (module doc);
+    ``unmerge``: the blocks merge inside and unmerge (:mod:`edgeprune.tokens.unmerge`), each receives all tokens.
 
     Raises:
         UserError: as :func:`schedule_r` and :func:`token_counts`.
@@ -132,7 +134,7 @@ def plan_merges(value: Any, num_blocks: int, num_tokens: int, num_prefix: int,
     r = schedule_r(value, num_blocks)
     if class_token_last:
         r[-1] = 0
-    return r, token_counts(r, num_tokens, num_prefix)
+    return r, token_counts(r, num_tokens, num_prefix, unmerge)
 
 
 def parse_candidates(value: Any) -> tuple | None:

@@ -18,6 +18,7 @@ loaded, so the checkpoint's own key names apply), and the Python entry points co
 from __future__ import annotations
 
 import torch.nn as nn
+from edgeprune.backbone import BackboneError, backbone_of, replace_backbone
 
 from edgeprune.zoo import eva, glu  # noqa: F401  (register "eva", then "glu": Eva keeps its MLPs for it)
 from edgeprune.zoo.converters import CONVERTERS, Converter
@@ -31,13 +32,16 @@ def conversions_for(model: nn.Module) -> list[str]:
 
 
 def _vit_of(model: nn.Module) -> nn.Module:
-    return model if hasattr(model, "blocks") or not hasattr(model, "backbone") else model.backbone
+    try:
+        return backbone_of(model)
+    except BackboneError:
+        return model  # find_anatomy says why
 
 
 def canonical_model(model: nn.Module) -> nn.Module:
     """``model`` in the form the pipeline reads, converted exactly (see the module docstring).
 
-    A wrapper holding its ViT as ``.backbone`` keeps its other modules; its backbone is converted.
+    A network holding its ViT (:mod:`edgeprune.backbone`) keeps its other modules; its backbone is converted.
     Eval mode is kept as it was.
 
     Returns:
@@ -55,5 +59,5 @@ def canonical_model(model: nn.Module) -> nn.Module:
         if vit is model:
             model = new
         else:
-            model.backbone = new
+            replace_backbone(model, new)
     raise RuntimeError("model conversions did not settle (a converter applies to its own output)")

