@@ -139,7 +139,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
                 metadata: Mapping[str, Any] | None = None, opset: int = DEFAULT_OPSET,
                 dynamic_batch: bool = True, *, batch_size: int = 1,
                 exporter: str = "torchscript", fold_constants: bool = True,
-                overwrite: bool = True, attention: str = "fusible") -> Path:
+                overwrite: bool = True, attention: str = "packed") -> Path:
     """Export ``model`` to ``path`` as a clean ONNX graph with input ``"input"``, output ``"output"`` (a network
     with several outputs: one graph output per tensor, named by :func:`output_names`).
 
@@ -156,9 +156,10 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
         exporter: ``"torchscript"`` (default) or ``"dynamo"`` (needs onnxscript).
         fold_constants: run onnx-graphsurgeon constant folding.
         overwrite: replace an existing ``path``; ``False`` raises :class:`UserError` instead.
-        attention: ``"fusible"`` (default): attention written as separate q/k/v MatMuls and
+        attention: ``"packed"`` (default): the model's own packed ``qkv`` + SDPA (what the quantizer, SmoothQuant and
+            the TensorRT int8 plan read); ``"fusible"``: attention written as separate q/k/v MatMuls and
             ``Softmax(QK^T / sqrt(d)) V``, the pattern ONNX Runtime's transformer optimizer fuses
-            (:mod:`exporters.attention_pattern`); ``"packed"``: the model's own packed ``qkv`` + SDPA.
+            (:mod:`exporters.attention_pattern`).
 
     Returns:
         ``Path(path)``.

@@ -223,8 +223,11 @@ def resolve_config(profile: Any = None, *, targets: tuple[str, ...] = (), **opti
         provider = "cuda" if prof.uses_tensorrt else "cpu"
     min_block = options.get("min_block_ms")
     sources["min_block_ms"] = "option" if min_block is not None else "default"
+    # blocks on the CPU backends (a 2 ms run is a scheduler slice); a GPU run is timed by its own events: no blocks
+    on_gpu = backend == "tensorrt" or provider == "cuda" or values.get("device") == "cuda"
+    default_block = 0.0 if on_gpu else DEFAULT_MIN_BLOCK_MS
     cfg = BenchConfig(profile=prof.name, backend=backend, provider=provider,
-                      min_block_ms=DEFAULT_MIN_BLOCK_MS if min_block is None else min_block,
+                      min_block_ms=default_block if min_block is None else min_block,
                       random_init=bool(options.get("random_init")), sources=sources,
                       **{**values, "batch_sizes": tuple(values["batch_sizes"])})
     return cfg, prof

@@ -86,7 +86,7 @@ def test_fusible_export_fuses_every_block(models, case, tmp_path):
         ref = model(x)
         torch.testing.assert_close(copy(x), ref, rtol=0, atol=1e-5)
 
-    path = export_onnx(model, tmp_path / "m.onnx", SHAPE)
+    path = export_onnx(model, tmp_path / "m.onnx", SHAPE, attention="fusible")
     out = _run(path, x)
     np.testing.assert_allclose(out, ref.numpy(), rtol=0, atol=1e-5)
 
@@ -116,7 +116,7 @@ def test_layer_scale_is_folded_and_fuses(tmp_path):
     x = _x()
     with torch.no_grad():
         torch.testing.assert_close(copy(x), model(x), rtol=0, atol=1e-5)
-    path = export_onnx(model, tmp_path / "ls.onnx", SHAPE)
+    path = export_onnx(model, tmp_path / "ls.onnx", SHAPE, attention="fusible")
     assert count_fused_attention(path)["fused"] == DEPTH
 
 

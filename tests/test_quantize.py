@@ -33,9 +33,6 @@ pytestmark = needs_fmnist
 N_EVAL = 500
 N_CALIB = 64
 
-#: weight MatMuls per block of the default export (issue 56's fusible attention: q, k, v, proj, fc1, fc2)
-LINEAR_PER_BLOCK = 6
-
 
 def invoke(*args):
     """``edgeprune quantize ...`` as a user runs it (through the CLI's one error handler)."""
@@ -98,7 +95,7 @@ def test_int8_is_qdq_with_per_channel_weight_scales(work):
     # 6 blocks x (qkv, proj, fc1, fc2) + patch-embed Conv + head Gemm, less those the default
     # (TensorRT recipe, issue 31) keeps float by measured sensitivity
     kept_float = [g for g in work["int8"].report["int8_plan"]["gemms"] if g["precision"] != "int8"]
-    assert len(deq) == 6 * LINEAR_PER_BLOCK + 2 - len(kept_float)
+    assert len(deq) == 6 * 4 + 2 - len(kept_float)
     assert work["int8"].report["int8_plan"]["int8_flops_share"] >= 0.9  # the fallback's FLOP cap (10%)
     for node, w, scale, axis in deq:
         assert scale.ndim == 1, f"{node.name}: per-tensor scale {scale.shape}"
@@ -203,7 +200,7 @@ def test_exclude_patterns_keep_nodes_float(work, tmp_path):
                                                         quantize_attention=True))
     m = onnx.load(str(out))
     excluded = read_metadata(out)["excluded_nodes"]
-    assert excluded == r.report["excluded_nodes"] and len(excluded) == LINEAR_PER_BLOCK + 2  # q, k, v, 2 attn products, proj, fc1, fc2
+    assert excluded == r.report["excluded_nodes"] and len(excluded) == 6  # qkv, 2 attn products, proj, fc1, fc2
     dq_outputs = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear"}
     for n in m.graph.node:
         if n.name in excluded:
@@ -222,7 +219,7 @@ def test_auto_exclude_keeps_the_most_sensitive_nodes_float(work, tmp_path):
     md = read_metadata(out)
     ranking = [s["node"] for s in md["sensitivity"]]
     # 38 quantizable nodes less the 12 attention products, which stay float by default
-    assert len(ranking) == 6 * LINEAR_PER_BLOCK + 2 and md["auto_excluded_nodes"] == ranking[:2]
+    assert len(ranking) == 26 and md["auto_excluded_nodes"] == ranking[:2]
     assert set(r.report["excluded_nodes"]) == set(ranking[:2]) | set(md["float_attention_nodes"])
     m = onnx.load(str(out))
     dq_outputs = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear"}
@@ -251,7 +248,7 @@ def test_attention_products_stay_float_unless_asked(work, tmp_path):
     default = _quantized_inputs(work["int8"].path)
     attn = [n for n in default if n.endswith(("/attn/MatMul", "/attn/MatMul_1"))]
     linear = [n for n in default if n not in attn]
-    assert len(attn) == 12 and len(linear) == 6 * LINEAR_PER_BLOCK  # per block: q, k, v, proj, fc1, fc2
+    assert len(attn) == 12 and len(linear) == 24  # per block: qkv, proj, fc1, fc2
     kept_float = {g["node"] for g in work["int8"].report["int8_plan"]["gemms"] if g["precision"] != "int8"}
     assert not any(default[n] for n in attn) and all(default[n] for n in linear if n not in kept_float)
     out = tmp_path / "attn8.onnx"

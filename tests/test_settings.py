@@ -78,9 +78,9 @@ def test_every_prune_option_is_one_declared_setting_or_a_job_option():
     cmd = cli.commands["prune"]
     declared = prune_declared()
     _assert_each_setting_is_its_option(cmd, declared)
-    job = {"model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs", "calib_dir",
-           "calib_size", "seed", "batch_size", "eval_data", "eval_size", "no_eval", "device", "torch_device", "out",
-           "quiet", "config", "help_all", "help"}
+    job = {"model_name", "model_file", "backbone", "checkpoint", "random_init", "num_classes", "img_size",
+           "model_kwargs", "calib_dir", "calib_size", "seed", "batch_size", "eval_data", "eval_size", "no_eval",
+           "device", "torch_device", "out", "quiet", "config", "help_all", "help"}
     assert {p.name for p in cmd.params} - set(declared) <= job
 
 
@@ -300,7 +300,8 @@ def test_every_derive_option_is_one_declared_setting_or_a_job_option(tmp_path):
     declared = derive_declared()
     assert cmd.settings_sections == DERIVE_SECTIONS
     _assert_each_setting_is_its_option(cmd, declared)
-    job = {"model_name", "checkpoint", "random_init", "num_classes", "img_size", "model_kwargs", "classes", "data",
+    job = {"model_name", "model_file", "backbone", "checkpoint", "random_init", "num_classes", "img_size",
+           "model_kwargs", "classes", "data",
            "train_data", "train_per_class", "calib_dir", "calib_size", "val_size", "eval_data", "eval_size",
            "no_eval", "seed", "threads", "device", "torch_device", "out", "quiet", "config", "help_all"}
     assert {p.name for p in cmd.params} - set(declared) == job

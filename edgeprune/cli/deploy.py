@@ -29,7 +29,7 @@ from edgeprune.jobs.verify import verify
               help="Fixed batch size B instead of a dynamic batch axis.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--no-check", is_flag=True, help="Skip the ONNX Runtime vs PyTorch check on 2 noise images.")
-@click.option("--attention", type=click.Choice(["fusible", "packed"]), default="fusible", show_default=True,
+@click.option("--attention", type=click.Choice(["fusible", "packed"]), default="packed", show_default=True,
               help="Attention in the graph: separate q/k/v MatMuls that ONNX Runtime's transformer optimizer fuses "
                    "(fusible), or the model's packed qkv (packed).")
 def export_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, random_init: bool,

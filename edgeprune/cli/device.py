@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import click
 
 from devices import list_profiles, load_profile
+from edgeprune.cli.options import FiniteFloat
 from edgeprune.jobs.bench import bench
 from edgeprune.jobs.build import build, default_engine_path  # noqa: F401 (handed on)
 from runners.registry import backend_names
@@ -152,9 +153,9 @@ def _backend_choices() -> list[str]:
               help="TensorRT build precision for .onnx; for ONNX Runtime, int8 checks the file is "
                    "quantized (Q/DQ); torch on CUDA: fp32, tf32, fp16, bf16 [profile's]")
 @click.option("--random-init", is_flag=True, help="model names without weights (latency only)")
-@click.option("--min-block-ms", "min_block_ms", default=None, type=float, metavar="MS",
+@click.option("--min-block-ms", "min_block_ms", default=None, type=FiniteFloat(min=0), metavar="MS",
               help="each timed turn runs one model back to back for at least MS ms (runs per block chosen in "
-                   "warm-up; latency = block time / runs); 0: one run per turn [25]")
+                   "warm-up; latency = block time / runs); 0: one run per turn [25 on the CPU, 0 on a GPU]")
 @click.option("--memory/--no-memory", "memory", default=None,
               help="per model its weights and its own peak memory, each model loaded and run in its own "
                    "process after the timing [on with --vs]")

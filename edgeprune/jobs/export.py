@@ -39,7 +39,7 @@ def export(output: str | Path, *, run_dir: str | Path | None = None, model_name:
            checkpoint: str | Path | None = None, random_init: bool = False, num_classes: int | None = None,
            img_size: int | None = None, model_kwargs: dict | None = None, opset: int = 17,
            static_batch: int | None = None, force: bool = False, check: bool = True,
-           echo: Echo = _echo, attention: str = "fusible") -> ExportResult:
+           echo: Echo = _echo, attention: str = "packed") -> ExportResult:
     """Export ``run_dir`` (a pruned, healed or derived run) or the dense ``model_name`` to ``output`` (.onnx).
 
     The file holds the deployer's metadata (base model, method, sparsities, per-block dims, input,

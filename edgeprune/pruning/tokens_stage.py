@@ -39,4 +39,5 @@ class TokensMerge(Stage):
         dense = unmerges(state.model)
         out = last.query_tokens if last.query_tokens is not None else tokens[-1] - (0 if dense else r[-1])
         state.record["tokens_merge"] = {"schedule": list(value) if isinstance(value, tuple) else value, "r": r,
-                                        "tokens": tokens, "output_tokens": int(out), "unmerge": dense}
+                                        "tokens": tokens, "output_tokens": int(out),
+                                        **({"unmerge": True} if dense else {})}
