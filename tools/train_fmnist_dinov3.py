@@ -30,15 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeprune.data.fashion_mnist import load_split  # noqa: E402
 from edgeprune.zoo.fmnist_dinov3 import CONFIG, create_fmnist_dinov3  # noqa: E402
-
-
-@torch.no_grad()
-def evaluate(model, x, y, batch=250) -> float:
-    model.eval()
-    correct = 0
-    for i in range(0, len(x), batch):
-        correct += (model(x[i:i + batch]).argmax(-1) == y[i:i + batch]).sum().item()
-    return correct / len(x)
+from train_fmnist_vit import evaluate, save  # noqa: E402  (the fmnist-vit trainer's, beside this script)
 
 
 def main() -> None:
@@ -111,13 +103,6 @@ def main() -> None:
     save(model, out, {"config": repr(CONFIG), "epochs": str(args.epochs), "test_top1": f"{acc:.4f}",
                       "recipe": recipe})
     print(f"saved {out} (test top-1 {acc * 100:.2f}%, {time.time() - start:.0f}s)")
-
-
-def save(model, out: Path, meta: dict) -> None:
-    """Write the weights atomically (a temp file in the same folder, then ``os.replace``)."""
-    from edgeprune.atomic import atomic_save_safetensors
-
-    atomic_save_safetensors(out, {k: v.contiguous() for k, v in model.state_dict().items()}, meta)
 
 
 if __name__ == "__main__":
