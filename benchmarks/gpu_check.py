@@ -531,7 +531,8 @@ def check_latency_table(ctx: Ctx, d: dict) -> tuple[str, str]:
 def sized_table(t: LatencyTable, path: Path) -> Path:
     """The dry run's table for the latency prunes: ``t`` with every time replaced by one that follows the kept sizes
     (a sub-block at fraction f of its dense size costs ``(0.2 + 0.8 f)`` x its measured dense time; no in-model
-    correction), saved at ``path``. A tiny model timed on a shared CPU is all per-op overhead: its measured table can
+    correction; the measured table's self-check and in-model costs left out: they describe its times), saved at
+    ``path``. A tiny model timed on a shared CPU is all per-op overhead: its measured table can
     price the cheapest allocation above the dense model, and whether it does depends on the machine's load (issue 52:
     ``--latency 1.005`` asked, refused). The measured table is still built and checked by ``latency_table``; the prunes
     that follow get this one, whose branch no load can flip."""
@@ -544,8 +545,11 @@ def sized_table(t: LatencyTable, path: Path) -> Path:
     attn = {**t.attn, "ms": [[[None if t.attn["ms"][i][j][m] is None else
                                full_attn * size(h * (q + u) / (2 * k["num_heads"] * k["head_dim"]))
                                for m, u in enumerate(v)] for j, q in enumerate(qk)] for i, h in enumerate(heads)]}
+    meta = {key: value for key, value in t.meta.items() if key != "self_check"}  # the measured table's
+    meta["parts"] = {key: value for key, value in meta.get("parts", {}).items()  # its timings, not what they gave
+                     if not key.startswith("per_block") and key != "calls"}
     sized = dataclasses.replace(t, mlp=mlp, attn=attn, block_overhead_ms=0.0, block_scale=1.0, block_points=None,
-                                block_surface=None, meta={**t.meta, "sized_for_dry_run": True})
+                                block_surface=None, meta={**meta, "sized_for_dry_run": True})
     sized.dense_model_ms = sized.dense_ms()
     atomic_write_text(path, json.dumps(sized.to_dict()))
     LatencyTable.load(path)  # the same schema check as any table

@@ -85,7 +85,9 @@ def test_without_the_overhead_term_the_table_would_not_add_up(tmp_path: Path, ti
     assert not selfcheck.verdict(t, models)["passed"]
 
 
-@pytest.mark.parametrize("which,part", [("model_factor", "sub-block entries"), ("dense_factor", "do not add up")])
+# (a dense model that costs 1.2x its parts is one of the table's measured models since issue 52: the miss shows
+# between it and the half-dims model, at x0.7)
+@pytest.mark.parametrize("which,part", [("mixed_factor", "sub-block entries"), ("dense_factor", "allocation x0.7")])
 def test_whole_models_20_percent_off_are_refused_naming_the_part(tmp_path: Path, tiny_vit, which, part) -> None:
     from edgeprune.latency.build import SelfCheckFailed
 
@@ -104,7 +106,7 @@ def test_whole_models_20_percent_off_are_refused_naming_the_part(tmp_path: Path,
     with pytest.raises(SelfCheckFailed):
         _build(tiny_vit, out)
     # (issue 52: each pruned model that misses is timed twice, and the dense model once more at the end)
-    assert {c[0] for c in _Counting.calls} == {"model"} and len(_Counting.calls) == (7 if which == "model_factor" else 4)
+    assert {c[0] for c in _Counting.calls} == {"model"} and len(_Counting.calls) == (7 if which == "mixed_factor" else 6)
     # --force keeps it, marked unverified, without timing the entries again
     _Counting.calls = []
     t = _build(tiny_vit, out, force=True)
@@ -118,7 +120,7 @@ def test_forced_table_says_unverified_in_the_record_and_the_prune_report(tmp_pat
     from edgeprune.budget.latency import LatencyCost
     from edgeprune.pruning.latency_check import latency_check, latency_report
 
-    _Counting.reset(model_factor=1.2)
+    _Counting.reset(mixed_factor=1.2)
     out = tmp_path / "t.json"
     _build(tiny_vit, out, force=True)
     budget = make_budget(latency=0.5, table=str(out))
@@ -220,10 +222,10 @@ def test_a_complete_table_with_parts_measured_but_missing_is_refused(tmp_path: P
 
 
 def test_a_forced_table_loads_although_its_parts_do_not_add_up(tmp_path: Path, tiny_vit) -> None:
-    _Counting.reset(dense_factor=1.3)
+    _Counting.reset(mixed_factor=1.3)
     _build(tiny_vit, tmp_path / "t.json", force=True)
     t = LatencyTable.load(tmp_path / "t.json")
-    assert t.unverified and "do not add up" in t.unverified
+    assert t.unverified and "are off at the pruned dims" in t.unverified
 
 
 # -- old tables price as before ----------------------------------------------------------------
@@ -335,7 +337,7 @@ def fake_backend(monkeypatch):
 
 def test_cli_refuses_a_failed_self_check_and_keeps_it_with_force(tmp_path: Path, fake_backend) -> None:
     out = tmp_path / "t.json"
-    _Counting.reset(model_factor=1.2)
+    _Counting.reset(mixed_factor=1.2)
     r = run_cli([*BASE, "-o", out])
     assert_one_line_error(r, "latency table self-check failed: the sub-block entries", 1)
     assert "x0." in r.stderr and "--force" in r.stderr
@@ -417,6 +419,35 @@ def test_a_curved_in_model_cost_is_followed_through_the_quarter_point(tmp_path: 
     assert selfcheck.verdict(t, models)["passed"]
 
 
+def test_a_chain_timed_alone_pays_its_own_call(tmp_path: Path, tiny_vit) -> None:
+    """Issue 52, the idle-box miss: a block or chain timed alone pays a premium in proportion to its first block
+    (the 2-core boxes: one dense block alone cost 2.5x a block inside a chain of 12). The calls measured off the
+    uniformly cut whole models (``meta.parts.calls``: small chains pay less) price every self-check model exactly;
+    the one call of the tables before (``block - per_block``, planted: the level models dropped) comes off the small
+    chains whole and prices the x0.3 model low beyond the tolerance."""
+    import copy
+
+    from edgeprune.latency import selfcheck
+    from edgeprune.latency.schema import ADD_UP_TOLERANCE
+
+    _Counting.reset(alone_share=1.5, overhead=0.3)
+    t = _build(tiny_vit, tmp_path / "t.json", force=True)
+    calls = t.meta["parts"]["calls"]
+    assert len(calls) == 3 and calls[0][1] < calls[1][1] < calls[2][1], calls
+    chk = t.meta["self_check"]
+    assert chk["passed"], chk["failure"]
+    for m in chk["models"]:
+        assert m["predicted_ms"] == pytest.approx(m["measured_ms"], rel=1e-9), m["name"]
+    assert LatencyTable.load(tmp_path / "t.json").complete
+    old = copy.deepcopy(t)
+    for kind in ("model_half_ms", "model_quarter_ms"):
+        old.meta["parts"].pop(kind)
+    selfcheck.finish(old)
+    assert "calls" not in old.meta["parts"]
+    x03 = next(m for m in chk["models"] if m["name"] == "x0.3")
+    assert old.model_ms(x03["blocks"]) / x03["measured_ms"] - 1 < -ADD_UP_TOLERANCE
+
+
 def test_a_quarter_chain_out_of_order_is_left_out(tmp_path: Path, tiny_vit) -> None:
     """Tiny blocks under noise: a quarter chain timed slower per block than the half one is not a point of the map
     (the table keeps the dense and half points, ``points_used`` 2), and the build does not fail on it."""
@@ -426,6 +457,7 @@ def test_a_quarter_chain_out_of_order_is_left_out(tmp_path: Path, tiny_vit) -> N
     t = _build(tiny_vit, tmp_path / "t.json")
     parts = t.meta["parts"]
     parts["chain_quarter_ms"] = parts["chain_half_ms"] * 1.5
+    parts["model_quarter_ms"] = parts["model_half_ms"] * 1.5  # the whole quarter model too (else its call absorbs it)
     selfcheck.finish(t)
     assert parts["points_used"] == 2 and len(t.block_points) == 2
     assert [p[0] for p in t.block_points] == sorted([parts["sub_blocks_half_ms"], parts["sub_blocks_ms"]])
@@ -464,7 +496,7 @@ def test_the_self_check_tells_the_load_from_the_table(tmp_path: Path, tiny_vit, 
     monkeypatch.setattr(load, "snapshot",
                         lambda clock="wall": {"load_1m": 1.5, "load_5m": 1.0, "cores": 2, "clock": clock})
     t.meta["load"]["start"] = load.snapshot()
-    _Counting.reset(model_factor=model_factor)
+    _Counting.reset(mixed_factor=model_factor)
     calls = []
 
     def measure(model):

@@ -235,7 +235,9 @@ class _Counting:
     every run of
     a module pays once (a sub-block timed alone pays it, a block inside a model does not); ``outside``: the model
     without its blocks; ``model_factor`` / ``dense_factor``: pruned / dense whole models cost this times the sum
-    of their parts."""
+    of their parts; ``mixed_factor``: the same for pruned models whose blocks differ (what a table's uniformly cut
+    models cannot see); ``alone_share``: a block or a chain of them timed alone also pays this x its first block's
+    in-model cost (the real boxes' pattern: one dense block alone cost 2.5x a block inside a chain)."""
 
     calls: list = []
     fail_after: int | None = None
@@ -245,14 +247,16 @@ class _Counting:
     outside = 3.0
     model_factor = 1.0
     dense_factor = 1.0
+    mixed_factor = 1.0
+    alone_share = 0.0
     square = 0.0  # a block inside a model also costs ``square`` x its compute squared (a curved in-model cost)
     attn_inside = None  # inside a model the attention costs this x its compute (None: ``inside``, as the MLP)
 
     @classmethod
     def reset(cls, **kw) -> None:
         cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside, cls.square = [], None, 0.0, 0.0, 3.0, 0.0
-        cls.attn_inside = None
-        cls.model_factor = cls.dense_factor = cls.inside = 1.0
+        cls.attn_inside, cls.alone_share = None, 0.0
+        cls.model_factor = cls.dense_factor = cls.mixed_factor = cls.inside = 1.0
         for k, v in kw.items():
             setattr(cls, k, v)
 
@@ -293,16 +297,16 @@ def _cost(module) -> tuple[tuple, float]:
         return ("attn", a.num_heads, a.qk_dim, a.v_dim), _attn_cost(a.num_heads, a.qk_dim, a.v_dim) + c.call
     if not hasattr(module, "blocks"):  # one whole block, or a chain of them
         chain = list(module) if isinstance(module, nn.Sequential) else [module]
-        ms = sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m), _attn_cost(h, q, v))
-                 for h, q, v, m in map(_block_dims, chain))
-        return (("chain", len(chain)) if len(chain) > 1 else ("block",)), ms + c.call
+        each = [_inside(_attn_cost(h, q, v) + _mlp_cost(m), _attn_cost(h, q, v)) for h, q, v, m in map(_block_dims, chain)]
+        return (("chain", len(chain)) if len(chain) > 1 else ("block",)), sum(each) + c.call + c.alone_share * each[0]
     dims = [_block_dims(b) for b in module.blocks]
     if not dims:
         return ("outside",), c.outside + c.call
     ms = c.outside + c.call + sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m), _attn_cost(h, q, v))
                                         for h, q, v, m in dims)
     dense = all(d == (3, 64, 64, 768) for d in dims)
-    return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor)
+    mixed = len(set(dims)) > 1
+    return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor * (c.mixed_factor if mixed else 1))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -392,9 +396,9 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
     # the grid, the dense model, the model without blocks, the dense block, nine chains (three uniform, six mixed: the
-    # in-model cost surface), then 3 self-check models and the dense model once more (issue 52: how far the load
-    # moved it during the build)
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 12 + 3 + 1
+    # in-model cost surface), the half and quarter models (each chain's call), then 3 self-check models and the dense
+    # model once more (issue 52: how far the load moved it during the build)
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 14 + 3 + 1
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
     assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5

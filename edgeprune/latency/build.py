@@ -32,11 +32,13 @@ from devices import pruning_rules
 from edgeprune._version import __version__
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.latency import load, relative, selfcheck
+from edgeprune.latency.chains import level_model
 from edgeprune.latency.grid import Grid, check_token_counts, make_grid, shape_of
 from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
 from edgeprune.latency.relative import References
 from runners.clock import clock_for
 from edgeprune.latency.schema import CHAIN_KINDS, WHOLE_KINDS
+from edgeprune.latency.surface import LEVEL_MODELS
 from edgeprune.latency.selfcheck import SelfCheckFailed, conclude, finish
 from edgeprune.latency.table import LatencyTable
 from edgeprune.latency.token_axis import TOKEN_KINDS, add_axis, counts_of, time_tokens
@@ -154,7 +156,7 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
         fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
         measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
-                  **{kind: False for kind in CHAIN_KINDS}},
+                  **{kind: False for kind in (*CHAIN_KINDS, *LEVEL_MODELS)}},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
@@ -254,6 +256,8 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
     if kind in CHAIN_KINDS:
         return selfcheck.chain_module(t, anatomy, kind), (batch, T, D)
     image = (batch, anatomy.in_chans, *anatomy.img_size)
+    if kind in LEVEL_MODELS:
+        return level_model(t, anatomy, kind), image
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 
 

@@ -86,6 +86,13 @@ def model_blocks(anatomy: Any, dims: dict[str, int] | None = None) -> nn.Module:
     return nn.Sequential(*blocks).eval()
 
 
+def level_model(t: Any, anatomy: Any, kind: str) -> nn.Module:
+    """The whole model of a level entry ``kind`` (:data:`edgeprune.latency.surface.LEVEL_MODELS`): every block at
+    :func:`fraction_dims` of its fraction, (B, C, H, W) -> the model's output."""
+    f, _chain = surface.LEVEL_MODELS[kind]
+    return pruned_model(anatomy, [fraction_dims(t, f)] * len(anatomy.blocks))
+
+
 def pruned_model(anatomy: Any, blocks: list[dict[str, int]], seed: int = 0) -> nn.Module:
     """A copy of the (dense) model rebuilt with per-block kept dims ``blocks`` (``{"mlp", "heads", "qk", "v"}``;
     :func:`edgeprune.surgery.apply_structure`, seeded random weights in the resized modules), eval mode."""
@@ -102,5 +109,6 @@ def _snap(x: float, step: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, step * round(x / step))))
 
 
-__all__ = ["FIT_FRACTIONS", "chain_dims", "chain_length", "chain_module", "fraction_dims", "half_dims", "model_blocks",
+__all__ = ["FIT_FRACTIONS", "chain_dims", "chain_length", "chain_module", "fraction_dims", "half_dims", "level_model",
+           "model_blocks",
            "outside_model", "pruned_model"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from edgeprune.errors import UserError
 from edgeprune.latency import surface
-from edgeprune.latency.surface import MIXED
+from edgeprune.latency.surface import LEVEL_MODELS, MIXED
 from edgeprune.schema import Bool, Int, ListOf, MapOf, Num, Obj, Req, SchemaError, Str, check
 
 __all__ = ["ADD_UP_TOLERANCE", "CHAIN_KINDS", "WHOLE_KINDS", "TABLE_SCHEMA", "check_adds_up", "check_table",
@@ -44,8 +44,9 @@ DAMAGED_HINT = ("a damaged or hand-edited table: rebuild it with edgeprune laten
 #: (half and quarter dims) and the mixed ones of the in-model cost surface (:mod:`edgeprune.latency.surface`)
 CHAIN_KINDS = ("chain", "chain_half", "chain_quarter", *MIXED)
 
-#: the entries a table times whole besides its grid: the dense model, the model without blocks, one block, the chains
-WHOLE_KINDS = ("model", "outside", "block", *CHAIN_KINDS)
+#: the entries a table times whole besides its grid: the dense model, the model without blocks, one block, the chains,
+#: the uniformly cut whole models (:data:`edgeprune.latency.surface.LEVEL_MODELS`)
+WHOLE_KINDS = ("model", "outside", "block", *CHAIN_KINDS, *LEVEL_MODELS)
 
 _POS = Int(min=1)
 _MS = Num(gt=0, nullable=True, want="a positive finite time in ms")
@@ -69,7 +70,7 @@ _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, n
 
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
                  "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
-                 **{k: Num(gt=0, nullable=True) for k in CHAIN_KINDS},
+                 **{k: Num(gt=0, nullable=True) for k in (*CHAIN_KINDS, *LEVEL_MODELS)},
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
 _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
@@ -79,7 +80,8 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
               "chain_quarter_ms": Num(gt=0, nullable=True), "sub_blocks_quarter_ms": Num(gt=0),
               "per_block_quarter_ms": Num(), "quarter_dims": MapOf(Int(min=1)),
               "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True)),
-              **{f"{k}_ms": Num(gt=0, nullable=True) for k in MIXED}, "surface": Str(), "call_ms": Num()})
+              **{f"{k}_ms": Num(gt=0, nullable=True) for k in (*MIXED, *LEVEL_MODELS)}, "surface": Str(),
+              "call_ms": Num(), "calls": ListOf(ListOf(Num(), min_len=2, max_len=2), min_len=1)})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1)),
@@ -298,8 +300,9 @@ def check_adds_up(t: Any) -> None:
 
 def _check_surface(t: Any, parts: dict, tol: float) -> None:
     """The surface's knots are the grid's times at the levels' dims (``meta.parts.<level>_dims``) and its cells the
-    chains' per-block costs (``(meta.parts.<chain>_ms - call) / chain_blocks``, the call ``block_ms -
-    per_block_ms``), each within ``tol``.
+    chains' per-block costs (``(meta.parts.<chain>_ms - call) / chain_blocks``, the call
+    :func:`edgeprune.latency.surface.chain_call`: through ``meta.parts.calls``, else ``block_ms - per_block_ms``),
+    each within ``tol``; ``meta.parts.calls`` are what the table's chains and models give.
 
     Raises:
         SchemaError: ``block_surface``, naming the knot or the cell that does not follow.
@@ -322,13 +325,18 @@ def _check_surface(t: Any, parts: dict, tol: float) -> None:
                         f"grid's times at the quarter, half and dense dims ({shown} ms)")
         names[axis] = [levels[i] for i in keep]
     n, block, per = parts.get("chain_blocks"), parts.get("block_ms"), parts.get("per_block_ms")
-    if not n or block is None or per is None:
+    if not n or ((block is None or per is None) and not parts.get("calls")):
         return
-    call = float(block) - float(per)
+    calls = surface.level_calls(parts, t.dense_model_ms)
+    given = parts.get("calls")
+    if given and (calls is None or len(calls) != len(given) or any(
+            abs(a - b) > tol * abs(want[0]) for want, got in zip(calls, given) for a, b in zip(want, got))):
+        raise _fail("meta.parts.calls", "are not outside + chain - model of the table's dense, half and quarter "
+                    "chains and models")
     for i, nm in enumerate(names["mlp_ms"]):
         for j, na in enumerate(names["attn_ms"]):
             ms = parts.get(f"{surface.chain_kind(nm, na)}_ms")
-            want = None if ms is None else (float(ms) - call) / n
+            want = None if ms is None else (float(ms) - surface.chain_call(parts, float(ms))) / n
             if want is not None and abs(sf["ms"][i][j] - want) > tol * abs(want):
                 raise _fail("block_surface", f"cell [{i}][{j}] (MLP {nm}, attention {na}) is {sf['ms'][i][j]:.4g} ms, "
                             f"but the chain {surface.chain_kind(nm, na)} gives {want:.4g} ms per block")

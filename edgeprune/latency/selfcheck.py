@@ -12,7 +12,12 @@ block_overhead_ms)``. Its parts are timed directly, not by subtraction:
   pays it once; inside the model the blocks do not) cancels in the difference;
 * ``chain_half`` and ``chain_quarter``: the blocks of models of about half and a quarter of the dense dims
   (:func:`fraction_dims`), in sequence: a block of those dims inside a model costs ``(chain_x - call) /
-  chain_blocks``, with the call ``block - per_block_ms``;
+  chain_blocks``;
+* ``model_half`` and ``model_quarter``: whole models with every block at those dims; with the dense model they give
+  the call each chain paid timed alone, ``outside + chain_x - model_x``, linear in the chain's time between them
+  (:func:`edgeprune.latency.surface.chain_call`; issue 52: one call measured off one dense block, ``block -
+  per_block_ms``, came off small chains whole and priced small blocks low on an idle box -- tables without these
+  models keep it);
 * the six mixed chains (:data:`edgeprune.latency.surface.MIXED`: the MLP of one of those levels beside the attention
   of another): with the three above, the nine points of the in-model cost surface over the two sub-blocks apart
   (``block_surface``, :mod:`edgeprune.latency.surface`; issue 52: a block cut in a mix of its own -- full MLP,
@@ -238,15 +243,23 @@ def finish(t: Any, keep_disordered: bool = False) -> Any:
     per_block = (float(parts["chain_ms"]) - float(parts["block_ms"])) / (n - 1)
     call = float(parts["block_ms"]) - per_block
     left_out = []
+    parts.pop("calls", None)
     if keep_disordered and per_block <= 0:  # the dense chain itself is off: the sub-blocks' sum, no call term
         left_out.append(f"chain ({n} blocks {parts['chain_ms']:.4g} ms, one {parts['block_ms']:.4g} ms)")
         per_block, call = sub, float(parts["block_ms"]) - sub
+    elif per_block > 0:
+        calls = surface.level_calls(parts, t.dense_model_ms)  # issue 52: each chain's own call, off the whole models
+        if calls:
+            parts["calls"] = calls
+            call = surface.chain_call(parts, float(parts["chain_ms"]))
+            per_block = (float(parts["chain_ms"]) - call) / n
     parts.update(sub_blocks_ms=sub, chain_blocks=n, per_block_ms=per_block, call_ms=call)
     points, seen = [(sub, per_block)], [t.dense_dims()]
     for kind in FIT_FRACTIONS:  # largest first
         dims = chain_dims(t, kind)
         name = kind.removeprefix("chain_")
-        sub_f, per_f = t.block_ms(dims), (float(parts[f"{kind}_ms"]) - call) / n
+        chain_ms = float(parts[f"{kind}_ms"])
+        sub_f, per_f = t.block_ms(dims), (chain_ms - surface.chain_call(parts, chain_ms)) / n
         parts.update({f"{name}_dims": dims, f"sub_blocks_{name}_ms": sub_f, f"per_block_{name}_ms": per_f})
         if dims in seen:
             continue
@@ -265,15 +278,16 @@ def finish(t: Any, keep_disordered: bool = False) -> Any:
     t.block_scale = (y1 - y0) / (x1 - x0) if x1 > x0 else 1.0  # the line through the dense and the half point
     t.block_overhead_ms = y1 - t.block_scale * x1
     t.block_points = [[float(x), float(y)] for x, y in sorted(points)] if len(points) > 1 else None
-    t.block_surface = _surface(t, parts, call, n)
+    t.block_surface = _surface(t, parts, n)
     t.fixed_ms = float(parts["outside_ms"])
     t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
     return t
 
 
-def _surface(t: Any, parts: dict[str, Any], call: float, n: int) -> dict[str, Any] | None:
+def _surface(t: Any, parts: dict[str, Any], n: int) -> dict[str, Any] | None:
     """The in-model cost surface (:func:`edgeprune.latency.surface.fit`) of the nine chains, a block of them
-    costing ``(chain - call) / n``; None (``parts["surface"]`` says why) where a chain is not measured (a table
+    costing ``(chain - call) / n`` (the call :func:`edgeprune.latency.surface.chain_call`); None
+    (``parts["surface"]`` says why) where a chain is not measured (a table
     built before the surface) or the fit refuses."""
     levels = [(name, fraction_dims(t, f)) for name, f in surface.LEVELS]
     chains = {(i, j): parts.get(f"{surface.chain_kind(a, b)}_ms") for i, (a, _) in enumerate(levels)
@@ -284,7 +298,7 @@ def _surface(t: Any, parts: dict[str, Any], call: float, n: int) -> dict[str, An
         return None
     fitted, why = surface.fit([t.mlp_ms(d["mlp"]) for _, d in levels],
                               [t.attn_ms(d["heads"], d["qk"], d["v"]) for _, d in levels],
-                              {ij: (float(ms) - call) / n for ij, ms in chains.items()})
+                              {ij: (float(ms) - surface.chain_call(parts, float(ms))) / n for ij, ms in chains.items()})
     parts["surface"] = "fitted" if fitted else f"not fitted: {why}"
     return fitted
 

@@ -45,6 +45,49 @@ def chain_kind(mlp_level: str, attn_level: str) -> str:
 MIXED = {chain_kind(m, a): (fm, fa) for m, fm in LEVELS for a, fa in LEVELS if m != a}
 
 
+#: the uniformly cut whole models a table times beside the dense one (``meta.parts.<kind>_ms``), ``{kind: (fraction of
+#: the dense dims, the chain entry of the same blocks)}``: with the dense model they give the call each uniform chain
+#: paid timed alone (:func:`level_calls`)
+LEVEL_MODELS = {"model_half": (0.5, "chain_half"), "model_quarter": (0.25, "chain_quarter")}
+
+
+def level_calls(parts: dict[str, Any], dense_model_ms: float | None) -> list[list[float]] | None:
+    """The call each uniform chain paid timed alone, measured against the whole model of the same blocks (issue 52:
+    the composition term): ``[[chain ms, call ms], ...]`` ascending in the chain's time, the call ``outside +
+    chain - model`` (a model costs the model without its blocks plus its chain, less the one call the chain paid
+    apart), at the dense, half and quarter dims; None where a table did not time the uniform models (a table built
+    before them: :func:`chain_call` falls back to ``block - per_block``).
+
+    A constant call (``block - per_block_ms``, the tables before) was measured off one dense block and subtracted
+    from every chain: on the 2-core EPYC and Xeon boxes one dense block alone cost 2.5x a block inside a chain of 12
+    and the call came off small chains whole, pricing small blocks 6-8% low at x0.3 on an idle box
+    (docs/latency_budget.md). Measured per level, a small chain pays its own call.
+    """
+    chains = {"chain": dense_model_ms, **{chain: parts.get(f"{kind}_ms") for kind, (_f, chain) in LEVEL_MODELS.items()}}
+    outside = parts.get("outside_ms")
+    if outside is None or any(v is None for v in chains.values()) or any(parts.get(f"{c}_ms") is None for c in chains):
+        return None
+    points = sorted([float(parts[f"{c}_ms"]), float(outside) + float(parts[f"{c}_ms"]) - float(model)]
+                    for c, model in chains.items())
+    return [p for i, p in enumerate(points) if i == 0 or p[0] > points[i - 1][0]]  # equal chains (tiny grids): once
+
+
+def chain_call(parts: dict[str, Any], chain_ms: float) -> float:
+    """The call (ms) a chain timed alone in ``chain_ms`` paid, to subtract before its blocks are priced inside a
+    model: linear in the chain's time through ``parts["calls"]`` (:func:`level_calls`), constant beyond the
+    smallest and the largest chain; for a table without them the constant ``block_ms - per_block_ms``."""
+    calls = parts.get("calls")
+    if not calls:
+        return float(parts["block_ms"]) - float(parts["per_block_ms"])
+    xs = [p[0] for p in calls]
+    if chain_ms <= xs[0] or len(calls) == 1:
+        return float(calls[0][1])
+    if chain_ms >= xs[-1]:
+        return float(calls[-1][1])
+    i, w = _segment(xs, chain_ms)
+    return float(calls[i][1] + w * (calls[i + 1][1] - calls[i][1]))
+
+
 def through(points: Sequence[Sequence[float]], x: float) -> float:
     """``y(x)`` piecewise-linear through ``points`` (``[[x, y], ...]`` ascending in x, at least 2), extended by the
     first and the last segment; below the first point never under ``FLOOR_SHARE x y_first x / x_first`` (a steep
