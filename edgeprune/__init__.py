@@ -28,7 +28,8 @@ _LAZY = {"PruneResult": "edgeprune.api", "prune": "edgeprune.api", "structure_su
          "verify": "edgeprune.jobs.verify", "quantize": "edgeprune.jobs.quantize", "build": "edgeprune.jobs.build",
          "bench": "edgeprune.jobs.bench", "prune_run": "edgeprune.jobs.prune_run",
          "heal_run": "edgeprune.jobs.heal_run", "derive_run": "edgeprune.jobs.derive_run",
-         "latency_table_run": "edgeprune.jobs.latency_table_run", "PruneSettings": "edgeprune.pruning.settings"}
+         "latency_table_run": "edgeprune.jobs.latency_table_run", "PruneSettings": "edgeprune.pruning.settings",
+         "eval_run": "edgeprune.jobs.eval_run", "info_run": "edgeprune.jobs.info_run"}
 
 
 def __getattr__(name: str) -> object:
@@ -50,4 +51,5 @@ def __dir__() -> list[str]:
 
 __all__ = ["CorpConfig", "PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
            "RuntimeFault", "ModelSpec", "get_model_spec", "deploy", "DeployResult", "export", "verify", "quantize",
-           "build", "bench", "prune_run", "heal_run", "derive_run", "latency_table_run", "PruneSettings", "__version__"]
+           "build", "bench", "prune_run", "heal_run", "derive_run", "latency_table_run", "PruneSettings", "eval_run",
+           "info_run", "__version__"]

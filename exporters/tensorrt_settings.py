@@ -14,12 +14,14 @@ implicit (calibrator-based) INT8 here: int8 asked for on a model without Q/DQ no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from edgeprune.atomic import file_sha256  # noqa: F401 (re-exported)
 from edgeprune.errors import UserError
+from edgeprune.settings import Declared, Section, declared_of, setting
 
 if TYPE_CHECKING:
     from devices.profile import DeviceProfile
@@ -205,5 +207,32 @@ def builder_settings(profile: DeviceProfile, onnx_input_shape: Sequence[int | st
     }
 
 
-__all__ = ["BUILD_PRECISIONS", "QDQ_OPS", "Shape", "builder_settings", "file_sha256", "onnx_input",
-           "onnx_precision", "require_quantized"]
+@dataclasses.dataclass(frozen=True)
+class BuildSection(Section):
+    """What ``edgeprune build`` changes of a device profile's build (issue 53: declared once): the precision, the
+    timing cache, and whether a GPU of another compute capability may build. ``edgeprune build``'s setting options
+    are generated from it; the field names are :func:`edgeprune.jobs.build.build`'s keywords. The job's own inputs
+    (the ONNX file, the profile, the engine file, ``--print-trtexec``) are not settings."""
+
+    name: ClassVar[str] = "build"
+    title: ClassVar[str] = "Build"
+
+    precision: str | None = setting(None, "Instead of the profile's build precision; int8 needs a Q/DQ model "
+                                    "(edgeprune quantize).", choices=BUILD_PRECISIONS)
+    force_device: bool = setting(False, "Build even if this GPU's compute capability differs from the profile's.",
+                                 switch="flag")
+    timing_cache: str | None = setting(None, "Timing-cache file to reuse and update", metavar="PATH",
+                                       shown_default="the profile's")
+
+
+#: the sections of a build, in help order
+BUILD_SECTIONS: tuple[type[Section], ...] = (BuildSection,)
+
+
+def build_declared() -> dict[str, Declared]:
+    """``{field name: Declared}`` of every build setting."""
+    return declared_of(BUILD_SECTIONS)
+
+
+__all__ = ["BUILD_PRECISIONS", "BUILD_SECTIONS", "BuildSection", "QDQ_OPS", "Shape", "build_declared",
+           "builder_settings", "file_sha256", "onnx_input", "onnx_precision", "require_quantized"]

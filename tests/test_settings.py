@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import ClassVar
@@ -233,13 +234,26 @@ def test_a_recipe_and_a_record_of_9c01182_load_and_replay_to_the_same_weights(na
     weights = load_file(str(tmp_path / "new" / "model.safetensors"))
     assert sorted(weights) == sorted(norms)
     for key, value in norms.items():
-        assert abs(float(weights[key].double().norm()) - value) <= 1e-4 * value + 1e-6, key
+        # head.bias alone is set by round-off: the final LayerNorm's output x = g * xhat + beta has sum(xhat) = 0, so
+        # the refit's weight and bias trade off exactly along W + u (1/g)^T, b - u sum(beta / g) (only b + W beta is
+        # determined); the norms of then are of an AMD EPYC run, and an Intel Xeon's differ by 6.8% there
+        tol = 0.1 if key == "head.bias" else 1e-4
+        assert abs(float(weights[key].double().norm()) - value) <= tol * value + 1e-6, key
     replayed = tomllib.loads((tmp_path / "new" / "recipe.toml").read_text())  # written in the sections now
     assert "method" not in replayed and "budget" in replayed and "corp" in replayed
 
 
-#: the command modules whose options are generated from declared settings (issue 53: the rest still write theirs)
-GENERATED_COMMANDS = ("edgeprune/cli/prune.py", "edgeprune/cli/derive.py", "edgeprune/cli/heal.py")
+#: the command modules: every module of edgeprune/cli that defines a command (issue 53: all their setting options are
+#: generated from declared settings, the job options come from the shared helpers of cli/options.py)
+GENERATED_COMMANDS = tuple(sorted(str(p.relative_to(Path(__file__).parents[1]))
+                                  for p in (Path(__file__).parents[1] / "edgeprune" / "cli").glob("*.py")
+                                  if re.search(r"^\s*@click\.command\(", p.read_text(), re.M)))
+
+
+def test_every_command_module_is_found():
+    names = {Path(p).stem for p in GENERATED_COMMANDS}
+    assert {"prune", "derive", "heal", "quantize", "latency_table", "deploy_cmd", "export", "verify", "build",
+            "device", "evalinfo"} <= names, names
 
 
 @pytest.mark.parametrize("path", GENERATED_COMMANDS)

@@ -7,11 +7,16 @@ evaluation passes of prune / heal / derive / eval / verify run is ``--torch-devi
 ``--device cuda`` (``cuda``, ``cuda:N``, ``auto``: a torch device that is not a profile name) keeps
 working for a deprecation period with a one-line warning; ``--device cpu`` is the CPU profile,
 whose torch device is the CPU.
+
+Below: the inputs of the device jobs (export, verify, build, bench, devices) that are not settings (issue 53:
+their settings are declared in ``exporters.export_settings``, ``exporters.tensorrt_settings`` and
+``runners.bench_settings``): the profile, the output file, ``--force``, the reports.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -79,6 +84,64 @@ def device_option(f: Callable | None = None, *, default: str = "cpu") -> Callabl
     return deco if f is None else deco(f)
 
 
+# ---- the inputs of the device jobs (export, verify, build, bench, devices): not settings (issue 53) ------------
 
 
-__all__ = ["device_option", "torch_device_of"]
+def profile_option(help_text: str, *, required: bool = False) -> Callable:
+    """``--device PROFILE`` of build / bench: the device profile the job is for (``help_text`` says what it
+    chooses; a bad name is the job's one-line error); the command receives ``device``."""
+    # no default=None when required: click counts an explicit None as given
+    return click.option("--device", "device", required=required, metavar="PROFILE", help=help_text)
+
+
+def output_file_option(help_text: str, *, required: bool = False) -> Callable:
+    """``-o/--output FILE``: the file the job writes (``help_text`` says which and its default); ``output``."""
+    return click.option("-o", "--output", "output", required=required, metavar="FILE",
+                        type=click.Path(path_type=Path), help=help_text)
+
+
+def force_option(f: Callable) -> Callable:
+    """``--force``: overwrite an existing output file."""
+    return click.option("--force", is_flag=True, help="Overwrite an existing output file.")(f)
+
+
+def against_option(f: Callable) -> Callable:
+    """verify's ``--against RUN_DIR`` (``run_dir``): the run the file was exported from."""
+    return click.option("--against", "run_dir", type=click.Path(path_type=Path), metavar="RUN_DIR",
+                        help="The run directory the file was exported from.")(f)
+
+
+def data_option(help_text: str) -> Callable:
+    """``--data DIR``: the job's evaluation images (``help_text`` says which and the default); ``data``."""
+    return click.option("--data", type=click.Path(path_type=Path), default=None, metavar="DIR", help=help_text)
+
+
+def print_trtexec_option(f: Callable) -> Callable:
+    """build's ``--print-trtexec``: only print the equivalent trtexec line (``print_trtexec``)."""
+    return click.option("--print-trtexec", is_flag=True,
+                        help="Only print the equivalent trtexec command line; build nothing (no TensorRT needed).")(f)
+
+
+def vs_option(f: Callable) -> Callable:
+    """bench's ``--vs B``: the second target, interleaved with the first (``vs``)."""
+    return click.option("--vs", "vs", default=None, metavar="B", help="compare against B (interleaved A B A B ...)")(f)
+
+
+def report_files_options(f: Callable) -> Callable:
+    """bench's reports besides ``--json``: ``--markdown FILE`` (``md_out``), ``--plot FILE`` (``plot_out``)."""
+    return _apply(
+        f,
+        click.option("--markdown", "md_out", type=click.Path(path_type=Path), metavar="FILE",
+                     help="write the report as markdown"),
+        click.option("--plot", "plot_out", type=click.Path(path_type=Path), metavar="FILE",
+                     help="plot latency vs batch size (PNG)"),
+    )
+
+
+def json_flag_option(help_text: str) -> Callable:
+    """``--json`` as a flag (``as_json``): print JSON instead of a table."""
+    return click.option("--json", "as_json", is_flag=True, help=help_text)
+
+
+__all__ = ["against_option", "data_option", "device_option", "force_option", "json_flag_option", "output_file_option",
+           "print_trtexec_option", "profile_option", "report_files_options", "torch_device_of", "vs_option"]

@@ -18,8 +18,8 @@ checks the same input and fails alike, and one message is enough (docs/distribut
 torchrun prints after it).
 
 The commands live in one module per group: :mod:`.prune`, :mod:`.evalinfo` (eval, info),
-:mod:`.heal`, :mod:`.derive`, :mod:`.deploy` (export, verify), :mod:`.device` (build, bench,
-devices), :mod:`.quantize`.
+:mod:`.heal`, :mod:`.derive`, :mod:`.export`, :mod:`.verify`, :mod:`.build`, :mod:`.device` (bench),
+:mod:`.devices`, :mod:`.quantize`, :mod:`.latency_table`, :mod:`.deploy_cmd`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ import time
 
 import click
 
-from edgeprune.cli.deploy import export_cmd, verify_cmd
 from edgeprune.cli.deploy_cmd import deploy_cmd
 from edgeprune.cli.derive import derive_cmd
 from edgeprune.cli.device import bench_cmd, build_cmd, devices_cmd
 from edgeprune.cli.evalinfo import eval_cmd, info_cmd
+from edgeprune.cli.export import export_cmd
 from edgeprune.cli.heal import heal_cmd
 from edgeprune.cli.latency_table import latency_table_cmd
 from edgeprune.cli.prune import prune_cmd
 from edgeprune.cli.quantize import quantize_cmd
+from edgeprune.cli.verify import verify_cmd
 from edgeprune.errors import UserError
 
 #: errno values that mean "the output cannot be written here" (exit 1, a fault of the environment).

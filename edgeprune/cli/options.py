@@ -254,3 +254,85 @@ def labeled_data_options(f: Callable) -> Callable:
 def threads_option(help_text: str) -> Callable:
     """``--threads N`` (at least 1): torch's CPU threads (``help_text`` says the default)."""
     return click.option("--threads", type=click.IntRange(min=1), default=None, help=help_text)
+
+
+def profile_options(torch_help: str) -> Callable:
+    """``--device PROFILE`` (required: the deployment profile the job is for; checked by the job, one line) and
+    ``--torch-device DEVICE`` (``torch_help``: where its torch passes run and the default); the command receives
+    ``device`` and ``torch_device`` (deploy)."""
+    return lambda f: _apply(
+        f,
+        click.option("--device", required=True, metavar="PROFILE",
+                     help="Deployment profile: cpu, rtx3090, orin-nx or a .toml file (`edgeprune devices`)."),
+        click.option("--torch-device", "torch_device", default=None, metavar="DEVICE", help=torch_help),
+    )
+
+
+def folder_option(help_text: str) -> Callable:
+    """``-o/--out DIR`` (required): the job's folder (``help_text`` says what it may be; deploy: new or its own)."""
+    return click.option("-o", "--out", required=True, type=click.Path(), metavar="DIR", help=help_text)
+
+
+def json_option(help_text: str) -> Callable:
+    """``--json FILE``: also write the job's report (``help_text`` says which) as JSON; the command receives
+    ``json_out``."""
+    return click.option("--json", "json_out", type=click.Path(), default=None, metavar="FILE", help=help_text)
+
+
+class IntList(click.ParamType):
+    """A comma-separated list of integers (``1,8``) -> a tuple, each at least ``min``: a word that is not an integer
+    or nothing at all is one usage error line, exit 2 ("expected comma-separated integers"), as is a value below
+    ``min`` ("batch sizes must be positive integers", named by the parameter)."""
+
+    name = "integers"
+
+    def __init__(self, min: int | None = None) -> None:
+        self.min = min
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        items = list(value) if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
+        try:
+            out = tuple(int(v) for v in items)
+        except (TypeError, ValueError):
+            self.fail(f"expected comma-separated integers, got {value!r}", param, ctx)
+        if not out:
+            self.fail(f"expected comma-separated integers, got {value!r}", param, ctx)
+        if self.min is not None and min(out) < self.min:
+            what = (param.name or "values").replace("_", " ") if param is not None else "values"
+            rule = {1: "positive integers", 0: "non-negative integers"}.get(self.min, f"integers >= {self.min}")
+            self.fail(f"{what} must be {rule}, got {value!r}", param, ctx)
+        return out
+
+
+def recorded_calibration_options(f: Callable) -> Callable:
+    """``--calib DIR``, ``--calib-size N`` (at least 1), ``--seed N`` of a job that calibrates a run or an export
+    (quantize): each not given = what the run recorded; the command receives ``calib_dir, calib_size, seed``."""
+    return _apply(
+        f,
+        click.option("--calib", "calib_dir", type=click.Path(), default=None, metavar="DIR",
+                     help="Calibration data: the Fashion-MNIST dir (fmnist-vit) or an ImageFolder dir (timm models) "
+                          "[the model's own, as for prune]."),
+        click.option("--calib-size", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Calibration images (without a recorded size: fmnist-vit 512, dinov2-s14 64, timm 256) "
+                          "[the run's own]."),
+        click.option("--seed", type=int, default=None,
+                     help="Seed of the calibration sampling [the run's recorded seed, else 0]."),
+    )
+
+
+def file_out_option(long: str, metavar: str, help_text: str, path_type: type | None = None) -> Callable:
+    """``-o/--<long> FILE`` (required): the file the job writes (quantize's ``--output``, latency-table's ``--out``);
+    the command receives it named ``long`` (a ``path_type``: ``Path``; None: the text)."""
+    return click.option("-o", f"--{long}", required=True, type=click.Path(path_type=path_type), metavar=metavar,
+                        help=help_text)
+
+
+def force_option(help_text: str) -> Callable:
+    """``--force``: replace what the job would otherwise refuse to overwrite (``help_text`` says what)."""
+    return click.option("--force", is_flag=True, help=help_text)
+
+
+def profile_option(default: str, help_text: str) -> Callable:
+    """``--device PROFILE`` [``default``]: the device profile a job times or builds for (latency-table); the command
+    receives ``device``."""
+    return click.option("--device", "device", default=default, show_default=True, metavar="PROFILE", help=help_text)

@@ -78,14 +78,10 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
         "output": ["out"],
         "runtime": ["threads"] + _DEVICE,
     },
-    "quantize": {
+    "quantize": {  # the job's own options; the settings' tables are their sections (edgeprune.jobs.quantize_settings)
         "model": ["model"],
         "data": ["calib", "calib-size", "seed", "eval-data", "eval-size"],
-        "method": ["precision", "mode", "recipe", "weight-rounding", "calib-method", "per-tensor",
-                   "asymmetric-activations", "exclude", "quantize-attention", "smooth-alpha", "auto-exclude",
-                   "max-drop"],
         "output": ["output", "force", "json"],
-        "runtime": ["threads"],
     },
     "deploy": {
         "model": _MODEL,
@@ -96,12 +92,10 @@ SECTIONS: dict[str, dict[str, list[str]]] = {
         "output": ["out"],
         "runtime": ["device", "torch-device", "bench", "bench-iterations", "quiet"],
     },
-    "latency-table": {
+    "latency-table": {  # the job's own options; the settings' table is their section (edgeprune.latency.settings)
         "model": _MODEL,
-        "method": ["batch", "precision", "backend", "warmup", "iterations", "max-seconds", "statistic",
-                   "interleave", "clock", "repeats", "spread", "retries", "tokens"],
         "output": ["out", "force"],
-        "runtime": ["device", "threads", "quiet"],
+        "runtime": ["device", "quiet"],
     },
 }
 
@@ -122,6 +116,13 @@ LEGACY_SECTIONS: dict[str, dict[str, list[str]]] = {
                    "weight-decay", "rho", "key-bias", "ridge-alpha"],
         "runtime": ["no-cache"],
     },
+    "deploy": {"method": ["precision"], "runtime": ["bench", "bench-iterations"]},  # edgeprune.deploy.settings
+    "quantize": {"method": ["precision", "mode", "recipe", "weight-rounding", "calib-method", "per-tensor",
+                            "asymmetric-activations", "exclude", "quantize-attention", "smooth-alpha", "auto-exclude",
+                            "max-drop"], "runtime": ["threads"]},  # edgeprune.jobs.quantize_settings
+    "latency-table": {"method": ["batch", "precision", "backend", "warmup", "iterations", "max-seconds", "statistic",
+                                 "interleave", "clock", "repeats", "spread", "retries", "tokens"],
+                      "runtime": ["threads"]},  # edgeprune.latency.settings
 }
 
 #: the budget keys: at most one per recipe (a sparsity key is the fourth kind, "sparsity")

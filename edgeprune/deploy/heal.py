@@ -19,24 +19,11 @@ from typing import Any, Callable
 
 from edgeprune.atomic import atomic_write_text
 from edgeprune.deploy.state import hash_settings
-from edgeprune.errors import UserError
+from edgeprune.heal.settings import HealSection
 from edgeprune.jobs.heal_run import heal_run
 
-#: heal's own defaults (``edgeprune heal --epochs/--lr``), for the stage's description
-HEAL_DEFAULTS = {"epochs": 10, "lr": 1e-4}
-
-
-def check_heal(o: dict[str, Any]) -> None:
-    """The heal options, checked before any work.
-
-    Raises:
-        UserError: ``--heal-epochs`` / ``--heal-lr`` without ``--heal``; a learning rate <= 0.
-    """
-    for key in ("heal_epochs", "heal_lr"):
-        if o.get(key) is not None and not o.get("heal"):
-            raise UserError(f"--{key.replace('_', '-')} goes with --heal (heal the pruned run before the export)")
-    if o.get("heal_lr") is not None and not o["heal_lr"] > 0:
-        raise UserError(f"--heal-lr (the heal's learning rate) must be > 0, got {o['heal_lr']}")
+#: heal's own defaults (``edgeprune heal --epochs/--lr``: ``edgeprune.heal.settings``), for the stage's description
+HEAL_DEFAULTS = {"epochs": HealSection.epochs, "lr": HealSection.lr}
 
 
 def heal_step(o: dict[str, Any], run: Path, healed: Path, listing: Callable[[Any], str | None],
@@ -114,4 +101,4 @@ def heal_markdown(h: dict[str, Any]) -> str:
             f"{h.get('epochs')} epochs{kept}.")
 
 
-__all__ = ["HEAL_DEFAULTS", "check_heal", "heal_markdown", "heal_step", "heal_summary"]
+__all__ = ["HEAL_DEFAULTS", "heal_markdown", "heal_step", "heal_summary"]

@@ -26,9 +26,9 @@ from typing import Any
 
 from devices import load_profile
 from edgeprune.budget.latency import LatencyCost
-from edgeprune.deploy.heal import check_heal
 from edgeprune.deploy.plan import Recipe, plan
 from edgeprune.deploy.report import write_report
+from edgeprune.deploy.settings import deploy_sections
 from edgeprune.deploy.state import STAGES, DeployState, hash_paths, hash_settings, is_deploy_folder, setting_values
 from edgeprune.errors import UserError
 from edgeprune.jobs.echo import Echo, echo as _echo
@@ -200,7 +200,8 @@ def check(opts: dict[str, Any]) -> dict[str, Any]:
     ``precision`` and ``torch_device``.
 
     Raises:
-        UserError: no budget or two, a latency budget without a table, a bad profile, ``out`` an existing file
+        UserError: no budget or two, a latency budget without a table, a bad deploy setting (``SettingError``:
+            ``heal_epochs`` without ``heal`` ...), a bad profile, ``out`` an existing file
             or a folder that is not a deploy's, a missing data folder, a bad ``tokens_merge`` (or one with a
             latency table without a token axis).
     """
@@ -214,7 +215,7 @@ def check(opts: dict[str, Any]) -> dict[str, Any]:
     if o.get("latency_table") is not None and o.get("latency") is None:
         raise UserError("--latency-table goes with --latency (the table a latency budget is priced on)")
     o["budget"] = budgets[0]
-    check_heal(o)
+    deploy_sections(o)  # the deploy's own settings (edgeprune.deploy.settings): one line naming the first bad one
     out: Path = o["out"]
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: is a file (the deploy folder: a new folder or an earlier deploy's)")

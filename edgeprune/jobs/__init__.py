@@ -5,7 +5,7 @@ them; :mod:`edgeprune.deploy` runs them in order.
 
     export (export.py), verify (verify.py), quantize (quantize.py), build (build.py), bench (bench.py),
     prune_run (prune_run.py: prune with deploy's settings), heal_run (heal_run.py), derive_run (derive_run.py:
-    NuWa), latency_table_run (latency_table_run.py)
+    NuWa), latency_table_run (latency_table_run.py), eval_run (eval_run.py), info_run (info_run.py)
 
 Imported on first use (``quantize`` needs onnxruntime, ``build`` TensorRT at build time).
 """
@@ -20,7 +20,7 @@ _NAMES = {"export": "export", "ExportResult": "export", "verify": "verify", "Ver
           "BuildResult": "build", "bench": "bench", "BenchResult": "bench", "prune_run": "prune_run",
           "PruneRunResult": "prune_run", "heal_run": "heal_run", "HealRunResult": "heal_run",
           "derive_run": "derive_run", "DeriveRunResult": "derive_run", "latency_table_run": "latency_table_run",
-          "LatencyTableRunResult": "latency_table_run"}
+          "LatencyTableRunResult": "latency_table_run", "eval_run": "eval_run", "info_run": "info_run"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,5 +1,9 @@
 """The job of ``edgeprune bench``: latency and throughput of a model or engine on a device profile,
-optionally interleaved with a second one (``vs``), with each model's own peak memory (``memory``)."""
+optionally interleaved with a second one (``vs``), with each model's own peak memory (``memory``).
+
+Its settings (backend, batch sizes, runs, blocks, memory ...) are declared once in
+:class:`runners.bench_settings.BenchSection`.
+"""
 
 from __future__ import annotations
 

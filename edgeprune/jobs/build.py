@@ -1,7 +1,9 @@
 """The job of ``edgeprune build``: a TensorRT engine from an ONNX file for a device profile.
 
 Run it on the target device (an engine is specific to the GPU's compute capability and the TensorRT
-version). Without TensorRT, :func:`build` raises a :class:`~edgeprune.errors.RuntimeFault` (one line).
+version). Without TensorRT, :func:`build` raises a :class:`~edgeprune.errors.RuntimeFault` (one line). Its settings
+(``precision``, ``force_device``, ``timing_cache``) are declared once in
+:class:`exporters.tensorrt_settings.BuildSection`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
     import edgeprune
     edgeprune.export("model.onnx", run_dir="runs/fm-50")       # or model_name="fmnist-vit" (dense)
+
+Its settings (``opset``, ``static_batch``, ``check``, ``attention``) are declared once in
+:class:`exporters.export_settings.ExportSection` (the CLI's options; a test keeps the keywords equal).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A float file must match within ``atol`` / ``rtol``; a quantized one (int8/fp16) is judged by metric
 (top-1 and top-1 agreement with the float model), gated by ``max_drop``. :func:`verify` returns the
-report (``passed`` says whether the check passed; the CLI exits 1 when it did not).
+report (``passed`` says whether the check passed; the CLI exits 1 when it did not). Its settings (``n``, ``atol``,
+``rtol``, ``batch_size``, ``max_drop``) are declared once in :class:`exporters.export_settings.VerifySection`.
 """
 
 from __future__ import annotations
