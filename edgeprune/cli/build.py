@@ -14,7 +14,8 @@ from typing import Any
 import click
 
 from edgeprune.cli import generate
-from edgeprune.cli.device_options import output_file_option, print_trtexec_option, profile_option
+from edgeprune.cli.device_options import print_trtexec_option
+from edgeprune.cli.options import file_out_option, profile_option
 from edgeprune.jobs.build import build
 from exporters.tensorrt_settings import BUILD_SECTIONS
 
@@ -23,7 +24,8 @@ from exporters.tensorrt_settings import BUILD_SECTIONS
 @click.argument("onnx_path", metavar="MODEL.onnx", type=click.Path(path_type=Path))
 @profile_option("Device profile (not a torch device): a shipped name such as orin-nx (see `edgeprune devices`) or "
                 "a .toml file.", required=True)
-@output_file_option("Engine file [MODEL.<device>.engine]; a JSON sidecar <engine>.json is written next to it.")
+@file_out_option("output", "FILE", "Engine file [MODEL.<device>.engine]; a JSON sidecar <engine>.json is written next "
+                 "to it.", path_type=Path, required=False)
 @generate.options(BUILD_SECTIONS)
 @print_trtexec_option
 def build_cmd(**opts: Any) -> None:

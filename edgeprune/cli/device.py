@@ -15,7 +15,8 @@ import click
 
 from edgeprune.cli import generate
 from edgeprune.cli.build import build_cmd  # noqa: F401 (handed on)
-from edgeprune.cli.device_options import profile_option, report_files_options, vs_option
+from edgeprune.cli.device_options import report_files_options, vs_option
+from edgeprune.cli.options import profile_option
 from edgeprune.cli.devices import devices_cmd, format_profiles_table  # noqa: F401 (handed on)
 from edgeprune.cli.options import json_option
 from edgeprune.jobs.bench import bench

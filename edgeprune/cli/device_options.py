@@ -87,22 +87,10 @@ def device_option(f: Callable | None = None, *, default: str = "cpu") -> Callabl
 # ---- the inputs of the device jobs (export, verify, build, bench, devices): not settings (issue 53) ------------
 
 
-def profile_option(help_text: str, *, required: bool = False) -> Callable:
-    """``--device PROFILE`` of build / bench: the device profile the job is for (``help_text`` says what it
-    chooses; a bad name is the job's one-line error); the command receives ``device``."""
-    # no default=None when required: click counts an explicit None as given
-    return click.option("--device", "device", required=required, metavar="PROFILE", help=help_text)
 
 
-def output_file_option(help_text: str, *, required: bool = False) -> Callable:
-    """``-o/--output FILE``: the file the job writes (``help_text`` says which and its default); ``output``."""
-    return click.option("-o", "--output", "output", required=required, metavar="FILE",
-                        type=click.Path(path_type=Path), help=help_text)
 
 
-def force_option(f: Callable) -> Callable:
-    """``--force``: overwrite an existing output file."""
-    return click.option("--force", is_flag=True, help="Overwrite an existing output file.")(f)
 
 
 def against_option(f: Callable) -> Callable:
@@ -143,5 +131,5 @@ def json_flag_option(help_text: str) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help=help_text)
 
 
-__all__ = ["against_option", "data_option", "device_option", "force_option", "json_flag_option", "output_file_option",
-           "print_trtexec_option", "profile_option", "report_files_options", "torch_device_of", "vs_option"]
+__all__ = ["against_option", "data_option", "device_option", "json_flag_option",
+           "print_trtexec_option", "report_files_options", "torch_device_of", "vs_option"]

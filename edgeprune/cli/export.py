@@ -14,8 +14,7 @@ from typing import Any
 import click
 
 from edgeprune.cli import generate
-from edgeprune.cli.device_options import force_option, output_file_option
-from edgeprune.cli.options import model_options
+from edgeprune.cli.options import file_out_option, force_option, model_options
 from edgeprune.jobs.export import export
 from exporters.export_settings import EXPORT_SECTIONS
 
@@ -23,9 +22,9 @@ from exporters.export_settings import EXPORT_SECTIONS
 @click.command("export")
 @click.argument("run_dir", required=False, type=click.Path(path_type=Path))
 @model_options()
-@output_file_option("The .onnx file to write.", required=True)
+@file_out_option("output", "FILE", "The .onnx file to write.", path_type=Path)
 @generate.options(EXPORT_SECTIONS)
-@force_option
+@force_option("Overwrite an existing output file.")
 def export_cmd(**opts: Any) -> None:
     """Export a run or a dense model to ONNX.
 

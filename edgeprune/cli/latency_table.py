@@ -27,8 +27,8 @@ from edgeprune.latency.settings import LATENCY_TABLE_SECTIONS
 
 @click.command("latency-table", cls=RecipeCommand, settings_sections=LATENCY_TABLE_SECTIONS)
 @model_options()
-@profile_option("cpu", "Device profile (shipped name or .toml path): backend, batch, precision, threads, pruning "
-                "rules.")
+@profile_option("Device profile (shipped name or .toml path): backend, batch, precision, threads, pruning rules.",
+                default="cpu")
 @generate.options(LATENCY_TABLE_SECTIONS)
 @file_out_option("out", "TABLE.json", "The table to write.")
 @force_option("Replace an existing table of another key (the same key resumes); keep a table whose self-check misses "

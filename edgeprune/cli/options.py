@@ -320,10 +320,13 @@ def recorded_calibration_options(f: Callable) -> Callable:
     )
 
 
-def file_out_option(long: str, metavar: str, help_text: str, path_type: type | None = None) -> Callable:
-    """``-o/--<long> FILE`` (required): the file the job writes (quantize's ``--output``, latency-table's ``--out``);
-    the command receives it named ``long`` (a ``path_type``: ``Path``; None: the text)."""
-    return click.option("-o", f"--{long}", required=True, type=click.Path(path_type=path_type), metavar=metavar,
+def file_out_option(long: str, metavar: str, help_text: str, path_type: type | None = None,
+                    required: bool = True) -> Callable:
+    """``-o/--<long> FILE``: the file the job writes (quantize's and export's ``--output``, latency-table's ``--out``;
+    ``required``: else the job's default, which ``help_text`` says: build's engine); the command receives it named
+    ``long`` (a ``path_type``: ``Path``; None: the text)."""
+    # no default=None when required: click 8.3 counts an explicit None as given
+    return click.option("-o", f"--{long}", required=required, type=click.Path(path_type=path_type), metavar=metavar,
                         help=help_text)
 
 
@@ -332,7 +335,11 @@ def force_option(help_text: str) -> Callable:
     return click.option("--force", is_flag=True, help=help_text)
 
 
-def profile_option(default: str, help_text: str) -> Callable:
-    """``--device PROFILE`` [``default``]: the device profile a job times or builds for (latency-table); the command
-    receives ``device``."""
-    return click.option("--device", "device", default=default, show_default=True, metavar="PROFILE", help=help_text)
+def profile_option(help_text: str, *, default: str | None = None, required: bool = False) -> Callable:
+    """``--device PROFILE`` [``default``]: the device profile a job times, builds or benches for (latency-table,
+    build, bench; ``help_text`` says what it chooses; a bad name is the job's one-line error); the command receives
+    ``device``."""
+    if required:  # no default=None when required: click 8.3 counts an explicit None as given
+        return click.option("--device", "device", required=True, metavar="PROFILE", help=help_text)
+    return click.option("--device", "device", default=default, show_default=default is not None, metavar="PROFILE",
+                        help=help_text)
