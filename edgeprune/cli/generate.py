@@ -78,7 +78,12 @@ def options(sections: Sequence[type[Section]], words: Mapping[str, str] | None =
             required: Sequence[str] = ()) -> Callable:
     """A decorator adding the options of every command-line setting of ``sections``, in declaration order;
     ``required``: the fields the command cannot run without (quantize's ``precision``)."""
-    declared = [d for d in declared_of(sections).values() if d.meta.cli]
+    return _adding([d for d in declared_of(sections).values() if d.meta.cli], words, required)
+
+
+def _adding(declared: Sequence[Declared], words: Mapping[str, str] | None, required: Sequence[str] = ()) -> Callable:
+    """A decorator adding the options of ``declared`` (:func:`option_for`), in that order, to a click command
+    function (click's ``__click_params__`` list, as ``@click.option`` does)."""
 
     def deco(f: Callable) -> Callable:
         params = getattr(f, "__click_params__", [])
@@ -142,15 +147,7 @@ def handed_on(sections: Sequence[type[Section]], names: Sequence[str], words: Ma
         if shown_default and name in shown_default:
             d = dataclasses.replace(d, meta=dataclasses.replace(d.meta, shown_default=shown_default[name]))
         chosen.append(d)
-
-    def deco(f: Callable) -> Callable:
-        params = getattr(f, "__click_params__", [])
-        for d in reversed(chosen):
-            params.append(option_for(d, words))
-        f.__click_params__ = params  # type: ignore[attr-defined]
-        return f
-
-    return deco
+    return _adding(chosen, words)
 
 
 __all__ = ["essential_keys", "handed_on", "option_for", "options", "section_table", "section_titles", "setting_names",
