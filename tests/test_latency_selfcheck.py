@@ -17,7 +17,7 @@ import pytest
 from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
 from tests.conftest import assert_one_line_error, run_cli
-from tests.test_latency_table import _Counting, _fake_timer, _hand_table, _opts
+from tests.test_latency_table import _checking, _Counting, _fake_timer, _hand_table, _opts  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
@@ -86,8 +86,8 @@ def test_without_the_overhead_term_the_table_would_not_add_up(tmp_path: Path, ti
 
 
 # (a dense model that costs 1.2x its parts is one of the table's measured models since issue 52: the miss shows
-# between it and the half-dims model, at x0.7)
-@pytest.mark.parametrize("which,part", [("mixed_factor", "sub-block entries"), ("dense_factor", "allocation x0.7")])
+# where the shape-change models, fitted against it, take the least of it back: at x0.3)
+@pytest.mark.parametrize("which,part", [("mixed_factor", "sub-block entries"), ("dense_factor", "allocation x0.3")])
 def test_whole_models_20_percent_off_are_refused_naming_the_part(tmp_path: Path, tiny_vit, which, part) -> None:
     from edgeprune.latency.build import SelfCheckFailed
 
@@ -106,7 +106,9 @@ def test_whole_models_20_percent_off_are_refused_naming_the_part(tmp_path: Path,
     with pytest.raises(SelfCheckFailed):
         _build(tiny_vit, out)
     # (issue 52: each pruned model that misses is timed twice, and the dense model once more at the end)
-    assert {c[0] for c in _Counting.calls} == {"model"} and len(_Counting.calls) == (7 if which == "mixed_factor" else 6)
+    again = LatencyTable.load(out, allow_partial=True).meta["self_check"]["models"]
+    assert {c[0] for c in _Counting.calls} == {"model"} and len(_Counting.calls) == 1 + sum(m["attempts"] for m in again[1:])
+    assert sum(m["attempts"] == 2 for m in again) >= 1
     # --force keeps it, marked unverified, without timing the entries again
     _Counting.calls = []
     t = _build(tiny_vit, out, force=True)
@@ -181,6 +183,11 @@ def test_a_hand_table_that_does_not_add_up_is_refused_on_load(tmp_path: Path, sc
         "predicted_ms"] * 1.01), "'meta.self_check.models[3].predicted_ms'"),
     (lambda d: d["meta"]["self_check"]["models"][2].update(measured_ms=100.0), "'meta.self_check.models[2]'"),
     (lambda d: d["meta"]["self_check"]["models"][1]["blocks"][0].update(mlp=4), "'meta.self_check.models[1].blocks'"),
+    # the shape-change factor, and one of the two models it was fitted on (issue 52)
+    (lambda d: d.update(shape_change=d["shape_change"] + 0.1), "'shape_change'"),
+    (lambda d: d["meta"]["parts"].update(model_mixed_a_ms=d["meta"]["parts"]["model_mixed_a_ms"] * 1.2),
+     "'shape_change'"),
+    (lambda d: d["meta"]["parts"].pop("model_mixed_b_ms"), "'meta.parts.model_mixed_b_ms'"),
 ])
 def test_a_new_table_edited_by_hand_is_refused_naming_the_part(tmp_path: Path, tiny_vit, edit, field) -> None:
     d = _complete_new(tmp_path, tiny_vit)
@@ -193,6 +200,7 @@ def test_a_new_table_edited_by_hand_is_refused_naming_the_part(tmp_path: Path, t
 @pytest.mark.parametrize("field,value", [
     ("block_overhead_ms", "x"), ("block_overhead_ms", float("nan")), ("block_overhead_ms", None),
     ("block_scale", 0), ("block_scale", -1.0), ("block_scale", None), ("block_scale", "1"),
+    ("shape_change", -1.0), ("shape_change", "x"), ("meta.parts.shape_change.factor", None),
     ("meta.self_check.passed", "yes"), ("meta.self_check.tolerance", 0), ("meta.self_check.tolerance", 2),
     ("meta.self_check.models", "all"), ("meta.self_check.models[0].measured_ms", -1.0),
     ("meta.self_check.models[0].blocks", []), ("meta.self_check.models[0].name", ""),
@@ -446,6 +454,36 @@ def test_a_chain_timed_alone_pays_its_own_call(tmp_path: Path, tiny_vit) -> None
     assert "calls" not in old.meta["parts"]
     x03 = next(m for m in chk["models"] if m["name"] == "x0.3")
     assert old.model_ms(x03["blocks"]) / x03["measured_ms"] - 1 < -ADD_UP_TOLERANCE
+
+
+def test_a_block_that_changes_shape_costs_what_the_shape_change_models_measured(tmp_path: Path, tiny_vit) -> None:
+    """Issue 52, the idle-box miss: on ONNX Runtime's CPU provider a block whose dims differ from the previous
+    block's costs more (docs/latency_budget.md: the x0.5 allocation's blocks 8.5% slower in their order than sorted
+    by shape). On a fake machine where such a block costs 1.25x, the table's two shape-change models give the factor
+    and every self-check model is predicted exactly; planted fault: without the factor a pruned model is priced low
+    beyond the tolerance. The cost model prices a pruned block after the first with the factor, the first block and
+    a dense block without it."""
+    from edgeprune.budget import make_budget
+    from edgeprune.budget.latency import LatencyCost
+    from edgeprune.latency.schema import ADD_UP_TOLERANCE
+
+    _Counting.reset(switch=0.25, alone_share=1.5, overhead=0.3)
+    t = _build(tiny_vit, tmp_path / "t.json", force=True)
+    assert t.shape_change == pytest.approx(0.25, rel=1e-9)
+    chk = t.meta["self_check"]
+    assert chk["passed"], chk["failure"]
+    for m in chk["models"]:
+        assert m["predicted_ms"] == pytest.approx(m["measured_ms"], rel=1e-9), m["name"]
+    table = LatencyTable.load(tmp_path / "t.json")
+    assert table.complete and table.shape_change == t.shape_change
+    t.shape_change = None
+    assert any(t.model_ms(m["blocks"]) / m["measured_ms"] - 1 < -ADD_UP_TOLERANCE for m in chk["models"][1:])
+    cost = LatencyCost(tiny_vit, budget=make_budget(latency=0.5, table=str(tmp_path / "t.json")))
+    pruned, dense = chk["models"][2]["blocks"][1], table.dense_dims()
+    first, second = tiny_vit.blocks[0], tiny_vit.blocks[1]
+    assert cost.block_cost(second, pruned) == pytest.approx(1.25 * table.block_total(pruned), rel=1e-9)
+    assert cost.block_cost(first, pruned) == pytest.approx(table.block_total(pruned), rel=1e-9)
+    assert cost.block_cost(second, dense) == pytest.approx(table.block_total(dense), rel=1e-9)
 
 
 def test_a_quarter_chain_out_of_order_is_left_out(tmp_path: Path, tiny_vit) -> None:

@@ -236,7 +236,9 @@ class _Counting:
     a module pays once (a sub-block timed alone pays it, a block inside a model does not); ``outside``: the model
     without its blocks; ``model_factor`` / ``dense_factor``: pruned / dense whole models cost this times the sum
     of their parts; ``mixed_factor``: the same for pruned models whose blocks differ (what a table's uniformly cut
-    models cannot see); ``alone_share``: a block or a chain of them timed alone also pays this x its first block's
+    models cannot see: it applies to the models the self-check times, :func:`_checking`); ``switch``: inside a model
+    a block whose dims differ from the previous block's costs ``1 + switch`` times its in-model cost (what the
+    table's shape-change models measure, :mod:`edgeprune.latency.shape_change`); ``alone_share``: a block or a chain of them timed alone also pays this x its first block's
     in-model cost (the real boxes' pattern: one dense block alone cost 2.5x a block inside a chain)."""
 
     calls: list = []
@@ -248,6 +250,8 @@ class _Counting:
     model_factor = 1.0
     dense_factor = 1.0
     mixed_factor = 1.0
+    switch = 0.0
+    checking = False  # the self-check is timing (set by :func:`_checking`)
     alone_share = 0.0
     square = 0.0  # a block inside a model also costs ``square`` x its compute squared (a curved in-model cost)
     attn_inside = None  # inside a model the attention costs this x its compute (None: ``inside``, as the MLP)
@@ -255,7 +259,7 @@ class _Counting:
     @classmethod
     def reset(cls, **kw) -> None:
         cls.calls, cls.fail_after, cls.overhead, cls.call, cls.outside, cls.square = [], None, 0.0, 0.0, 3.0, 0.0
-        cls.attn_inside, cls.alone_share = None, 0.0
+        cls.attn_inside, cls.alone_share, cls.switch = None, 0.0, 0.0
         cls.model_factor = cls.dense_factor = cls.mixed_factor = cls.inside = 1.0
         for k, v in kw.items():
             setattr(cls, k, v)
@@ -303,10 +307,29 @@ def _cost(module) -> tuple[tuple, float]:
     if not dims:
         return ("outside",), c.outside + c.call
     ms = c.outside + c.call + sum(_inside(_attn_cost(h, q, v) + _mlp_cost(m), _attn_cost(h, q, v))
-                                        for h, q, v, m in dims)
+                                  * (1.0 + c.switch if i and dims[i - 1] != (h, q, v, m) else 1.0)
+                                  for i, (h, q, v, m) in enumerate(dims))
     dense = all(d == (3, 64, 64, 768) for d in dims)
-    mixed = len(set(dims)) > 1
+    mixed = len(set(dims)) > 1 and c.checking
     return ("model", tuple(dims)), ms * (c.dense_factor if dense else c.model_factor * (c.mixed_factor if mixed else 1))
+
+
+@pytest.fixture(autouse=True)
+def _checking(monkeypatch):
+    """``_Counting.checking`` is True while :func:`edgeprune.latency.selfcheck.run_check` runs: the fake's
+    ``mixed_factor`` hits the models a table did not time (its shape-change models are timed by the build)."""
+    from edgeprune.latency import selfcheck
+
+    inner = selfcheck.run_check
+
+    def run_check(*args, **kwargs):
+        _Counting.checking = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _Counting.checking = False
+
+    monkeypatch.setattr(selfcheck, "run_check", run_check)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -396,9 +419,9 @@ def test_resume_skips_measured_entries(tmp_path: Path, tiny_vit) -> None:
     t = build_table(tiny_vit, devices.load_profile("cpu"), _opts(), out, show_progress=False)
     assert not set(first) & set(_Counting.calls)  # nothing timed twice
     # the grid, the dense model, the model without blocks, the dense block, nine chains (three uniform, six mixed: the
-    # in-model cost surface), the half and quarter models (each chain's call), then 3 self-check models and the dense
-    # model once more (issue 52: how far the load moved it during the build)
-    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 14 + 3 + 1
+    # in-model cost surface), the half and quarter models (each chain's call), the two shape-change models, then 3
+    # self-check models and the dense model once more (issue 52: how far the load moved it during the build)
+    total = len(t.mlp["widths"]) + len(t.attn["heads"]) * len(t.attn["qk"]) * len(t.attn["v"]) + 16 + 3 + 1
     assert len(first) + len(_Counting.calls) == total
     assert LatencyTable.load(out).complete
     assert t.mlp_ms(768) == 1.0 + 7.68 + 0.5 and t.attn_ms(3, 64, 8) == 2.0 + 3 * 136 / 100.0 + 0.5

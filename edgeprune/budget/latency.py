@@ -11,7 +11,8 @@ parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.budget.p
   heads, Q/K dim, V dim), interpolated between the measured grid points
   (:class:`edgeprune.latency.table.LatencyTable`), corrected by the measured per-block terms of what
   the sub-blocks timed apart miss (issue 40; 1 and 0 in tables built before it, which therefore
-  price exactly as before);
+  price exactly as before), and, where the table measured it, ``x (1 + table.shape_change)`` for a pruned
+  block after the first (issue 52, :mod:`edgeprune.latency.shape_change`: a block that changes shape costs more);
 * ``fixed_cost()`` = ``table.fixed_ms`` (patch embedding, position embedding, final norm, head).
 
 A table whose self-check missed and was kept with ``--force`` is *unverified*: the record says so
@@ -126,12 +127,25 @@ class LatencyCost(CostModel):
             ms = self.table.block_total(dims)  # issue 40; a table without its terms prices bit for bit as before
         else:
             ms = self.table.block_total(dims, *merged[b.index])
+        ms *= self._shape_change(b, dims)
         t = self.query_tokens.get(b.index)
         if t is None:
             return ms
         n = self.n if merged is None else merged[b.index][0]
         full = with_dims(b, dims, None)
         return ms * float(block_flops(with_dims(b, dims, t), n)["total"]) / float(block_flops(full, n)["total"])
+
+    def _shape_change(self, b: BlockAnatomy, dims: dict[str, int]) -> float:
+        """``1 + table.shape_change`` for a pruned block after the first, else 1 (:mod:`edgeprune.latency.shape_change`:
+        a block whose dims differ from the previous block's costs that much more). The allocator prices a block
+        alone, without its neighbours, so a pruned block is taken to differ from the one before it -- what an
+        allocation that cuts every block its own way does; a run of equally cut blocks (the uniform candidate) is
+        priced up to that factor high, which the measured correction of ``prune --latency`` takes back."""
+        factor = self.table.shape_change
+        dense = self.table.dense_dims()
+        if not factor or b.index == 0 or all(int(dims[k]) == dense[k] for k in dense):
+            return 1.0
+        return 1.0 + float(factor)
 
     def _merged_tokens(self, anatomy: ViTAnatomy, budget: Any) -> list[tuple[int, int]] | None:
         """Per block ``(tokens its attention sees, tokens its MLP sees)`` of a merging model (the anatomy's

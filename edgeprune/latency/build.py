@@ -31,10 +31,10 @@ from typing import Any
 from devices import pruning_rules
 from edgeprune._version import __version__
 from edgeprune.errors import RuntimeFault, UserError
-from edgeprune.latency import load, relative, selfcheck
+from edgeprune.latency import load, relative, selfcheck, shape_change
 from edgeprune.latency.chains import level_model
 from edgeprune.latency.grid import Grid, check_token_counts, make_grid, shape_of
-from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, get_timer, mlp_subblock
+from edgeprune.latency.measure import TimingSettings, Timer, attn_subblock, for_whole, get_timer, mlp_subblock
 from edgeprune.latency.relative import References
 from runners.clock import clock_for
 from edgeprune.latency.schema import CHAIN_KINDS, WHOLE_KINDS
@@ -156,7 +156,7 @@ def empty_table(key: dict, rules: dict, grid: Grid, s: TimingSettings, interleav
         attn={"heads": list(grid.heads), "qk": list(grid.qk), "v": list(grid.v), "ms": attn},
         fixed_ms=nan, dense_model_ms=nan, block_overhead_ms=nan, block_scale=nan,
         measured={"mlp": [], "attn": [], "model": False, "outside": False, "block": False,
-                  **{kind: False for kind in (*CHAIN_KINDS, *LEVEL_MODELS)}},
+                  **{kind: False for kind in (*CHAIN_KINDS, *LEVEL_MODELS, *shape_change.MODELS)}},
         meta={"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "edgeprune": __version__, "complete": False,
               "settings": {"warmup": s.warmup, "iterations": s.iterations, "statistic": s.statistic,
@@ -219,8 +219,7 @@ def _check_failed(t: LatencyTable) -> bool:
     return (t.meta.get("self_check") or {}).get("passed") is False
 
 
-#: the entries besides the grid, timed whole (selfcheck): the dense model, the model without blocks, the dense block,
-#: a chain of dense blocks
+#: the entries besides the grid, timed whole (:data:`edgeprune.latency.schema.WHOLE_KINDS`)
 WHOLE = WHOLE_KINDS
 
 
@@ -258,6 +257,8 @@ def _entry_module(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: An
     image = (batch, anatomy.in_chans, *anatomy.img_size)
     if kind in LEVEL_MODELS:
         return level_model(t, anatomy, kind), image
+    if kind in shape_change.MODELS:
+        return selfcheck.pruned_model(anatomy, shape_change.blocks_of(t, kind)), image
     return (selfcheck.outside_model(anatomy) if kind == "outside" else anatomy.model), image
 
 
@@ -286,7 +287,8 @@ def _time_entry(t: LatencyTable, kind: str, dims: tuple[int, ...], anatomy: Any,
         got = time_tokens(t, kind, dims[0], anatomy, timer, s, batch, refs)
     else:
         module, shape = _entry_module(t, kind, dims, anatomy, batch)
-        got = timer.measure(module, shape, s) if refs is None else refs.measure(kind, module, shape)
+        got = (timer.measure(module, shape, for_whole(s) if kind in WHOLE else s) if refs is None
+               else refs.measure(kind, module, shape))
     if got.attempts > 1 or got.spread > s.spread:
         name = f"{kind} {','.join(map(str, dims))}".strip()
         t.meta.setdefault("spread", {})[name] = {"spread": got.spread, "attempts": got.attempts}
@@ -377,10 +379,10 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
         def measure(model: Any) -> float:  # a self-check model, timed as the dense one (interleaved: x references)
             bar.set_postfix(entry="self-check")
             image = (batch, anatomy.in_chans, *anatomy.img_size)
-            ms = (timer.measure(model, image, s).value if refs is None else refs.measure("model", model, image).value
-                  * (t.meta["reference_ms"]["attn"] + t.meta["reference_ms"]["mlp"]))
-            bar.update(1)
-            return ms
+            if refs is None:
+                return _counted(bar, timer.measure(model, image, for_whole(s)).value)
+            both = t.meta["reference_ms"]["attn"] + t.meta["reference_ms"]["mlp"]
+            return _counted(bar, refs.measure("model", model, image).value * both)
 
         check = selfcheck.run_check(t, anatomy, measure)
     finally:
@@ -388,6 +390,11 @@ def build_table(anatomy: Any, profile: Any, opts: BuildOptions, out: str | Path,
         if refs is not None:
             refs.close()
     return conclude(t, check, opts.force, out)
+
+
+def _counted(bar: Any, ms: float) -> float:
+    bar.update(1)
+    return ms
 
 
 __all__ = ["BuildOptions", "KEY_FIELDS", "SelfCheckFailed", "build_table", "default_batch", "settings_for"]

@@ -110,6 +110,17 @@ class TimingSettings:
     min_block_ms: float = 0.0
 
 
+#: a whole entry (a model, a chain: :data:`edgeprune.latency.schema.WHOLE_KINDS`) is timed this many times
+#: ``max_seconds`` (issue 52: at the default 1 s the deit_small models got the 6 rounds of the spread check's
+#: minimum on the idle 2-core box, and every one of its 16 whole entries needed all 3 attempts, spreads 4-12%)
+WHOLE_SECONDS = 4.0
+
+
+def for_whole(s: TimingSettings) -> TimingSettings:
+    """``s`` for a whole entry: :data:`WHOLE_SECONDS` x its ``max_seconds`` (unchanged without a limit)."""
+    return s if s.max_seconds is None else dataclasses.replace(s, max_seconds=s.max_seconds * WHOLE_SECONDS)
+
+
 @dataclasses.dataclass
 class Sample:
     """An entry's ``value`` (ms, or a ratio), its groups' :func:`spread`, attempts and (interleaved) reference ms."""

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch.nn as nn
 
-from edgeprune.latency.measure import (Sample, TimingSettings, Timer, attn_subblock, groups, mlp_subblock, spread,
-                                       time_once, timed_runs)
+from edgeprune.latency.measure import (Sample, TimingSettings, Timer, attn_subblock, for_whole, groups, mlp_subblock,
+                                       spread, time_once, timed_runs)
 from edgeprune.latency.schema import WHOLE_KINDS
 from edgeprune.latency.table import LatencyTable
 from runners.base import summarize_latencies
@@ -89,7 +89,7 @@ class References:
             ratio and the reference's median time; with ``min``, fastest entry run / fastest
             reference run and the latter (references summed per round).
         """
-        s, refs = self.s, self._refs(kind)
+        s, refs = (self.s if kind in ("mlp", "attn") else for_whole(self.s)), self._refs(kind)
         with tempfile.TemporaryDirectory(prefix="edgeprune-latency-") as tmp:
             r, x = self.timer.open(module, _noise(shape), s, Path(tmp))
             try:
@@ -100,7 +100,7 @@ class References:
                         time_once(q, xq, s)
                 best: Sample | None = None
                 for attempt in range(1, s.retries + 2):
-                    ent_ms, ref_ms = self._rounds(r, x, refs)
+                    ent_ms, ref_ms = self._rounds(r, x, refs, s)
                     ratio, ref = _ratio(ent_ms, ref_ms, s.statistic)
                     sp = spread([_ratio(e, q, s.statistic)[0] for e, q in
                                  zip(groups(ent_ms, s.repeats), groups(ref_ms, s.repeats))])
@@ -114,10 +114,10 @@ class References:
         assert best is not None
         return best
 
-    def _rounds(self, r: Any, x: np.ndarray, refs: list[tuple[Any, np.ndarray]]) -> tuple[list[float], list[float]]:
+    def _rounds(self, r: Any, x: np.ndarray, refs: list[tuple[Any, np.ndarray]],
+                s: TimingSettings) -> tuple[list[float], list[float]]:
         """Timed rounds (entry, then its references): up to ``iterations``, fewer once
         ``max_seconds`` is spent (at least ``min_iterations``). Returns both time lists (ms)."""
-        s = self.s
         ent_ms: list[float] = []
         ref_ms: list[float] = []
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgeprune.errors import UserError
-from edgeprune.latency import surface
+from edgeprune.latency import shape_change, surface
 from edgeprune.latency.surface import LEVEL_MODELS, MIXED
 from edgeprune.schema import Bool, Int, ListOf, MapOf, Num, Obj, Req, SchemaError, Str, check
 
@@ -45,8 +45,9 @@ DAMAGED_HINT = ("a damaged or hand-edited table: rebuild it with edgeprune laten
 CHAIN_KINDS = ("chain", "chain_half", "chain_quarter", *MIXED)
 
 #: the entries a table times whole besides its grid: the dense model, the model without blocks, one block, the chains,
-#: the uniformly cut whole models (:data:`edgeprune.latency.surface.LEVEL_MODELS`)
-WHOLE_KINDS = ("model", "outside", "block", *CHAIN_KINDS, *LEVEL_MODELS)
+#: the uniformly cut whole models (:data:`edgeprune.latency.surface.LEVEL_MODELS`), the models that change shape at
+#: every block (:data:`edgeprune.latency.shape_change.MODELS`)
+WHOLE_KINDS = ("model", "outside", "block", *CHAIN_KINDS, *LEVEL_MODELS, *shape_change.MODELS)
 
 _POS = Int(min=1)
 _MS = Num(gt=0, nullable=True, want="a positive finite time in ms")
@@ -70,7 +71,7 @@ _SETTINGS = Obj({"warmup": Int(min=0, nullable=True), "iterations": Int(min=1, n
 
 _RELATIVE = Obj({"mlp": Req(MapOf(Num(gt=0))), "attn": Req(MapOf(Num(gt=0))), "model": Num(gt=0, nullable=True),
                  "outside": Num(gt=0, nullable=True), "block": Num(gt=0, nullable=True),
-                 **{k: Num(gt=0, nullable=True) for k in (*CHAIN_KINDS, *LEVEL_MODELS)},
+                 **{k: Num(gt=0, nullable=True) for k in (*CHAIN_KINDS, *LEVEL_MODELS, *shape_change.MODELS)},
                  "reference_ms": Req(Obj({"mlp": Req(ListOf(Num(gt=0))), "attn": Req(ListOf(Num(gt=0)))}))})
 
 _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, nullable=True),
@@ -80,8 +81,9 @@ _PARTS = Obj({"outside_ms": Num(gt=0, nullable=True), "block_ms": Num(gt=0, null
               "chain_quarter_ms": Num(gt=0, nullable=True), "sub_blocks_quarter_ms": Num(gt=0),
               "per_block_quarter_ms": Num(), "quarter_dims": MapOf(Int(min=1)),
               "points_used": Int(min=1), "left_out": ListOf(Str(nonempty=True)),
-              **{f"{k}_ms": Num(gt=0, nullable=True) for k in (*MIXED, *LEVEL_MODELS)}, "surface": Str(),
-              "call_ms": Num(), "calls": ListOf(ListOf(Num(), min_len=2, max_len=2), min_len=1)})
+              **{f"{k}_ms": Num(gt=0, nullable=True) for k in (*MIXED, *LEVEL_MODELS, *shape_change.MODELS)},
+              "surface": Str(), "call_ms": Num(), "calls": ListOf(ListOf(Num(), min_len=2, max_len=2), min_len=1),
+              "shape_change": Obj({"factor": Req(Num(gt=-1)), "models": ListOf(Obj({}))})})
 
 _CHECKED = Obj({"name": Req(Str(nonempty=True)), "predicted_ms": Req(Num(gt=0)), "measured_ms": Req(Num(gt=0)),
                 "error": Num(), "blocks": Req(ListOf(MapOf(Int(min=1)), min_len=1)),
@@ -210,6 +212,7 @@ TABLE_SCHEMA = Obj({
     "block_surface": Obj({"mlp_ms": Req(ListOf(Num(gt=0), min_len=2, increasing=True)),
                           "attn_ms": Req(ListOf(Num(gt=0), min_len=2, increasing=True)),
                           "ms": Req(ListOf(ListOf(Num(gt=0), min_len=2), min_len=2))}, nullable=True),
+    "shape_change": Num(gt=-1, nullable=True, want="a factor > -1 (the extra cost of a block that changes shape)"),
     "tokens": _TOKENS,
     "measured": _MEASURED,
     "meta": _META,
@@ -282,6 +285,12 @@ def check_adds_up(t: Any) -> None:
         raise _fail("dense_model_ms", f"is {t.dense_model_ms:.4g} ms, but the table's parts add up to {whole:.4g} ms "
                     f"(fixed_ms {t.fixed_ms:.4g} + depth {k['depth']} x (block_scale {scale:.4g} x (mlp {mlp:.4g} + "
                     f"attn {attn:.4g}) + block_overhead_ms {over:.4g})): {_pct(gap)}, more than {100 * tol:.0f}%")
+    if t.shape_change is not None:
+        fitted = shape_change.fit(t)
+        if fitted is None or abs(fitted["factor"] - float(t.shape_change)) > 1e-6 * max(1.0, abs(fitted["factor"])):
+            raise _fail("shape_change", f"is {float(t.shape_change):.4g}, but the table's shape-change models give "
+                        + ("none (meta.parts.model_mixed_*_ms missing)" if fitted is None else
+                           f"{fitted['factor']:.4g}"))
     for i, m in enumerate(chk.get("models", [])):
         field = f"meta.self_check.models[{i}]"
         try:

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch.nn as nn
 
 from edgeprune.errors import RuntimeFault
-from edgeprune.latency import load, surface
+from edgeprune.latency import load, shape_change, surface
 from edgeprune.latency.chains import (FIT_FRACTIONS, _snap, chain_dims, chain_length, chain_module,  # noqa: F401
                                       fraction_dims, half_dims, model_blocks, outside_model, pruned_model)
 from edgeprune.latency.schema import ADD_UP_TOLERANCE, CHAIN_KINDS
@@ -280,6 +280,11 @@ def finish(t: Any, keep_disordered: bool = False) -> Any:
     t.block_points = [[float(x), float(y)] for x, y in sorted(points)] if len(points) > 1 else None
     t.block_surface = _surface(t, parts, n)
     t.fixed_ms = float(parts["outside_ms"])
+    fitted = shape_change.fit(t)  # issue 52: a block that changes shape costs more (after the in-model cost)
+    parts.pop("shape_change", None)
+    if fitted is not None:
+        parts["shape_change"] = fitted
+    t.shape_change = None if fitted is None else float(fitted["factor"])
     t.meta["fixed_by_subtraction_ms"] = float(t.dense_model_ms) - k["depth"] * sub
     return t
 

@@ -18,9 +18,8 @@ Between grid points the time is interpolated piecewise-linearly along each axis 
 (heads, qk, v)), so a prediction equals the measured value at a measured point. Units:
 milliseconds per batch of ``key["batch"]`` images.
 
-The JSON written by :meth:`LatencyTable.save` is the dataclass as a dict plus ``"format"``; it is
-what ``edgeprune latency-table`` writes and ``prune --latency-table`` reads (tables may be built on
-another machine and copied).
+The JSON written by :meth:`LatencyTable.save` is the dataclass as a dict plus ``"format"``; it is what
+``edgeprune latency-table`` writes and ``prune --latency-table`` reads (tables may be built on another machine).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import Any, Sequence
 
 from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
-from edgeprune.latency import surface
+from edgeprune.latency import shape_change, surface
 from edgeprune.latency.grid import check_plain_mlp
 from edgeprune.latency.schema import DAMAGED_HINT, check_adds_up, check_table
 from edgeprune.schema import SchemaError
@@ -100,13 +99,12 @@ class LatencyTable:
         dense_model_ms: the dense model timed whole on the same backend.
         measured: which grid points were timed: ``{"mlp": [widths], "attn": [[h, qk, v], ...],
             "model": bool, "outside": bool, "block": bool, "chain": bool}``.
-        meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic,
-            interleave, clock, repeats, spread, retries), ``parts`` (the outside and dense-block
-            times), ``self_check`` (predicted vs measured whole models, :mod:`edgeprune.latency.selfcheck`).
-        block_overhead_ms, block_scale: a block inside a model costs ``block_scale x`` its two
-            sub-blocks' sum ``+ block_overhead_ms`` (the line through the dense and the half-dims
-            block; the overhead may be negative: a sub-block timed alone pays a call the block does
-            not); 0 and 1 for tables without them.
+        meta: created (ISO time), edgeprune version, settings (warmup, iterations, statistic, interleave, clock,
+            repeats, spread, retries), ``parts`` (the whole entries' times), ``self_check`` (predicted vs measured
+            whole models, :mod:`edgeprune.latency.selfcheck`).
+        block_overhead_ms, block_scale: a block inside a model costs ``block_scale x`` its two sub-blocks' sum ``+
+            block_overhead_ms`` (the line through the dense and the half-dims block; the overhead may be negative: a
+            sub-block timed alone pays a call the block does not); 0 and 1 for tables without them.
         block_points: ``[[sub-block sum ms, per-block ms inside a model], ...]`` ascending, measured at
             a quarter, half and all of the dense dims (:mod:`edgeprune.latency.selfcheck`); where
             present, :meth:`block_total` is piecewise-linear through them (extended by the end
@@ -120,6 +118,9 @@ class LatencyTable:
             a sub-block of any kept dims at n tokens costs its full-count time x f(n), f linear in n between counts
             (:meth:`token_factor`); g the merging attention sub-block's time at that count over the dense
             attention's at ``key["tokens"]`` (:meth:`merge_extra_ms`; absent in tables built before it).
+        shape_change: a block whose dims differ from the previous block's costs ``1 + shape_change`` times its
+            in-model cost (:mod:`edgeprune.latency.shape_change`, fitted on two whole models that change shape at
+            every block; None: a table built before it, priced as before).
     """
 
     key: dict
@@ -135,6 +136,7 @@ class LatencyTable:
     block_points: list | None = None
     tokens: dict | None = None
     block_surface: dict | None = None
+    shape_change: float | None = None
 
     # -- prediction -------------------------------------------------------------------------
     def mlp_ms(self, width: int) -> float:
@@ -256,15 +258,18 @@ class LatencyTable:
 
     def model_ms(self, blocks: Sequence[dict[str, int]], tokens: Sequence[Sequence[int]] | None = None) -> float:
         """Predicted ms of a whole model whose blocks keep ``blocks`` (one dims dict per block,
-        :meth:`block_ms`): ``fixed_ms + sum(block_total)``; ``tokens``: per block (tokens its attention sees,
+        :meth:`block_ms`): ``fixed_ms + sum(block_total)`` + the cost of changing shape between blocks
+        (:func:`edgeprune.latency.shape_change.extra_ms`); ``tokens``: per block (tokens its attention sees,
         tokens its MLP sees) of a merging model (None: every block at ``key["tokens"]``).
 
         Raises:
             UserError: a dim outside the grid (or a token count outside the token axis).
         """
+        extra = shape_change.extra_ms(self, blocks, tokens)
         if tokens is None:
-            return float(self.fixed_ms) + sum(self.block_total(d) for d in blocks)
-        return float(self.fixed_ms) + sum(self.block_total(d, int(n), int(nm)) for d, (n, nm) in zip(blocks, tokens))
+            return float(self.fixed_ms) + sum(self.block_total(d) for d in blocks) + extra
+        return (float(self.fixed_ms) + sum(self.block_total(d, int(n), int(nm)) for d, (n, nm) in zip(blocks, tokens))
+                + extra)
 
     @property
     def unverified(self) -> str | None:
@@ -309,6 +314,8 @@ class LatencyTable:
         d["block_scale"] = _num_out(self.block_scale)
         if self.block_surface is None:
             del d["block_surface"]  # a table without the surface is written as before
+        if self.shape_change is None:
+            del d["shape_change"]  # nor one without the shape-change factor
         if self.tokens is None:
             del d["tokens"]  # a table without the token axis is written as before
         else:
