@@ -547,9 +547,9 @@ def sized_table(t: LatencyTable, path: Path) -> Path:
                                for m, u in enumerate(v)] for j, q in enumerate(qk)] for i, h in enumerate(heads)]}
     meta = {key: value for key, value in t.meta.items() if key != "self_check"}  # the measured table's
     meta["parts"] = {key: value for key, value in meta.get("parts", {}).items()  # its timings, not what they gave
-                     if not key.startswith("per_block") and key != "calls"}
+                     if not key.startswith("per_block") and key not in ("calls", "shape_change")}
     sized = dataclasses.replace(t, mlp=mlp, attn=attn, block_overhead_ms=0.0, block_scale=1.0, block_points=None,
-                                block_surface=None, meta={**meta, "sized_for_dry_run": True})
+                                block_surface=None, shape_change=None, meta={**meta, "sized_for_dry_run": True})
     sized.dense_model_ms = sized.dense_ms()
     atomic_write_text(path, json.dumps(sized.to_dict()))
     LatencyTable.load(path)  # the same schema check as any table
