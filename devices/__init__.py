@@ -36,6 +36,7 @@ __all__ = [
     "DeviceProfile",
     "ProfileError",
     "PruningRules",
+    "is_profile",
     "list_profiles",
     "load_profile",
     "load_profile_file",
@@ -53,6 +54,13 @@ def _shipped_dir() -> Path:
 def list_profiles() -> list[str]:
     """Names of the shipped profiles, sorted."""
     return sorted(p.name[: -len(".toml")] for p in _shipped_dir().glob("*.toml"))
+
+
+def is_profile(value: str) -> bool:
+    """Whether ``value`` names a profile: a shipped profile's name, or a path of a profile file (.toml, or an
+    existing file)."""
+    return (value in list_profiles() or value.endswith(".toml") or "/" in value or os.sep in value
+            or Path(value).is_file())
 
 
 def shipped_profile_path(name: str) -> Path:

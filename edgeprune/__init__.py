@@ -29,7 +29,10 @@ _LAZY = {"PruneResult": "edgeprune.api", "prune": "edgeprune.api", "structure_su
          "bench": "edgeprune.jobs.bench", "prune_run": "edgeprune.jobs.prune_run",
          "heal_run": "edgeprune.jobs.heal_run", "derive_run": "edgeprune.jobs.derive_run",
          "latency_table_run": "edgeprune.jobs.latency_table_run", "PruneSettings": "edgeprune.pruning.settings",
-         "eval_run": "edgeprune.jobs.eval_run", "info_run": "edgeprune.jobs.info_run"}
+         "eval_run": "edgeprune.jobs.eval_run", "info_run": "edgeprune.jobs.info_run",
+         "VerifyFailed": "edgeprune.jobs.verify", "list_profiles": "devices", "load_profile": "devices",
+         "is_profile": "devices", "is_main_process": "edgeprune.distributed",
+         "network_ref": "edgeprune.zoo.network_file"}
 
 
 def __getattr__(name: str) -> object:
@@ -52,4 +55,5 @@ def __dir__() -> list[str]:
 __all__ = ["CorpConfig", "PruneResult", "prune", "structure_summary", "load_run", "save_run", "UserError",
            "RuntimeFault", "ModelSpec", "get_model_spec", "deploy", "DeployResult", "export", "verify", "quantize",
            "build", "bench", "prune_run", "heal_run", "derive_run", "latency_table_run", "PruneSettings", "eval_run",
-           "info_run", "__version__"]
+           "info_run", "VerifyFailed", "list_profiles", "load_profile", "is_profile", "is_main_process", "network_ref",
+           "__version__"]

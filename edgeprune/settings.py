@@ -25,6 +25,7 @@ import re
 import typing
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence, TypeVar
 
+from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
 
 #: the metadata key of a declared setting on its dataclass field
@@ -263,4 +264,11 @@ def declared_of(sections: Sequence[type[Section]]) -> dict[str, Declared]:
     return out
 
 
-__all__ = ["Declared", "META", "Meta", "Section", "SettingError", "SWITCHES", "declared_of", "setting"]
+def write_recipe_text(path: Any, text: str) -> None:
+    """Write a recipe (the TOML view of a command's settings) to ``path`` atomically (:mod:`edgeprune.atomic`: a
+    reader sees the old file or the new one, never half of it)."""
+    atomic_write_text(path, text)
+
+
+__all__ = ["Declared", "META", "Meta", "Section", "SettingError", "SWITCHES", "declared_of", "setting",
+           "write_recipe_text"]

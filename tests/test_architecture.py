@@ -90,6 +90,15 @@ def test_no_core_module_imports_the_cli(project):
         f"  {i.where()}  {i.importer} -> {i.target}" for i in found)
 
 
+def test_the_cli_imports_only_the_public_api_the_errors_and_the_settings(project):
+    """Issue 53: ``edgeprune/cli/`` is a face of the library -- the package root's public names (the jobs, the
+    profiles, ...), ``edgeprune.errors``, the settings declarations (``edgeprune.settings`` and every
+    ``*settings`` module) and ``edgeprune.phases``; nothing else of the library."""
+    found = arch.cli_library_imports(project)
+    assert not found, "edgeprune.cli imports library internals:\n" + "\n".join(
+        f"  {i.where()}  {i.importer} -> {i.target}" for i in found)
+
+
 def test_exporters_and_runners_depend_one_way(project):
     e2r = arch.cross_imports(project, "exporters", "runners")
     r2e = arch.cross_imports(project, "runners", "exporters")
@@ -164,6 +173,8 @@ def test_checker_finds_loops_cli_imports_and_lazy_imports(tmp_path):
         "edgeprune/e.py": "from edgeprune.d import x\n",  # TYPE_CHECKING edge only: no loop
         "edgeprune/cli/__init__.py": "from edgeprune import a\n",
         "edgeprune/cli/options.py": "import edgeprune.e\n",
+        "edgeprune/cli/face.py": "from edgeprune import errors, prune\nfrom edgeprune.x_settings import S\n",
+        "edgeprune/errors.py": "", "edgeprune/x_settings.py": "S = 1\n",
         "edgeprune/api.py": "def f():\n    from edgeprune.cli.options import resolve\n",
         "edgeprune/opt.py": "import onnxruntime\n",
         "edgeprune/uses_opt.py": "def f():\n    from edgeprune import opt\n    import edgeprune.a\n",
@@ -180,6 +191,8 @@ def test_checker_finds_loops_cli_imports_and_lazy_imports(tmp_path):
     assert [a for a, _, _ in loops[0][1]] == ["edgeprune.a", "edgeprune.b", "edgeprune.c"]
     assert "edgeprune/b.py:2 (in a function)" in [w for _, _, w in loops[0][1]]
     assert {(i.importer, i.target) for i in arch.cli_imports(p)} == {("edgeprune.api", "edgeprune.cli.options")}
+    assert {(i.importer, i.target) for i in arch.cli_library_imports(p)} == {("edgeprune.cli", "edgeprune.a"),
+                                                                             ("edgeprune.cli.options", "edgeprune.e")}
     assert len(arch.cross_imports(p, "exporters", "runners")) == 1
     assert len(arch.cross_imports(p, "runners", "exporters")) == 1
     lazy = arch.function_level_imports(p)

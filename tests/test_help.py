@@ -126,7 +126,7 @@ def test_bad_device_values_and_conflicts_are_one_line(tmp_path):
 
 
 def test_profile_chooses_the_default_torch_device(monkeypatch):
-    from edgeprune.cli.device_options import torch_device_of
+    from edgeprune.jobs.models import torch_device_of
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -35,7 +35,7 @@ COMMANDS = {
                MODEL | {"output", "run_dir", "force", "echo"}),
     "verify": (verify_declared, MODEL | {"onnx_file", "run_dir", "model_file", "backbone", "data", "json_out",
                                          "device", "torch_device"}, "verify",
-               MODEL | {"onnx_file", "run_dir", "data", "json_out", "torch_device", "echo"}),
+               MODEL | {"onnx_file", "run_dir", "data", "json_out", "device", "torch_device", "echo"}),
     "build": (build_declared, {"onnx_path", "device", "output", "print_trtexec"}, "build",
               {"onnx_path", "device", "output", "print_trtexec", "echo"}),
     "bench": (bench_declared, {"a", "vs", "device", "json_out", "md_out", "plot_out"}, "bench",

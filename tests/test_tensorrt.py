@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from devices import load_profile
-from edgeprune.cli.device import build_cmd, default_engine_path, devices_cmd
+from edgeprune.cli.device import build_cmd, devices_cmd
+from edgeprune.jobs.build import default_engine_path
 from edgeprune.errors import RuntimeFault, UserError
 from exporters import tensorrt as trt_exp
 from exporters.tensorrt import (atomic_write_bytes, build_engine, builder_settings, onnx_input,

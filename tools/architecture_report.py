@@ -291,6 +291,26 @@ def cli_imports(project: Project) -> list:
     return [i for i in project.imports if _in(i.target, CLI) and not _in(i.importer, CLI)]
 
 
+#: the library modules ``edgeprune/cli/`` may import (issue 53: the CLI is a face of the public API): the package
+#: root (its public names), the errors, the settings declarations and the points a command reports; besides them
+#: any module that declares settings sections (:func:`_declares_settings`)
+CLI_MAY_IMPORT = ("edgeprune", "edgeprune.errors", "edgeprune.settings", "edgeprune.phases",
+                  "edgeprune.deploy")  # the package is the public callable ``edgeprune.deploy`` (its __init__ only)
+
+
+def _declares_settings(module: str) -> bool:
+    """A settings module: its last name is ``settings`` or ends in ``_settings`` (``edgeprune.latency.settings``,
+    ``exporters.export_settings``)."""
+    last = module.rsplit(".", 1)[-1]
+    return last == "settings" or last.endswith("_settings")
+
+
+def cli_library_imports(project: Project) -> list:
+    """Imports by ``edgeprune.cli`` of library modules other than :data:`CLI_MAY_IMPORT` and settings modules."""
+    return [i for i in project.imports if _in(i.importer, CLI) and not _in(i.target, CLI)
+            and i.target not in CLI_MAY_IMPORT and not _declares_settings(i.target)]
+
+
 def cross_imports(project: Project, src: str, dst: str) -> list:
     """Imports of package ``dst`` by modules of package ``src``."""
     return [i for i in project.imports if _in(i.importer, src) and _in(i.target, dst)]
@@ -590,6 +610,10 @@ def report(root: Path | str = ROOT, out=sys.stdout) -> dict:
     p(f"imports of {CLI} from outside it: {len(cli)}")
     for i in cli:
         p(f"  {i.where()}  {i.importer} -> {i.target}")
+    face = cli_library_imports(project)
+    p(f"imports by {CLI} of library modules beyond the public API, the errors and the settings: {len(face)}")
+    for i in face:
+        p(f"  {i.where()}  {i.importer} -> {i.target}")
     p(f"exporters -> runners: {len(e2r)}, runners -> exporters: {len(r2e)}")
     for i in (e2r if len(e2r) <= len(r2e) else r2e):
         p(f"  {i.where()}  {i.importer} -> {i.target}")
@@ -607,6 +631,7 @@ def report(root: Path | str = ROOT, out=sys.stdout) -> dict:
         p(f"  {n:4d}  {name}  ({where}){'  [allowed]' if name in allowed_funcs else ''}")
     return {"loops": len(loops), "package_loops": len(ploops), "uphill_imports": len(uphill),
             "unplaced_packages": len(unplaced), "stale_allowed_edges": len(stale), "cli_imports": len(cli),
+            "cli_library_imports": len(face),
             "exporters_to_runners": len(e2r),
             "runners_to_exporters": len(r2e), "function_level_imports": len(lazy), "long_files": len(files),
             "long_functions": sum(1 for f in funcs if f[0] not in allowed_funcs)}

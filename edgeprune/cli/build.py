@@ -16,7 +16,7 @@ import click
 from edgeprune.cli import generate
 from edgeprune.cli.device_options import print_trtexec_option
 from edgeprune.cli.options import file_out_option, profile_option
-from edgeprune.jobs.build import build
+from edgeprune import build
 from exporters.tensorrt_settings import BUILD_SECTIONS
 
 

@@ -24,10 +24,9 @@ from edgeprune.cli.options import (calibration_options, eval_options, folder_opt
 from edgeprune.cli.prune import prune_cmd
 from edgeprune.cli.quantize import quantize_cmd
 from edgeprune.cli.recipe import replay_rounds, tokens_choice, write_recipe
-from edgeprune.deploy.pipeline import deploy
+from edgeprune import VerifyFailed
+from edgeprune.deploy import STAGES, deploy
 from edgeprune.deploy.settings import DEPLOY_SECTIONS, PRUNE_SETTINGS
-from edgeprune.deploy.state import STAGES
-from edgeprune.jobs.verify import VerifyFailed
 from edgeprune.pruning.settings import prune_sections
 
 _COMMANDS = {"prune": prune_cmd, "heal": heal_cmd, "quantize": quantize_cmd}

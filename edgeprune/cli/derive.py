@@ -31,9 +31,9 @@ import click
 from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (device_option, labeled_data_options, model_options, out_option, quiet_option,
-                                   threads_option, torch_device_of)
+                                   threads_option)
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, write_recipe
-from edgeprune.jobs.derive_run import derive_run
+from edgeprune import derive_run
 from edgeprune.nuwa.settings import DERIVE_SECTIONS
 
 #: the words of the generated help (the correction's verbs, ``edgeprune.budget.correction``; the budget's)
@@ -55,14 +55,12 @@ def derive_cmd(**opts: Any) -> None:
     latency budget (--flops / --params / --latency with --latency-table).
     """
     ctx = click.get_current_context()
-    # --device is the deployment profile; resolved before the options' own check, as it always was
-    torch_device = torch_device_of(opts.pop("device"), opts.pop("torch_device", None), default="auto")
 
     def recipe(path: Any, values: dict[str, Any], rec: dict[str, Any]) -> None:
         write_recipe(ctx, path, values, replay=replay_rounds(rec))  # issue 52: what the run measured, for a replay
 
-    derive_run(opts.pop("out"), torch_device=torch_device, echo=click.echo, replay=lambda: replay_measurer(ctx),
-               write_recipe=recipe, **opts)
+    derive_run(opts.pop("out"), device=opts.pop("device"), torch_device=opts.pop("torch_device", None),
+               echo=click.echo, replay=lambda: replay_measurer(ctx), write_recipe=recipe, **opts)
 
 
 __all__ = ["HELP_WORDS", "derive_cmd"]

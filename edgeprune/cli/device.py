@@ -19,8 +19,7 @@ from edgeprune.cli.device_options import report_files_options, vs_option
 from edgeprune.cli.options import profile_option
 from edgeprune.cli.devices import devices_cmd, format_profiles_table  # noqa: F401 (handed on)
 from edgeprune.cli.options import json_option
-from edgeprune.jobs.bench import bench
-from edgeprune.jobs.build import default_engine_path  # noqa: F401 (handed on)
+from edgeprune import bench
 from runners.bench_settings import BENCH_SECTIONS
 
 
@@ -56,4 +55,4 @@ def bench_cmd(**opts: Any) -> None:
     bench(opts.pop("a"), echo=click.echo, **opts)
 
 
-__all__ = ["bench_cmd", "build_cmd", "default_engine_path", "devices_cmd", "format_profiles_table"]
+__all__ = ["bench_cmd", "build_cmd", "devices_cmd", "format_profiles_table"]

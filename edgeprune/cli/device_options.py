@@ -21,9 +21,9 @@ from typing import Callable
 
 import click
 
-from devices import list_profiles, load_profile
+from edgeprune import is_profile, list_profiles, load_profile
 from edgeprune.errors import UserError
-from edgeprune.jobs.models import is_profile, torch_device_of  # noqa: F401 (handed on)
+
 
 
 def _apply(f: Callable, *decorators: Callable) -> Callable:
@@ -67,9 +67,9 @@ def _torch_device_callback(ctx: click.Context, param: click.Parameter, value: st
 def device_option(f: Callable | None = None, *, default: str = "cpu") -> Callable:
     """``--device PROFILE`` (a deployment profile, as build / bench use it) and ``--torch-device
     cpu|cuda|cuda:N|auto`` (where the torch passes run); the command receives ``device`` (the profile
-    as given, or the old torch spelling) and ``torch_device``, and calls :func:`torch_device_of`
-    first. ``default``: the torch device without a profile (prune, heal, derive: auto; eval,
-    verify: cpu)."""
+    as given, or the old torch spelling) and ``torch_device``, and hands both to its job (which resolves them:
+    ``edgeprune.jobs.models.torch_device_of``). ``default``: the torch device without a profile (prune, heal,
+    derive: auto; eval, verify: cpu)."""
     def deco(fn: Callable) -> Callable:
         return _apply(
             fn,
@@ -132,4 +132,4 @@ def json_flag_option(help_text: str) -> Callable:
 
 
 __all__ = ["against_option", "data_option", "device_option", "json_flag_option",
-           "print_trtexec_option", "report_files_options", "torch_device_of", "vs_option"]
+           "print_trtexec_option", "report_files_options", "vs_option"]

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import click
 
-from devices import list_profiles, load_profile
+from edgeprune import list_profiles, load_profile
 from edgeprune.cli.device_options import json_flag_option
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import click
 
-from edgeprune.cli.options import device_option, eval_options, json_option, model_options, quiet_option, torch_device_of
-from edgeprune.jobs.eval_run import eval_run
-from edgeprune.jobs.info_run import info_run
+from edgeprune.cli.options import device_option, eval_options, json_option, model_options, quiet_option
+from edgeprune import eval_run, info_run
 
 
 @click.command("eval")
@@ -27,10 +26,9 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
     RUN_DIR is compared against its dense base model (top-1 and agreement); a NuWa run is scored
     over its target classes.
     """
-    torch_device = torch_device_of(device, torch_device, default="cpu")  # --device is the deployment profile
     eval_run(run_dir, model_name=model_name, checkpoint=checkpoint, random_init=random_init, num_classes=num_classes,
              img_size=img_size, model_kwargs=model_kwargs, eval_data=eval_data, eval_size=eval_size,
-             json_out=json_out, torch_device=torch_device, quiet=quiet, echo=click.echo)
+             json_out=json_out, device=device, torch_device=torch_device, quiet=quiet, echo=click.echo)
 
 
 @click.command("info")

@@ -15,7 +15,7 @@ import click
 
 from edgeprune.cli import generate
 from edgeprune.cli.options import file_out_option, force_option, model_options
-from edgeprune.jobs.export import export
+from edgeprune import export
 from exporters.export_settings import EXPORT_SECTIONS
 
 

@@ -34,10 +34,10 @@ from click.core import ParameterSource
 from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (calibration_options, device_option, eval_options, no_eval_option, out_option,
-                                   quiet_option, torch_device_of)
+                                   quiet_option)
 from edgeprune.cli.recipe import write_recipe
 from edgeprune.heal.settings import HEAL_SECTIONS
-from edgeprune.jobs.heal_run import heal_run
+from edgeprune import heal_run
 
 
 @click.command("heal", cls=RecipeCommand, settings_sections=HEAL_SECTIONS)
@@ -58,9 +58,9 @@ def heal_cmd(**opts: Any) -> None:
     ctx = click.get_current_context()
     seed_given = ctx.get_parameter_source("seed") not in (None, ParameterSource.DEFAULT)  # else: the run's seed
     seed = opts.pop("seed")
-    torch_device = torch_device_of(opts.pop("device"), opts.pop("torch_device", None), default="auto")
-    heal_run(opts.pop("run_dir"), opts.pop("out"), seed=seed if seed_given else None, torch_device=torch_device,
-             echo=click.echo, write_recipe=lambda path, values: write_recipe(ctx, path, values), **opts)
+    heal_run(opts.pop("run_dir"), opts.pop("out"), seed=seed if seed_given else None, device=opts.pop("device"),
+             torch_device=opts.pop("torch_device", None), echo=click.echo,
+             write_recipe=lambda path, values: write_recipe(ctx, path, values), **opts)
 
 
 __all__ = ["heal_cmd"]

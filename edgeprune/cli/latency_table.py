@@ -21,7 +21,7 @@ from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import file_out_option, force_option, model_options, profile_option, quiet_option
 from edgeprune.cli.recipe import output_recipe_path, write_recipe
-from edgeprune.jobs.latency_table_run import latency_table_run
+from edgeprune import latency_table_run
 from edgeprune.latency.settings import LATENCY_TABLE_SECTIONS
 
 

@@ -6,7 +6,7 @@ them the same way.
 * :func:`calibration_options` -- ``--calib``, ``--calib-size``, ``--seed``, ``--batch-size``;
 * :func:`eval_options` -- ``--eval-data``, ``--eval-size``;
 * :func:`device_option` -- ``--device PROFILE`` and ``--torch-device cpu|cuda|cuda:N|auto`` (checked before
-  any work; :func:`torch_device_of` resolves them);
+  any work; :func:`edgeprune.jobs.models.torch_device_of` resolves them);
 * :func:`labeled_data_options` -- derive's ``--classes`` and labeled images (``--data``, ``--train-data`` ...);
 * :func:`quiet_option`, :func:`out_option`, :func:`threads_option`;
 * :class:`FiniteFloat` (:data:`FINITE`) -- THE type of every float option of every command: ``nan``
@@ -24,10 +24,9 @@ from typing import Any, Callable
 import click
 
 from edgeprune.errors import UserError
-from edgeprune.zoo.network_file import network_ref
+from edgeprune import network_ref
 
-from edgeprune.cli.device_options import device_option, torch_device_of  # noqa: F401 (handed on)
-from edgeprune.jobs.models import check_readable_dir, fmt_metric, load_model, make_spec  # noqa: F401 (handed on)
+from edgeprune.cli.device_options import device_option  # noqa: F401 (handed on)
 
 class FiniteFloat(click.FloatRange):
     """A float option that must be a finite number (``click.FloatRange`` bounds optional): ``nan``,

@@ -16,8 +16,7 @@ from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import (calibration_options, device_option, eval_options, model_options, no_eval_option,
                                    out_option, quiet_option)
 from edgeprune.cli.recipe import replay_measurer, replay_rounds, tokens_choice, write_recipe
-from edgeprune.distributed import is_main_process
-from edgeprune.jobs.prune_run import prune_run
+from edgeprune import is_main_process, prune_run
 from edgeprune.pruning.settings import PruneSettings, prune_sections
 from edgeprune.settings import Section
 

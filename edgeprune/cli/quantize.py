@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+import edgeprune
 from edgeprune.cli import generate
 from edgeprune.cli.help import RecipeCommand
 from edgeprune.cli.options import eval_options, file_out_option, force_option, json_option, recorded_calibration_options
@@ -40,15 +41,13 @@ def quantize_cmd(model: Path, output: Path, json_out: str | None, **opts: Any) -
     The output keeps the exported metadata and adds precision, calibration hash, excluded nodes
     and the measured agreement.
     """
-    from edgeprune.jobs.quantize import quantize  # onnxruntime: imported when quantizing
-
     ctx = click.get_current_context()
     moved = follow_output(ctx, "json_out", "output", ".json")  # issue 52: a replay's -o moves its report too
     if moved is not None:
         click.echo(f"--json {moved} (the recipe's {json_out} follows -o {output})")
         json_out = str(moved)
-    quantize(model, output, json_out=json_out, echo=click.echo,
-             write_recipe=lambda path, values: write_recipe(ctx, path, values), **opts)
+    edgeprune.quantize(model, output, json_out=json_out, echo=click.echo,  # onnxruntime: imported here, on first use
+                       write_recipe=lambda path, values: write_recipe(ctx, path, values), **opts)
 
 
 __all__ = ["quantize_cmd"]

@@ -43,12 +43,12 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from edgeprune.atomic import atomic_write_text
 from edgeprune.cli.generate import section_table
 from edgeprune.cli.recipe_replay import (REPLAY, REPLAYS, ReplayMeasurer, follow_output, read_replay, replay_lines,
                                          replay_measurer, replay_rounds, tokens_choice)
 from edgeprune.cli.recipe_toml import META_FILE, META_KEYS, META_REPLAY, convert_value, negated, shown, toml_value
 from edgeprune.errors import UserError
+from edgeprune.settings import write_recipe_text
 
 #: the order of a command's own tables; its declared settings' sections go after ``data``, in their order
 ORDER = ("model", "data", "budget", "method", "heal", "output", "runtime")
@@ -382,7 +382,7 @@ def write_recipe(ctx: click.Context, path: str | Path, values: dict[str, Any] | 
         RuntimeFault / OSError: the write failed (the CLI's handler: one line).
     """
     p = Path(path)
-    atomic_write_text(p, recipe_text(ctx, values, notes, replay))
+    write_recipe_text(p, recipe_text(ctx, values, notes, replay))
     return p
 
 

@@ -16,8 +16,8 @@ import click
 
 from edgeprune.cli import generate
 from edgeprune.cli.device_options import against_option, data_option
-from edgeprune.cli.options import device_option, json_option, model_options, torch_device_of
-from edgeprune.jobs.verify import verify
+from edgeprune.cli.options import device_option, json_option, model_options
+from edgeprune import verify
 from exporters.export_settings import VERIFY_SECTIONS
 
 
@@ -42,8 +42,7 @@ def verify_cmd(**opts: Any) -> None:
     Exits 1 when the check fails.
     """
     # --device is the deployment profile; the PyTorch side runs on --torch-device
-    torch_device = torch_device_of(opts.pop("device"), opts.pop("torch_device"), default="cpu")
-    result = verify(opts.pop("onnx_file"), torch_device=torch_device, echo=click.echo, **opts)
+    result = verify(opts.pop("onnx_file"), echo=click.echo, **opts)
     if not result.passed:
         sys.exit(1)
 

@@ -27,13 +27,15 @@ from edgeprune.loading import load_base_model
 def eval_run(run_dir: str | Path | None = None, *, model_name: str | None = None, checkpoint: str | Path | None = None,
              random_init: bool = False, num_classes: int | None = None, img_size: int | None = None,
              model_kwargs: dict[str, Any] | None = None, eval_data: str | Path | None = None,
-             eval_size: int | None = None, json_out: str | Path | None = None, torch_device: str = "cpu",
-             quiet: bool = False, echo: Echo = _echo) -> dict[str, Any]:
+             eval_size: int | None = None, json_out: str | Path | None = None, device: str | None = None,
+             torch_device: str | None = None, quiet: bool = False, echo: Echo = _echo) -> dict[str, Any]:
     """Evaluate ``run_dir`` (against its dense base model) or the dense ``model_name`` [fmnist-vit when neither].
 
     The images: ``eval_data``; else the run's recorded evaluation folder; else its calibration folder's held-out
     images (:func:`_eval_source`); else the model's own. Says one line (``echo``): the model, the images and the
-    quality; ``json_out``: also writes the metrics there as JSON. ``quiet``: no progress display.
+    quality; ``json_out``: also writes the metrics there as JSON. ``quiet``: no progress display. ``device`` /
+    ``torch_device``: a deployment profile (or the old torch-device spelling) and the torch device
+    (:func:`edgeprune.jobs.models.torch_device_of`; default cpu).
 
     Returns:
         The metrics (as written to ``json_out``): ``top1`` / ``agreement`` (classifiers; a NuWa run: ``top1`` over
@@ -43,7 +45,7 @@ def eval_run(run_dir: str | Path | None = None, *, model_name: str | None = None
         UserError: both a run and a model, a missing run directory, an unknown model or device, unreadable
             ``eval_data``, an unwritable ``json_out`` folder, a recorded data folder that is gone.
     """
-    device = torch_device_of(None, torch_device, default="cpu")
+    device = torch_device_of(device, torch_device, default="cpu")
     if run_dir is None and model_name is None:
         model_name = "fmnist-vit"
     check_readable_dir(eval_data, "evaluation data")

@@ -40,17 +40,19 @@ def heal_run(run_dir: str | Path, out: str | Path | None = None, *, calib_dir: s
              eval_data: str | None = None, eval_size: int | None = None, epochs: int = 10, lr: float = 1e-4,
              min_lr: float = 1e-6, warmup_steps: int | None = None, weight_decay: float = 0.01, loss: str = "cosine",
              cache_targets: str | None = None, memory_budget_mb: float = 1024, keep_best: bool = True,
-             holdout: float = 0.0, no_eval: bool = False, torch_device: str | None = None, quiet: bool = False,
-             echo: Echo = _echo, write_recipe: Callable[[Path, dict[str, Any]], Any] | None = None) -> HealRunResult:
+             holdout: float = 0.0, no_eval: bool = False, device: str | None = None, torch_device: str | None = None,
+             quiet: bool = False, echo: Echo = _echo,
+             write_recipe: Callable[[Path, dict[str, Any]], Any] | None = None) -> HealRunResult:
     """Heal ``run_dir`` into ``out`` [RUN_DIR-healed] (resumable: a checkpoint per epoch in ``out.partial``).
 
     ``seed`` None: the run's recorded calibration seed (else 0). ``calib_dir`` / ``eval_data`` None: the
-    run's recorded folders while they are there.
+    run's recorded folders while they are there. ``device`` / ``torch_device``: the deployment profile (or the old
+    torch-device spelling) and the torch device (:func:`edgeprune.jobs.models.torch_device_of`; default auto).
 
     Raises:
         UserError: not a healable run, ``out`` exists, unreadable data, an empty calibration set, nothing to heal.
     """
-    device = torch_device_of(None, torch_device, default="auto")
+    device = torch_device_of(device, torch_device, default="auto")
     seed_given = seed is not None
     config = HealConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                         loss=loss, seed=seed if seed_given else 0, warmup_steps=warmup_steps, holdout=holdout,

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from devices import list_profiles, load_profile
+from devices import is_profile, load_profile
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
 from edgeprune.torch_device import resolve_device
@@ -58,12 +58,6 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
         raise UserError("--img-size/--model-kwargs go with --model, not a run directory (it records its own)")
     kw = _extra(load_run_or_model, img_size, model_kwargs)
     return load_run_or_model(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
-
-
-def is_profile(value: str) -> bool:
-    """A shipped profile's name, or a path of a profile file (.toml, or an existing file)."""
-    return (value in list_profiles() or value.endswith(".toml") or "/" in value or os.sep in value
-            or Path(value).is_file())
 
 
 def torch_device_of(device: str | None, torch_device: str | None, default: str = "auto") -> str:
@@ -129,4 +123,4 @@ def fmt_metric(m: dict | None, kind: str) -> str:
     return ", ".join(parts) or "-"
 
 
-__all__ = ["check_readable_dir", "fmt_metric", "is_profile", "load_model", "make_spec", "torch_device_of"]
+__all__ = ["check_readable_dir", "fmt_metric", "load_model", "make_spec", "torch_device_of"]

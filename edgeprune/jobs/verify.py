@@ -18,7 +18,7 @@ from edgeprune.artifact import check_writable
 from edgeprune.calibration.collect import exact_fp32
 from edgeprune.errors import RuntimeFault, UserError
 from edgeprune.jobs.echo import Echo, echo as _echo
-from edgeprune.jobs.models import load_model
+from edgeprune.jobs.models import load_model, torch_device_of
 from exporters.attention_pattern import fused_attention_line
 from exporters.onnx import read_metadata
 from exporters.verify import format_quantized_report, format_report, verify_onnx, verify_quantized
@@ -44,15 +44,18 @@ def verify(onnx_file: str | Path, *, run_dir: str | Path | None = None, model_na
            checkpoint: str | Path | None = None, random_init: bool = False, num_classes: int | None = None,
            img_size: int | None = None, model_kwargs: dict | None = None, n: int = 64,
            data: str | Path | None = None, atol: float = 1e-4, rtol: float = 0.0, batch_size: int = 16,
-           max_drop: float | None = None, json_out: str | Path | None = None, torch_device: str = "cpu",
-           echo: Echo = _echo) -> VerifyResult:
+           max_drop: float | None = None, json_out: str | Path | None = None, device: str | None = None,
+           torch_device: str | None = None, echo: Echo = _echo) -> VerifyResult:
     """Run ``onnx_file`` and the model of ``run_dir`` (or ``model_name``) on ``n`` evaluation inputs.
 
-    The PyTorch side runs on ``torch_device`` (TF32 off on CUDA); ONNX Runtime on the CPU.
+    The PyTorch side runs on the torch device of ``device`` / ``torch_device`` (a deployment profile or the old
+    torch-device spelling, and the torch device: :func:`edgeprune.jobs.models.torch_device_of`, default cpu; TF32
+    off on CUDA); ONNX Runtime on the CPU.
 
     Raises:
         UserError: a missing or corrupt file, no model, ``max_drop`` for a float file.
     """
+    torch_device = torch_device_of(device, torch_device, default="cpu")
     onnx_file = Path(onnx_file)
     json_out = Path(json_out) if json_out is not None else None
     meta = read_metadata(onnx_file)  # missing / corrupt file -> one-line error first
