@@ -282,14 +282,40 @@ def test_nuwa_derives_a_gated_model(timm):
     assert model_flops(an)["total"] <= 0.6 * model_flops(find_anatomy(model))["total"] * 1.001
 
 
-def test_latency_tables_refuse_a_gated_mlp(timm):
+def test_a_latency_table_times_gated_mlps_and_refuses_the_other_kind(timm, tmp_path):
+    """Issue 54: a gated model's latency table times gated MLP sub-blocks (the three matmuls the model runs: with the
+    block's weights the sub-block is the block's MLP residual exactly) and says so in its key; built with the real
+    torch timer, its self-check rebuilds the pruned models gated; a table of plain MLPs refuses the gated model and
+    the gated table a plain one, in one line."""
+    import devices
+    from edgeprune.latency.build import build_table
     from edgeprune.latency.grid import shape_of
-    from tests.test_latency_table import _hand_table
+    from edgeprune.latency.subblocks import mlp_subblock
+    from edgeprune.latency.table import LatencyTable
+    from tests.test_latency_table import _hand_table, _opts
 
-    an = find_anatomy(_gated(timm, "packed"))
-    for check in (shape_of, _hand_table().check_model):
-        with pytest.raises(UserError, match="gated \\(SwiGLU\\) MLP.*flops or params budget") as err:
-            check(an)
+    an = find_anatomy(_gated(timm, "dinov3"))
+    b, D = an.blocks[0], an.embed_dim
+    plain = find_anatomy(timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, depth=2).eval())
+    assert shape_of(an)["mlp_gated"] is True and "mlp_gated" not in shape_of(plain)  # plain tables' keys as before
+    sub = mlp_subblock(b, D, b.mlp_hidden)
+    assert sub.gate is not None and sub.gate.out_features == sub.fc1.out_features == b.mlp_hidden
+    for mine, theirs in ((sub.gate, b.fc1_gate), (sub.fc1, b.fc1), (sub.fc2, b.fc2)):
+        mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, an.num_tokens, D, generator=torch.Generator().manual_seed(0))
+    ls2 = b.ls2 if b.ls2 is not None else torch.nn.Identity()
+    with torch.no_grad():
+        torch.testing.assert_close(sub(x), x + ls2(b.mlp(b.block.norm2(x))), rtol=1e-6, atol=1e-6)
+    out = tmp_path / "t.json"
+    t = build_table(an, devices.load_profile("cpu"), _opts(backend="torch", batch=2, warmup=1, iterations=3,
+                                                           clock="auto", force=True), out, show_progress=False)
+    assert t.key["mlp_gated"] is True and [m["name"] for m in t.meta["self_check"]["models"]][-1] == "x0.3"
+    loaded = LatencyTable.load(out)
+    loaded.check_model(an)  # the same kind: no error
+    for table, model, says in ((_hand_table(), an, "times plain MLPs, the model's are gated"),
+                               (loaded, plain, "times gated MLPs, the model's are plain")):
+        with pytest.raises(UserError, match=says) as err:
+            table.check_model(model)
         assert "\n" not in str(err.value)
 
 

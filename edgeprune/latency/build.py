@@ -48,7 +48,7 @@ from edgeprune.progress import progress
 
 #: key fields that must match for a partial table to be resumed
 KEY_FIELDS = ("embed_dim", "depth", "num_heads", "head_dim", "mlp_hidden", "tokens", "batch", "precision",
-              "backend", "backend_version", "device_name", "profile", "threads")
+              "backend", "backend_version", "device_name", "profile", "threads", "mlp_gated")
 
 
 #: the way of timing recorded in ``meta["settings"]`` that must match for a resume (issue 41: a resume

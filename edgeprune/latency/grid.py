@@ -33,29 +33,43 @@ MAX_DIM_POINTS = 4
 MAX_DIAGONAL_POINTS = 8
 
 
-def check_plain_mlp(anatomy: Any) -> None:
-    """Refuse a model with a gated MLP (``fc1_gate``, SwiGLU): a table times the plain MLP sub-block
-    ``fc2(act(fc1(u)))`` (two matmuls) and its key does not say whether an MLP is gated, so a gated MLP
-    (three matmuls) would be priced as another model's MLP.
+def mlp_gated(anatomy: Any) -> bool:
+    """Whether the model's MLPs are gated (``fc1_gate``, SwiGLU: three matmuls; issue 54): a table of a gated model
+    times gated MLP sub-blocks and says so in its key (``key["mlp_gated"]``: true; absent in a plain model's
+    table, as in every table before it).
 
     Raises:
-        UserError: one line naming the first gated block.
+        UserError: some blocks gated and others not (a table describes one block shape), naming the first.
     """
-    for b in anatomy.blocks:
-        if getattr(b, "fc1_gate", None) is not None:
-            raise UserError(f"latency tables time plain MLPs; block {b.index} has a gated (SwiGLU) MLP, which they "
-                            "do not price: use a flops or params budget for this model")
+    gated = [getattr(b, "fc1_gate", None) is not None for b in anatomy.blocks]
+    if any(gated) and not all(gated):
+        i = gated.index(not gated[0])
+        raise UserError(f"latency-table needs blocks of one shape: block {i} has a "
+                        f"{'gated' if gated[i] else 'plain'} MLP, block 0 a {'gated' if gated[0] else 'plain'} one")
+    return bool(gated and gated[0])
 
 
-def shape_of(anatomy: Any) -> dict[str, int]:
-    """The dense block shape of a ViT: ``embed_dim, depth, num_heads, head_dim, mlp_hidden, tokens``.
+def check_gated(key: dict, anatomy: Any) -> None:
+    """A table (its ``key``) times the kind of MLP the model has (:func:`mlp_gated`).
 
     Raises:
-        UserError: the model is pruned (a block's dims differ from the dense ones), its blocks
-            differ in shape (a table describes one block shape), or it has a gated MLP
-            (:func:`check_plain_mlp`).
+        UserError: one line, a table of plain MLPs for a gated model or the reverse.
     """
-    check_plain_mlp(anatomy)
+    gated, timed = mlp_gated(anatomy), bool(key.get("mlp_gated", False))
+    if gated != timed:
+        raise UserError(f"latency table times {'gated' if timed else 'plain'} MLPs, the model's are "
+                        f"{'gated' if gated else 'plain'} (build a table for this model: edgeprune latency-table)")
+
+
+def shape_of(anatomy: Any) -> dict[str, Any]:
+    """The dense block shape of a ViT: ``embed_dim, depth, num_heads, head_dim, mlp_hidden, tokens`` (and
+    ``mlp_gated: True`` for gated MLPs, :func:`mlp_gated`).
+
+    Raises:
+        UserError: the model is pruned (a block's dims differ from the dense ones), or its blocks
+            differ in shape (a table describes one block shape).
+    """
+    gated = mlp_gated(anatomy)
     b0 = anatomy.blocks[0]
     for b in anatomy.blocks:
         dims = (b.num_heads, b.qk_dim, b.v_dim, b.mlp_hidden)
@@ -67,7 +81,8 @@ def shape_of(anatomy: Any) -> dict[str, int]:
                             f"(heads, qk, v, mlp) = {dims}, block 0 "
                             f"{(b0.num_heads, b0.qk_dim, b0.v_dim, b0.mlp_hidden)} (pass the unpruned model)")
     return {"embed_dim": int(anatomy.embed_dim), "depth": len(anatomy.blocks), "num_heads": int(b0.num_heads),
-            "head_dim": int(b0.head_dim), "mlp_hidden": int(b0.mlp_hidden), "tokens": int(anatomy.num_tokens)}
+            "head_dim": int(b0.head_dim), "mlp_hidden": int(b0.mlp_hidden), "tokens": int(anatomy.num_tokens),
+            **({"mlp_gated": True} if gated else {})}
 
 
 def thin(points: list[int], limit: int) -> list[int]:
@@ -179,5 +194,5 @@ def make_grid(shape: dict[str, int], rules: dict[str, Any], *, max_mlp: int = MA
                 full_tokens=int(shape.get("tokens", 0)))
 
 
-__all__ = ["Grid", "check_plain_mlp", "check_token_counts", "make_grid", "on_grid", "parse_token_counts", "shape_of",
-           "thin"]
+__all__ = ["Grid", "check_gated", "check_token_counts", "make_grid", "mlp_gated", "on_grid", "parse_token_counts",
+           "shape_of", "thin"]

@@ -57,7 +57,7 @@ _KEY = Obj({**{k: Req(_POS) for k in ("embed_dim", "depth", "num_heads", "head_d
                                        "batch")},
             "threads": Req(Int(min=1, nullable=True)),
             **{k: Req(Str(nonempty=True)) for k in ("precision", "backend", "device_name", "profile")},
-            "backend_version": Str(nullable=True)})
+            "backend_version": Str(nullable=True), "mlp_gated": Bool()})
 
 _RULES = Obj({"mlp_round_to": Req(_POS), "head_dim_round_to": Req(_POS), "qk_equals_v": Req(Bool())})
 

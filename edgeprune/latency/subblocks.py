@@ -3,7 +3,9 @@ of the model's own norms, activation and LayerScales, so they run the same kerne
 
 * attention: ``x + ls1(proj(attn(norm1(x))))`` with an :class:`~edgeprune.layers.PrunedAttention` of (kept heads,
   per-head Q/K dim, per-head V dim);
-* MLP: ``x + ls2(fc2(act(fc1(norm2(x)))))`` of a kept width.
+* MLP: ``x + ls2(fc2(act(fc1(norm2(x)))))`` of a kept width; a gated (SwiGLU) MLP
+  ``x + ls2(fc2(act(fc1_g(u)) * fc1(u)))``, ``u = norm2(x)``, its gate and up projections at the kept width (issue 54:
+  DINOv3 S+/H+, DINOv2-g).
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ class AttnSubBlock(nn.Module):
 
 
 class MlpSubBlock(nn.Module):
-    """``x + ls2(fc2(act(fc1(norm2(x)))))``: (B, N, D) -> (B, N, D)."""
+    """``x + ls2(fc2(act(fc1(norm2(x)))))``: (B, N, D) -> (B, N, D); with ``gate`` (a gated MLP's ``fc1_g``)
+    ``x + ls2(fc2(act(gate(u)) * fc1(u)))``, ``u = norm2(x)``."""
 
-    def __init__(self, norm: nn.Module, fc1: nn.Linear, act: nn.Module, fc2: nn.Linear, ls: nn.Module) -> None:
+    def __init__(self, norm: nn.Module, fc1: nn.Linear, act: nn.Module, fc2: nn.Linear, ls: nn.Module,
+                 gate: nn.Linear | None = None) -> None:
         super().__init__()
-        self.norm, self.fc1, self.act, self.fc2, self.ls = norm, fc1, act, fc2, ls
+        self.norm, self.fc1, self.act, self.fc2, self.ls, self.gate = norm, fc1, act, fc2, ls, gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ls(self.fc2(self.act(self.fc1(self.norm(x)))))
+        u = self.norm(x)
+        h = self.act(self.fc1(u)) if self.gate is None else self.act(self.gate(u)) * self.fc1(u)
+        return x + self.ls(self.fc2(h))
 
 
 def attn_subblock(template: Any, embed_dim: int, heads: int, qk: int, v: int, seed: int = 0) -> AttnSubBlock:
@@ -58,10 +64,12 @@ def attn_subblock(template: Any, embed_dim: int, heads: int, qk: int, v: int, se
 
 
 def mlp_subblock(template: Any, embed_dim: int, width: int, seed: int = 0) -> MlpSubBlock:
-    """MLP sub-block shaped like ``template`` (its norm2, activation, ls2, bias flags) of hidden
-    width ``width``; random weights (seeded)."""
+    """MLP sub-block shaped like ``template`` (its norm2, activation, ls2, bias flags; gated where its MLP is:
+    ``template.fc1_gate``) of hidden width ``width``; random weights (seeded)."""
     torch.manual_seed(seed)
     fc1 = nn.Linear(embed_dim, width, bias=template.fc1.bias is not None)
     fc2 = nn.Linear(width, embed_dim, bias=template.fc2.bias is not None)
+    g = template.fc1_gate
+    gate = None if g is None else nn.Linear(embed_dim, width, bias=g.bias is not None)
     return MlpSubBlock(_or_identity(template.block.norm2), fc1, copy.deepcopy(template.act), fc2,
-                       _or_identity(template.ls2)).eval()
+                       _or_identity(template.ls2), gate).eval()

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 from edgeprune.atomic import atomic_write_text
 from edgeprune.errors import UserError
 from edgeprune.latency import shape_change, surface
-from edgeprune.latency.grid import check_plain_mlp
+from edgeprune.latency.grid import check_gated
 from edgeprune.latency.schema import DAMAGED_HINT, check_adds_up, check_table
 from edgeprune.schema import SchemaError
 
@@ -286,10 +286,10 @@ class LatencyTable:
         has the shape this table was measured for.
 
         Raises:
-            UserError: one line naming the first field that differs, or a gated MLP the table does not
-                price (:func:`edgeprune.latency.grid.check_plain_mlp`).
+            UserError: one line naming the first field that differs, or a table of plain MLPs for a gated model
+                and the reverse (:func:`edgeprune.latency.grid.check_gated`).
         """
-        check_plain_mlp(anatomy)
+        check_gated(self.key, anatomy)
         b0 = anatomy.blocks[0]
         have = {"embed_dim": anatomy.embed_dim, "depth": len(anatomy.blocks), "num_heads": b0.num_heads,
                 "head_dim": b0.head_dim, "mlp_hidden": b0.mlp_hidden, "tokens": anatomy.num_tokens}
