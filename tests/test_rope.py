@@ -281,6 +281,9 @@ def test_rotary_export_is_static_and_verifies(tmp_path, pruned):
     assert verify_onnx(fixed, m, x, atol=1e-4, batch_size=8)["passed"]
     path = export_onnx(m, tmp_path / "m.onnx", (3, 32, 32))
     proto = onnx.load(str(path))
+    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    for v in inferred.graph.value_info:  # the default dynamic batch: the batch is each tensor's one symbolic dim
+        assert sum(not d.HasField("dim_value") for d in v.type.tensor_type.shape.dim) <= 1, v.name
     ops = {n.op_type for n in proto.graph.node}
     assert not ops & {"If", "Tile", "Loop", "Range", "NonZero"}, ops
     assert not any("rope" in n.name.lower() or "rotary" in n.name.lower() for n in proto.graph.node)
