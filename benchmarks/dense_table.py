@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--img-size", type=int, default=448, help="input side (a multiple of 14)")
     p.add_argument("--configs", default="w0.3,w0.5,t256,t384,w0.3+t192,w0.2+t256",
-                   help="comma-separated wS / tR / wS+tR")
+                   help="comma-separated wS / aS / tR / wS+tR / aS+tR (w: --target both, a: --target all)")
     p.add_argument("--calib-size", type=int, default=32, help="calibration photo crops")
     p.add_argument("--eval-size", type=int, default=20, help="held-out photos (at most 20)")
     p.add_argument("--batch", type=int, default=1, help="latency batch size")
@@ -46,16 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def parse_config(text: str) -> dict[str, Any]:
-    """``wS`` / ``tR`` / ``wS+tR`` -> ``{"sparsity": S, "tokens_merge": R}`` (0 where absent)."""
-    out = {"sparsity": 0.0, "tokens_merge": 0}
+    """``wS`` / ``aS`` / ``tR`` / ``wS+tR`` / ``aS+tR`` -> ``{"sparsity": S, "target": "both" (w) or "all" (a: heads
+    and V/O too), "tokens_merge": R}`` (0 where absent)."""
+    out: dict[str, Any] = {"sparsity": 0.0, "target": "both", "tokens_merge": 0}
     for part in text.split("+"):
         part = part.strip()
-        if part.startswith("w"):
-            out["sparsity"] = float(part[1:])
+        if part[:1] in ("w", "a"):
+            out["sparsity"], out["target"] = float(part[1:]), ("both" if part[0] == "w" else "all")
         elif part.startswith("t"):
             out["tokens_merge"] = int(part[1:])
         else:
-            raise SystemExit(f"bad configuration {text!r} (wS, tR or wS+tR)")
+            raise SystemExit(f"bad configuration {text!r} (wS, aS, tR, wS+tR or aS+tR)")
     return out
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(text)
         common.log(f"{text}: pruning ...")
         t0 = time.perf_counter()
-        res = edgeprune.prune(net, calib, target="both", sparsity=cfg["sparsity"],
+        res = edgeprune.prune(net, calib, target=cfg["target"], sparsity=cfg["sparsity"],
                               tokens_merge=cfg["tokens_merge"] or None, batch_size=8)
         prune_s = time.perf_counter() - t0
         fid = evaluate_dense(res.model, net, source, batch_size=4)
