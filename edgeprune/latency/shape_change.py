@@ -78,7 +78,8 @@ def fit(t: Any) -> dict[str, Any] | None:
     Returns:
         ``{"factor": f, "models": [{"kind", "blocks", "measured_ms", "additive_ms", "changed_ms", "factor"}]}``
         (``meta.parts.shape_change``), or None where the models were not timed (a table built before them, or a
-        one-block model).
+        one-block model) or their mean factor is -1 or less (models timed far faster than their parts: the load
+        moved; no term rather than a negative block cost).
     """
     parts = t.meta.get("parts") or {}
     models = []
