@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from exporters.agreement import SALIENCY_THRESHOLD, infer_output_kind  # noqa: F401  (re-exported)
 from exporters.agreement import compare_outputs as output_agreement
 from exporters.ort_session import load_session
@@ -254,7 +255,7 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
     """
     path = Path(onnx_path)
     if max_drop is not None and max_drop < 0:
-        raise UserError(f"--max-drop must be >= 0 points, got {max_drop}")
+        raise SettingError(f"{{max_drop}} must be >= 0 points, got {max_drop}")
     if isinstance(eval_source, tuple):
         x, labels = eval_source
         x = _as_numpy(x)

@@ -126,8 +126,22 @@ def test_the_bench_settings_are_resolve_configs_keywords():
 
 
 def test_a_python_setting_is_checked_by_the_job(tmp_path):
-    with pytest.raises(UserError, match="static-batch must be >= 1"):
+    with pytest.raises(UserError, match="^static_batch must be >= 1"):  # the keyword, not the option (issue 53)
         edgeprune.export(tmp_path / "x.onnx", model_name="fmnist-vit", static_batch=0)
+    r = run_cli(["export", "--model", "fmnist-vit", "--static-batch", "0", "-o", str(tmp_path / "y.onnx")])
+    assert r.exit_code == 2 and "--static-batch must be >= 1" in r.output, r.output
+
+
+def test_verify_names_max_drop_in_the_callers_spelling(tmp_path):
+    """Issue 53: one library error, two spellings -- ``max_drop`` / ``atol`` for Python, ``--max-drop`` / ``--atol``
+    on the command line (``edgeprune.cli.help.SettingsCommand``)."""
+    from tests.conftest import export_fmnist_vit
+
+    path = export_fmnist_vit(tmp_path)
+    with pytest.raises(UserError, match="^max_drop applies to quantized files; dense.onnx is float \\(use atol/rtol"):
+        edgeprune.verify(path, model_name="fmnist-vit", max_drop=1.0, n=4)
+    r = run_cli(["verify", str(path), "--model", "fmnist-vit", "--max-drop", "1", "--n", "4"])
+    assert_one_line_error(r, "--max-drop applies to quantized files; dense.onnx is float (use --atol/--rtol")
 
 
 def test_a_comma_list_of_integers_is_a_generated_kind():

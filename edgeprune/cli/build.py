@@ -14,13 +14,14 @@ from typing import Any
 import click
 
 from edgeprune.cli import generate
+from edgeprune.cli.help import SettingsCommand
 from edgeprune.cli.device_options import print_trtexec_option
 from edgeprune.cli.options import file_out_option, profile_option
 from edgeprune import build
 from exporters.tensorrt_settings import BUILD_SECTIONS
 
 
-@click.command("build")
+@click.command("build", cls=SettingsCommand, settings_sections=BUILD_SECTIONS)
 @click.argument("onnx_path", metavar="MODEL.onnx", type=click.Path(path_type=Path))
 @profile_option("Device profile (not a torch device): a shipped name such as orin-nx (see `edgeprune devices`) or "
                 "a .toml file.", required=True)

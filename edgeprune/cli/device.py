@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from edgeprune.cli import generate
+from edgeprune.cli.help import SettingsCommand
 from edgeprune.cli.build import build_cmd  # noqa: F401 (handed on)
 from edgeprune.cli.device_options import report_files_options, vs_option
 from edgeprune.cli.options import profile_option
@@ -23,7 +24,7 @@ from edgeprune import bench
 from runners.bench_settings import BENCH_SECTIONS
 
 
-@click.command("bench")
+@click.command("bench", cls=SettingsCommand, settings_sections=BENCH_SECTIONS)
 @click.argument("a")
 @vs_option
 @profile_option("device profile, not a torch device (see `edgeprune devices`; e.g. cpu, orin-nx, rtx3090): its "

@@ -14,12 +14,13 @@ from typing import Any
 import click
 
 from edgeprune.cli import generate
+from edgeprune.cli.help import SettingsCommand
 from edgeprune.cli.options import file_out_option, force_option, model_options
 from edgeprune import export
 from exporters.export_settings import EXPORT_SECTIONS
 
 
-@click.command("export")
+@click.command("export", cls=SettingsCommand, settings_sections=EXPORT_SECTIONS)
 @click.argument("run_dir", required=False, type=click.Path(path_type=Path))
 @model_options()
 @file_out_option("output", "FILE", "The .onnx file to write.", path_type=Path)

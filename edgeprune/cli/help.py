@@ -55,8 +55,10 @@ def _help_all_callback(ctx: click.Context, param: click.Parameter, value: bool) 
     ctx.exit()
 
 
-class RecipeCommand(RichCommand):
-    """A command with grouped help (essentials / --help-all) and ``--config FILE.toml``."""
+class SettingsCommand(click.Command):
+    """A command whose options are generated from declared settings sections: a library
+    :class:`~edgeprune.settings.SettingError` names them by their options (issue 53: the job tells a Python caller
+    ``static_batch``, this command ``--static-batch``)."""
 
     def __init__(self, *args: Any, settings_sections: Sequence[type[Section]] = (),
                  spelled_by: Sequence[type[Section]] = (), **kwargs: Any) -> None:
@@ -66,6 +68,27 @@ class RecipeCommand(RichCommand):
         #: the sections whose option spelling names a library error's settings (default: ``settings_sections``;
         #: deploy: the prune's, whose options it hands on)
         self.spelled_by = tuple(spelled_by) or self.settings_sections
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SettingError as err:  # named by its option
+            raise err.spelled(self._spell(ctx)) from None
+
+    def _spell(self, ctx: click.Context) -> Any:
+        """A setting's name -> its option: the declared sections' spelling, else the command's own option of that
+        parameter name (its first long flag), else None (the name as it is)."""
+        declared = spelling(self.spelled_by)
+        own = {p.name: next((o for o in p.opts if o.startswith("--")), None) for p in ctx.command.params
+               if isinstance(p, click.Option)}
+        return lambda name: declared(name) or own.get(name)
+
+
+class RecipeCommand(SettingsCommand, RichCommand):
+    """A command with grouped help (essentials / --help-all) and ``--config FILE.toml``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.params.append(config_option())
         self.params.append(click.Option(["--help-all"], is_flag=True, is_eager=True, expose_value=False,
                                         callback=_help_all_callback, help="Show every option, by group."))
@@ -78,10 +101,8 @@ class RecipeCommand(RichCommand):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
-        except SettingError as err:  # named by its option (the command line's and the recipe's spelling)
-            raise name_recipe_keys(ctx, err.spelled(spelling(self.spelled_by))) from None
-        except UserError as err:
+            return super().invoke(ctx)  # a SettingError comes back spelled by its option (SettingsCommand)
+        except UserError as err:  # and the recipe's key where it came from --config
             raise name_recipe_keys(ctx, err) from None
 
     # ---- help

@@ -15,13 +15,14 @@ from typing import Any
 import click
 
 from edgeprune.cli import generate
+from edgeprune.cli.help import SettingsCommand
 from edgeprune.cli.device_options import against_option, data_option
 from edgeprune.cli.options import device_option, json_option, model_options
 from edgeprune import verify
 from exporters.export_settings import VERIFY_SECTIONS
 
 
-@click.command("verify")
+@click.command("verify", cls=SettingsCommand, settings_sections=VERIFY_SECTIONS)
 @click.argument("onnx_file", type=click.Path(path_type=Path))
 @against_option
 @model_options()

@@ -17,6 +17,7 @@ import torch
 
 from edgeprune.artifact import check_writable
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import load_model
 from exporters.onnx import build_metadata, export_onnx
@@ -59,7 +60,7 @@ def export(output: str | Path, *, run_dir: str | Path | None = None, model_name:
     if output.suffix != ".onnx":
         raise UserError(f"output must be a .onnx file, got {output}")
     if static_batch is not None and static_batch < 1:
-        raise UserError(f"--static-batch must be >= 1, got {static_batch}")
+        raise SettingError(f"{{static_batch}} must be >= 1, got {static_batch}")
     model, record, spec = load_model(run_dir, model_name, checkpoint, random_init, num_classes, img_size,
                                      model_kwargs)
     check_writable(output.parent)

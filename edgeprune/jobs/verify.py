@@ -16,7 +16,8 @@ import torch
 
 from edgeprune.artifact import check_writable
 from edgeprune.calibration.collect import exact_fp32
-from edgeprune.errors import RuntimeFault, UserError
+from edgeprune.errors import RuntimeFault
+from edgeprune.settings import SettingError
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import load_model, torch_device_of
 from exporters.attention_pattern import fused_attention_line
@@ -89,8 +90,8 @@ def _compare(onnx_file: Path, meta: dict, model: Any, spec: Any, n: int, data: A
         echo(format_quantized_report(report))
         return report
     if max_drop is not None:
-        raise UserError(f"--max-drop applies to quantized files; {onnx_file} is float "
-                        "(use --atol/--rtol, or quantize it with 'edgeprune quantize')")
+        raise SettingError(f"{{max_drop}} applies to quantized files; {onnx_file.name.replace('{', '(')} is float "
+                           "(use {atol}/{rtol}, or quantize it with 'edgeprune quantize')")
     inputs = spec.eval_inputs(n, str(data) if data else None)
     report = verify_onnx(onnx_file, model, inputs, atol=atol, rtol=rtol,
                          output_kind=getattr(spec, "output_kind", None), batch_size=batch_size)

@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from exporters.quantization.registry import RECIPES, get_recipe
 from exporters.quantization.weight_rounding import get_weight_rounding
 
@@ -96,21 +97,21 @@ class CommonSettings:
         if self.mode not in MODES:
             raise UserError(f"unknown int8 mode {self.mode!r} (use {' or '.join(MODES)})")
         if self.mode == "dynamic" and self.precision != "int8":
-            raise UserError("--mode dynamic applies to int8 (fp16 has no activation ranges)")
+            raise SettingError("{mode} dynamic applies to int8 (fp16 has no activation ranges)")
         for name in ("calib_size", "eval_size", "sensitivity_images", "batch_size", "threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {value}")
         if self.max_drop is not None and not self.max_drop >= 0:
-            raise UserError(f"--max-drop must be >= 0 points, got {self.max_drop}")
+            raise SettingError(f"{{max_drop}} must be >= 0 points, got {self.max_drop}")
         if self.smooth_alpha is not None and not 0.0 <= self.smooth_alpha <= 1.0:
-            raise UserError(f"--smooth-alpha must be in [0, 1], got {self.smooth_alpha}")
+            raise SettingError(f"{{smooth_alpha}} must be in [0, 1], got {self.smooth_alpha}")
         if self.smooth_alpha is not None and self.precision != "int8":
-            raise UserError("--smooth-alpha applies to int8 (fp16 needs no range migration)")
+            raise SettingError("{smooth_alpha} applies to int8 (fp16 needs no range migration)")
         if self.recipe != "auto":
             get_recipe(self.recipe)
         if any(not p for p in self.exclude):
-            raise UserError("--exclude patterns must not be empty")
+            raise SettingError("{exclude} patterns must not be empty")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,16 +154,16 @@ class OrtSettings:
     def validate(self, common: CommonSettings) -> None:
         """Raises: UserError: an unknown method, a bad count, an option the precision / mode lacks."""
         if common.mode == "dynamic" and self.calib_method != "minmax":
-            raise UserError("--calib-method applies to --mode static (dynamic int8 computes activation "
-                            "ranges at run time)")
+            raise SettingError("{calib_method} applies to {mode} static (dynamic int8 computes activation "
+                               "ranges at run time)")
         if self.calib_method not in CALIB_METHODS:
             raise UserError(f"unknown calibration method {self.calib_method!r} (use {', '.join(CALIB_METHODS)})")
         if self.calib_chunk_images < 1:
             raise UserError(f"calib-chunk-images must be >= 1, got {self.calib_chunk_images}")
         if self.auto_exclude < 0:
-            raise UserError(f"--auto-exclude must be >= 0, got {self.auto_exclude}")
+            raise SettingError(f"{{auto_exclude}} must be >= 0, got {self.auto_exclude}")
         if self.auto_exclude and common.precision != "int8":
-            raise UserError("--auto-exclude applies to int8 (fp16 keeps sensitive ops in fp32 already)")
+            raise SettingError("{auto_exclude} applies to int8 (fp16 keeps sensitive ops in fp32 already)")
         if not self.op_types:
             raise UserError("op_types must name at least one op type to quantize")
 

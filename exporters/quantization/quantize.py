@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.loading import load_run_or_model
 from edgeprune.zoo.entries import zoo_entry
 from exporters.onnx import build_metadata, export_onnx, read_metadata
@@ -199,7 +200,7 @@ def _gather_data(meta: dict[str, Any], cfg: QuantizeConfig, recipe: Recipe, cali
         eval_source = eval_for(meta, c.eval_size, eval_data)
     if eval_source is None:
         if c.max_drop is not None:
-            raise UserError("--max-drop needs evaluation images, but the ONNX file names no edgeprune model")
+            raise SettingError("{max_drop} needs evaluation images, but the ONNX file names no edgeprune model")
         return _Data(calib, calib_info, None, None, None)
     x_eval, labels, eval_desc = _eval_arrays(eval_source)
     return _Data(calib, calib_info, x_eval, labels, eval_desc)

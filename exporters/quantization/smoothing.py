@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from exporters.quantization.search import output_error
 from exporters.quantization.stats import ActStats, collect_stats
 
@@ -251,7 +251,7 @@ def smooth_onnx(src: Path, dst: Path, images: np.ndarray, alpha: float = 0.5, ba
     import onnx
 
     if not 0.0 <= float(alpha) <= 1.0:
-        raise UserError(f"--smooth-alpha must be in [0, 1], got {alpha}")
+        raise SettingError(f"{{smooth_alpha}} must be in [0, 1], got {alpha}")
     model = onnx.load(str(src))
     sites = find_sites(model)
     if not sites:
