@@ -275,7 +275,7 @@ def test_verify_quantized(work):
     assert strict["top1_float"] == 1.0
     assert strict["drop_points"] == pytest.approx(100.0 * (1.0 - rep["agreement"]))
     assert strict["passed"] == (strict["drop_points"] == 0)
-    with pytest.raises(UserError, match="max-drop"):
+    with pytest.raises(UserError, match="^max_drop must be >= 0"):
         verify_quantized(work["int8"].path, work["fp32"], ev, max_drop=-1)
 
 
