@@ -140,7 +140,7 @@ def test_refusals_in_one_line_before_any_pass(tmp_path):
         yield _x(8)
 
     for kw, pattern in ((dict(sparsity=0.5), "needs a budget"),
-                        (dict(flops=0.5), "--flops budget: its cost model does not price merged tokens"),
+                        (dict(flops=0.5), "^tokens_merge auto with a flops budget: its cost model does not price"),
                         (dict(flops=0.5, embed_sparsity="auto"), "cannot be combined"),
                         (dict(latency=0.6, latency_table=bare), "has no token axis"),
                         (dict(latency=0.6, latency_table=table, allocation_check_images=0), "give allocation_check_images >= 1"),
@@ -156,7 +156,8 @@ def test_refusals_in_one_line_before_any_pass(tmp_path):
         edgeprune.prune(small_vit(), calib, latency=0.6, latency_table=table, tokens_merge=2, tokens_candidates=(2,))
     assert not calls
     base = ["prune", "--model", "fmnist-vit", "--no-eval", "--calib-size", "8", "--tokens-merge", "auto"]
-    for extra, pattern in (([], "needs a budget"), (["--flops", "0.5"], "does not price merged tokens"),
+    for extra, pattern in (([], "needs a budget"),
+                           (["--flops", "0.5"], "--tokens-merge auto with a --flops budget: its cost model does not price"),
                            (["--flops", "0.5", "--embed-sparsity", "auto"], "cannot be combined")):
         r = run_cli(base + extra + ["-o", tmp_path / "bad"])
         assert_one_line_error(r, pattern)

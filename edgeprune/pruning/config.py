@@ -57,7 +57,7 @@ def check_tokens_settings(config: CorpConfig) -> CorpConfig:
     if budget is None or not budget.model_class.needs_table:
         return config
     if value is not None:
-        _check_merge_priced(budget, f"{{tokens_merge}} with a --{budget.kind} budget: its table does not price "
+        _check_merge_priced(budget, f"{{tokens_merge}} with a {{{budget.kind}}} budget: its table does not price "
                             "token counts, so the measured correction would undo the merge's saving; use {flops}, "
                             "{params} or {sparsity}")
     if budget.tokens_merge != value:
@@ -82,7 +82,7 @@ def check_tokens_auto(config: CorpConfig) -> None:
     if budget is None:
         raise SettingError("{tokens_merge} auto needs a budget ({latency} with a table that has a token axis) to "
                            "choose r for; give a schedule (R, r0,r1,... or decreasing:R) without one")
-    _check_merge_priced(budget, f"{{tokens_merge}} auto with a --{budget.kind} budget: its cost model does not "
+    _check_merge_priced(budget, f"{{tokens_merge}} auto with a {{{budget.kind}}} budget: its cost model does not "
                         "price merged tokens (the widths get the whole budget, a merge only adds error); use {latency} "
                         "with a table that has a token axis, or give a schedule")
     if config.allocation_check_images < 1:
