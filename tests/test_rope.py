@@ -85,6 +85,25 @@ def test_sparsity_zero_is_exact_on_dinov3():
         assert torch.equal(p(x[:4]), m(x[:4]))
 
 
+#: the done-when's families: DINOv3 S / S+ (SwiGLU) / B, EVA-02 Ti / S (small images, 2 blocks)
+FAMILIES = [("vit_small_patch16_dinov3", dict(img_size=32)), ("vit_small_plus_patch16_dinov3", dict(img_size=32)),
+            ("vit_base_patch16_dinov3", dict(img_size=32)), ("eva02_tiny_patch14_224", dict(img_size=56)),
+            ("eva02_small_patch14_224", dict(img_size=56))]
+
+
+@pytest.mark.parametrize("name,kw", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_sparsity_zero_is_exact_on_every_family(name, kw):
+    """Pruning nothing changes nothing, bit for bit, on each rotary family the issue names (the converted model
+    against itself; its conversion from timm's Eva is exact to 1e-5)."""
+    eva = _eva(name, num_classes=10, depth=2, **kw)
+    m = canonical_model(eva)
+    x = torch.randn(16, 3, *m.patch_embed.img_size, generator=torch.Generator().manual_seed(0))
+    p = _pruned(m, x, target="both", sparsity=0.0)
+    with torch.no_grad():
+        assert torch.equal(p(x[:4]), m(x[:4]))
+        assert torch.allclose(eva(x[:4]), m(x[:4]), atol=1e-5, rtol=1e-5)
+
+
 def test_attn_pruning_keeps_whole_pairs():
     m = _model(img_size=32, depth=2)
     x = torch.randn(48, 3, 32, 32)
