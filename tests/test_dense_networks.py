@@ -154,3 +154,21 @@ def test_cli_prunes_a_network_file_and_the_run_reloads_exports_and_verifies(tmp_
 ])
 def test_bad_network_input_is_one_line_exit_2(argv, pattern):
     assert_one_line_error(run_cli(["info", *argv]), pattern)
+
+
+def test_deploy_takes_a_network_file_and_reports_its_fidelity(tmp_path):
+    """Issue 55: ``edgeprune deploy --model-file`` runs every stage on a network with a ViT inside, and its report
+    gives the network's fidelity to the dense outputs (relative squared error, PSNR) where a classifier's table has
+    top-1 and agreement."""
+    calib, ev = dense_nets.image_folder(tmp_path / "calib", 40, 0), dense_nets.image_folder(tmp_path / "eval", 8, 1)
+    out = tmp_path / "dep"
+    res = run_cli(["deploy", "--model-file", f"{NETS}:dpt_net", "--calib", calib, "--eval-data", ev,
+                   "--sparsity", "0.5", "--device", "cpu", "-o", out])
+    assert res.exit_code == 0, res.output
+    report = (out / "report.md").read_text()
+    assert "| model | params | GFLOPs | rel. error vs dense | PSNR dB | predicted ms | measured ms |" in report
+    assert "top-1 %" not in report and "(passed)" in report
+    rec = json.loads((out / "run" / "run.json").read_text())
+    row = json.loads((out / "report.json").read_text())["table"]["pruned"]
+    assert row["rel_error"] == rec["evaluation"]["pruned"]["rel_error"] > 0
+    assert f"| pruned | {rec['params']:,} |" in report and rec["params"] < rec["dense_params"]

@@ -50,7 +50,7 @@ def plan(o: dict[str, Any], recipe: Recipe | None = None) -> dict[str, dict[str,
     n = o["eval_size"] or 64
     steps["verify"] = {"settings": {"n": n, "eval_data": o["eval_data"]},
                        "inputs": {f"{final_run.name}/": final_run, onnx.name: onnx},
-                       "outputs": ["verify.json"], "what": f"ONNX Runtime vs PyTorch on {n} evaluation images",
+                       "outputs": ["verify.json"], "what": f"ONNX Runtime vs PyTorch on up to {n} evaluation images",
                        "run": lambda: _verify(o, onnx, final_run, n)}
     final = onnx if prec == "fp32" else out / f"model-{prec}.onnx"
     steps["quantize"] = _quantize_step(o, onnx, final, recipe)

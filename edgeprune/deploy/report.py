@@ -30,8 +30,16 @@ def _json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+#: the quality figures a run's evaluation may hold: a classifier's, then a network's with dense outputs (issue 55:
+#: relative squared error and PSNR against the dense network's outputs, IoU@0.5 of a saliency map)
+QUALITY = ("top1", "agreement", "rel_error", "psnr_db", "iou@0.5")
+_HEADS = {"top1": "top-1 %", "agreement": "agreement %", "rel_error": "rel. error vs dense",
+          "psnr_db": "PSNR dB", "iou@0.5": "IoU@0.5"}
+
+
 def _table(out: Path) -> dict[str, dict[str, Any]]:
-    """``{"dense": row, "pruned": row}``: params, flops, top1 / agreement, predicted / measured ms; the
+    """``{"dense": row, "pruned": row}``: params, flops, the quality figures (:data:`QUALITY`), predicted /
+    measured ms; the
     pruned row is the healed run's where there is one (its record keeps the prune's numbers), with
     ``"unhealed"`` (the quality before healing) beside it."""
     run = out / "healed" if (out / "healed" / "run.json").is_file() else out / "run"
@@ -42,9 +50,7 @@ def _table(out: Path) -> dict[str, dict[str, Any]]:
     dense = {"params": rec["dense_params"], "flops": rec["dense_flops"]}
     pruned = {"params": rec["params"], "flops": rec["flops"]}
     for row, m in ((dense, ev.get("dense") or {}), (pruned, ev.get("pruned") or {})):
-        for k in ("top1", "agreement"):
-            if m.get(k) is not None:
-                row[k] = m[k]
+        row.update({k: m[k] for k in QUALITY if m.get(k) is not None})
     chk = rec.get("latency_check")
     if chk:
         dense["predicted_ms"] = chk["predicted_ms"] / chk["predicted_ratio"] if chk.get("predicted_ratio") else None
@@ -55,7 +61,7 @@ def _table(out: Path) -> dict[str, dict[str, Any]]:
     before = ev.get("before_healing")
     if before:
         table["unhealed"] = {"params": rec["params"], "flops": rec["flops"],
-                             **{k: before[k] for k in ("top1", "agreement") if before.get(k) is not None}}
+                             **{k: before[k] for k in QUALITY if before.get(k) is not None}}
     return table
 
 
@@ -120,13 +126,15 @@ def report_markdown(data: dict[str, Any], out: Path) -> str:
                      f"{what.replace('|', '/')} |")
     t = data["table"]
     if t:
-        lines += ["", "| model | params | GFLOPs | top-1 % | agreement % | predicted ms | measured ms |",
-                  "|---|---|---|---|---|---|---|"]
+        shown = [k for k in QUALITY if any(k in r for r in t.values())] or ["top1", "agreement"]
+        lines += ["", "| model | params | GFLOPs | " + " | ".join(_HEADS[k] for k in shown) + " | predicted ms | "
+                  "measured ms |", "|---|---|---|" + "---|" * len(shown) + "---|---|"]
         for name in [n for n in ("dense", "unhealed", "pruned") if n in t]:
             r = t[name]
-            lines.append(f"| {name} | {r['params']:,} | {_fmt(r['flops'], 1e-9)} | {_fmt(r.get('top1'), 100, 2)} | "
-                         f"{_fmt(r.get('agreement'), 100, 2)} | {_fmt(r.get('predicted_ms'))} | "
-                         f"{_fmt(r.get('measured_ms'))} |")
+            quality = " | ".join(_fmt(r.get(k), 100, 2) if k in ("top1", "agreement") else _fmt(r.get(k), digits=4)
+                                 for k in shown)
+            lines.append(f"| {name} | {r['params']:,} | {_fmt(r['flops'], 1e-9)} | {quality} | "
+                         f"{_fmt(r.get('predicted_ms'))} | {_fmt(r.get('measured_ms'))} |")
     v, q = data["verify"], data["quantize"]
     if data.get("heal"):
         lines += ["", heal_markdown(data["heal"])]
