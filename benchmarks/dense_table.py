@@ -3,7 +3,7 @@ network at 224 or 448 px (``benchmarks/nets/dinov2_saliency.py``), pruned with C
 merge-inside/unmerge token merging of ``edgeprune.tokens.unmerge`` (``--tokens-merge R``), or both.
 
 For every configuration: the measured latency of the pruned network over the dense one (ONNX Runtime CPU, 1 thread,
-the given batch, interleaved pairs: ``edgeprune.pruning.latency_check.measure_pair``, CPU-time clock) and its
+the given batch, interleaved pairs: ``edgeprune.budget.latency_check.measure_pair``, CPU-time clock) and its
 fidelity to the dense network's maps on held-out photos (foolbox's 20 ImageNet photos, resized bilinearly from 224
 to the input side; calibration: scikit-image photo crops at the input side, disjoint from them): MAE, IoU@0.5,
 Pearson (``edgeprune.metrics.dense``).
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from edgeprune.data.photos import calibration_photos, eval_photos
     from edgeprune.data.sources import TensorSource
     from edgeprune.evaluate import evaluate_dense
-    from edgeprune.pruning.latency_check import measure_pair
+    from edgeprune.budget.latency_check import measure_pair
 
     torch.manual_seed(0)
     side = int(args.img_size)

@@ -9,7 +9,7 @@ this prunes twice from the same dense model and calibration set:
   head dims and MLP widths, on the table's rules),
 
 then measures each pruned model against the dense one *interleaved* on the table's backend,
-batch and threads (``edgeprune.pruning.latency_check.measure_pair``; ONNX Runtime CPU for a CPU table)
+batch and threads (``edgeprune.budget.latency_check.measure_pair``; ONNX Runtime CPU for a CPU table)
 and, when a GPU is present, also with torch CUDA (fp16, CUDA graphs, batch ``--cuda-batch``),
 and evaluates top-1 on the model's held-out split (disjoint from calibration).
 
@@ -45,7 +45,7 @@ from edgeprune.budget import Budget, dense_dims, total_cost  # noqa: E402
 from edgeprune.budget.latency import load_table  # noqa: E402
 from edgeprune.anatomy import find_anatomy  # noqa: E402
 from edgeprune.evaluate import evaluate  # noqa: E402
-from edgeprune.pruning.latency_check import cpu_name, measure_pair  # noqa: E402
+from edgeprune.budget.latency_check import cpu_name, measure_pair  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,7 +29,7 @@ Two parts (``--part accuracy|latency|both``):
   interleaved: ``--warmup`` untimed pairs, then ``--rounds`` rounds, each ``--runs`` dense/pruned pairs
   (``runners.compare.bench_pair``: D P D P ...) for every pruned model in turn. A run is read from the calling
   thread's CPU time (``runners.clock``: for one CPU thread the clock load disturbs least, as
-  ``edgeprune.pruning.latency_check.measure_pair`` does; ``--clock wall`` for wall time). Reported: p50 ms per batch
+  ``edgeprune.budget.latency_check.measure_pair`` does; ``--clock wall`` for wall time). Reported: p50 ms per batch
   of each model over all its runs, the pruned / dense ratio of the medians, and the p10-p90 over rounds of the
   per-round ratio of medians.
 

@@ -6,14 +6,14 @@ For one zoo model with labels and a latency table of it with a token axis (``edg
 train split, ``spec.calibration_source``):
 
 * ``widths`` -- ``latency=B``: the widths alone, allocated by the table, measured and corrected
-  (``edgeprune.pruning.latency_loop``);
+  (``edgeprune.budget.correction_loop``);
 * ``tokens`` -- ``target="mlp", sparsity=0, tokens_merge=R``: no width pruning, ToMe merging R tokens per
   block (training-free; no budget, so no output correction);
 * ``both``   -- ``latency=B, tokens_merge="auto"`` with ``tokens_candidates`` (``--candidates``): the schedule
   and the widths share the budget (``edgeprune.pruning.tokens_auto``);
 
 and reports for each, and for the dense model, the latency measured against the dense model *interleaved* on the
-table's backend, batch and threads (``edgeprune.pruning.latency_check.measure_pair``: for ``widths`` and
+table's backend, batch and threads (``edgeprune.budget.latency_check.measure_pair``: for ``widths`` and
 ``both`` the measurement of the kept round of their own measure-and-correct loop, for ``tokens`` one run of the
 same measurer), FLOPs (fraction of dense), top-1 and agreement with the dense model on the first ``--eval-size``
 images of the held-out split (disjoint from calibration; ``spec.eval_source``), and the prune's seconds.
@@ -119,7 +119,7 @@ def prune_settings(row: str, args) -> dict[str, Any]:
 def measured_ratio(rec: dict, dense, model, key: dict, shape, iterations: int) -> tuple[dict, str]:
     """(``{"dense_ms", "pruned_ms", "ratio"}``, where it came from): the kept round of the record's own
     measure-and-correct loop where it has one, else one interleaved measurement here."""
-    from edgeprune.pruning.latency_check import measure_pair
+    from edgeprune.budget.latency_check import measure_pair
 
     got = (rec.get("latency_check") or {}).get("measured")
     if got:
@@ -145,7 +145,7 @@ def run_seed(seed: int, args, spec, dense, batches, dense_eval: dict, key: dict,
     import edgeprune
     from edgeprune.anatomy import find_anatomy
     from edgeprune.budget import Budget
-    from edgeprune.pruning.latency_loop import table_measurer
+    from edgeprune.budget.correction_loop import table_measurer
 
     base = {"seed": seed, "budget": args.budget, "tokens_r": args.tokens_r, "candidates": args.candidates,
             "calib_size": args.calib_size, "eval_size": args.eval_size, "iterations": args.iterations}

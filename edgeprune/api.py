@@ -80,7 +80,7 @@ def prune(model: nn.Module, calibration: torch.Tensor | Any | Callable[[], Itera
             CPU whatever the device (recorded "cpu").
         calibration_info: extra calibration description for the record (seed, size requested).
         measurer: with a latency budget, ``measurer(dense, pruned) -> {"dense_ms", "pruned_ms", "ratio"}`` measures
-            a round of the measure-and-correct loop (``edgeprune.pruning.latency_loop``); default: the table's
+            a round of the measure-and-correct loop (``edgeprune.budget.correction_loop``); default: the table's
             backend where it runs here on the table's device, else the result is predicted only (said in the
             record's ``latency_check``).
         backbone: the attribute path of the ViT inside a network (``"encoder"``, ``"pretrained.vit"``); default: the

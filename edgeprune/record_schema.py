@@ -136,7 +136,7 @@ _LATENCY_CHECK = Obj({"predicted_ms": Num(ge=0), "budget_ms": Num(gt=0), "dense_
                                       nullable=True),
                       "meets_budget": Bool(nullable=True), "backend": Str(nullable=True),
                       "loaded": Str(nullable=True),
-                      # issue 40: the measure-and-correct rounds (edgeprune.pruning.latency_loop)
+                      # issue 40: the measure-and-correct rounds (edgeprune.budget.correction_loop)
                       "rounds": ListOf(Obj({"round": Req(Int(min=0)), "budget_value": Num(gt=0),
                                             "predicted": Num(gt=0), "measured": Num(gt=0), "miss": Num()})),
                       "chosen_round": Int(min=0), "tolerance": Num(gt=0), "max_rounds": Int(min=0)},

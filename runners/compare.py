@@ -153,7 +153,7 @@ def ratio_decided(band: tuple[float, float], confidence: float = DECIDED_CONFIDE
     ``confidence`` interval of the median per-pair ratio ``b[i] / a[i]`` (:func:`median_interval`) lies wholly inside
     ``band`` or wholly outside it -- more pairs would not change which side it is on. With A the dense model and B
     the pruned one, ``band = budget * (1 -+ tolerance)``: met or missed (issue 40 item 4,
-    ``edgeprune.pruning.latency_check.measure_pair``).
+    ``edgeprune.budget.latency_check.measure_pair``).
 
     Raises:
         ValueError: ``band`` not increasing and positive, or ``min_pairs < 2``.

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-import edgeprune.nuwa.measured as measured_mod
+import edgeprune.budget.correction_loop as correction_loop
 from edgeprune.artifact import load_run
 from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
@@ -215,14 +215,20 @@ def test_cli_prints_the_rounds_and_records_them(tmp_path, monkeypatch):
     rules = {"mlp_round_to": 16, "head_dim_round_to": 16, "qk_equals_v": False}
     table = tiny_table(tmp_path / "f.json", shape=shape, rules=rules, mlp=lambda w: 0.05 + 0.004 * w)
     measure = _device(table, offset=0.4 * LatencyTable.load(table).dense_ms())
-    monkeypatch.setattr(measured_mod, "table_measurer", lambda budget, anatomy: (measure, None))
+    asked = []  # the one loop of prune and derive (issue 53) hands the tolerance to the measurer as prune's does
+
+    def table_measurer(budget, anatomy, **kw):
+        asked.append(kw.get("tolerance"))
+        return measure, None
+
+    monkeypatch.setattr(correction_loop, "table_measurer", table_measurer)
     out = tmp_path / "run"
     res = run_cli(["derive", "--classes", "0,Bag", "--latency", "0.7", "--latency-table", table, "--skp-steps", "0",
                    "--train-per-class", "30", "--val-size", "12", "--calib-size", "16", "--no-eval",
                    "--latency-tolerance", "0.05", "--latency-rounds", "4", "-o", str(out), "--quiet"])
     assert res.exit_code == 0, res.output
     chk = json.loads((out / "run.json").read_text())["latency_check"]
-    assert len(chk["rounds"]) >= 2 and chk["tolerance"] == 0.05 and chk["max_rounds"] == 4
+    assert len(chk["rounds"]) >= 2 and chk["tolerance"] == 0.05 and chk["max_rounds"] == 4 and asked == [0.05]
     for r in chk["rounds"]:
         assert f"latency round {r['round']}: asked the table for {r['budget_value']:.4g}" in res.stdout
     assert f"round {chk['chosen_round']} kept" in res.stdout

@@ -18,7 +18,7 @@ from edgeprune.api import corp_config
 from edgeprune.calibration.collect import collect_statistics
 from edgeprune.errors import UserError
 from edgeprune.latency.table import LatencyTable
-from edgeprune.pruning.latency_check import latency_check
+from edgeprune.budget.latency_check import latency_check
 from edgeprune.pruning.corp import check_prunable, statistics_request
 from tests.conftest import assert_one_line_error, run_cli, write_latency_table
 
@@ -196,7 +196,7 @@ def test_derive_takes_latency_budgets(tmp_path):
 def _measured_latency_prune(tmp_path):
     """(dense, ``--latency 0.6`` prune result, report lines) of a small ViT on a table of this CPU (ONNX Runtime,
     batch 2), its latency measured (3 pairs)."""
-    from edgeprune.pruning.latency_check import cpu_name, record_latency_check
+    from edgeprune.budget.latency_check import cpu_name, record_latency_check
 
     model = small_vit()
     x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(3))
@@ -211,7 +211,7 @@ def test_prune_latency_records_predicted_and_measured(tmp_path):
     """A table of this CPU on onnxruntime: the pruned model is benched against the dense one
     (interleaved) and the record holds predicted and measured latency; another device: not measured."""
     pytest.importorskip("onnxruntime")
-    from edgeprune.pruning.latency_check import record_latency_check
+    from edgeprune.budget.latency_check import record_latency_check
 
     model, res, lines = _measured_latency_prune(tmp_path)
     chk = res.record["latency_check"]
@@ -231,7 +231,7 @@ def test_a_verdict_taken_on_a_loaded_machine_says_so(tmp_path, monkeypatch, load
     loaded machine, with the figures (the figures are planted: no verdict here depends on this machine's load)."""
     pytest.importorskip("onnxruntime")
     from edgeprune.latency import load
-    from edgeprune.pruning.latency_check import latency_report
+    from edgeprune.budget.latency_check import latency_report
 
     monkeypatch.setattr(load, "snapshot", lambda clock="wall": {"load_1m": load_1m, "load_5m": 1.0, "cores": cores,
                                                    "clock": clock})

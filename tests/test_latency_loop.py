@@ -17,8 +17,8 @@ from edgeprune.budget.latency import load_table
 from edgeprune.errors import UserError
 from edgeprune.pruning.corp import corp_prune
 from edgeprune.pruning.config import corp_config
-from edgeprune.pruning.latency_check import latency_report
-from edgeprune.pruning.latency_loop import next_value
+from edgeprune.budget.latency_check import latency_report
+from edgeprune.budget.correction_loop import next_value
 from edgeprune.surgery import block_dims
 from tests.test_latency_budget import make_table, small_vit
 
@@ -258,8 +258,8 @@ def test_the_measurer_exports_the_dense_model_once(monkeypatch):
     once (issue 40), the pruned model's every time; the measurements are real ONNX Runtime runs."""
     from types import SimpleNamespace
 
-    import edgeprune.pruning.latency_check as lc
-    import edgeprune.pruning.latency_loop as ll
+    import edgeprune.budget.latency_check as lc
+    import edgeprune.budget.correction_loop as ll
     from edgeprune.latency.measure import cpu_name
 
     pytest.importorskip("onnxruntime")
@@ -328,7 +328,7 @@ def test_the_measurement_stops_once_its_verdict_is_known(monkeypatch):
 
 
 def test_a_latency_prune_hands_its_tolerance_to_the_measurer(table, monkeypatch):
-    import edgeprune.pruning.run as run_mod
+    import edgeprune.budget.correction_loop as run_mod  # the one loop of prune and derive (issue 53)
 
     seen = []
 

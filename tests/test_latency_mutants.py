@@ -404,7 +404,7 @@ class _Device:
 
 def _correct(dev, value, tolerance=0.03, rounds=3, unit=None, view=None):
     from edgeprune.budget.budget import Budget
-    from edgeprune.pruning.latency_loop import correct
+    from edgeprune.budget.correction_loop import correct
 
     budget = Budget("latency", value, unit, "t.json")
     return correct(dev.run_round, "dense", (("model", value), dev.rec(value)), budget, dev.measure, tolerance,
@@ -474,7 +474,7 @@ def test_an_absolute_budget_is_corrected_in_ms_and_not_capped():
 
 
 def test_next_value_factor_secant_and_fallbacks():
-    from edgeprune.pruning.latency_loop import next_value
+    from edgeprune.budget.correction_loop import next_value
 
     assert next_value([(0.5, 0.4)], 0.5) == pytest.approx(0.625)
     assert next_value([(0.6, 0.3), (0.5, 0.4)], 0.5) == pytest.approx(0.5 * 0.5 / 0.4)  # falling m(p): the factor
@@ -503,7 +503,7 @@ def test_check_correction_bounds():
 
 def test_not_measured_views_and_with_value(table):
     from edgeprune.budget.budget import Budget
-    from edgeprune.pruning.latency_loop import allocation_view, not_measured, table_measurer, with_value
+    from edgeprune.budget.correction_loop import allocation_view, not_measured, table_measurer, with_value
 
     b = Budget("latency", 0.5, None, table)
     rec = _Device().rec(0.5)
@@ -1375,7 +1375,7 @@ def test_the_rho_grid_is_one_then_the_levels_then_zero():
 # -- latency_loop, the sampled run: the measurer's one dense export, a flat secant, a record without allocation ----
 
 def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_batch(table, monkeypatch):
-    import edgeprune.pruning.latency_loop as L
+    import edgeprune.budget.correction_loop as L
 
     exports, pairs = [], []
 
@@ -1403,7 +1403,7 @@ def test_table_measurer_exports_each_dense_model_once_and_times_at_the_tables_ba
 
 
 def test_a_flat_secant_falls_back_to_the_ratio():
-    from edgeprune.pruning.latency_loop import next_value
+    from edgeprune.budget.correction_loop import next_value
 
     # the same predicted value measured twice differently: no slope, so p * target / m
     assert next_value([(0.5, 0.6), (0.5, 0.55)], 0.5) == 0.5 * 0.5 / 0.55
@@ -1411,7 +1411,7 @@ def test_a_flat_secant_falls_back_to_the_ratio():
 
 def test_not_measured_leaves_a_record_without_an_allocation_alone(table):
     from edgeprune.budget.budget import Budget
-    from edgeprune.pruning.latency_loop import not_measured
+    from edgeprune.budget.correction_loop import not_measured
 
     bare = {"model": "x"}
     not_measured(bare, Budget("latency", 0.5, None, table), "no backend here")
@@ -1478,4 +1478,4 @@ def test_the_record_of_a_merging_cost_model_lists_each_blocks_token_counts(tmp_p
 def test_the_correction_record_states_its_rule():
     _, rec = _correct(_Device(factor=0.8), 0.5)
     assert rec["latency_check"]["rule"] == ("the round whose measured value is closest to the budget "
-                                            "(edgeprune.pruning.latency_loop)")
+                                            "(edgeprune.budget.correction_loop)")

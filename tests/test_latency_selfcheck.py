@@ -120,7 +120,7 @@ def test_whole_models_20_percent_off_are_refused_naming_the_part(tmp_path: Path,
 def test_forced_table_says_unverified_in_the_record_and_the_prune_report(tmp_path: Path, tiny_vit) -> None:
     from edgeprune.budget import make_budget
     from edgeprune.budget.latency import LatencyCost
-    from edgeprune.pruning.latency_check import latency_check, latency_report
+    from edgeprune.budget.latency_check import latency_check, latency_report
 
     _Counting.reset(mixed_factor=1.2)
     out = tmp_path / "t.json"

@@ -200,7 +200,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                         "tests/test_derive_latency.py::test_qk_equals_v_takes_the_larger_dim",
                         "tests/test_derive_latency.py::test_search_equals_closed_form_on_flops",
                         "tests/test_derive_latency.py::test_impossible_budget_and_api_errors"]),
-    "latency_loop": (["edgeprune/pruning/latency_loop.py"],
+    "latency_loop": (["edgeprune/budget/correction_loop.py"],
                      # (the rest of test_latency_loop.py prunes a model per round: seconds per mutant)
                      ["tests/test_latency_mutants.py", "tests/test_latency_loop.py::test_next_value_steps",
                       "tests/test_latency_loop.py::test_bad_correction_settings_are_refused_before_any_pass"]),
@@ -416,7 +416,7 @@ EQUIVALENT: dict[str, str] = {
     # missing lower bound of 0 or 1 keeps the same list
     "return [k for k in ks if k >= self.lower.get(key, 1)] or [dense]":
         "candidate sizes start at round_to >= 1: a default bound of 1 drops nothing",
-    # pruning.latency_loop.correct: `target` is set in round 0 before it is read (the loop runs at least once,
+    # budget.correction_loop.correct: `target` is set in round 0 before it is read (the loop runs at least once,
     # max_rounds >= 0), and the loop ends at `k == max_rounds` before its range does
     "target = None": "overwritten in round 0 before any read",
     "target = 1.0": "overwritten in round 0 before any read",
@@ -450,12 +450,12 @@ EQUIVALENT: dict[str, str] = {
     # (tokens.schedule.plan_merges / tokens.apply.merge_plan give it r = 0): its attention and MLP counts are equal
     "n = self.n if merged is None else merged[b.index][1]":
         "a class-token last block has r = 0: the MLP sees the attention's token count",
-    # pruning.latency_loop.next_value: with m != m0, a quotient and a product of the two differences share their sign
+    # budget.correction_loop.next_value: with m != m0, a quotient and a product of the two differences share their sign
     "if m != m0 and (p - p0) * (m - m0) > 0:  # a rising m(p): the secant": "(a / b > 0) == (a * b > 0) for b != 0",
     # latency.table.LatencyTable.save: json's encoder refuses a NaN when allow_nan is falsy (None as False)
     'atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=None) + "\\n", fsync=True)':
         "json checks `if not allow_nan`: None refuses NaN as False does",
-    # pruning.latency_loop: latency_check's reason defaults to None, and it reads "absolute" only with a measurement,
+    # budget.correction_loop: latency_check's reason defaults to None, and it reads "absolute" only with a measurement,
     # which not_measured never has
     'chk = latency_check({**view(rec)[0], "target": asked, "absolute": absolute}, measured, )':
         "latency_check's reason defaults to None",

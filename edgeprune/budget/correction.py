@@ -4,7 +4,7 @@ derive): :class:`Correction`, the section ``[correction]``.
 With a budget whose cost model is measured (a latency table) and whose backend runs here, the pruned (derived)
 model is benched against the dense (base) one; when it misses the budget by more than ``correction_tolerance``, it is
 re-allocated (re-planned) with a corrected budget from the same statistics, at most ``correction_rounds`` times
-(``edgeprune.pruning.latency_loop``, ``edgeprune.nuwa.measured``).
+(``edgeprune.budget.correction_loop``, ``edgeprune.nuwa.measured``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class Correction(Section):
         r = self.resolved()
         check_correction(r.verify_budget, r.correction_tolerance, r.correction_rounds)
         return self
+
+    @classmethod
+    def of(cls, holder: Any) -> "Correction":
+        """The three settings as a flat config holds them (``CorpConfig``, ``DeriveConfig``: attributes of the
+        same names)."""
+        return cls(**{k: getattr(holder, k) for k in DEFAULTS})
 
     def resolved(self) -> "Correction":
         """The section with every setting nobody gave at its :data:`DEFAULTS` value."""

@@ -16,7 +16,7 @@ parser, checks and allocator as ``--flops`` / ``--params`` (``edgeprune.budget.p
 * ``fixed_cost()`` = ``table.fixed_ms`` (patch embedding, position embedding, final norm, head).
 
 A table whose self-check missed and was kept with ``--force`` is *unverified*: the record says so
-(``unverified``) and ``prune`` prints it (``edgeprune.pruning.latency_check.latency_report``).
+(``unverified``) and ``prune`` prints it (``edgeprune.budget.latency_check.latency_report``).
 
 A block that computes only its first T tokens (the class-token last block,
 ``edgeprune.layers.class_token_block``) is not in the table (it times full blocks): its time is

@@ -97,7 +97,7 @@ def tokens_choice(ctx: click.Context, rec: dict[str, Any]) -> tuple[dict[str, An
 
 
 class ReplayMeasurer:
-    """The measurer of a replay (``edgeprune.pruning.latency_loop.Measurer``): hands out the recorded measurement
+    """The measurer of a replay (``edgeprune.budget.correction_loop.Measurer``): hands out the recorded measurement
     of each round in turn, measures nothing; :meth:`check` then confirms that the replay made the run's rounds."""
 
     def __init__(self, rounds: list[dict[str, Any]], where: str) -> None:

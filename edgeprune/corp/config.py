@@ -116,7 +116,7 @@ class CorpConfig:
             latency table) and its backend present here, the pruned model is measured against the dense one and,
             when it misses the budget by more than ``correction_tolerance`` (a fraction), re-allocated with a
             corrected budget from the same statistics, at most ``correction_rounds`` times
-            (``edgeprune.pruning.latency_loop``).
+            (``edgeprune.budget.correction_loop``).
         tokens_merge: token merging after the width stages (ToMe, ``edgeprune.tokens``, docs/tokens.md): None
             (off), r per block (an int), one r per block (a tuple) or ``"decreasing:R"``; checked by
             ``edgeprune.pruning.config`` and, against the model, by the ``tokens_merge`` stage. ``"auto"`` (with a

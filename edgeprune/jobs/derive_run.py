@@ -30,7 +30,7 @@ from edgeprune.nuwa.derive import check_budget, derive
 from edgeprune.nuwa.head import num_classes as head_classes
 from edgeprune.nuwa.inputs import evaluate_targets, resolve_budget, resolve_classes
 from edgeprune.nuwa.settings import NuwaSection
-from edgeprune.pruning.latency_check import latency_report
+from edgeprune.budget.latency_check import latency_report
 from edgeprune.zoo.labeled import class_names, load_labeled, load_labeled_eval
 
 

@@ -24,7 +24,7 @@ from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import check_readable_dir, make_spec, torch_device_of
 from edgeprune.jobs.prune_report import announce, evaluate_models, report
 from edgeprune.pruning.config import DEFAULT_SPARSITY
-from edgeprune.pruning.latency_check import latency_report
+from edgeprune.budget.latency_check import latency_report
 from edgeprune.pruning.settings import PruneSettings
 
 

@@ -5,7 +5,7 @@ takes the same object; the record stores it as ``config`` (``dataclasses.asdict`
 (``flops=`` / ``params=``) is an argument of the derivation, not a setting: one prepared anchor
 serves many budgets (:func:`edgeprune.nuwa.derive.derive_from`). The measure-and-correct settings of a latency
 budget (``verify_budget``, ``correction_tolerance``, ``correction_rounds``) are the prune's
-(:mod:`edgeprune.pruning.latency_loop`, :mod:`edgeprune.nuwa.measured`).
+(:mod:`edgeprune.budget.correction_loop`, :mod:`edgeprune.nuwa.measured`).
 """
 
 from __future__ import annotations

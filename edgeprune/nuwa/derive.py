@@ -68,7 +68,7 @@ from edgeprune.nuwa.ofp_mlp import prune_mlp
 from edgeprune.nuwa.skp import Anchor, SKPConfig, run_skp  # noqa: F401
 from edgeprune.nuwa.svd_cache import get_factors
 from edgeprune.plan import achieved_sparsity
-from edgeprune.pruning.latency_loop import Measurer
+from edgeprune.budget.correction_loop import Measurer
 from edgeprune.surgery import block_dims, shrink_mlp
 
 

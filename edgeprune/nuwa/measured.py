@@ -1,6 +1,7 @@
 """Measure and correct a derivation's latency budget (issue 40 item 5): ``derive --latency`` lands where asked.
 
-The prune's loop (:mod:`edgeprune.pruning.latency_loop`) on NuWa's plans. Round 0 is the derivation as planned
+The prune's loop (:func:`edgeprune.budget.correction_loop.measure_and_correct`, issue 53: one loop) on NuWa's
+plans. Round 0 is the derivation as planned
 from the table; where the table's backend runs here (``table_measurer``, or a ``measurer`` given by the caller), the
 derived model is benched against the base model, interleaved. When the measured value (the derived / base ratio of
 one run, or the derived model's ms for an absolute budget) misses the budget by more than
@@ -20,10 +21,11 @@ from typing import Callable, Protocol, TypeVar
 
 import torch.nn as nn
 
-from edgeprune.anatomy import find_anatomy
 from edgeprune.budget import Budget
 from edgeprune.nuwa.config import DeriveConfig
-from edgeprune.pruning.latency_loop import Measurer, RecordView, correct, not_measured, table_measurer, with_value
+from edgeprune.budget import correction_loop
+from edgeprune.budget.correction import Correction
+from edgeprune.budget.correction_loop import Measurer, RecordView
 
 
 class _Result(Protocol):
@@ -35,7 +37,7 @@ R = TypeVar("R", bound=_Result)
 
 
 def derivation_view(kind: str) -> RecordView:
-    """The :data:`~edgeprune.pruning.latency_loop.RecordView` of a derivation's record: the budget record's entry of
+    """The :data:`~edgeprune.budget.correction_loop.RecordView` of a derivation's record: the budget record's entry of
     the cost model (``derivation.budget.<kind>``: predicted, target and dense ms) and the round's own seconds (the
     plan search: ``timing.search_s``; the prepared stages are shared by every round)."""
     return lambda rec: (rec["derivation"]["budget"][kind], float(rec["timing"]["search_s"]))
@@ -62,24 +64,14 @@ def measure_and_correct(plan: Callable[[Budget], R], base: nn.Module, first: R, 
     Raises:
         UserError: from ``plan`` on round 0 only (later rounds that fail end the loop, recorded in ``stopped``).
     """
-    if not budget.model_class.verifiable:
-        return first
-    view = derivation_view(budget.kind)
-    measure, reason = measurer, None
-    if not config.verify_budget:
-        reason = "not asked (--no-verify-latency)"
-    elif measure is None:
-        measure, reason = table_measurer(budget, find_anatomy(base))
-    if reason is not None or measure is None:
-        not_measured(first.record, budget, reason or "no measurer", view)
-        return first
-    results = [first]
+    results = {id(first.record): first}
 
-    def run_round(value: float) -> tuple[nn.Module, dict]:
-        res = plan(with_value(budget, value))
-        results.append(res)
+    def replan(b: Budget) -> tuple[nn.Module, dict]:
+        res = plan(b)
+        results[id(res.record)] = res
         return res.model, res.record
 
-    _model, rec = correct(run_round, base, (first.model, first.record), budget, measure,
-                          config.correction_tolerance, config.correction_rounds, view)
-    return next(r for r in results if r.record is rec)
+    _model, rec = correction_loop.measure_and_correct(replan, base, (first.model, first.record), budget,
+                                                      Correction.of(config), view=derivation_view(budget.kind),
+                                                      measurer=measurer)
+    return results[id(rec)]

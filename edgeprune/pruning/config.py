@@ -22,7 +22,7 @@ from edgeprune.budget.correction import check_correction
 from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
 
 def check_correction_settings(config: CorpConfig) -> None:
-    """The measure-and-correct settings (``edgeprune.pruning.latency_loop.check_correction``).
+    """The measure-and-correct settings (``edgeprune.budget.correction_loop.check_correction``).
 
     Raises:
         UserError: one line naming the setting.

@@ -165,7 +165,7 @@ def corp_prune(anatomy: ViTAnatomy, batches: Callable[[], Iterable[torch.Tensor]
         checked: the caller already ran :func:`check_prunable` on this model and config.
         statistics: the statistics of an earlier call on the same dense model and config (but the budget's
             value): reused instead of a calibration pass (the latency correction's rounds,
-            ``edgeprune.pruning.latency_loop``); not for sequential calibration.
+            ``edgeprune.budget.correction_loop``); not for sequential calibration.
 
     Returns:
         info dict: ``calibration_seconds``, ``solve_seconds``, ``passes``, ``num_images``,

@@ -23,7 +23,9 @@ from edgeprune.errors import UserError
 from edgeprune.pruning import stages as _stages  # noqa: F401  (registers the built-in stages)
 from edgeprune.pruning import tokens_stage as _tokens_stage  # noqa: F401  (token merging, issue 44)
 from edgeprune.pruning.config import check_config
-from edgeprune.pruning.latency_loop import Measurer, correct, not_measured, table_measurer, with_value
+from edgeprune.budget import correction_loop
+from edgeprune.budget.correction import Correction
+from edgeprune.budget.correction_loop import Measurer, not_measured
 from edgeprune.pruning.record import base_model_record, prune_record, structure_summary
 from edgeprune.pruning.stage import PruneState, run_stages
 from edgeprune.torch_device import resolve_device
@@ -66,7 +68,7 @@ def run_prune(model: nn.Module, calibration: Any, config: CorpConfig, *, spec: A
     """Prune ``model`` with ``config``, a fixed embed sparsity (arguments as :func:`edgeprune.prune`).
 
     A budget whose cost model is ``verifiable`` (a latency table) is measured after the prune and corrected
-    (``edgeprune.pruning.latency_loop``): ``measurer(dense, pruned)`` measures, by default the table's backend where
+    (``edgeprune.budget.correction_loop``): ``measurer(dense, pruned)`` measures, by default the table's backend where
     it runs here on the table's device; ``config.verify_budget=False`` skips the measurement.
 
     Returns:
@@ -122,30 +124,18 @@ def round_runner(model: nn.Module, calibration: Any, *, spec: Any = None, progre
 def measure_and_correct(run_config: Callable[[CorpConfig], "tuple[nn.Module, dict[str, Any]]"], dense: nn.Module,
                         first: tuple[nn.Module, dict[str, Any]], config: CorpConfig,
                         measurer: Measurer | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """The measure-and-correct loop (``edgeprune.pruning.latency_loop``) of a prune ``first`` made with ``config``
-    whose budget is measured (a latency table): ``run_config(cfg)`` prunes again with the budget's value corrected
-    (the same statistics); ``measurer(dense, pruned)`` measures, by default the table's backend where it runs here.
-    Without a measured budget ``first`` is returned as it is; without a measurement its record says why.
+    """The measure-and-correct loop (``edgeprune.budget.correction_loop.measure_and_correct``) of a prune ``first``
+    made with ``config``: ``run_config(cfg)`` prunes again with the budget's value corrected (the same
+    statistics); ``measurer(dense, pruned)`` measures, by default the table's backend where it runs here.
 
     Returns:
-        (pruned model, run record) of the round closest to the budget (``latency_loop.correct``).
+        (pruned model, run record) of the round closest to the budget, ``first`` without a measured budget.
     """
-    budget = config.budget
-    if budget is None or not budget.model_class.verifiable:
-        return first
-    measure, reason = measurer, None
-    if not config.verify_budget:
-        reason = "not asked (--no-verify-latency)"
-    elif measure is None:
-        measure, reason = table_measurer(budget, find_anatomy(dense), tolerance=config.correction_tolerance)
-    if reason is not None or measure is None:
-        not_measured(first[1], budget, reason or "no measurer")
-        return first
+    def replan(budget: Any) -> tuple[nn.Module, dict[str, Any]]:
+        return run_config(check_config(dataclasses.replace(config, budget=budget)))
 
-    def run_round(value: float) -> tuple[nn.Module, dict[str, Any]]:
-        return run_config(check_config(dataclasses.replace(config, budget=with_value(budget, value))))
-
-    return correct(run_round, dense, first, budget, measure, config.correction_tolerance, config.correction_rounds)
+    return correction_loop.measure_and_correct(replan, dense, first, config.budget, Correction.of(config),
+                                               measurer=measurer)
 
 
 def _run(state: PruneState, spec: Any, calibration: Any, batch_size: int,

@@ -8,7 +8,7 @@ wider layers. Which split is best depends on the model and the device, so it is 
 candidates with the per-block r of an earlier one, ones the model cannot merge and ones the budget cannot reach
 are skipped and recorded, before any pass) the prune -- budgeted widths at the merged token counts, the merge,
 the output correction, and, where the table's backend runs here, the measure-and-correct loop of the latency
-budget (``edgeprune.pruning.latency_loop``) -- runs on a copy of the model, and the relative squared error of its
+budget (``edgeprune.budget.correction_loop``) -- runs on a copy of the model, and the relative squared error of its
 final output against
 the dense model's on the first ``CorpConfig.allocation_check_images`` calibration images (the images and the
 measure of ``edgeprune.allocation.select``; the dense outputs computed once) decides. The candidate with the

@@ -1,4 +1,5 @@
-"""Measure and correct a measured budget (issue 40 item 3): a ``--latency`` prune that lands where asked.
+"""Measure and correct a measured budget (issue 40 item 3; issue 53 item 4: one loop for prune and derive): a
+``--latency`` prune or derivation that lands where asked.
 
 A latency table predicts; the machine decides. After the prune (round 0) the pruned model is benched against the
 dense one, interleaved, on the table's backend (:func:`table_measurer`, where that backend runs here on the table's
@@ -19,8 +20,10 @@ value is closest to the budget is returned; the record's ``latency_check`` keeps
 allocator, predicted, measured, miss, seconds). Where the backend is absent the result is predicted, not measured,
 and the record says why.
 
-NuWa's ``derive --latency`` runs the same loop (``edgeprune.nuwa.measured``): its rounds re-plan the dims from the
-prepared SKP anchor, statistics and SVD factors, and read their record through a :data:`RecordView`.
+:func:`measure_and_correct` is the loop's one entry, taking the :class:`~edgeprune.budget.correction.Correction`
+settings: the prune (``edgeprune.pruning.run``) re-allocates from its statistics, NuWa's ``derive --latency``
+(``edgeprune.nuwa.measured``) re-plans the dims from the prepared SKP anchor, statistics and SVD factors and reads
+its record through a :data:`RecordView`.
 """
 
 from __future__ import annotations
@@ -34,17 +37,20 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from edgeprune.anatomy import ViTAnatomy
-from edgeprune.budget import Budget
+from edgeprune.anatomy import ViTAnatomy, find_anatomy
+from edgeprune.budget.budget import Budget
+from edgeprune.budget.correction import Correction
 from edgeprune.budget.latency import load_table
+from edgeprune.budget.latency_check import latency_check, measure_pair, why_not_measured
 from edgeprune.errors import UserError
-from edgeprune.pruning.latency_check import latency_check, measure_pair, why_not_measured
 from exporters.onnx import export_onnx
 
 #: (dense model, pruned model) -> {"dense_ms", "pruned_ms", "ratio"} (ratio = pruned / dense of one run)
 Measurer = Callable[[nn.Module, nn.Module], dict]
 #: budget value asked of the allocator -> (pruned model, run record) of one round
 RoundRunner = Callable[[float], "tuple[nn.Module, dict[str, Any]]"]
+#: budget asked of the planner -> (model, run record) of one round (the prune's re-allocation, NuWa's re-plan)
+Replan = Callable[[Budget], "tuple[nn.Module, dict[str, Any]]"]
 #: a round's run record -> (its latency entry: {"predicted", "target", "dense", ...}, the seconds the round took)
 RecordView = Callable[[dict], "tuple[dict, float]"]
 
@@ -175,7 +181,7 @@ def correct(run_round: RoundRunner, dense: nn.Module, first: tuple[nn.Module, di
     asked = view(first[1])[0]["target"]
     chk = latency_check({**view(rec)[0], "target": asked, "absolute": absolute}, measured, None)
     chk.update(rounds=rounds, chosen_round=k, tolerance=tolerance, max_rounds=max_rounds, stopped=stopped,
-               rule="the round whose measured value is closest to the budget (edgeprune.pruning.latency_loop)")
+               rule="the round whose measured value is closest to the budget (edgeprune.budget.correction_loop)")
     rec["latency_check"] = chk
     return model, rec
 
@@ -194,3 +200,40 @@ def not_measured(rec: dict, budget: Budget, reason: str, view: RecordView | None
 def with_value(budget: Budget, value: float) -> Budget:
     """``budget`` asking the allocator for ``value`` instead (same kind, unit and table)."""
     return dataclasses.replace(budget, value=float(value))
+
+
+def measure_and_correct(replan: Replan, reference: nn.Module, first: tuple[nn.Module, dict[str, Any]],
+                        budget: Budget | None, correction: Correction, *, view: RecordView | None = None,
+                        measurer: Measurer | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """The measure-and-correct loop of a model ``first`` made for ``budget`` (module doc): the one entry of the
+    prune and of NuWa's derivation.
+
+    Args:
+        replan: ``replan(budget)`` makes the model again for the budget with its value corrected, from the state
+            the caller prepared (the prune's statistics; NuWa's anchor, statistics and factors).
+        reference: the model the budget is a fraction of (the dense / base model; eval mode, not modified).
+        first: (model, run record) made for ``budget`` (round 0).
+        budget: the budget asked; nothing is measured unless its cost model is ``verifiable`` (a latency table).
+        correction: the loop's settings (``verify_budget``, ``correction_tolerance``, ``correction_rounds``; None
+            = :data:`~edgeprune.budget.correction.DEFAULTS`).
+        view: reads a round's record (:data:`RecordView`; default a prune's, :func:`allocation_view`).
+        measurer: ``(reference, model) -> {"dense_ms", "pruned_ms", "ratio"}``; default the table's backend where
+            it runs here on the table's device (:func:`table_measurer`).
+
+    Returns:
+        ``first`` itself without a measured budget (its record's ``latency_check`` says why nothing was measured
+        where the budget is a latency one), else the round closest to the budget (:func:`correct`).
+    """
+    if budget is None or not budget.model_class.verifiable:
+        return first
+    c = correction.resolved()
+    measure, reason = measurer, None
+    if not c.verify_budget:
+        reason = "not asked (--no-verify-latency)"
+    elif measure is None:
+        measure, reason = table_measurer(budget, find_anatomy(reference), tolerance=c.correction_tolerance)
+    if reason is not None or measure is None:
+        not_measured(first[1], budget, reason or "no measurer", view)
+        return first
+    return correct(lambda value: replan(with_value(budget, value)), reference, first, budget, measure,
+                   c.correction_tolerance, c.correction_rounds, view)
