@@ -54,8 +54,8 @@ def _slices(embed_sparsity: Any) -> bool:
 def refuse_ignored(given: Mapping[str, Any], budget: str | None) -> None:
     """Settings given (not None) that nothing would read are refused (issue 41; the command line's checks of
     9c01182, the library's since issue 53 so that a Python caller is told too): the allocation's check and
-    sensitivity images without a budget, the measure-and-correct settings without a ``latency`` budget (and the
-    tolerance or rounds with the measurement off), the embed slice's order or refit without a slice.
+    sensitivity images without a budget, the embed slice's order or refit without a slice (the measure-and-correct
+    settings refuse themselves: ``edgeprune.budget.correction.Correction.refuse_unread``).
 
     Args:
         given: setting name -> value as given (None = not given; ``embed_refit`` False = not given).
@@ -69,17 +69,6 @@ def refuse_ignored(given: Mapping[str, Any], budget: str | None) -> None:
             if given.get(name) is not None:
                 raise SettingError(f"{{{name}}} goes with {{flops}}/{{params}}/{{latency}} (it measures the budget's "
                                    "candidate allocations); without a budget there is nothing to measure")
-    verify = given.get("verify_budget")
-    if budget != "latency" and verify is not None:
-        flag = "{verify_budget}" if verify else "{not:verify_budget}"
-        raise SettingError(f"{flag} goes with {{latency}} (it benches the pruned model against the dense one on the "
-                           "latency table's backend); without a latency budget there is nothing to verify")
-    for name in ("correction_tolerance", "correction_rounds"):
-        if given.get(name) is not None and budget != "latency":
-            raise SettingError(f"{{{name}}} goes with {{latency}} (the measure-and-correct loop of a latency budget); "
-                               "without one there is nothing to correct")
-        if given.get(name) is not None and verify is False:
-            raise SettingError(f"{{{name}}} needs the measurement that {{not:verify_budget}} turns off")
     if not _slices(given.get("embed_sparsity")):
         for name in ("embed_order", "embed_refit"):
             if given.get(name) not in (None, False):

@@ -227,6 +227,12 @@ class Section:
         """
         return self
 
+    @classmethod
+    def pick(cls: type[S], values: Mapping[str, Any]) -> S:
+        """A section of the fields ``values`` holds (its other keys ignored, missing fields at their defaults), not
+        yet validated: the section's share of a caller's keywords."""
+        return cls(**{k: values[k] for k in cls.field_names() if k in values})
+
     def replace(self: S, **changes: Any) -> S:
         """A copy with some fields changed (not validated)."""
         return dataclasses.replace(self, **changes)

@@ -127,7 +127,8 @@ def block_dims(anatomy: ViTAnatomy) -> list[dict[str, int]]:
     """Per-block dims for the run record: index, num_heads (the current, i.e. kept, heads), head_dim
     (the dense model's), qk_dim, v_dim, mlp_hidden, ``query_tokens`` for a block that
     computes only its first T tokens (the class-token last block), and for a model with token merging
-    (``edgeprune.tokens``) ``tokens`` (the tokens the block receives) and ``merge`` (the tokens it merges away)."""
+    (``edgeprune.tokens``) ``tokens`` (the tokens the block receives) and ``merge`` (the tokens it merges away; a
+    block that unmerges, inside a network with a dense head, passes all its tokens on)."""
     merged = any(b.merge_r for b in anatomy.blocks)
     n = anatomy.num_tokens
     out = []
@@ -136,7 +137,7 @@ def block_dims(anatomy: ViTAnatomy) -> list[dict[str, int]]:
                         v_dim=b.v_dim, mlp_hidden=b.mlp_hidden,
                         **({} if b.query_tokens is None else {"query_tokens": int(b.query_tokens)}),
                         **({"tokens": n, "merge": b.merge_r} if merged else {})))
-        n -= b.merge_r
+        n -= 0 if b.unmerge else b.merge_r
     return out
 
 

@@ -13,6 +13,7 @@ import edgeprune
 from conftest import assert_one_line_error, run_cli
 from edgeprune.allocation.outputs import output_error, output_tensor
 from edgeprune.anatomy import UnsupportedModelError, find_anatomy
+from edgeprune.artifact import load_run
 from edgeprune.backbone import BackboneError, backbone_path, set_backbone, vit_paths
 from edgeprune.flops import model_flops
 from edgeprune.metrics.dense import PSNR_CAP, dense_fidelity
@@ -172,3 +173,21 @@ def test_deploy_takes_a_network_file_and_reports_its_fidelity(tmp_path):
     row = json.loads((out / "report.json").read_text())["table"]["pruned"]
     assert row["rel_error"] == rec["evaluation"]["pruned"]["rel_error"] > 0
     assert f"| pruned | {rec['params']:,} |" in report and rec["params"] < rec["dense_params"]
+
+
+def test_a_builder_takes_img_size_as_its_own_keyword(tmp_path):
+    """Issue 55: ``--model-kwargs img_size=N`` goes to the builder (docs/dense.md's example), not through timm's
+    refusal of ``img_size`` (``--img-size`` is the option of a timm name); the record keeps it and a load builds the
+    same network at that size."""
+    calib = dense_nets.image_folder(tmp_path / "calib", 16, 0)
+    out = tmp_path / "run"
+    res = run_cli(["prune", "--model-file", f"{NETS}:dpt_net", "--model-kwargs", "img_size=48", "--calib", calib,
+                   "--sparsity", "0.5", "--no-eval", "--quiet", "-o", out])
+    assert res.exit_code == 0, res.output
+    base = json.loads((out / "run.json").read_text())["base_model"]
+    assert base["model_kwargs"] == {"img_size": 48} and list(base["input_size"]) == [3, 48, 48]
+    model, _ = load_run(out)
+    assert model(torch.randn(1, 3, 48, 48))["depth"].shape == (1, 1, 48, 48)
+    res = run_cli(["prune", "--model-file", f"{NETS}:dpt_net", "--img-size", "48", "--calib", calib,
+                   "--sparsity", "0.5", "--no-eval", "--quiet", "-o", tmp_path / "r2"])
+    assert res.exit_code == 2 and "not --model-file" in res.output

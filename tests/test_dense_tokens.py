@@ -4,6 +4,7 @@ add (``edgeprune.tokens.unmerge``)."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import onnx
@@ -13,6 +14,7 @@ import torch
 import edgeprune
 from conftest import assert_one_line_error, run_cli
 from edgeprune.anatomy import find_anatomy
+from edgeprune.artifact import load_run
 from edgeprune.flops import block_flops, model_flops
 from edgeprune.tokens.apply import apply_token_merge
 from edgeprune.tokens.merge import bipartite_soft_matching, merge_wavg, split_sizes
@@ -84,6 +86,23 @@ def test_merged_network_exports_static_shapes_and_verifies(tmp_path):
     assert verify_onnx(path, res.model, X[:2], atol=1e-4)["passed"]
     dyn = export_onnx(res.model, tmp_path / "d.onnx", (3, 32, 32))
     assert verify_onnx(dyn, res.model, X, atol=1e-4)["passed"]
+
+
+def test_a_merged_network_run_saves_loads_and_exports_though_its_merges_add_up_past_its_tokens(tmp_path):
+    """A block that unmerges passes all its tokens on: the record's per-block ``tokens`` stay at N (17 here) where
+    the classifier merge would count down (17 - 3 x 8 < 0, which the run directory's own check refused: the
+    DINOv2 DPT example at 224 px with r=32 could not be exported)."""
+    calib = dense_nets.image_folder(tmp_path / "calib", 16, 0)
+    out = tmp_path / "run"
+    res = run_cli(["prune", "--model-file", f"{NETS}:dpt_net", "--calib", calib, "--sparsity", "0.5",
+                   "--tokens-merge", "8", "--no-eval", "--quiet", "-o", out])
+    assert res.exit_code == 0, res.output
+    blocks = json.loads((out / "run.json").read_text())["blocks"]
+    assert [(b["tokens"], b["merge"]) for b in blocks] == [(17, 8)] * 4
+    model, _ = load_run(out)
+    res = run_cli(["export", out, "-o", tmp_path / "m.onnx"])
+    assert res.exit_code == 0, res.output
+    assert verify_onnx(tmp_path / "m.onnx", model, X[:2], atol=1e-4)["passed"]
 
 
 def test_flops_count_the_merged_tokens_per_block():

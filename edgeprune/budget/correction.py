@@ -70,6 +70,38 @@ class Correction(Section):
         same names)."""
         return cls(**{k: getattr(holder, k) for k in DEFAULTS})
 
+    @property
+    def replans(self) -> bool:
+        """Whether a miss may be corrected at all: measured (``verify_budget``) with at least one round."""
+        r = self.resolved()
+        return bool(r.verify_budget) and int(r.correction_rounds) >= 1
+
+    def not_asked(self) -> str | None:
+        """The record's reason when the measurement is turned off (``verify_budget=False``), else None."""
+        return "not asked (--no-verify-latency)" if self.verify_budget is False else None
+
+    def refuse_unread(self, budget_kind: str | None) -> None:
+        """Settings of this section given (not None) that nothing would read, refused (issue 41, as
+        ``edgeprune.option_checks.refuse_ignored`` refuses the others): any of them without a ``latency`` budget,
+        the tolerance or the rounds with the measurement off.
+
+        Raises:
+            SettingError: one line naming the setting and the one it goes with (in the caller's spelling).
+        """
+        verify = self.verify_budget
+        if budget_kind != "latency" and verify is not None:
+            flag = "{verify_budget}" if verify else "{not:verify_budget}"
+            raise SettingError(f"{flag} goes with {{latency}} (it benches the pruned model against the dense one on "
+                               "the latency table's backend); without a latency budget there is nothing to verify")
+        for name, value in self.items():
+            if name == "verify_budget" or value is None:
+                continue
+            if budget_kind != "latency":
+                raise SettingError(f"{{{name}}} goes with {{latency}} (the measure-and-correct loop of a latency "
+                                   "budget); without one there is nothing to correct")
+            if verify is False:
+                raise SettingError(f"{{{name}}} needs the measurement that {{not:verify_budget}} turns off")
+
     def resolved(self) -> "Correction":
         """The section with every setting nobody gave at its :data:`DEFAULTS` value."""
         return self.replace(**{k: DEFAULTS[k] for k, v in self.items() if v is None})

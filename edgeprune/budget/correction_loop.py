@@ -227,10 +227,8 @@ def measure_and_correct(replan: Replan, reference: nn.Module, first: tuple[nn.Mo
     if budget is None or not budget.model_class.verifiable:
         return first
     c = correction.resolved()
-    measure, reason = measurer, None
-    if not c.verify_budget:
-        reason = "not asked (--no-verify-latency)"
-    elif measure is None:
+    measure, reason = measurer, c.not_asked()
+    if reason is None and measure is None:
         measure, reason = table_measurer(budget, find_anatomy(reference), tolerance=c.correction_tolerance)
     if reason is not None or measure is None:
         not_measured(first[1], budget, reason or "no measurer", view)

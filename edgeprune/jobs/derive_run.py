@@ -22,7 +22,6 @@ import torch
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.budget.correction import Correction
 from edgeprune.errors import UserError
-from edgeprune.option_checks import refuse_ignored
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import check_readable_dir, make_spec, torch_device_of
 from edgeprune.nuwa.config import DeriveConfig
@@ -42,7 +41,7 @@ class DeriveRunResult:
     record: dict[str, Any]
 
 
-def _correction(correction: Correction | None, keywords: dict[str, Any]) -> Correction:
+def _correction(correction: Correction | None, keywords: Correction) -> Correction:
     """``correction``, or the section of its keywords (None = not given: the section's default), checked.
 
     Raises:
@@ -56,21 +55,20 @@ def _correction(correction: Correction | None, keywords: dict[str, Any]) -> Corr
     return Correction(**given).validate().resolved()
 
 
-def _refuse_unread(correction: Correction | None, keywords: dict[str, Any], latency: Any) -> None:
+def _refuse_unread(correction: Correction | None, keywords: Correction, latency: Any) -> None:
     """The measure-and-correct settings given without a latency budget, refused as prune refuses them
-    (``edgeprune.option_checks.refuse_ignored``); ``correction`` and its keywords both given: refused first.
+    (``Correction.refuse_unread``); ``correction`` and its keywords both given: refused first.
 
     Raises:
         UserError: one line.
     """
-    if correction is not None and any(v is not None for v in keywords.values()):
+    if correction is not None and any(v is not None for _k, v in keywords.items()):
         _correction(correction, keywords)  # both: refused (one line)
-    given = keywords if correction is None else correction.to_dict()
-    refuse_ignored(given, "latency" if latency is not None else None)
+    (keywords if correction is None else correction).refuse_unread("latency" if latency is not None else None)
 
 
 def _check_settings(budget: Any, train_per_class: int | None, correction: Correction | None,
-                    corrections: dict[str, Any], nuwa: NuwaSection, inputs: dict[str, Any]) -> DeriveConfig:
+                    corrections: Correction, nuwa: NuwaSection, inputs: dict[str, Any]) -> DeriveConfig:
     """The derivation's config (``nuwa``'s settings, the correction's and the job's ``inputs`` that are config
     fields), checked with the budget's inputs (a missing / malformed table: one line, before the model is built).
 
@@ -125,8 +123,8 @@ def derive_run(out: str | Path | None = None, *, model_name: str = "fmnist-vit",
             that is not a classifier, unknown classes, a budget the model cannot meet.
     """
     device = torch_device_of(device, torch_device, default="auto")
-    corrections = {"verify_budget": verify_budget, "correction_tolerance": correction_tolerance,
-                   "correction_rounds": correction_rounds}
+    corrections = Correction(verify_budget=verify_budget, correction_tolerance=correction_tolerance,
+                             correction_rounds=correction_rounds)  # None = not given
     _refuse_unread(correction, corrections, latency)
     budget = resolve_budget(flops, params, latency=latency, table=latency_table)
     metric, amount, unit = budget.kind, budget.value, budget.unit or ""

@@ -18,16 +18,16 @@ from edgeprune.embed.settings import check_embed_settings, is_auto
 from edgeprune.errors import UserError
 from edgeprune.settings import SettingError
 from edgeprune.option_checks import refuse_ignored, refuse_sparsities_with_budget
-from edgeprune.budget.correction import check_correction
+from edgeprune.budget.correction import Correction
 from edgeprune.tokens.schedule import AUTO, parse_candidates, parse_tokens_merge
 
 def check_correction_settings(config: CorpConfig) -> None:
-    """The measure-and-correct settings (``edgeprune.budget.correction_loop.check_correction``).
+    """The measure-and-correct settings (``edgeprune.budget.correction.Correction.validate``).
 
     Raises:
         UserError: one line naming the setting.
     """
-    check_correction(config.verify_budget, config.correction_tolerance, config.correction_rounds)
+    Correction.of(config).validate()
 
 
 def check_tokens_settings(config: CorpConfig) -> CorpConfig:
@@ -160,6 +160,7 @@ def corp_config(target: str | None = None, sparsity: float | None = None, **sett
     refuse_sparsities_with_budget(budget and budget.kind,
                                   {"sparsity": sparsity, **{k: settings.get(k) for k in SPARSITY_KEYS}})  # issue 32
     refuse_ignored(settings, budget and budget.kind)  # issue 41, in the library since issue 53
+    Correction.pick(settings).refuse_unread(budget and budget.kind)
     if budget is None and sparsity is None:
         sparsity = DEFAULT_SPARSITY
     if budget is not None:

@@ -25,6 +25,7 @@ from edgeprune.anatomy import ViTAnatomy
 from edgeprune.allocation.rules import heads_allocated
 from edgeprune.calibration.collect import CalibrationStatistics, StatisticsRequest, collect_statistics
 from edgeprune.calibration.stream import STREAM_BYTES, stream_bytes
+from edgeprune.budget.correction import Correction
 from edgeprune.corp.config import CorpConfig, bias_correction_used, gram_tokens_used
 from edgeprune.corp.qk_solvers import qk_solver_from_grams
 from edgeprune.corp.steps import apply_corp, mlp_kept, plan_corp
@@ -145,7 +146,7 @@ def refit_cache(stats: CalibrationStatistics, cfg: CorpConfig) -> RefitCache | N
     latency correction may prune again from them (a measured budget, verified, correction rounds allowed:
     issue 40 item 4), else None (nothing kept)."""
     b = cfg.budget
-    if b is None or not b.model_class.verifiable or not cfg.verify_budget or cfg.correction_rounds < 1:
+    if b is None or not b.model_class.verifiable or not Correction.of(cfg).replans:
         return None
     return stats.derived.setdefault("head_refit", RefitCache())
 

@@ -88,8 +88,8 @@ def run_prune(model: nn.Module, calibration: Any, config: CorpConfig, *, spec: A
                              calibration_info=calibration_info, copy_model=dense is not None)
     first, pruned, record = one_round(config)
     if dense is None and config.budget is not None and config.budget.model_class.verifiable:
-        not_measured(record, config.budget, "not asked (--no-verify-latency)" if not config.verify_budget
-                     else "inplace=True: no dense model left to measure against")
+        not_measured(record, config.budget, Correction.of(config).not_asked()
+                     or "inplace=True: no dense model left to measure against")
         return pruned, record
     stats = first.extra.get("statistics")
     return measure_and_correct(lambda cfg: one_round(cfg, stats)[1:], model, (pruned, record), config, measurer)

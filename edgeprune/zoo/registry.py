@@ -247,10 +247,18 @@ def _unknown_model(name: str) -> UserError:
 
 
 def _check_model_kwargs(model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    kw = dict(model_kwargs or {})
+    """A timm model's further ``create_model`` keywords: JSON values, none of those a dedicated option sets."""
+    kw = _json_kwargs(model_kwargs)
     for key in ("pretrained", "num_classes", "img_size", "checkpoint_path", "pretrained_cfg_overlay"):
         if key in kw:
             raise UserError(f"--model-kwargs may not set {key!r} (use the dedicated option)")
+    return kw
+
+
+def _json_kwargs(model_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Keywords with JSON values (recorded in the run record); a network file's builder takes any of its own
+    (``img_size`` included: the builder, not timm, makes the network)."""
+    kw = dict(model_kwargs or {})
     try:
         json.dumps(kw)
     except TypeError as err:
@@ -356,7 +364,7 @@ def _network_spec(name: str, checkpoint: str | None, random_init: bool, num_clas
     Raises:
         UserError: timm-only options, or as ``build_network``.
     """
-    fields = network_spec_fields(name, _check_model_kwargs(model_kwargs), sha256, int(common["seed"]),
+    fields = network_spec_fields(name, _json_kwargs(model_kwargs), sha256, int(common["seed"]),
                                  checkpoint=checkpoint, random_init=random_init, num_classes=num_classes,
                                  img_size=img_size)
     return ModelSpec(**fields, **common)

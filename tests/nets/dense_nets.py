@@ -128,8 +128,9 @@ def saliency_net() -> nn.Module:
     return SaliencyNet().eval()
 
 
-def dpt_net() -> nn.Module:
-    return DPTNet().eval()
+def dpt_net(img_size: int = IMG) -> nn.Module:
+    """``img_size``: the builder's own keyword (``--model-kwargs img_size=48``), not timm's option."""
+    return DPTNet(int(img_size)).eval()
 
 
 def hook_net() -> nn.Module:
