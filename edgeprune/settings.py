@@ -134,7 +134,7 @@ class Declared:
         return "text"
 
 
-_PLACEHOLDER = re.compile(r"\{(not:)?([a-z][a-z0-9_]*)\}")
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{(not:)?([a-z][a-z0-9_]*)\}")
 
 
 class SettingError(UserError):
@@ -144,13 +144,19 @@ class SettingError(UserError):
     ``"{embed_sparsity} auto judges its candidates on the check images; give {allocation_check_images} >= 1"``);
     ``str(err)`` shows the Python keywords (the field names), :meth:`spelled` another spelling (the command line's
     ``--round-to``). ``{not:field}`` names a boolean set False (``verify_budget=False``; the command line's
-    ``--no-verify-latency``). Other braces in the text are left alone (only ``{lower_case_name}`` is a placeholder).
+    ``--no-verify-latency``). Other braces in the text are left alone (only ``{lower_case_name}`` is a placeholder);
+    a value put in the text (a path, a model name) goes through :meth:`literal`, whose doubled braces show as one.
     """
+
+    @staticmethod
+    def literal(value: object) -> str:
+        """``str(value)`` for a template, its braces doubled: never read as a placeholder, shown as they are."""
+        return str(value).replace("{", "{{").replace("}", "}}")
 
     def __init__(self, template: str) -> None:
         self.template = template
         #: the fields the message names, in order
-        self.settings = tuple(dict.fromkeys(m.group(2) for m in _PLACEHOLDER.finditer(template)))
+        self.settings = tuple(dict.fromkeys(m.group(2) for m in _PLACEHOLDER.finditer(template) if m.group(2)))
         super().__init__(self.render(lambda name: name))
 
     @property
@@ -161,6 +167,8 @@ class SettingError(UserError):
     def render(self, spell: Callable[[str], str | None]) -> str:
         """The message with each ``{field}`` spelled by ``spell`` (the field name where it gives None)."""
         def one(m: re.Match) -> str:
+            if not m.group(2):  # a doubled brace of a literal value
+                return m.group(0)[0]
             name = spell(m.group(2))
             if m.group(1):  # {not:field}: the negation
                 return name.replace("--", "--no-", 1) if name and name.startswith("--") else f"{m.group(2)}=False"

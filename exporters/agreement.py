@@ -42,6 +42,7 @@ class OutputAgreement:
         agreement_metric: ``top1_agreement``, ``mask_agreement@0.5`` or ``elements_within_tolerance``.
         atol, rtol: the tolerances of the verdict.
         passed: every element within tolerance and every value finite.
+        inputs_within_tolerance: the inputs whose every output element is within tolerance (of ``n``).
     """
 
     n: int
@@ -55,6 +56,7 @@ class OutputAgreement:
     atol: float
     rtol: float
     passed: bool
+    inputs_within_tolerance: int = 0
 
     @property
     def agrees(self) -> bool:
@@ -124,6 +126,7 @@ def compare_outputs(out: np.ndarray, reference: np.ndarray, *, output_kind: str 
         atol=float(atol),
         rtol=float(rtol),
         passed=bool(within.all()) and not nonfinite,
+        inputs_within_tolerance=int(within.reshape(within.shape[0], -1).all(1).sum()) if within.ndim else 1,
     )
 
 

@@ -177,6 +177,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"max abs diff:  {report['max_abs_diff']:.3e}  (max |ref| {report['max_abs_reference']:.3g})",
         f"mean abs diff: {report['mean_abs_diff']:.3e}",
         f"{report['agreement_metric']}: {report['agreement'] * 100:.2f}%",
+        f"inputs within tolerance: {report.get('inputs_within_tolerance', report['n'])} of {report['n']}",
+        *([f"note:          {report['note']}"] if report.get("note") else []),
         f"{verdict} ({tol})",
     ])
 

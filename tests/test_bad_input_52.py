@@ -81,7 +81,7 @@ def _synthetic_machine(offset_share: float, calls: list):
 
 def _latency_run(tmp_path: Path, offset_share: float, calls: list, monkeypatch, out: Path):
     """A ``--latency 0.45`` prune of the tiny model measured on the synthetic machine (``offset_share``)."""
-    import edgeprune.pruning.run as run_mod
+    import edgeprune.budget.correction_loop as run_mod  # the one loop of prune and derive
 
     monkeypatch.setattr(run_mod, "table_measurer", _synthetic_machine(offset_share, calls))
     table = hand_table(tmp_path / "t.json")
@@ -98,7 +98,7 @@ def test_a_latency_runs_recipe_replays_its_measurements_and_the_same_weights(tmp
     timings had changed, kept another round (other weights) while the README promises "byte for byte". The run
     here is measured on a machine with a per-call overhead (round 0 misses, a correction round is kept); the
     replay runs on one without it: it must measure nothing, make the run's rounds and give the run's weights."""
-    import edgeprune.pruning.run as run_mod
+    import edgeprune.budget.correction_loop as run_mod  # the one loop of prune and derive
 
     first, again = [], []
     a, b = tmp_path / "a", tmp_path / "b"
@@ -159,7 +159,7 @@ def test_a_replay_measures_again_when_asked_and_refuses_rounds_that_are_not_the_
 def test_a_derive_latency_recipe_replays_its_measurements_too(tmp_path, monkeypatch):
     """The same kind for ``derive --latency`` (NuWa's measured correction, the tiny model on labeled random
     images): its recipe's replay on a machine whose timings changed measures nothing and gives the run's weights."""
-    import edgeprune.nuwa.measured as measured_mod
+    import edgeprune.budget.correction_loop as measured_mod
     from PIL import Image
 
     g = torch.Generator().manual_seed(0)
@@ -172,7 +172,7 @@ def test_a_derive_latency_recipe_replays_its_measurements_too(tmp_path, monkeypa
     calls: dict[float, list] = {0.3: [], 0.0: []}
     for offset in (0.3, 0.0):  # the run's machine, then today's
         machine = _synthetic_machine(offset, calls[offset])
-        monkeypatch.setattr(measured_mod, "table_measurer", lambda budget, anatomy, m=machine: m(budget, anatomy))
+        monkeypatch.setattr(measured_mod, "table_measurer", lambda budget, anatomy, m=machine, **kw: m(budget, anatomy))
         if offset:
             res = run_cli(["derive", *MODEL, "--checkpoint", _checkpoint(tmp_path), "--train-data", tmp_path / "train",
                            "--classes", "0,1", "--latency", "0.6", "--latency-table", table, "--skp-steps", "0",

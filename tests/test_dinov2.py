@@ -244,7 +244,7 @@ def test_dinov2_s14_fmnist_registry_entry_at_another_img_size():
     assert model.patch_embed.grid_size == (4, 4)
     with pytest.raises(UserError, match="multiple of 14"):
         get_model_spec("dinov2-s14-fmnist", img_size=50)
-    with pytest.raises(UserError, match="--checkpoint is for timm models"):
+    with pytest.raises(UserError, match="; checkpoint is for timm models"):
         get_model_spec("dinov2-s14-fmnist", checkpoint="x.safetensors")
     if HAS_FMNIST:
         x, _ = next(spec.calibration_source(2, seed=0).batches(2))

@@ -74,11 +74,11 @@ def test_derive_run_writes_the_run_the_command_writes(tmp_path):
     ({"flops": None}, "give exactly one budget"),
     ({"flops": None, "latency": "0.5"}, "edgeprune latency-table"),
     ({"flops": "fast"}, "--flops must be a fraction of the dense model"),
-    ({"train_per_class": 0}, "--train-per-class must be >= 1, got 0"),
+    ({"train_per_class": 0}, "train_per_class must be >= 1, got 0"),
     ({"skp_steps": -1}, "SKP steps must be >= 0"),
     ({"correction_rounds": 11}, "correction_rounds goes with latency"),  # given where nothing reads it
     ({"correction": Correction(), "correction_rounds": 2}, "give correction= or its keywords, not both"),
-    ({"rho": 2.0}, "--rho must be in [0, 1]"),
+    ({"rho": 2.0}, "rho must be in [0, 1]"),
     ({"out": "exists"}, "already exists"),
 ])
 def test_derive_run_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch, kw, message):
@@ -133,8 +133,8 @@ def test_latency_table_run_builds_reports_and_resumes(tmp_path, fake_backend):
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"model_name": None}, "--model is required"),
-    ({"spread": 0.1}, "--spread goes with the spread check, which --repeats 1 turns off"),
+    ({"model_name": None}, "model_name is required"),
+    ({"spread": 0.1}, "spread goes with the spread check, which repeats 1 turns off"),
     ({"tokens": ["x"]}, "--tokens: 'x' is not an integer"),
     ({"batch": 0}, "--batch must be >= 1"),
     ({"device": "nope"}, "unknown device 'nope'"),

@@ -303,3 +303,16 @@ def test_user_error_is_raised_for_bad_top_k_criterion():
 
     with pytest.raises(UserError, match="criterion"):
         mlp_scores(None, torch.zeros(2, 2), criterion="nope")  # type: ignore[arg-type]
+
+
+def test_inputs_within_tolerance_counts_the_inputs_that_match_everywhere():
+    """verify's per-input count (issue 55: a merged model's near-tied matches fail a few inputs, not all)."""
+    from exporters.agreement import compare_outputs as agreement
+
+    ref = np.zeros((5, 2, 3))
+    out = ref.copy()
+    out[1, 0, 2] = 1e-3  # one element of input 1
+    out[3] = 1e-3  # every element of input 3
+    rep = agreement(out, ref, output_kind="dense", atol=1e-4)
+    assert rep.inputs_within_tolerance == 3 and not rep.passed
+    assert agreement(ref, ref, output_kind="dense").inputs_within_tolerance == 5

@@ -127,7 +127,7 @@ def test_model_name_typos_suggest_supported_names():
 def test_zoo_models_refuse_timm_only_options():
     with pytest.raises(UserError, match="fixed input size"):
         get_model_spec("fmnist-vit", img_size=56)
-    with pytest.raises(UserError, match="model-kwargs"):
+    with pytest.raises(UserError, match="model_kwargs is for timm models"):
         get_model_spec("fmnist-vit", model_kwargs={"depth": 2})
     with pytest.raises(UserError, match="may not set 'img_size'"):
         get_model_spec(TINY, random_init=True, model_kwargs={"img_size": 32})

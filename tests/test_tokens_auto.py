@@ -169,3 +169,42 @@ def test_refusals_in_one_line_before_any_pass(tmp_path):
     recipe.write_text('[model]\nmodel = "fmnist-vit"\n[method]\ntokens-merge = "auto"\n')
     r = run_cli(["prune", "--config", str(recipe), "--no-eval", "-o", tmp_path / "bad"])
     assert_one_line_error(r, "--tokens-merge auto needs a budget")
+
+
+class _DenseHeadNet(torch.nn.Module):
+    """small_vit inside a network whose head reads every patch token (a dense output: the merge unmerges)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vit = small_vit()
+        self.head = torch.nn.Linear(64, 2)
+
+    def forward(self, x):
+        return self.head(self.vit.forward_features(x)[:, 1:])  # (B, 16, 2): one value pair per patch
+
+
+def test_auto_on_a_network_with_a_dense_head_merges_inside_the_blocks_and_keeps_the_lowest_error(tmp_path):
+    """Issue 55 item 2: ``tokens_merge="auto"`` on a network with a ViT inside: the candidates are priced at the
+    merged token counts, judged by the network's output error, and the chosen one unmerges (every output kept)."""
+    table, x = _table(tmp_path), _x()
+    net = _DenseHeadNet().eval()
+    res = edgeprune.prune(net, x, latency=0.6, latency_table=table, tokens_merge="auto", tokens_candidates=(2, 4),
+                          **{**FAST, "last_block": None})
+    auto = res.record["tokens_auto"]
+    rows = auto["candidates"]
+    assert [c["schedule"] for c in rows] == [0, 2, 4] and auto["skipped"] == []
+    errors = [c["check_error"] for c in rows]
+    assert len(set(errors)) == 3 and auto["check_error"] == min(errors)
+    assert auto["chosen"] == rows[errors.index(min(errors))]["schedule"]
+    with torch.no_grad():
+        assert res.model(x[:2]).shape == net(x[:2]).shape == (2, 16, 2)
+    for c in rows:
+        assert c["predicted_fraction"] <= 0.6 + 1e-9
+    # the heaviest candidate by hand: priced at its merged token counts as the search priced it, unmerged
+    hand = edgeprune.prune(_DenseHeadNet().eval(), x, latency=0.6, latency_table=table, tokens_merge=4,
+                           **{**FAST, "last_block": None})
+    assert hand.record["tokens_merge"]["unmerge"] is True and hand.record["tokens_merge"]["r"] == [4, 4]
+    assert hand.record["allocation"]["latency"]["predicted"] == pytest.approx(rows[2]["predicted"], rel=1e-12)
+    with torch.no_grad():
+        assert hand.model(x[:2]).shape == (2, 16, 2)
+        assert _check_error(hand.model, net, x) == pytest.approx(rows[2]["check_error"], rel=1e-6)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import click
 
+from edgeprune.cli.help import SettingsCommand
 from edgeprune.cli.options import device_option, eval_options, json_option, model_options, quiet_option
 from edgeprune import eval_run, info_run
 
 
-@click.command("eval")
+@click.command("eval", cls=SettingsCommand)
 @click.argument("run_dir", required=False, type=click.Path())
 @model_options()
 @eval_options
@@ -31,7 +32,7 @@ def eval_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size
              json_out=json_out, device=device, torch_device=torch_device, quiet=quiet, echo=click.echo)
 
 
-@click.command("info")
+@click.command("info", cls=SettingsCommand)
 @click.argument("run_dir", required=False, type=click.Path())
 @model_options()
 def info_cmd(run_dir, model_name, checkpoint, random_init, num_classes, img_size, model_kwargs):

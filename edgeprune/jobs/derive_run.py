@@ -21,6 +21,7 @@ import torch
 
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.budget.correction import Correction
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import check_readable_dir, make_spec, torch_device_of
@@ -77,7 +78,7 @@ def _check_settings(budget: Any, train_per_class: int | None, correction: Correc
     """
     budget.check_inputs()
     if train_per_class is not None and train_per_class < 1:
-        raise UserError(f"--train-per-class must be >= 1, got {train_per_class}")
+        raise SettingError(f"{{train_per_class}} must be >= 1, got {train_per_class}")
     config = nuwa.config(_correction(correction, corrections), **inputs)
     config.validate()
     return config

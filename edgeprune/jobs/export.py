@@ -56,7 +56,7 @@ def export(output: str | Path, *, run_dir: str | Path | None = None, model_name:
     """
     output = Path(output)
     if output.exists() and not force:
-        raise UserError(f"{output} exists (use --force to overwrite)")
+        raise SettingError(f"{SettingError.literal(output)} exists (use {{force}} to overwrite)")
     if output.suffix != ".onnx":
         raise UserError(f"output must be a .onnx file, got {output}")
     if static_batch is not None and static_batch < 1:

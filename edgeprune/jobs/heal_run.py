@@ -14,6 +14,7 @@ import torch
 
 from edgeprune.artifact import check_new_dir, check_writable, load_run, save_run
 from edgeprune.distributed import is_main_process, process_group, world_size
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.evaluate import evaluate
 from edgeprune.heal import HealConfig, heal
@@ -58,7 +59,7 @@ def heal_run(run_dir: str | Path, out: str | Path | None = None, *, calib_dir: s
                         loss=loss, seed=seed if seed_given else 0, warmup_steps=warmup_steps, holdout=holdout,
                         keep_best=keep_best, memory_budget_mb=memory_budget_mb, device=device)
     if calib_size is not None and calib_size < 1:
-        raise UserError(f"--calib-size must be >= 1, got {calib_size}")
+        raise SettingError(f"{{calib_size}} must be >= 1, got {calib_size}")
     run_path = Path(run_dir)
     out_path = Path(out) if out else run_path.with_name(run_path.name + "-healed")
     rec = check_healable(run_path)

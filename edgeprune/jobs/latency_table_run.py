@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 from devices import load_profile
 from edgeprune.anatomy import find_anatomy
 from edgeprune.artifact import check_writable
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.jobs.echo import Echo, echo as _echo
 from edgeprune.jobs.models import load_model
@@ -45,8 +46,8 @@ def _options(batch: int | None, threads: int | None, precision: str | None, back
         UserError: a spread setting with ``repeats`` 1 (no check), a token count that is not an integer.
     """
     if repeats == 1 and (spread is not None or retries is not None):
-        given = "--spread" if spread is not None else "--retries"
-        raise UserError(f"{given} goes with the spread check, which --repeats 1 turns off (drop one of them)")
+        given = "{spread}" if spread is not None else "{retries}"
+        raise SettingError(f"{given} goes with the spread check, which {{repeats}} 1 turns off (drop one of them)")
     check = {k: v for k, v in (("repeats", repeats), ("spread", spread), ("retries", retries)) if v is not None}
     if tokens is not None and not isinstance(tokens, str):
         tokens = ",".join(str(t) for t in tokens)
@@ -88,7 +89,7 @@ def latency_table_run(out: str | Path, *, model_name: str | None, device: Any = 
             ``SelfCheckFailed``: the self-check missed (without ``force``).
     """
     if model_name is None:
-        raise UserError("--model is required (the dense model whose blocks are timed)")
+        raise SettingError("{model_name} is required (the dense model whose blocks are timed)")
     opts = _options(batch, threads, precision, backend, warmup, iterations, max_seconds, statistic, interleave,
                     repeats, spread, retries, clock, force, grid, tokens)
     profile = load_profile(device)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from devices import is_profile, load_profile
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.loading import load_run_or_model
 from edgeprune.torch_device import resolve_device
@@ -55,7 +56,7 @@ def load_model(run_dir: Any, model_name: str | None, checkpoint: Any = None, ran
         UserError: neither or both given, a missing run directory, an unknown model.
     """
     if run_dir is not None and (img_size is not None or model_kwargs):
-        raise UserError("--img-size/--model-kwargs go with --model, not a run directory (it records its own)")
+        raise SettingError("{img_size}/{model_kwargs} go with {model_name}, not a run directory (it records its own)")
     kw = _extra(load_run_or_model, img_size, model_kwargs)
     return load_run_or_model(run_dir, model_name, checkpoint, random_init, num_classes, **kw)
 
@@ -71,8 +72,8 @@ def torch_device_of(device: str | None, torch_device: str | None, default: str =
     """
     legacy = device is not None and not is_profile(device.strip())
     if legacy and torch_device is not None:
-        raise UserError(f"--device {device} (the old spelling of --torch-device) and --torch-device {torch_device}: "
-                        "give --torch-device only")
+        raise SettingError(f"{{device}} {SettingError.literal(device)} (the old spelling of {{torch_device}}) and "
+                           f"{{torch_device}} {SettingError.literal(torch_device)}: give {{torch_device}} only")
     if torch_device is None:
         if legacy:
             torch_device = device

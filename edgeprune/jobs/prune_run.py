@@ -18,6 +18,7 @@ from typing import Any, Callable
 from edgeprune import api
 from edgeprune.artifact import check_new_dir, save_run
 from edgeprune.distributed import is_main_process, process_group
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.jobs.calib_reuse import calibration_fields
 from edgeprune.jobs.echo import Echo, echo as _echo
@@ -84,7 +85,7 @@ def prune_run(out: str | Path | None = None, settings: PruneSettings | None = No
     settings = _settings(settings, setting_keywords)
     device = torch_device_of(device, torch_device, default="auto")
     if batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        raise SettingError(f"{{batch_size}} must be >= 1, got {batch_size}")
     config = settings.config()
     sparsity = DEFAULT_SPARSITY if settings.corp.sparsity is None else settings.corp.sparsity
     out_path = check_new_dir(out if out is not None else default_out(model_name, config, sparsity))

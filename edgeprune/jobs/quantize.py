@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from edgeprune.artifact import read_record
 from edgeprune.atomic import atomic_write_text
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.jobs.calib_reuse import heldout_source, recorded_eval_folder, recorded_folder
 from edgeprune.jobs.echo import Echo, echo as _echo
@@ -77,7 +78,7 @@ def quantize(model: str | Path, output: str | Path, *, precision: str, mode: str
         raise UserError("--weight-rounding applies to static int8 with the tensorrt recipe (ONNX Runtime's "
                         "quantizer rounds to nearest)")
     if json_out is not None and json_out.exists() and not force:
-        raise UserError(f"{json_out} exists (use --force to overwrite)")
+        raise SettingError(f"{SettingError.literal(json_out)} exists (use {{force}} to overwrite)")
     calib_dir, eval_data, eval_source = run_data(model, calib_dir, calib_size, seed, eval_data, eval_size)
     cfg = config(calib_dir, eval_data)
     result = quantize_onnx(model, output, cfg, overwrite=force, eval_source=eval_source, log=echo)

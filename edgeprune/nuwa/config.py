@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.nuwa.head import HEAD_MODES
 from edgeprune.nuwa.ofp_mha import KEY_BIAS_MODES
@@ -77,7 +78,7 @@ class DeriveConfig:
         if self.key_bias not in KEY_BIAS_MODES:
             raise UserError(f"key bias mode must be one of {', '.join(KEY_BIAS_MODES)}")
         if self.rho is not None and not 0.0 <= self.rho <= 1.0:
-            raise UserError(f"--rho must be in [0, 1], got {self.rho}")
+            raise SettingError(f"{{rho}} must be in [0, 1], got {self.rho}")
         if self.ridge_alpha < 0:
             raise UserError(f"ridge alpha must be >= 0, got {self.ridge_alpha}")
         if self.round_to < 1:

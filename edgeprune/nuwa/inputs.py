@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from edgeprune.budget import Budget, make_budget, validate_budget
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.nuwa.head import target_logits, target_predictions
 
@@ -28,7 +29,7 @@ def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
     """
     items = [c.strip() for c in classes.split(",")] if isinstance(classes, str) else list(classes)
     if not items or any(isinstance(c, str) and not c for c in items):
-        raise UserError("--classes needs a comma-separated list of class indices or names, e.g. 0,3,7")
+        raise SettingError("{classes} needs a comma-separated list of class indices or names, e.g. 0,3,7")
     lower = {n.lower(): i for i, n in enumerate(class_names or [])}
     out: list[int] = []
     for c in items:
@@ -43,7 +44,7 @@ def resolve_classes(classes: str | Sequence[int | str], num_outputs: int,
             raise UserError(f"class index {idx} out of range: the model has {num_outputs} classes "
                             f"(0..{num_outputs - 1})")
         if idx in out:
-            raise UserError(f"class {idx} is listed twice in --classes")
+            raise SettingError(f"class {idx} is listed twice in {{classes}}")
         out.append(idx)
     return out
 

@@ -27,6 +27,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from edgeprune.backbone import is_vit
+
 from edgeprune.distributed import all_reduce_total
 
 __all__ = ["classifier_head", "OutputSums", "output_sums", "fold_output_bias"]
@@ -37,9 +39,13 @@ def classifier_head(model: nn.Module) -> nn.Linear | None:
 
     timm models expose it as ``get_classifier()`` (``head``); it must be an ``nn.Linear`` with a
     bias whose output is the model's output (not ``Identity``: a headless backbone has no
-    classifier to correct).
+    classifier to correct). A network with a ViT inside (not a ViT itself, no ``get_classifier``) has none: its
+    ``head`` attribute is its own module, a token-wise linear head of a dense output as likely as a classifier
+    (issue 55: nothing classifier-specific runs on a network).
     """
     get = getattr(model, "get_classifier", None)
+    if not callable(get) and not is_vit(model):
+        return None
     head = get() if callable(get) else getattr(model, "head", None)
     if isinstance(head, nn.Linear) and head.bias is not None:
         return head

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from edgeprune._compat import import_timm
 from edgeprune.atomic import file_sha256
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 
 
@@ -26,7 +27,8 @@ def sha256_file(path: str | Path) -> str:
     """
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"checkpoint not found: {p} (restore it or pass another --checkpoint)")
+        raise SettingError(f"checkpoint not found: {SettingError.literal(p)} (restore it or pass another "
+                           "{checkpoint})")
     try:
         return file_sha256(p)
     except OSError as err:

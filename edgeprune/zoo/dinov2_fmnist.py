@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from edgeprune._compat import import_timm
 from edgeprune.data.fashion_mnist import load_split
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.zoo.dinov2 import MEAN, PATCH_SIZE, STD, TIMM_NAME, convert_onnx_weights, onnx_path
 
@@ -40,7 +41,7 @@ def check_img_size(img_size: int) -> int:
         UserError: not a positive multiple of 14.
     """
     if int(img_size) < PATCH_SIZE or int(img_size) % PATCH_SIZE:
-        raise UserError(f"{NAME}: --img-size must be a positive multiple of {PATCH_SIZE}, got {img_size}")
+        raise SettingError(f"{NAME}: {{img_size}} must be a positive multiple of {PATCH_SIZE}, got {img_size}")
     return int(img_size)
 
 

