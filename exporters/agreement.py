@@ -126,7 +126,7 @@ def compare_outputs(out: np.ndarray, reference: np.ndarray, *, output_kind: str 
         atol=float(atol),
         rtol=float(rtol),
         passed=bool(within.all()) and not nonfinite,
-        inputs_within_tolerance=int(within.reshape(within.shape[0], -1).all(1).sum()) if within.ndim else 1,
+        inputs_within_tolerance=int(np.all(within, axis=tuple(range(1, within.ndim))).sum()) if within.ndim else 1,
     )
 
 

@@ -70,8 +70,9 @@ def _tokens(field: str) -> list:
     return out
 
 
-def _set(d, field: str, value) -> None:
-    *parents, last = _tokens(field)
+def _set(d, field, value) -> None:
+    """Set (or delete) ``field``: a dotted path, or its list of keys (keys that contain dots)."""
+    *parents, last = field if isinstance(field, list) else _tokens(field)
     for p in parents:
         d = d[p]
     if value is _DELETE:
@@ -490,9 +491,11 @@ def full_record(runs, tmp_path_factory) -> dict:
     return _fill(rec, RECORD_SCHEMA)
 
 
-def _concrete(rec: dict, field: str) -> str | None:
-    """``field`` with each ``*`` replaced by the record's first key there (None: nothing there)."""
-    d, parts = rec, []
+def _concrete(rec: dict, field: str) -> tuple[str, list] | None:
+    """``field`` with each ``*`` replaced by the record's first key there, as the dotted path a
+    message names and the list of keys (a key may hold dots: "greedy(qk_weight=0.2)"); None:
+    nothing there."""
+    d, parts, keys = rec, [], []
     for tok in _tokens(field.replace(".*", ".<any>")):
         if tok == "<any>":
             if not isinstance(d, dict) or not d:
@@ -506,8 +509,9 @@ def _concrete(rec: dict, field: str) -> str | None:
             if not isinstance(d, dict) or tok not in d:
                 return None
             parts.append(f".{tok}" if parts else tok)
+        keys.append(tok)
         d = d[tok]
-    return "".join(parts)
+    return "".join(parts), keys
 
 
 def _wrong(node):
@@ -551,11 +555,12 @@ def test_every_record_field_wrong_missing_or_non_finite_is_one_line(full_record,
     string, a list or has embed_dim null -> TypeError in info/export/eval and AttributeError in heal.
     Every declared field: a wrong type and a non-finite number are one line naming it; a missing or
     null value is one line where the field is required / not nullable, else accepted and read back."""
-    where = _concrete(full_record, field)
-    assert where is not None, f"the test record has no {field}"
+    found = _concrete(full_record, field)
+    assert found is not None, f"the test record has no {field}"
+    where, keys = found
     rec = copy.deepcopy(full_record)
     value = {"wrong type": _wrong(node), "non-finite": float("nan"), "missing": _DELETE, "null": None}[kind]
-    _set(rec, where, value)
+    _set(rec, keys, value)
     refused = kind in ("wrong type", "non-finite") or (kind == "missing" and required) or (
         kind == "null" and not node.nullable)
     if not refused:
