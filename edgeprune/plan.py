@@ -140,14 +140,14 @@ def achieved_sparsity(dense_blocks: list[dict], pruned_blocks: list[dict]) -> di
             "v": frac("v_dim", "num_heads"), "heads": frac("num_heads", None)}
 
 
-#: module keys of ``CorpConfig.dims`` / the allocator, and the sparsity each follows otherwise
-DIM_KEYS = {"mlp": "mlp_sparsity", "qk": "attn_sparsity", "v": "v_sparsity", "heads": "head_sparsity"}
+#: module keys of ``CorpConfig.dims`` / the allocator (the sparsity each follows: ``CorpConfig.sparsity_of``)
+MODULES = ("mlp", "qk", "v", "heads")
 _TARGET_MODULES = {"mlp": ("mlp",), "attn": ("qk",), "both": ("mlp", "qk"), "v": ("v",),
                    "heads": ("heads",), "all": ("mlp", "qk", "v")}
 
 
 def target_modules(target: str) -> tuple[str, ...]:
-    """The ``DIM_KEYS`` modules a target selects (``both`` -> ("mlp", "qk"))."""
+    """The ``MODULES`` a target selects (``both`` -> ("mlp", "qk"))."""
     if target not in _TARGET_MODULES:
         raise UserError(f"unknown target {target!r} (choose from {', '.join(TARGETS)})")
     return _TARGET_MODULES[target]
@@ -167,9 +167,9 @@ def pruned_modules(cfg) -> set[str]:
     """Which modules ("mlp", "qk", "v", "heads") a :class:`~edgeprune.corp.CorpConfig` may prune:
     those with a sparsity > 0, those named in ``cfg.dims``, and, with a budget, those the target
     selects (the allocator decides how much)."""
-    out = {key for key, field in DIM_KEYS.items() if float(getattr(cfg, field, 0.0)) > 0}
+    out = {key for key in MODULES if cfg.sparsity_of(key) > 0}
     for d in getattr(cfg, "dims", None) or []:
-        out |= {k for k in (d or {}) if k in DIM_KEYS}
+        out |= {k for k in (d or {}) if k in MODULES}
     if getattr(cfg, "budget", None) is not None:
         out |= set(target_modules(cfg.target))
     if getattr(cfg, "layout", "default") == "fused" and ("qk" in out or "v" in out):
@@ -179,7 +179,7 @@ def pruned_modules(cfg) -> set[str]:
 
 def check_dims(dims: list | None) -> None:
     """Raises UserError unless ``dims`` is None or a list of per-block dicts of positive ints with
-    keys from ``DIM_KEYS``."""
+    keys from ``MODULES``."""
     if dims is None:
         return
     if not isinstance(dims, (list, tuple)):
@@ -190,8 +190,8 @@ def check_dims(dims: list | None) -> None:
         if not isinstance(d, dict):
             raise UserError(f"dims[{i}] must be a dict, got {type(d).__name__}")
         for k, v in d.items():
-            if k not in DIM_KEYS:
-                raise UserError(f"dims[{i}]: unknown module {k!r} (choose from {', '.join(DIM_KEYS)})")
+            if k not in MODULES:
+                raise UserError(f"dims[{i}]: unknown module {k!r} (choose from {', '.join(MODULES)})")
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserError(f"dims[{i}][{k!r}] must be a positive int, got {v!r}")
 

@@ -47,21 +47,6 @@ from edgeprune.surgery import qkv_parts, replace_attention
 LAYOUTS = ("default", "fused")
 
 
-def attention_sparsities(cfg) -> tuple[float, float]:
-    """(Q/K sparsity, V sparsity) after the layout rule: ``fused`` applies the one given to both.
-
-    Raises:
-        UserError: fused layout with two different non-zero Q/K and V sparsities.
-    """
-    s_qk, s_v = float(cfg.attn_sparsity), float(cfg.v_sparsity)
-    if cfg.layout == "fused":
-        if s_qk > 0 and s_v > 0 and s_qk != s_v:
-            raise SettingError(f"{{layout}} fused prunes Q/K and V to the same kept dim, but the Q/K sparsity "
-                            f"is {s_qk:g} and the V sparsity {s_v:g} (give one of them, or equal values)")
-        s_qk = s_v = max(s_qk, s_v)
-    return s_qk, s_v
-
-
 def attention_dims(b: BlockAnatomy, cfg) -> tuple[int, int, int]:
     """Kept (heads, qk_dim, v_dim) of block ``b`` under ``cfg`` (a :class:`CorpConfig`).
 
@@ -69,8 +54,9 @@ def attention_dims(b: BlockAnatomy, cfg) -> tuple[int, int, int]:
         UserError: rounding leaves no dims, or the fused layout would end with qk_dim != v_dim
             (e.g. a model whose Q/K was pruned before, with no attention sparsity now).
     """
-    s_qk, s_v = attention_sparsities(cfg)
-    heads = kept_heads(b.num_heads, cfg.head_sparsity) if cfg.head_sparsity > 0 else b.num_heads
+    s_qk, s_v = cfg.attention_sparsities()
+    s_heads = cfg.sparsity_of("heads")
+    heads = kept_heads(b.num_heads, s_heads) if s_heads > 0 else b.num_heads
     qk = kept_dim(b.qk_dim, s_qk, cfg.round_to, f"block {b.index} Q/K") if s_qk > 0 else b.qk_dim
     v = kept_dim(b.v_dim, s_v, cfg.round_to, f"block {b.index} V") if s_v > 0 else b.v_dim
     given = {key: dims_override(cfg, b.index, key) for key in ("heads", "qk", "v")}

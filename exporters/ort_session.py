@@ -70,7 +70,7 @@ def resolve_providers(providers: Sequence[str] | str | None) -> list[str]:
 
 def load_session(path: str | os.PathLike, providers: Sequence[str] | str | None = ("cpu",),
                  threads: int | None = None, *, provider_options: Sequence[dict] | None = None,
-                 optimization: str = "all"):
+                 optimization: str = "all", model_bytes: bytes | None = None):
     """An ``onnxruntime.InferenceSession`` for ``path``, with errors as one-line UserErrors.
 
     Args:
@@ -78,6 +78,8 @@ def load_session(path: str | os.PathLike, providers: Sequence[str] | str | None 
         threads: intra-op threads (``None``: ORT's default, one per physical core).
         provider_options: per-provider option dicts, aligned with the *resolved* providers.
         optimization: ``"all"``, ``"extended"``, ``"basic"`` or ``"disable"``.
+        model_bytes: the serialized model to run instead of the file's (a copy of ``path`` with extra outputs:
+            :mod:`exporters.merge_replay`); ``path`` names it in messages.
 
     Raises:
         UserError: missing/unreadable/corrupt file, unavailable provider, bad threads.
@@ -108,7 +110,7 @@ def load_session(path: str | os.PathLike, providers: Sequence[str] | str | None 
         opts = list(provider_options) + [{}] * (len(names) - len(provider_options))
         kwargs["provider_options"] = opts[:len(names)]
     try:
-        sess = ort.InferenceSession(str(p), sess_options=so, **kwargs)
+        sess = ort.InferenceSession(str(p) if model_bytes is None else model_bytes, sess_options=so, **kwargs)
     except Exception as err:
         msg = (str(err).strip().splitlines() or [type(err).__name__])[0]
         if len(msg) > 300:

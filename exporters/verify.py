@@ -25,7 +25,12 @@ from exporters.ort_session import load_session
 from exporters.arrays import source_to_array
 
 
-def _as_numpy(inputs: Any) -> np.ndarray:
+def as_input_batch(inputs: Any) -> np.ndarray:
+    """``inputs`` (N, C, H, W) tensor or array as a contiguous float32 array.
+
+    Raises:
+        UserError: not 4-d, or no inputs.
+    """
     if isinstance(inputs, torch.Tensor):
         arr = inputs.detach().cpu().numpy()
     else:
@@ -83,7 +88,13 @@ def flat_outputs(outputs: Sequence[Any], n: int | None = None) -> np.ndarray:
     return arrs[0] if len(arrs) == 1 else np.concatenate([a.reshape(a.shape[0], -1) for a in arrs], axis=1)
 
 
-def _run_torch(model: nn.Module, x: np.ndarray, chunk: int) -> np.ndarray:
+def run_torch(model: nn.Module, x: np.ndarray, chunk: int) -> np.ndarray:
+    """Outputs of ``model`` on ``x`` (N, C, H, W) float32 in chunks of ``chunk`` inputs, flattened as
+    :func:`flat_outputs` (eval mode, no grad, on the model's device and dtype).
+
+    Raises:
+        UserError: the model does not take the input, or returns something other than tensors.
+    """
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
@@ -149,7 +160,7 @@ def verify_onnx(onnx_path: str | os.PathLike, torch_model: nn.Module, inputs: An
         UserError: missing or corrupt ONNX file; inputs of a shape the model does not take.
     """
     path = Path(onnx_path)
-    x = _as_numpy(inputs)
+    x = as_input_batch(inputs)
     session = load_session(path, providers=["cpu"], threads=threads)
     fixed_batch = check_input_shape(session, x.shape)
     if output_kind is None:
@@ -158,7 +169,7 @@ def verify_onnx(onnx_path: str | os.PathLike, torch_model: nn.Module, inputs: An
         output_kind = declared if declared in ("logits", "saliency") else None
     chunk = max(1, int(batch_size))
     onnx_out = run_onnx(session, x, fixed_batch, chunk)
-    torch_out = _run_torch(torch_model, x, chunk)
+    torch_out = run_torch(torch_model, x, chunk)
     if len(session.get_outputs()) > 1:
         output_kind = "dense"  # several outputs, compared flattened side by side
     report = compare_outputs(onnx_out, torch_out, output_kind=output_kind, atol=atol, rtol=rtol)
@@ -179,7 +190,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['agreement_metric']}: {report['agreement'] * 100:.2f}%",
         f"inputs within tolerance: {report.get('inputs_within_tolerance', report['n'])} of {report['n']}",
         *([f"note:          {report['note']}"] if report.get("note") else []),
-        f"{verdict} ({tol})",
+        *([report["merge_replay_line"]] if report.get("merge_replay_line") else []),
+        f"{verdict} ({tol}" + (", ONNX Runtime's merge choices replayed)" if report.get("merge_replay") else ")"),
     ])
 
 
@@ -190,7 +202,7 @@ def format_report(report: dict[str, Any]) -> str:
 def _outputs_of(reference: Any, x: np.ndarray, batch_size: int, threads: int | None) -> np.ndarray:
     """Outputs of an ONNX file (path) or a PyTorch module on ``x`` (N, C, H, W) float32."""
     if isinstance(reference, nn.Module):
-        return _run_torch(reference, x, batch_size)
+        return run_torch(reference, x, batch_size)
     session = load_session(Path(reference), providers=["cpu"], threads=threads)
     fixed = check_input_shape(session, x.shape)
     return run_onnx(session, x, fixed, batch_size).astype(np.float32)
@@ -260,11 +272,11 @@ def verify_quantized(onnx_path: str | os.PathLike, float_reference: Any, eval_so
         raise SettingError(f"{{max_drop}} must be >= 0 points, got {max_drop}")
     if isinstance(eval_source, tuple):
         x, labels = eval_source
-        x = _as_numpy(x)
+        x = as_input_batch(x)
         labels = None if labels is None else np.asarray(labels)
     else:
         x, labels = source_to_array(eval_source)
-        x = _as_numpy(x)
+        x = as_input_batch(x)
     session = load_session(path, providers=["cpu"], threads=threads)
     fixed = check_input_shape(session, x.shape)
     meta = session.get_modelmeta().custom_metadata_map

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from edgeprune import budget as C
+from edgeprune.corp import CorpConfig
 from edgeprune.budget import parse as B
 from edgeprune.budget.budget import Budget
 from edgeprune.budget.flops import FlopsCost
@@ -1148,9 +1149,7 @@ def test_uniform_positions_smallest_fitting_sparsity(tiny_anatomy):
 
 # ---- report -------------------------------------------------------------------------------------
 def _rcfg(**kw):
-    base = dict(budget=None, mlp_sparsity=0.0, attn_sparsity=0.0, v_sparsity=0.0, head_sparsity=0.0,
-                layout="default", round_to=16)
-    return SimpleNamespace(**{**base, **kw})
+    return CorpConfig(**{"round_to": 16, **kw})
 
 
 def _ran(*blocks):

@@ -16,7 +16,8 @@ _spec.loader.exec_module(spread_mod)
 
 MAX_SETTING_FILES = 3
 # {setting: files outside its home that may still name it}: the flat CorpConfig view's readers, session 29
-# (14 over the ceiling before the correction loop was made one, 11 after)
+# (14 over the ceiling before the correction loop was made one, 11 after; 8 once the module sparsities are read
+# through CorpConfig.sparsity_of, session 30)
 SETTING_SPREAD_ALLOWED = {
     "round_to": 14,  # the allocation's rounding rules, NuWa's budget, the embed step, the record schema
     "tokens_merge": 14,  # the budget's token axis, the latency table's, deploy, the record
@@ -25,10 +26,7 @@ SETTING_SPREAD_ALLOWED = {
     "allocation_check_images": 5,
     "latency_table": 5,
     "ridge_alpha": 5,
-    "attn_sparsity": 4,
     "embed_sparsity": 4,
-    "head_sparsity": 4,
-    "v_sparsity": 4,
 }
 
 

@@ -271,7 +271,7 @@ def allocate(anatomy, stats, cfg, *, qk_weight: float | None = None,
 
     Returns:
         (dims, report): ``dims`` one dict per block with every module the target selects
-        (``plan.DIM_KEYS`` keys, kept counts); ``report`` JSON-able: the budget, the cost model,
+        (``plan.MODULES`` keys, kept counts); ``report`` JSON-able: the budget, the cost model,
         dense / target / achieved costs (FLOPs and params, absolute and fraction), per-block dims
         and proxy errors, the greedy and uniform proxy totals and which was chosen.
 

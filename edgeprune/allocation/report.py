@@ -24,13 +24,12 @@ def rounding_warnings(anatomy, cfg) -> list[str]:
     if cfg.budget is not None:
         return []
     out, seen = [], set()
-    what = {"mlp": ("MLP hidden channels", "mlp_sparsity", "mlp_hidden"),
-            "qk": ("Q/K dims", "attn_sparsity", "qk_dim"), "v": ("V dims", "v_sparsity", "v_dim")}
+    what = {"mlp": ("MLP hidden channels", "mlp_hidden"), "qk": ("Q/K dims", "qk_dim"), "v": ("V dims", "v_dim")}
     for b in anatomy.blocks:
-        for key, (name, field, attr) in what.items():
-            s = float(getattr(cfg, field))
+        for key, (name, attr) in what.items():
+            s = cfg.sparsity_of(key)
             if cfg.layout == "fused" and key in ("qk", "v"):
-                s = max(float(cfg.attn_sparsity), float(cfg.v_sparsity))
+                s = max(cfg.sparsity_of("qk"), cfg.sparsity_of("v"))
             dense = getattr(b, attr)
             if s <= 0 or (key, dense, s) in seen:
                 continue
@@ -43,7 +42,7 @@ def rounding_warnings(anatomy, cfg) -> list[str]:
             if abs(got - s) > ROUNDING_WARN:
                 out.append(f"sparsity {s:g} on {dense} {name} keeps {k} with --round-to {cfg.round_to}: "
                            f"achieved sparsity {got:.3g}")
-        s = float(cfg.head_sparsity)
+        s = cfg.sparsity_of("heads")
         if s > 0 and ("heads", b.num_heads, s) not in seen:
             seen.add(("heads", b.num_heads, s))
             k = kept_heads(b.num_heads, s)

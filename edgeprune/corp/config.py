@@ -24,8 +24,13 @@ from edgeprune.plan import check_dims, check_sparsity, resolve_sparsities
 from edgeprune.ranking import get_criterion
 from edgeprune.solve import mlp_ridge, qk_logit
 from edgeprune.solve.head_refit import check_refit_request
-from edgeprune.vo import LAYOUTS, attention_sparsities
+from edgeprune.vo import LAYOUTS
 
+
+#: the sparsity setting each prunable module follows (the keys: ``edgeprune.plan.MODULES``)
+MODULE_SPARSITY = {"mlp": "mlp_sparsity", "qk": "attn_sparsity", "v": "v_sparsity", "heads": "head_sparsity"}
+#: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)
+SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "v", "head_sparsity": "heads"}
 
 @dataclasses.dataclass
 class CorpConfig:
@@ -203,6 +208,28 @@ class CorpConfig:
                   head_sparsity=sp["heads"], target=target, **settings)
         return cfg.validate()
 
+    def sparsity_of(self, module: str) -> float:
+        """The sparsity setting module ``module`` (``edgeprune.plan.MODULES``: mlp, qk, v, heads) follows.
+
+        Raises:
+            KeyError: an unknown module.
+        """
+        return float(getattr(self, MODULE_SPARSITY[module]))
+
+    def attention_sparsities(self) -> tuple[float, float]:
+        """(Q/K sparsity, V sparsity) after the layout rule: ``fused`` applies the one given to both.
+
+        Raises:
+            UserError: fused layout with two different non-zero Q/K and V sparsities.
+        """
+        s_qk, s_v = float(self.attn_sparsity), float(self.v_sparsity)
+        if self.layout == "fused":
+            if s_qk > 0 and s_v > 0 and s_qk != s_v:
+                raise SettingError(f"{{layout}} fused prunes Q/K and V to the same kept dim, but the Q/K sparsity "
+                                   f"is {s_qk:g} and the V sparsity {s_v:g} (give one of them, or equal values)")
+            s_qk = s_v = max(s_qk, s_v)
+        return s_qk, s_v
+
     def validate(self) -> "CorpConfig":
         """Check every setting; returns the checked config: ``self``, or a copy whose budget is a
         :class:`~edgeprune.budget.Budget` where a dict was given (``self`` is never changed), marked valid until a
@@ -216,7 +243,7 @@ class CorpConfig:
             check_sparsity(s)
         if self.layout not in LAYOUTS:
             raise UserError(f"unknown layout {self.layout!r} (choose from {', '.join(LAYOUTS)})")
-        attention_sparsities(self)
+        self.attention_sparsities()
         get_criterion(self.vo_criterion, "vo")
         get_criterion(self.mlp_criterion, "mlp")
         if self.ridge_alpha < 0 or self.qk_ridge_alpha < 0:

@@ -13,7 +13,7 @@ from typing import Any
 
 from edgeprune.allocation.settings import check_allocation_settings
 from edgeprune.budget import budget_kinds, make_budget
-from edgeprune.corp.config import CorpConfig
+from edgeprune.corp.config import SPARSITY_KEYS, CorpConfig
 from edgeprune.embed.settings import check_embed_settings, is_auto
 from edgeprune.errors import UserError
 from edgeprune.settings import SettingError
@@ -107,8 +107,6 @@ def _check_merge_priced(budget: Any, refusal: str) -> None:
 SECTION_CHECKS = (check_allocation_settings, check_embed_settings, check_correction_settings, check_tokens_settings)
 
 _LEGACY = {"criterion": "mlp_criterion"}  # old keyword -> CorpConfig field
-#: CorpConfig field -> key of the record's ``sparsity`` entry (mlp and attn always; others when > 0)
-SPARSITY_KEYS = {"mlp_sparsity": "mlp", "attn_sparsity": "attn", "v_sparsity": "v", "head_sparsity": "heads"}
 
 #: Target when none is given: with ``--sparsity`` the MLP and Q/K dims (CORP's setting); with a
 #: budget also the V dims, so the allocator can spend it on every prunable dim (on the pretrained

@@ -27,6 +27,8 @@ import dataclasses
 
 import torch
 
+from edgeprune.tokens.replay import active_replay
+
 
 @dataclasses.dataclass
 class MergePlan:
@@ -80,6 +82,9 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, num_prefix: int, num_t
     scores = a @ b.transpose(-1, -2)  # (B, |A|, |B|) cosine similarities
     best, best_idx = scores.max(dim=-1)  # (B, |A|): each A token's most similar B token
     order = torch.topk(best, na, dim=-1).indices  # argsort, most similar first (TopK: TensorRT's sort)
+    replay = active_replay()
+    if replay is not None:  # another runtime's choices (verify of a merged export: edgeprune.tokens.replay)
+        best_idx, order = replay.take(scores, best, best_idx, order, r)
     src = order[:, :r]
     return MergePlan(unmerged=order[:, r:], src=src, dst=best_idx.gather(-1, src), num_prefix=num_prefix, num_b=nb)
 
