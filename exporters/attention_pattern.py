@@ -54,11 +54,15 @@ from edgeprune.layers.pruned_attention import PrunedAttention
 from edgeprune.tokens.model import TokenMergeBlock
 from edgeprune.tokens.unmerge import TokenUnmergeBlock
 
-__all__ = ["ATTENTION_CHOICES", "ATTENTION_CONVERTERS", "BLOCK_CONVERTERS", "FusibleAttention", "FusibleBlock",
+__all__ = ["ATTENTION_CHOICES", "STANDARD_ATTENTION_OPSET", "ATTENTION_CONVERTERS", "BLOCK_CONVERTERS",
+           "FusibleAttention", "FusibleBlock",
            "check_attention_choice", "count_fused_attention", "fusible_copy", "fused_attention_line"]
 
-#: ``export_onnx(attention=...)``: "fusible" (this module's pattern) or "packed" (the model as it is)
-ATTENTION_CHOICES = ("fusible", "packed")
+#: ``export_onnx(attention=...)``: "fusible" (this module's pattern), "packed" (the model as it is) or "standard"
+#: (ONNX's own ``Attention`` op, opset >= 23: :data:`STANDARD_ATTENTION_OPSET`)
+ATTENTION_CHOICES = ("fusible", "packed", "standard")
+#: the first opset with the standard ``Attention`` op (ONNX 1.18)
+STANDARD_ATTENTION_OPSET = 23
 
 
 def check_attention_choice(attention: str) -> str:
@@ -68,7 +72,7 @@ def check_attention_choice(attention: str) -> str:
         UserError: any other value.
     """
     if attention not in ATTENTION_CHOICES:
-        raise UserError(f"unknown attention form {attention!r} (fusible or packed)")
+        raise UserError(f"unknown attention form {attention!r} (choose from {', '.join(ATTENTION_CHOICES)})")
     return attention
 
 
@@ -319,8 +323,19 @@ def count_fused_attention(onnx_path: str | os.PathLike, *, output: str | os.Path
 def fused_attention_line(onnx_path: str | os.PathLike) -> str:
     """One line for ``edgeprune verify``: how many attention blocks ONNX Runtime's optimizer fuses.
 
-    Never raises: an unavailable optimizer (or one that fails on this graph) is said in the line.
+    Never raises: an unavailable optimizer (or one that fails on this graph) is said in the line. A graph that
+    already holds ONNX's standard ``Attention`` op (``attention="standard"``) is counted, not optimized.
     """
+    try:
+        import onnx
+
+        nodes = onnx.load(str(onnx_path), load_external_data=False).graph.node
+        standard = sum(n.op_type == "Attention" and n.domain in ("", "ai.onnx") for n in nodes)
+        if standard:
+            return (f"attention: {standard} ONNX Attention ops (opset {STANDARD_ATTENTION_OPSET}, one per attention "
+                    f"block; the runtime's own kernel, no fusion needed)")
+    except Exception:  # unreadable here: the optimizer's count below says why
+        pass
     try:
         c = count_fused_attention(onnx_path)
     except ImportError as err:

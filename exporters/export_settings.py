@@ -28,7 +28,8 @@ class ExportSection(Section):
     check: bool = setting(True, "Skip the ONNX Runtime vs PyTorch check on 2 noise images.", switch="negated",
                           flag="no-check")
     attention: str = setting("packed", "Attention in the graph: separate q/k/v MatMuls that ONNX Runtime's "
-                             "transformer optimizer fuses (fusible), or the model's packed qkv (packed).",
+                             "transformer optimizer fuses (fusible), the model's packed qkv (packed), or ONNX's own "
+                             "Attention op (standard: --opset 23, needs onnxscript).",
                              choices=ATTENTION_CHOICES)
 
 

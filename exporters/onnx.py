@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 
 from edgeprune.errors import UserError
-from exporters.attention_pattern import check_attention_choice, fusible_copy
+from edgeprune.settings import SettingError
+from exporters.attention_pattern import STANDARD_ATTENTION_OPSET, check_attention_choice, fusible_copy
 from exporters.onnx_graph import (PROTOBUF_LIMIT, _clean_graph, _output_shape_of,  # noqa: F401
                                   _quiet_onnxruntime, _weights_bytes, graph_op_summary)
 from exporters.onnx_metadata import (JSON_KEYS_KEY, _edgeprune_version, _first_line,  # noqa: F401
@@ -117,7 +118,8 @@ def _dynamo_export(model: nn.Module, dummy: torch.Tensor, path: Path, opset: int
     try:
         import onnxscript  # noqa: F401
     except ImportError:
-        raise UserError("exporter 'dynamo' needs onnxscript (pip install onnxscript)") from None
+        raise UserError("the torch.export-based exporter (exporter 'dynamo', attention 'standard') needs onnxscript "
+                        "(pip install onnxscript)") from None
     dyn = None
     if dynamic_batch:
         batch = torch.export.Dim("batch", min=1, max=4096)
@@ -159,20 +161,28 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_shape: Sequence
         attention: ``"packed"`` (default): the model's own packed ``qkv`` + SDPA (what the quantizer, SmoothQuant and
             the TensorRT int8 plan read); ``"fusible"``: attention written as separate q/k/v MatMuls and
             ``Softmax(QK^T / sqrt(d)) V``, the pattern ONNX Runtime's transformer optimizer fuses
-            (:mod:`exporters.attention_pattern`).
+            (:mod:`exporters.attention_pattern`); ``"standard"``: ONNX's own ``Attention`` op (opset >= 23), one
+            per attention block, written by the torch.export-based exporter (needs onnxscript; ``exporter`` is
+            then "dynamo").
 
     Returns:
         ``Path(path)``.
 
     Raises:
-        UserError: bad ``input_shape``/opset/exporter, a model that does not take the input, an
-            existing file with ``overwrite=False``.
+        UserError: bad ``input_shape``/opset/exporter, ``attention="standard"`` below opset 23 or without
+            onnxscript, a model that does not take the input, an existing file with ``overwrite=False``.
     """
     path, input_shape = _checked_target(path, input_shape, batch_size, exporter, overwrite)
     was_training = model.training
     model.eval()
     try:
         dummy = _tracing_input(model, input_shape, batch_size)
+        if check_attention_choice(attention) == "standard":
+            if opset < STANDARD_ATTENTION_OPSET:
+                raise SettingError(f"{{attention}} standard writes ONNX's Attention op, which needs opset >= "
+                                   f"{STANDARD_ATTENTION_OPSET} (give {{opset}} {STANDARD_ATTENTION_OPSET}; 17 stays "
+                                   "the default for JetPack's TensorRT 10.3)")
+            exporter = "dynamo"
         if opset not in _TORCHSCRIPT_OPSETS and exporter == "torchscript":
             raise UserError(f"opset {opset} is not supported (use {_TORCHSCRIPT_OPSETS.start}.."
                             f"{_TORCHSCRIPT_OPSETS.stop - 1}; 17 for TensorRT 10.x)")

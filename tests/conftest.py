@@ -150,7 +150,7 @@ def torchrun_beside(args: list, work, nproc: int = 2, timeout: float = 300) -> t
 #: files out in collection order: these start first, so that no long file starts last and runs alone.
 SLOW_FILES = ("test_readme.py", "test_quantize.py", "test_deploy_more.py", "test_bad_input_41.py", "test_heal.py",
               "test_deploy.py", "test_allocation_select.py", "test_gpu_check.py", "test_corp_pipeline.py",
-              "test_bench_cli.py", "test_gram_tokens.py", "test_bad_input.py", "test_distributed.py",
+              "test_bench_cli.py", "test_standard_attention.py", "test_gram_tokens.py", "test_bad_input.py", "test_distributed.py",
               "test_method_properties.py", "test_onnx_export.py", "test_quantize_dynamic.py", "test_allocation.py",
               "test_cli.py", "test_bad_input_52.py")
 

@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-
 def proportional_attention(attn: nn.Module, x: torch.Tensor, size: torch.Tensor | None,
                            query_tokens: int | None = None, tokens: int | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +55,11 @@ def proportional_attention(attn: nn.Module, x: torch.Tensor, size: torch.Tensor 
     if rotate is not None:  # RotaryAttention, never merged (tokens.apply refuses): the first t / n tokens' tables
         q, k = rotate(q), rotate(k)
     bias = None if size is None else size.log().transpose(1, 2).unsqueeze(1)  # (B, 1, 1, N)
+    if bias is not None and torch.compiler.is_exporting():
+        # torch.export (opset-23 Attention, exporters.onnx attention="standard"): ONNX Runtime's Attention kernel
+        # wants the mask's query axis at full length, not broadcast (attention_helper.h, "inconsistent
+        # q_sequence_length"); the TorchScript export adds the (B, 1, 1, N) bias with broadcasting as it is
+        bias = bias.expand(-1, -1, t, -1)
     drop = getattr(attn, "attn_drop", None)
     p = float(drop.p) if isinstance(drop, nn.Dropout) and attn.training else 0.0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=float(attn.scale))
